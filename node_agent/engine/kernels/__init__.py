@@ -1,0 +1,11 @@
+"""Multi-LoRA shrink/expand kernels (DESIGN.md §5).
+
+The interface is deliberately narrow: a `LoraBatch` describing which slot each token uses,
+`shrink` (x · Aᵀ per token's slot) and `expand` (add y · Bᵀ · scale into the output), each over
+several output slices at once. The torch path serves the CPU; triton kernels serve CUDA.
+"""
+
+from node_agent.engine.kernels.batch import LoraBatch
+from node_agent.engine.kernels.dispatch import expand, shrink
+
+__all__ = ["LoraBatch", "expand", "shrink"]

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Create (once) and activate the project's Python environment.
+#
+# The environment lives outside the checkout, in a cache keyed by the dependency pins, because
+# torch from PyPI is a multi-gigabyte CUDA build that every clone (CI clones too) should share.
+# Source this file:  . scripts/bootstrap.sh
+# It is idempotent: a second run only re-links this checkout into the environment (seconds).
+set -euo pipefail
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache_root=${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}
+python_bin=${LORAFLEET_PYTHON:-$(command -v python3.11 || command -v python3)}
+
+key=$("$python_bin" - "$repo_root/pyproject.toml" <<'PY'
+import hashlib, json, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+pins = {"deps": project["dependencies"], "extras": project.get("optional-dependencies", {}),
+        "python": sys.version_info[:2]}
+print(hashlib.sha256(json.dumps(pins, sort_keys=True).encode()).hexdigest()[:12])
+PY
+)
+venv="$cache_root/venv-$key"
+
+if [ ! -f "$venv/.complete" ]; then
+    echo "bootstrap: creating Python environment $venv (first run downloads torch; several minutes)" >&2
+    rm -rf "$venv"
+    mkdir -p "$cache_root"
+    "$python_bin" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
+    # Install the pinned dependencies (not the project) so the environment is clone-independent.
+    deps=$("$venv/bin/python" - "$repo_root/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+)
+    echo "$deps" > "$venv/requirements.txt"
+    "$venv/bin/python" -m pip install --progress-bar off -r "$venv/requirements.txt" >&2
+    touch "$venv/.complete"
+fi
+
+# Point the shared environment at this checkout (editable, no dependency resolution: fast).
+if ! "$venv/bin/python" -c "import node_agent, os, sys; sys.exit(os.path.dirname(os.path.dirname(node_agent.__file__)) != sys.argv[1])" "$repo_root" 2>/dev/null; then
+    "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" >&2
+fi
+
+export VIRTUAL_ENV="$venv"
+export PATH="$venv/bin:$PATH"
