@@ -1,15 +1,50 @@
-"""Choose the kernel implementation by device: triton on CUDA, torch elsewhere."""
+"""Choose the kernel implementation by device: triton on CUDA, torch elsewhere.
+
+`LORAFLEET_KERNELS` overrides the choice: `torch` always takes the torch path; `triton` also
+runs CPU tensors through triton, which works only under its interpreter (`TRITON_INTERPRET=1`,
+what the kernel tests use). Unset (or `auto`) means: triton for CUDA tensors, torch otherwise.
+The environment is read per call so tests can flip it; the triton module is imported only when
+first needed, so the CPU path never loads triton.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from node_agent.engine.kernels import torch_ops
 from node_agent.engine.kernels.batch import LoraBatch
 
+MODE_ENV = "LORAFLEET_KERNELS"
+_TRUE = {"1", "true", "on", "yes"}  # what triton itself accepts for TRITON_INTERPRET
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a call on `tensor`'s device goes to the triton kernels."""
+    mode = os.environ.get(MODE_ENV, "auto").lower()
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"{MODE_ENV} must be auto, torch or triton, not {mode!r}")
+    interpreting = os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+    if mode == "torch":
+        return False
+    if tensor.is_cuda:
+        # The interpreter copies each argument to the host separately, which breaks the kernels'
+        # offsets between slice stacks; a process that interprets keeps CUDA on the torch path.
+        return not interpreting
+    if mode == "triton":
+        if not interpreting:
+            raise RuntimeError(f"{MODE_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
+        return True
+    return False
+
 
 def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch) -> torch.Tensor:
     """See `torch_ops.shrink`."""
+    if use_triton(x):
+        from node_agent.engine.kernels import triton_ops
+
+        return triton_ops.shrink(x, a_stacks, batch)
     return torch_ops.shrink(x, a_stacks, batch)
 
 
@@ -21,4 +56,9 @@ def expand(
     out: torch.Tensor,
 ) -> None:
     """See `torch_ops.expand`."""
+    if use_triton(out):
+        from node_agent.engine.kernels import triton_ops
+
+        triton_ops.expand(y, b_stacks, scales, batch, out)
+        return
     torch_ops.expand(y, b_stacks, scales, batch, out)

@@ -1,0 +1,25 @@
+"""Fixtures for the kernel tests: which device, and with it whether triton interprets.
+
+On the CPU the kernels run in triton's interpreter. `TRITON_INTERPRET` is set per test with
+monkeypatch rather than at import time, so nothing outside tests/kernels ever sees it; that works
+because `triton_ops` wraps its kernels with `triton.jit` lazily, once per interpreter mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[torch.device]:
+    """`cpu`: interpreted kernels (always runs). `cuda`: compiled kernels (needs a GPU)."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device: the compiled kernels are covered by the interpreter run")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield torch.device(request.param)
