@@ -1,0 +1,171 @@
+"""Sharded linear layers with multi-slot LoRA: one class per parallel style (DESIGN.md §3).
+
+Each layer owns its base weight shard and `slots` LoRA buffers per output slice. Shapes come
+from `sharding.lora_layout`, the same layout the adapter loader slices with. The per-batch slot
+mapping is an argument of `forward`, never state kept between batches, so an idle DP group can
+not apply a previous batch's adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from node_agent.engine import kernels
+from node_agent.engine.checkpoint import Checkpoint
+from node_agent.engine.distributed import all_gather_last_dim, all_reduce
+from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_layout
+
+
+@dataclass(frozen=True)
+class LoraCapacity:
+    """Engine-wide LoRA limits every layer allocates for."""
+
+    max_rank: int
+    slots: int
+    fully_sharded: bool
+
+
+@dataclass(frozen=True)
+class SliceWeights:
+    """One slice of one adapter on one rank, already cut to the layer's buffer shapes."""
+
+    a: torch.Tensor  # [a_rank.width, a_in.width]
+    b: torch.Tensor  # [b_out.width, b_rank.width]
+    scale: float
+
+
+class LoraLinear(nn.Module):
+    """Common part: base weight shard, LoRA buffers, slot management."""
+
+    style: ParallelStyle
+
+    def __init__(
+        self,
+        layout: ModuleLayout,
+        group: dist.ProcessGroup | None,
+        capacity: LoraCapacity,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.group = group
+        self.lora = lora_layout(layout, capacity.max_rank, capacity.fully_sharded)
+        # The shrink output is split on the rank dim only in fully-sharded column layers.
+        self.gathers_shrink = capacity.fully_sharded and layout.shard.size > 1
+        in_width, out_width = self.base_shape()
+        self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(self.bias_width(), dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+        self.a_stacks = [
+            torch.zeros(capacity.slots, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
+        ]
+        self.b_stacks = [
+            torch.zeros(capacity.slots, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora
+        ]
+        self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
+
+    def base_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def bias_width(self) -> int:
+        raise NotImplementedError
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        raise NotImplementedError
+
+    def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
+        """Write one adapter into `slot`; a slice the adapter does not target becomes zero."""
+        for index, part in enumerate(weights):
+            a, b = self.a_stacks[index][slot], self.b_stacks[index][slot]
+            if part is None:
+                a.zero_()
+                b.zero_()
+                self.scales[index, slot] = 0.0
+                continue
+            a.copy_(part.a)
+            b.copy_(part.b)
+            self.scales[index, slot] = part.scale
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot, so nothing of the adapter that held it can leak into a later one."""
+        self.set_slot(slot, [None] * len(self.lora))
+
+    def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
+        return self.lora
+
+
+class ColumnParallelLoraLinear(LoraLinear):
+    """Output features split over the group (qkv_proj, gate_up_proj); no reduction."""
+
+    style = ParallelStyle.COLUMN
+
+    def base_shape(self) -> tuple[int, int]:
+        return self.layout.in_features, self.layout.local_out_width
+
+    def bias_width(self) -> int:
+        return self.layout.local_out_width
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        rows = [checkpoint.read(f"{prefix}.{s.peft_module}.weight", rows=s.out) for s in self.layout.slices]
+        self.weight.copy_(torch.cat(rows))
+        if self.bias is not None:
+            self.bias.copy_(torch.cat([checkpoint.read(f"{prefix}.{s.peft_module}.bias", rows=s.out) for s in self.layout.slices]))
+
+    def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight, self.bias)
+        shrunk = kernels.shrink(x, self.a_stacks, batch)
+        if self.gathers_shrink:
+            # Every rank computed r/size rows of the rank dim; assemble the full rank.
+            shrunk = all_gather_last_dim(shrunk, self.group)
+        kernels.expand(shrunk, self.b_stacks, self.scales, batch, out)
+        return out
+
+
+class RowParallelLoraLinear(LoraLinear):
+    """Input features split over the group (o_proj, down_proj); one reduction over the group."""
+
+    style = ParallelStyle.ROW
+
+    def base_shape(self) -> tuple[int, int]:
+        (only,) = self.layout.slices
+        return only.inp.width, only.out.width
+
+    def bias_width(self) -> int:
+        return self.layout.slices[0].out.width
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        (only,) = self.layout.slices
+        key = f"{prefix}.{only.peft_module}"
+        self.weight.copy_(checkpoint.read(f"{key}.weight", cols=only.inp))
+        if self.bias is not None:
+            self.bias.copy_(checkpoint.read(f"{key}.bias"))
+
+    def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        partial = nn.functional.linear(x, self.weight)
+        shrunk = kernels.shrink(x, self.a_stacks, batch)
+        if self.gathers_shrink:
+            # Fully sharded: complete the shrink first, then this rank adds only its own block of
+            # output columns; the base reduction below assembles the LoRA output with the base.
+            all_reduce(shrunk, self.group)
+            block = self.lora[0].b_out
+            kernels.expand(shrunk, self.b_stacks, self.scales, batch, partial[:, block.start : block.stop])
+        else:
+            # The delta of a partial input is partial too: added before the one reduction.
+            kernels.expand(shrunk, self.b_stacks, self.scales, batch, partial)
+        all_reduce(partial, self.group)
+        if self.bias is not None:
+            partial += self.bias
+        return partial
+
+
+LAYER_CLASSES: dict[ParallelStyle, type[LoraLinear]] = {
+    ParallelStyle.COLUMN: ColumnParallelLoraLinear,
+    ParallelStyle.ROW: RowParallelLoraLinear,
+}

@@ -1,0 +1,100 @@
+"""The base model's shape, read from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3"}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """The model directory cannot be served (missing files, unsupported architecture)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine needs to know about a dense decoder-only model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        """Read and check `model_dir/config.json`."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"model directory {model_dir} has no config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ModelConfigError(f"{path} is not valid JSON: {error}") from error
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        """Build from the parsed `config.json`, refusing what the engine does not implement."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        rope_theta, rope_scaling = _rope(raw)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            # Never derive head_dim from hidden/heads when the config says otherwise (Qwen3).
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """RoPE theta and scaling from either the transformers-5 or the transformers-4 layout."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return theta, (dict(params) if rope_type != "default" else None)

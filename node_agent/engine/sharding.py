@@ -1,0 +1,223 @@
+"""Which group shards each module, and which slice of each tensor a rank holds (DESIGN.md §3).
+
+This module is the single answer to "how is this module split on this rank". Base-weight
+loading, LoRA buffer allocation and LoRA weight slicing all read the layouts built here, so a
+buffer width can never disagree with the width that slicing produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.topology import Topology, TopologyError
+
+
+class ShardGroup(Enum):
+    """The process group a module's base layer is built with."""
+
+    FULL_TP = "tp"
+    ATTN_TP = "attn_tp"
+    MOE_TP = "moe_tp"
+    REPLICATED = "replicated"
+
+
+class ParallelStyle(Enum):
+    COLUMN = "column"  # output features split; input whole
+    ROW = "row"  # input features split; partial outputs reduced over the group
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True)
+class ModuleKind:
+    """One kind of linear module of the engine, and the PEFT module names fused into it."""
+
+    name: str
+    group: ShardGroup
+    style: ParallelStyle
+    peft_modules: tuple[str, ...]  # one per output slice, in fused order
+    parent: str  # "self_attn" or "mlp": where PEFT's module path puts it
+
+
+MODULE_KINDS: dict[str, ModuleKind] = {
+    kind.name: kind
+    for kind in (
+        ModuleKind("qkv_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("q_proj", "k_proj", "v_proj"), "self_attn"),
+        ModuleKind("o_proj", ShardGroup.ATTN_TP, ParallelStyle.ROW, ("o_proj",), "self_attn"),
+        ModuleKind("gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp"),
+        ModuleKind("down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp"),
+    )
+}
+
+# PEFT module name (e.g. "k_proj") -> (engine module kind, slice index inside it).
+PEFT_TO_KIND: dict[str, tuple[str, int]] = {
+    peft: (kind.name, index) for kind in MODULE_KINDS.values() for index, peft in enumerate(kind.peft_modules)
+}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A module's effective TP group on one rank: its size and this rank's index in it."""
+
+    group: ShardGroup
+    size: int
+    rank: int
+
+
+def effective_shard(topology: Topology, rank: int, group: ShardGroup) -> Shard:
+    """The one rule for which group shards a module (DESIGN.md §3), used everywhere."""
+    coords = topology.coords(rank)
+    if group is ShardGroup.ATTN_TP:
+        return Shard(group, topology.attn_tp_size, coords.attn_tp_rank)
+    if group is ShardGroup.MOE_TP:
+        return Shard(group, topology.moe_tp_size, coords.moe_tp_rank)
+    if group is ShardGroup.FULL_TP:
+        return Shard(group, topology.tp_size, rank)
+    return Shard(group, 1, 0)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A half-open range [start, start + width) along one tensor dimension."""
+
+    start: int
+    width: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.width
+
+
+def even_span(total: int, shard: Shard, what: str) -> Span:
+    """This rank's equal part of `total`, refusing totals the group cannot split evenly."""
+    if total % shard.size:
+        raise TopologyError(f"{what} ({total}) is not divisible by its TP group size {shard.size}")
+    width = total // shard.size
+    return Span(shard.rank * width, width)
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """One output slice of a module on one rank, in the coordinates of the unsharded weights.
+
+    `out` is the part of the unsharded output features (PEFT B rows) this rank computes for the
+    slice; `inp` the part of the unsharded input features it reads (PEFT A columns).
+    """
+
+    peft_module: str
+    out: Span
+    inp: Span
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """How one module is split on one rank."""
+
+    kind: ModuleKind
+    shard: Shard
+    in_features: int  # unsharded
+    slices: tuple[SliceLayout, ...]
+
+    @property
+    def local_out_width(self) -> int:
+        """Columns of this rank's base output (column-parallel: sum of slice widths)."""
+        return sum(s.out.width for s in self.slices)
+
+
+def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: str) -> ModuleLayout:
+    """Build the layout of module `kind_name` on global rank `rank`."""
+    kind = MODULE_KINDS[kind_name]
+    shard = effective_shard(topology, rank, kind.group)
+    if kind.name == "qkv_proj":
+        return ModuleLayout(kind, shard, cfg.hidden_size, _qkv_slices(cfg, shard))
+    if kind.name == "gate_up_proj":
+        out = even_span(cfg.intermediate_size, shard, "intermediate_size")
+        full = Span(0, cfg.hidden_size)
+        return ModuleLayout(kind, shard, cfg.hidden_size, tuple(SliceLayout(m, out, full) for m in kind.peft_modules))
+    if kind.name == "o_proj":
+        inp = even_span(cfg.q_size, shard, "num_attention_heads * head_dim")
+        return ModuleLayout(kind, shard, cfg.q_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
+    if kind.name == "down_proj":
+        inp = even_span(cfg.intermediate_size, shard, "intermediate_size")
+        return ModuleLayout(kind, shard, cfg.intermediate_size, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
+    raise KeyError(kind_name)
+
+
+def kv_heads_on_rank(cfg: ModelConfig, shard: Shard) -> Span:
+    """The KV heads (head indices, unreplicated) a rank of the attention group holds.
+
+    With fewer KV heads than ranks, each head is replicated over size / num_kv_heads ranks and a
+    rank holds head `rank // replicas`; otherwise heads are split evenly.
+    """
+    if shard.size > cfg.num_kv_heads:
+        if shard.size % cfg.num_kv_heads:
+            raise TopologyError(
+                f"attention TP size {shard.size} is not a multiple of num_key_value_heads {cfg.num_kv_heads}"
+            )
+        replicas = shard.size // cfg.num_kv_heads
+        return Span(shard.rank // replicas, 1)
+    return even_span(cfg.num_kv_heads, shard, "num_key_value_heads")
+
+
+def _qkv_slices(cfg: ModelConfig, shard: Shard) -> tuple[SliceLayout, ...]:
+    full_in = Span(0, cfg.hidden_size)
+    heads = even_span(cfg.num_heads, shard, "num_attention_heads")
+    kv = kv_heads_on_rank(cfg, shard)
+    q = Span(heads.start * cfg.head_dim, heads.width * cfg.head_dim)
+    # Offsets are in the unreplicated k/v projections, as PEFT stores them.
+    k = Span(kv.start * cfg.head_dim, kv.width * cfg.head_dim)
+    return (SliceLayout("q_proj", q, full_in), SliceLayout("k_proj", k, full_in), SliceLayout("v_proj", k, full_in))
+
+
+@dataclass(frozen=True)
+class LoraSliceLayout:
+    """The part of one PEFT adapter module (A: [r, in], B: [out, r]) a rank keeps for one slice.
+
+    Ranks are in padded coordinates: an adapter of rank r < max_rank is zero beyond r.
+    """
+
+    peft_module: str
+    a_rank: Span  # rows of padded A
+    a_in: Span  # columns of A
+    b_out: Span  # rows of B
+    b_rank: Span  # columns of padded B
+
+
+def lora_layout(layout: ModuleLayout, max_rank: int, fully_sharded: bool) -> tuple[LoraSliceLayout, ...]:
+    """LoRA A/B slices of a module on a rank, for both LoRA modes (DESIGN.md §3 table).
+
+    Column-parallel: A whole (default) or split on the rank dim (fully sharded); B rows follow
+    the base output shard. Row-parallel: A columns follow the base input shard; B whole
+    (default) or split on its output dim (fully sharded).
+    """
+    shard = layout.shard
+    whole_rank = Span(0, max_rank)
+    sharded = fully_sharded and shard.size > 1
+    result = []
+    for s in layout.slices:
+        if layout.kind.style is ParallelStyle.COLUMN:
+            a_rank = even_span(max_rank, shard, "max_lora_rank") if sharded else whole_rank
+            result.append(LoraSliceLayout(s.peft_module, a_rank, s.inp, s.out, whole_rank))
+        elif layout.kind.style is ParallelStyle.ROW:
+            b_out = even_span(s.out.width, shard, f"{s.peft_module} output") if sharded else s.out
+            result.append(LoraSliceLayout(s.peft_module, whole_rank, s.inp, b_out, whole_rank))
+        else:
+            result.append(LoraSliceLayout(s.peft_module, whole_rank, s.inp, s.out, whole_rank))
+    return tuple(result)
+
+
+def vocab_span(vocab_size: int, shard: Shard) -> Span:
+    """A rank's rows of the vocabulary, padded so every rank holds the same number of rows.
+
+    The last rank's span may reach past `vocab_size`; those rows are zero padding.
+    """
+    per_rank = -(-vocab_size // shard.size)
+    return Span(shard.rank * per_rank, per_rank)
+
+
+def validate_topology(cfg: ModelConfig, topology: Topology, max_rank: int) -> None:
+    """Raise TopologyError now if any rank could not build any module (before spawning ranks)."""
+    for rank in range(topology.tp_size):
+        for kind_name in MODULE_KINDS:
+            lora_layout(module_layout(cfg, topology, rank, kind_name), max_rank, topology.fully_sharded_loras)
