@@ -207,9 +207,9 @@ def test_single_slice(device: torch.device) -> None:
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_shrink_split_k_rank_64(device: torch.device, split_k: int) -> None:
-    # K = 320 is 2.5 K tiles at rank 64: splits of 2 and 3 end in a partial tile, and > 1
-    # accumulates through atomics into the zeroed output.
-    problem = make_problem([0] * 3 + [2] * 20 + [-1], in_features=320, rank=64, device=device)
+    # K = 300 is 4.7 fp32 K tiles of 64 at rank 64: the last split of 1, 2 or 3 ends in a partial
+    # tile, and more than one split accumulates through atomics into the zeroed output.
+    problem = make_problem([0] * 3 + [2] * 20 + [-1], in_features=300, rank=64, device=device)
     check_shrink(problem, split_k=split_k)
 
 
@@ -311,8 +311,11 @@ class _Launches:
             return lambda *args, **kwargs: self.owner.calls.append((self.fn, args, kwargs))
 
 
-def _compile_for_hopper(fn: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Compile one recorded launch for sm_90 with the JIT's own argument specialisation; PTX."""
+def _compile_for_hopper(fn: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, int]:
+    """Compile one recorded launch for sm_90 with the JIT's own argument specialisation.
+
+    Returns the PTX and the shared memory the kernel needs (bytes).
+    """
     names = list(inspect.signature(fn).parameters)
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {}
@@ -329,20 +332,21 @@ def _compile_for_hopper(fn: Callable[..., None], args: tuple[Any, ...], kwargs: 
         constexprs[name] = value
     source = ASTSource(fn=triton.jit(fn), signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    return compiled.asm["ptx"]
+    return compiled.asm["ptx"], compiled.metadata.shared
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 @pytest.mark.parametrize(
     ("dtype", "slots", "split_k"),
-    [(torch.bfloat16, decode_slots(16, 4), 4), (torch.bfloat16, [1] * 100, 1), (torch.float32, [0] * 3, 1)],
-    ids=["decode-bf16-split4", "prefill-bf16", "fp32"],
+    [(torch.bfloat16, decode_slots(16, 4), 4), (torch.bfloat16, [1] * 100, 1), (torch.float32, [0] * 100, 1)],
+    ids=["decode-bf16-split4", "prefill-bf16", "prefill-fp32"],
 )
 def test_kernels_compile_for_hopper_with_16_byte_accesses(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, slots: list[int], split_k: int
 ) -> None:
     """The interpreter never compiles: check that the real launches compile for sm_90 (no GPU
-    needed), use tensor cores for 16-bit inputs and move every tile with 16-byte accesses."""
+    needed), fit its shared memory, use tensor cores for 16-bit inputs and move every tile with
+    16-byte accesses."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launches = _Launches()
     monkeypatch.setattr(triton_ops, "_jitted", launches.jitted)
@@ -353,7 +357,8 @@ def test_kernels_compile_for_hopper_with_16_byte_accesses(
     assert [fn.__name__ for fn, _, _ in launches.calls] == ["_shrink_kernel", "_expand_kernel"]
     for fn, args, kwargs in launches.calls:
         assert kwargs["ALIGN"] > 1, "aligned buffers must get the alignment hints"
-        ptx = _compile_for_hopper(fn, args, kwargs)
+        ptx, shared = _compile_for_hopper(fn, args, kwargs)
+        assert shared <= 227 * 1024, f"{fn.__name__}: {shared} bytes of shared memory do not fit sm_90"
         if dtype == torch.bfloat16:
             assert re.search(r"\bmma\.sync|wgmma", ptx), f"{fn.__name__}: no tensor-core instruction"
         narrow = re.findall(r"(?:ld|st)\.global\.(?:b16|b32|f32|u16)\b", ptx)

@@ -1,9 +1,10 @@
 """Triton shrink/expand kernels for multi-adapter batches (DESIGN.md §5; docs/kernels.md).
 
 Same semantics as `torch_ops`, which stays the oracle. One launch per call covers every segment
-and every output slice: the slices' stacks are described by a small int64 table (data pointer,
-slot stride, row stride, width, output column offset per slice), so slices of unequal width (q/k/v
-under GQA) need neither a concatenation of the weights nor one launch per slice.
+and every output slice: the slices' stacks are described by a small int64 table (element offset
+from the first stack, slot stride, row stride, width, output column offset per slice), so slices
+of unequal width (q/k/v under GQA) need neither a concatenation of the weights nor one launch per
+slice.
 
 The kernel functions below are plain Python and are wrapped by `triton.jit` lazily, once per
 interpreter mode (`TRITON_INTERPRET`). That lets the CPU tests switch the interpreter on per
@@ -13,6 +14,7 @@ test without caring whether this module was imported earlier in the process.
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -22,8 +24,7 @@ from node_agent.engine.kernels.batch import LoraBatch
 
 log = logging.getLogger(__name__)
 
-# Per-slice table row: (element offset from the first stack, slot stride, row stride, width,
-# output column offset). The kernels index it with these literal column numbers.
+# Stack dtypes that take tensor-core dots (and, for B, the split of y into two halves).
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -67,8 +68,8 @@ def _shrink_kernel(
     seg_start = tl.load(seg_starts_ptr + seg)
 
     entry = table_ptr + slice_id * 5
-    # ALIGN (elements) is > 1 only when the host checked every pointer and stride: the hints let
-    # the compiler emit 16-byte vector loads through a pointer it otherwise knows nothing about.
+    # ALIGN (elements) is > 1 only when the host checked every offset and stride: with the base
+    # pointer's alignment, which the JIT knows, these hints allow 16-byte vector loads of A.
     stack_offset = tl.multiple_of(tl.load(entry + 0), ALIGN)
     slot_stride = tl.multiple_of(tl.load(entry + 1), ALIGN)
     row_stride = tl.multiple_of(tl.load(entry + 2), ALIGN)
@@ -210,8 +211,11 @@ def interpreting() -> bool:
 
 
 @functools.cache
-def _jitted(fn: Callable[..., None], interpret: bool) -> triton.JITFunction:
-    """`triton.jit(fn)` decides between compiler and interpreter when it runs, so wrap per mode."""
+def _jitted(fn: Callable[..., None], interpret: bool) -> Any:
+    """`triton.jit(fn)` decides between compiler and interpreter when it runs, so wrap per mode.
+
+    Returns a JITFunction, or an InterpretedFunction under the interpreter.
+    """
     del interpret  # only part of the cache key
     return triton.jit(fn)
 
@@ -228,6 +232,17 @@ def _next_pow2(value: int) -> int:
 def _block_m(max_seg_len: int) -> int:
     """Token rows per program: 16 (the smallest dot) for decode, up to 64 for prefill."""
     return min(64, max(16, _next_pow2(max_seg_len)))
+
+
+def _shrink_block_k(block_m: int, block_r: int, element_size: int, in_features: int) -> int:
+    """K tile such that one pipeline stage (x tile + A tile) is at most 32 KiB.
+
+    Three stages then stay under 100 KiB of shared memory for every dtype and tile shape, well
+    inside Hopper's 227 KiB, while 16-bit decode tiles still get 256-wide K steps.
+    """
+    fits = 32768 // ((block_m + block_r) * element_size)
+    block_k = 1 << (fits.bit_length() - 1)  # largest power of two <= fits
+    return max(16, min(256, block_k, _next_pow2(in_features)))
 
 
 def _inner_contiguous(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -268,6 +283,9 @@ _TABLE_CACHE_LIMIT = 1024
 
 def _slice_table(stacks: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """The per-slice int64 table, and ALIGN: the element multiple every offset/stride shares.
+
+    Row i: (element offset of stack i from stack 0, slot stride, row stride, width, first output
+    column); the kernels read it by these literal column numbers (0..4).
 
     A slice is located by its element offset from the first stack (a real pointer argument)
     rather than by a raw address: the compiler then knows the base's 16-byte alignment and, with
@@ -342,8 +360,7 @@ def shrink(
 
     block_m = _block_m(batch.max_seg_len)
     block_r = max(16, _next_pow2(rank))
-    # Keep the A tile at 8K elements (16 KiB in bf16) so pipelining fits in shared memory.
-    block_k = max(16, min(256, 8192 // block_r, _next_pow2(in_features)))
+    block_k = _shrink_block_k(block_m, block_r, max(x.element_size(), a_stacks[0].element_size()), in_features)
     m_blocks = triton.cdiv(batch.max_seg_len, block_m)
     num_segments = int(batch.seg_starts.shape[0])
     if split_k is None:
@@ -424,9 +441,10 @@ def expand(
     if tokens == 0 or not batch.active_slots:
         return
 
-    block_m = _block_m(batch.max_seg_len)
     block_r = max(16, _next_pow2(rank))
-    # A [BLOCK_M, BLOCK_R] fp32 y tile lives in registers: narrow the column block as R grows.
+    # The fp32 y tile [BLOCK_M, BLOCK_R] and its two 16-bit halves live in registers: fewer rows
+    # and a narrower column block as R grows.
+    block_m = min(_block_m(batch.max_seg_len), 64 if block_r <= 64 else 32)
     block_n = max(16, min(128 if block_r <= 64 else 64, _next_pow2(max(widths))))
     n_blocks = triton.cdiv(max(widths), block_n)
     m_blocks = triton.cdiv(batch.max_seg_len, block_m)
