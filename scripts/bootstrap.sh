@@ -40,7 +40,10 @@ PY
 fi
 
 # Point the shared environment at this checkout (editable, no dependency resolution: fast).
-if ! "$venv/bin/python" -c "import node_agent, os, sys; sys.exit(os.path.dirname(os.path.dirname(node_agent.__file__)) != sys.argv[1])" "$repo_root" 2>/dev/null; then
+# -I: isolated, so the current directory cannot satisfy the import.
+if [ ! -x "$venv/bin/lorafleet-agent" ] || ! "$venv/bin/python" -I -c \
+    "import node_agent, os, sys; sys.exit(os.path.dirname(os.path.dirname(node_agent.__file__)) != sys.argv[1])" \
+    "$repo_root" 2>/dev/null; then
     "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" >&2
 fi
 

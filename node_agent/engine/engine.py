@@ -108,14 +108,16 @@ class Engine:
             self._processes.append(process)
             self._conns.append(parent)
         try:
-            replies = self._collect(config.startup_timeout_s, "start")
+            # A rank that cannot start leaves the others blocked in the rendezvous: stop at the
+            # first failure instead of waiting for them.
+            replies = self._collect(config.startup_timeout_s, "start", stop_on_failure=True)
         except EngineError:
             self.close()
             raise
-        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-        if not merged.ok:
+        failed = [r for r in replies if r is not None and not r.ok]
+        if failed:
             self.close()
-            raise EngineError(merged.error)
+            raise EngineError(merge_failure_first(failed, lambda r: r.ok, lambda r: r.error).error)
         log.info("engine started: %s ranks, topology %s", len(replies), config.topology)
 
     def close(self) -> None:
@@ -228,17 +230,19 @@ class Engine:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    def _collect(self, timeout_s: float, what: str) -> list[RankReply]:
+    def _collect(self, timeout_s: float, what: str, stop_on_failure: bool = False) -> list[RankReply]:
         deadline = time.monotonic() + timeout_s
         replies: list[RankReply | None] = [None] * len(self._conns)
         while any(r is None for r in replies):
+            if stop_on_failure and any(r is not None and not r.ok for r in replies):
+                break
             for rank, conn in enumerate(self._conns):
                 if replies[rank] is not None:
                     continue
                 if conn.poll(0.05):
                     try:
                         replies[rank] = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
                 elif not self._processes[rank].is_alive():
                     self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: installs what it needs (idempotently), then runs pytest.
+#   bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+. scripts/bootstrap.sh
+# The real control plane (kube-apiserver, etcd, kubectl, helm) built from Go modules; cached.
+bash scripts/build-kube.sh
+exec python -m pytest "$@"

@@ -1,0 +1,87 @@
+"""Engine processes: clear startup failures (never a hang), dead ranks, identical pool decisions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from node_agent.engine import Engine, EngineConfig, EngineError, SequenceInput, Topology
+from node_agent.engine.topology import TopologyError
+from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+
+SHAPE = SyntheticModel()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("lifecycle") / "model", SHAPE)
+
+
+def test_port_in_use_is_a_clear_error(model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(EngineError, match="address already in use"):
+            Engine(EngineConfig(model_dir=model_dir, topology=Topology(2), master_port=port, startup_timeout_s=120))
+
+
+def test_a_rank_that_cannot_start_ends_startup_with_its_reason(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dir / "config.json").read_text())
+    # A checkpoint that lacks most tensors: every rank fails while reading its slices.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    save_file({"model.embed_tokens.weight": tensors["model.embed_tokens.weight"]}, str(broken / "model.safetensors"))
+    with pytest.raises(EngineError, match=r"rank \d failed to start: .*has no tensor 'lm_head.weight'"):
+        Engine(EngineConfig(model_dir=broken, topology=Topology(2), startup_timeout_s=120))
+
+
+def test_impossible_topologies_are_refused_before_any_rank_starts(model_dir):
+    with pytest.raises(TopologyError, match="--dp 3 must divide --tp 4"):
+        Topology(4, 3)
+    with pytest.raises(TopologyError, match="not divisible by its TP group size 3"):
+        Engine(EngineConfig(model_dir=model_dir, topology=Topology(3)))
+    with pytest.raises(TopologyError, match="max_lora_rank"):
+        Engine(EngineConfig(model_dir=model_dir, topology=Topology(4, fully_sharded_loras=True), max_lora_rank=6))
+
+
+def test_a_killed_rank_makes_calls_fail_fast(model_dir):
+    engine = Engine(EngineConfig(model_dir=model_dir, topology=Topology(2, 2)))
+    try:
+        assert engine.alive
+        os.kill(engine.pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="rank 1 exited"):
+            engine.forward([SequenceInput([1, 2, 3])])
+        assert not engine.alive
+        with pytest.raises(EngineError, match="not serving"):
+            engine.forward([SequenceInput([1, 2, 3])])
+        # Bounded by the engine's detection, not by the gloo timeout (minutes).
+        assert time.monotonic() - started < 60
+    finally:
+        engine.close()
+
+
+def test_every_rank_makes_the_same_slot_decisions(model_dir, tmp_path):
+    adapters = {name: write_adapter(tmp_path / name, SHAPE, rank=4, seed=i) for i, name in enumerate("abcd")}
+    config = EngineConfig(model_dir=model_dir, topology=Topology(4, 2), max_loras_per_batch=2)
+    with Engine(config) as engine:
+        engine.load_adapter("p", adapters["d"], pinned=True)
+        for name in "abc":
+            engine.load_adapter(name, adapters[name])
+        for batch in (["a"], ["b", None], ["c"], [None], ["b"], ["p", "c"], [None, "a", "p"]):
+            engine.forward([SequenceInput([1, 2, 3 + i], adapter) for i, adapter in enumerate(batch)])
+            resident = [reply.payload["resident"] for reply in engine.describe()]
+            assert all(r == resident[0] for r in resident), resident
+            assert 0 in resident[0] and resident[0][0] == "p", "the pinned adapter keeps its slot"
+        with pytest.raises(EngineError, match="no free LoRA slot"):
+            engine.forward([SequenceInput([1], "a"), SequenceInput([2], "b")])
+        # A refused batch changes nothing and the engine keeps serving.
+        assert len(engine.forward([SequenceInput([1, 2], "a")])) == 1
