@@ -1,0 +1,149 @@
+"""The control-plane harness itself: identity, RBAC, controllers, agent pods, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from tests.kube.harness import ControlPlane, HarnessError, KubectlError, find_bin_dir
+
+
+def test_server_version_is_stamped(kube_cluster: ControlPlane) -> None:
+    """/version must report the real version (not v0.0.0-master), matching the cache key."""
+    version = kube_cluster.kubectl_json("version")
+    server = version["serverVersion"]["gitVersion"]
+    client = version["clientVersion"]["gitVersion"]
+    assert re.fullmatch(r"v1\.\d+\.\d+", server), server
+    assert client == server
+    assert f"kube-{server}-" in str(kube_cluster.bin_dir)
+
+
+def test_admin_is_cluster_admin_and_rbac_is_enforced(kube_cluster: ControlPlane) -> None:
+    assert kube_cluster.kubectl("auth", "can-i", "*", "*").stdout.strip() == "yes"
+    who = kube_cluster.kubectl_json("auth", "whoami")
+    assert "system:masters" in who["status"]["userInfo"]["groups"]
+    # An unknown user has nothing beyond discovery: RBAC is on.
+    with pytest.raises(KubectlError) as err:
+        kube_cluster.kubectl("get", "pods", "-n", "default", as_user="nobody")
+    assert "forbidden" in err.value.stderr.lower()
+
+
+def test_python_client_reads_the_kubeconfig(kube_cluster: ControlPlane) -> None:
+    """The kubeconfig works for the official Python client too (what the operator uses)."""
+    from kubernetes import client, config
+
+    api = client.CoreV1Api(config.new_client_from_config(config_file=str(kube_cluster.kubeconfig)))
+    names = {ns.metadata.name for ns in api.list_namespace().items}
+    assert {"default", "kube-system"} <= names
+
+
+def test_agent_pod_looks_like_a_running_ready_pod(
+    kube_cluster: ControlPlane, kube_namespace: str
+) -> None:
+    pod = kube_cluster.create_agent_pod(kube_namespace, "agent-0", 50123,
+                                        labels={"lorafleet.dev/fleet": "default"})
+    assert pod["status"]["podIP"] == "127.0.0.1"
+    assert pod["status"]["phase"] == "Running"
+
+    stored = kube_cluster.kubectl_json("get", "pod", "agent-0", "-n", kube_namespace)
+    conditions = {c["type"]: c["status"] for c in stored["status"]["conditions"]}
+    assert conditions["Ready"] == "True"
+    assert conditions["ContainersReady"] == "True"
+    (container,) = stored["status"]["containerStatuses"]
+    assert container["ready"] is True and "running" in container["state"]
+    (port,) = stored["spec"]["containers"][0]["ports"]
+    assert (port["name"], port["containerPort"]) == ("grpc", 50123)
+    assert stored["metadata"]["labels"]["app.kubernetes.io/name"] == "lorafleet-agent"
+
+    # kubectl's own readiness logic agrees, and the selector an operator uses finds it.
+    kube_cluster.kubectl("wait", "--for=condition=Ready", "pod/agent-0", "-n", kube_namespace,
+                         "--timeout=5s")
+    found = kube_cluster.kubectl(
+        "get", "pods", "-n", kube_namespace, "-l", "app.kubernetes.io/name=lorafleet-agent",
+        "-o", "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}:"
+              "{.spec.containers[0].ports[?(@.name=='grpc')].containerPort}{end}").stdout
+    assert found == "agent-0 127.0.0.1:50123"
+
+
+def test_agent_pod_readiness_restart_and_deletion(
+    kube_cluster: ControlPlane, kube_namespace: str
+) -> None:
+    kube_cluster.create_agent_pod(kube_namespace, "agent-1", 50124, ready=False)
+    pod = kube_cluster.kubectl_json("get", "pod", "agent-1", "-n", kube_namespace)
+    assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "False"
+
+    pod = kube_cluster.write_pod_status(kube_namespace, "agent-1", ready=True, restart_count=1)
+    assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "True"
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 1
+
+    # Grace period 0: gone at once, no kubelet needed to confirm.
+    kube_cluster.delete_pod(kube_namespace, "agent-1")
+    assert kube_cluster.kubectl("get", "pod", "agent-1", "-n", kube_namespace,
+                                "--ignore-not-found", "-o", "name").stdout == ""
+
+
+def test_namespace_deletion_and_garbage_collection(kube_cluster: ControlPlane) -> None:
+    """The controller manager's namespace and garbage-collector controllers run."""
+    ns = kube_cluster.create_namespace(prefix="gc")
+    owner = kube_cluster.kubectl_json("create", "configmap", "owner", "-n", ns)
+    dependent = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "dependent", "namespace": ns, "ownerReferences": [{
+            "apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
+            "uid": owner["metadata"]["uid"]}]},
+    }
+    kube_cluster.kubectl("create", "-f", "-", input=json.dumps(dependent))
+    kube_cluster.create_agent_pod(ns, "agent-0", 50125)
+
+    kube_cluster.kubectl("delete", "configmap", "owner", "-n", ns)
+    kube_cluster.kubectl("wait", "--for=delete", "configmap/dependent", "-n", ns,
+                         "--timeout=60s")
+
+    kube_cluster.delete_namespace(ns, wait=True)
+    assert kube_cluster.kubectl("get", "namespace", ns, "--ignore-not-found",
+                                "-o", "name").stdout == ""
+
+
+def test_start_and_stop_leave_no_processes(kube_bin_dir: object) -> None:
+    """A second, independent cluster (no controller manager) starts, serves and stops cleanly."""
+    cluster = ControlPlane.start(find_bin_dir(), with_controller_manager=False)
+    try:
+        pids = cluster.pids
+        assert len(pids) == 2
+        # Without the controller manager the ServiceAccount admission plugin is off, so pods
+        # can be created in a fresh namespace at once.
+        ns = cluster.create_namespace()
+        cluster.create_agent_pod(ns, "agent-0", 50126)
+    finally:
+        cluster.stop()
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        time.sleep(0.1)
+    assert alive == []
+    assert not cluster.work_dir.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_missing_binaries_fail_with_instructions(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    monkeypatch.setenv("LORAFLEET_KUBE_BIN_DIR", str(tmp_path))
+    with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
+        find_bin_dir()
+    monkeypatch.delenv("LORAFLEET_KUBE_BIN_DIR")
+    monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path))
+    with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
+        find_bin_dir()
