@@ -12,6 +12,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -231,23 +232,29 @@ class Engine:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _collect(self, timeout_s: float, what: str, stop_on_failure: bool = False) -> list[RankReply]:
+        """Wait for one reply per rank; a rank that exits or a deadline that passes fails the engine."""
         deadline = time.monotonic() + timeout_s
         replies: list[RankReply | None] = [None] * len(self._conns)
         while any(r is None for r in replies):
             if stop_on_failure and any(r is not None and not r.ok for r in replies):
                 break
-            for rank, conn in enumerate(self._conns):
-                if replies[rank] is not None:
-                    continue
-                if conn.poll(0.05):
+            pending = {self._conns[i]: i for i, r in enumerate(replies) if r is None}
+            sentinels = {self._processes[i].sentinel: i for i in pending.values()}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"{what} timed out after {timeout_s:.0f}s waiting for ranks {sorted(pending.values())}")
+            for ready in wait([*pending, *sentinels], timeout=remaining):
+                rank = pending.get(ready, sentinels.get(ready))
+                if ready in pending:
                     try:
-                        replies[rank] = conn.recv()
+                        replies[rank] = ready.recv()
+                        continue
                     except (EOFError, OSError):
-                        self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
-                elif not self._processes[rank].is_alive():
-                    self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
-            if time.monotonic() > deadline:
-                self._fail(f"{what} timed out after {timeout_s:.0f}s waiting for ranks {[i for i, r in enumerate(replies) if r is None]}")
+                        pass
+                elif replies[rank] is not None or self._conns[rank].poll():
+                    continue  # the rank answered before exiting; its reply is read above
+                self._processes[rank].join(1)
+                self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
         return replies  # type: ignore[return-value]
 
     def _fail(self, reason: str) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -90,16 +89,17 @@ class RankWorker:
                 for (layer, kind), module in self.modules.items()
             },
             "resident": self.pool.resident(),
+            "loaded": list(self.pool.adapters),
         }
 
     def load(self, name: str, path: str, pinned: bool) -> dict:
         if self.config.fault_fail_load_on_rank == self.rank:
             raise AdapterLoadError(f"injected load failure on rank {self.rank}")
-        before = _peak_rss_bytes()
+        baseline = _reset_peak_rss()
         spec = read_adapter_spec(Path(path), self.cfg, self.config.max_lora_rank)
         shard = read_adapter_shard(spec, self.layouts, self.dtype)
         self.pool.add(name, shard, pinned)
-        return {"shard_bytes": shard.nbytes, "peak_rss_bytes": _peak_rss_bytes(), "peak_rss_before": before}
+        return {"shard_bytes": shard.nbytes, "peak_rss_growth_bytes": _proc_status_bytes("VmHWM") - baseline}
 
     def unload(self, name: str) -> None:
         self.pool.remove(name)
@@ -141,8 +141,24 @@ class RankWorker:
         return out
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _proc_status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), in bytes; 0 elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark so a load's own peak can be measured; returns RSS now."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _proc_status_bytes("VmRSS")
 
 
 def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from node_agent.engine import Engine, EngineConfig, EngineError, SequenceInput, Topology
+from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
 from node_agent.engine.topology import TopologyError
 from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
@@ -85,3 +85,16 @@ def test_every_rank_makes_the_same_slot_decisions(model_dir, tmp_path):
             engine.forward([SequenceInput([1], "a"), SequenceInput([2], "b")])
         # A refused batch changes nothing and the engine keeps serving.
         assert len(engine.forward([SequenceInput([1, 2], "a")])) == 1
+
+
+def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(model_dir, tmp_path):
+    adapter = write_adapter(tmp_path / "a", SHAPE, rank=4)
+    config = EngineConfig(model_dir=model_dir, topology=Topology(2, 2), fault_fail_load_on_rank=1)
+    with Engine(config) as engine:
+        with pytest.raises(AdapterLoadError, match="injected load failure on rank 1"):
+            engine.load_adapter("a", adapter)
+        assert all(reply.payload["loaded"] == [] for reply in engine.describe()), "rank 0 rolled back"
+        assert "a" not in engine.adapters
+        with pytest.raises(EngineError, match="'a' is not loaded"):
+            engine.forward([SequenceInput([1, 2], "a")])
+        assert len(engine.forward([SequenceInput([1, 2])])) == 1, "the engine keeps serving"
