@@ -263,6 +263,7 @@ class _Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str]
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -284,14 +285,19 @@ class _Proc:
 
 
 def _spawn(name: str, argv: Sequence[str], log_dir: Path) -> _Proc:
+    """Start one server, its output appended to <log_dir>/<name>.log.
+
+    The child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG): start
+    clusters from the main thread (as pytest fixtures do), not from a short-lived worker thread.
+    """
     log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as out:
+    with log_path.open("ab") as out:
         popen = subprocess.Popen(  # noqa: S603 - argv is built here from known binaries
             list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch this child
         )
     log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
-    return _Proc(name, popen, log_path)
+    return _Proc(name, popen, log_path, list(argv))
 
 
 def _wait_until(
@@ -512,6 +518,19 @@ class ControlPlane:
             log.warning("kept control-plane work dir %s", self.work_dir)
         else:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def restart_apiserver(self, downtime_s: float = 0.0, ready_timeout_s: float = 120.0) -> None:
+        """Stop kube-apiserver, wait ``downtime_s``, start it again on the same port and wait
+        for /readyz (a fault for operator tests: watches break, requests fail meanwhile).
+        etcd keeps running, so every object survives."""
+        index = next(i for i, p in enumerate(self._procs) if p.name == "kube-apiserver")
+        old = self._procs[index]
+        old.stop()
+        time.sleep(downtime_s)
+        new = _spawn(old.name, old.argv, old.log_path.parent)
+        self._procs[index] = new
+        _wait_until("kube-apiserver /readyz after restart", self._apiserver_ready, new,
+                    ready_timeout_s, 0.5)
 
     def __enter__(self) -> ControlPlane:
         return self

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,9 +109,9 @@ def test_namespace_deletion_and_garbage_collection(kube_cluster: ControlPlane) -
                                 "-o", "name").stdout == ""
 
 
-def test_start_and_stop_leave_no_processes(kube_bin_dir: object) -> None:
+def test_start_and_stop_leave_no_processes(kube_bin_dir: Path) -> None:
     """A second, independent cluster (no controller manager) starts, serves and stops cleanly."""
-    cluster = ControlPlane.start(find_bin_dir(), with_controller_manager=False)
+    cluster = ControlPlane.start(kube_bin_dir, with_controller_manager=False)
     try:
         pids = cluster.pids
         assert len(pids) == 2
@@ -138,7 +139,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_missing_binaries_fail_with_instructions(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("LORAFLEET_KUBE_BIN_DIR", str(tmp_path))
     with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
@@ -147,3 +148,17 @@ def test_missing_binaries_fail_with_instructions(
     monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path))
     with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
         find_bin_dir()
+
+
+def test_restart_apiserver_keeps_objects(kube_bin_dir: Path) -> None:
+    """restart_apiserver() (a fault for operator tests) brings the same server back with data."""
+    cluster = ControlPlane.start(kube_bin_dir, with_controller_manager=False)
+    try:
+        ns = cluster.create_namespace()
+        before = cluster.pids
+        cluster.restart_apiserver(downtime_s=0.5)
+        assert cluster.pids != before and len(cluster.pids) == 2
+        assert cluster.kubectl("get", "namespace", ns, "-o", "name").stdout.strip() \
+            == f"namespace/{ns}"
+    finally:
+        cluster.stop()
