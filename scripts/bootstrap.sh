@@ -40,11 +40,12 @@ PY
 fi
 
 # Point the shared environment at this checkout (editable, no dependency resolution: fast).
-# -I: isolated, so the current directory cannot satisfy the import.
-if [ ! -x "$venv/bin/lorafleet-agent" ] || ! "$venv/bin/python" -I -c \
-    "import node_agent, os, sys; sys.exit(os.path.dirname(os.path.dirname(node_agent.__file__)) != sys.argv[1])" \
-    "$repo_root" 2>/dev/null; then
+# Redone whenever the checkout or its pyproject.toml changes (package layout, console scripts).
+stamp="$venv/.editable-$(cat "$repo_root/pyproject.toml" <(echo "$repo_root") | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
     "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" >&2
+    rm -f "$venv"/.editable-*
+    touch "$stamp"
 fi
 
 export VIRTUAL_ENV="$venv"

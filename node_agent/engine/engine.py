@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -77,6 +78,9 @@ class Engine:
             raise EngineError("max_lora_rank, max_loras_per_batch and max_loaded_loras must be at least 1")
         self.adapters: dict[str, LoadedAdapter] = {}
         self.failure: str | None = None
+        # Commands must reach every rank in the same order, and a load with its rollback must
+        # not interleave with other commands: one command sequence at a time.
+        self._lock = threading.RLock()
         self._processes: list[mp.Process] = []
         self._conns: list[Any] = []
         self._start()
@@ -158,6 +162,10 @@ class Engine:
 
     def call(self, command: str, **kwargs: Any) -> list[RankReply]:
         """Send one command to every rank and collect every reply (rank order)."""
+        with self._lock:
+            return self._call_locked(command, **kwargs)
+
+    def _call_locked(self, command: str, **kwargs: Any) -> list[RankReply]:
         if self.failure:
             raise EngineError(f"engine is not serving: {self.failure}")
         for rank, conn in enumerate(self._conns):
@@ -174,23 +182,25 @@ class Engine:
         """Load on every rank, or on none: a failure anywhere is rolled back everywhere."""
         if not ADAPTER_NAME.match(name or ""):
             raise AdapterLoadError(f"invalid adapter name {name!r} (letters, digits, '.', '_', '-'; at most 253)")
-        if name in self.adapters:
-            raise AdapterLoadError(f"adapter {name!r} is already loaded")
-        replies = self.call("load", name=name, path=str(path), pinned=pinned)
-        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-        if not merged.ok:
-            loaded = [r.rank for r in replies if r.ok]
-            if loaded:
-                self._unload_on(loaded, name)
-            raise AdapterLoadError(merged.error)
-        self.adapters[name] = LoadedAdapter(Path(path), pinned)
-        return replies
+        with self._lock:
+            if name in self.adapters:
+                raise AdapterLoadError(f"adapter {name!r} is already loaded")
+            replies = self.call("load", name=name, path=str(path), pinned=pinned)
+            merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
+            if not merged.ok:
+                loaded = [r.rank for r in replies if r.ok]
+                if loaded:
+                    self._unload_on(loaded, name)
+                raise AdapterLoadError(merged.error)
+            self.adapters[name] = LoadedAdapter(Path(path), pinned)
+            return replies
 
     def unload_adapter(self, name: str) -> list[RankReply]:
-        if name not in self.adapters:
-            raise EngineError(f"adapter {name!r} is not loaded")
-        replies = self.call("unload", name=name)
-        del self.adapters[name]
+        with self._lock:
+            if name not in self.adapters:
+                raise EngineError(f"adapter {name!r} is not loaded")
+            replies = self.call("unload", name=name)
+            del self.adapters[name]
         merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
         if not merged.ok:
             raise EngineError(merged.error)
@@ -198,8 +208,9 @@ class Engine:
 
     def forward(self, sequences: list[SequenceInput]) -> list[torch.Tensor]:
         """Logits (float32, [len(tokens), vocab]) of every sequence, in input order."""
-        self._check_batch(sequences)
-        replies = self.call("forward", sequences=[(list(s.tokens), s.adapter) for s in sequences])
+        with self._lock:
+            self._check_batch(sequences)
+            replies = self.call("forward", sequences=[(list(s.tokens), s.adapter) for s in sequences])
         merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
         if not merged.ok:
             raise EngineError(merged.error)

@@ -1,0 +1,1 @@
+"""The lorafleet Kubernetes operator (kopf): LoraAdapter and LoraFleet reconciliation."""

@@ -1,0 +1,225 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("agent_id", "base_model", "topology", "capacity", "ranks", "modules")
+    AGENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MODULES_FIELD_NUMBER: _ClassVar[int]
+    agent_id: str
+    base_model: BaseModel
+    topology: Topology
+    capacity: Capacity
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    modules: _containers.RepeatedCompositeFieldContainer[ModuleShapes]
+    def __init__(self, agent_id: _Optional[str] = ..., base_model: _Optional[_Union[BaseModel, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleShapes, _Mapping]]] = ...) -> None: ...
+
+class BaseModel(_message.Message):
+    __slots__ = ("name", "config_sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config_sha256: str
+    def __init__(self, name: _Optional[str] = ..., config_sha256: _Optional[str] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("tp_size", "dp_size", "attn_tp_size", "fully_sharded_loras", "ep_size")
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTN_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FULLY_SHARDED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    tp_size: int
+    dp_size: int
+    attn_tp_size: int
+    fully_sharded_loras: bool
+    ep_size: int
+    def __init__(self, tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., attn_tp_size: _Optional[int] = ..., fully_sharded_loras: _Optional[bool] = ..., ep_size: _Optional[int] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("max_lora_rank", "max_loras_per_batch", "max_loaded_loras")
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    max_lora_rank: int
+    max_loras_per_batch: int
+    max_loaded_loras: int
+    def __init__(self, max_lora_rank: _Optional[int] = ..., max_loras_per_batch: _Optional[int] = ..., max_loaded_loras: _Optional[int] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "alive")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    attn_dp_rank: int
+    attn_tp_rank: int
+    alive: bool
+    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., alive: _Optional[bool] = ...) -> None: ...
+
+class ModuleShapes(_message.Message):
+    __slots__ = ("module", "rank", "slices")
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SLICES_FIELD_NUMBER: _ClassVar[int]
+    module: str
+    rank: int
+    slices: _containers.RepeatedCompositeFieldContainer[LoraSliceShape]
+    def __init__(self, module: _Optional[str] = ..., rank: _Optional[int] = ..., slices: _Optional[_Iterable[_Union[LoraSliceShape, _Mapping]]] = ...) -> None: ...
+
+class LoraSliceShape(_message.Message):
+    __slots__ = ("lora_a_shape", "lora_b_shape")
+    LORA_A_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_B_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    lora_a_shape: _containers.RepeatedScalarFieldContainer[int]
+    lora_b_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lora_a_shape: _Optional[_Iterable[int]] = ..., lora_b_shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    error_message: str
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    error_message: str
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
+
+class RankResult(_message.Message):
+    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "success", "error_message")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ATTN_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    attn_dp_rank: int
+    attn_tp_rank: int
+    success: bool
+    error_message: str
+    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "ranks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("token_ids", "adapter")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    adapter: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("logits",)
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    logits: _containers.RepeatedCompositeFieldContainer[Logits]
+    def __init__(self, logits: _Optional[_Iterable[_Union[Logits, _Mapping]]] = ...) -> None: ...
+
+class Logits(_message.Message):
+    __slots__ = ("num_tokens", "vocab_size", "float32_data")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_DATA_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    vocab_size: int
+    float32_data: bytes
+    def __init__(self, num_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., float32_data: _Optional[bytes] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("token_ids", "prompt", "adapter", "max_new_tokens", "stop_token_ids")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt: str
+    adapter: str
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., adapter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_id", "text", "finish_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    finish_reason: str
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
