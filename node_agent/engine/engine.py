@@ -36,6 +36,22 @@ class EngineError(RuntimeError):
     """The engine cannot do what was asked (startup failure, dead rank, bad request)."""
 
 
+class RankLoadError(AdapterLoadError):
+    """Some ranks refused a load (the others rolled it back); `replies` holds every rank's answer."""
+
+    def __init__(self, message: str, replies: list[RankReply]) -> None:
+        super().__init__(message)
+        self.replies = replies
+
+
+class RankUnloadError(EngineError):
+    """Some ranks failed an unload; `replies` holds every rank's answer."""
+
+    def __init__(self, message: str, replies: list[RankReply]) -> None:
+        super().__init__(message)
+        self.replies = replies
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build an engine; the CLI flags map one to one onto these fields."""
@@ -191,7 +207,7 @@ class Engine:
                 loaded = [r.rank for r in replies if r.ok]
                 if loaded:
                     self._unload_on(loaded, name)
-                raise AdapterLoadError(merged.error)
+                raise RankLoadError(merged.error, replies)
             self.adapters[name] = LoadedAdapter(Path(path), pinned)
             return replies
 
@@ -203,7 +219,7 @@ class Engine:
             del self.adapters[name]
         merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
         if not merged.ok:
-            raise EngineError(merged.error)
+            raise RankUnloadError(merged.error, replies)
         return replies
 
     def forward(self, sequences: list[SequenceInput]) -> list[torch.Tensor]:
