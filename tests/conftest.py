@@ -1,5 +1,8 @@
 """Fixtures for tests against a real kube-apiserver (see docs/kube-test-harness.md).
 
+At the top of tests/ so every subsystem (tests/kube, tests/operator) shares one control plane
+per session instead of starting its own.
+
 * ``kube_bin_dir`` (session): where scripts/build-kube.sh put the binaries. A missing build
   fails the session with instructions to run the script; it is never a silent skip.
 * ``kube_cluster`` (session): one etcd + kube-apiserver + kube-controller-manager for the whole
