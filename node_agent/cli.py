@@ -1,5 +1,6 @@
 """`lorafleet-agent`: the node agent's command line.
 
+`serve` runs the node agent: an engine plus the `lorafleet.v1.NodeAgent` gRPC service.
 `forward` starts an engine with the given topology, loads adapters, runs one batch and writes
 the logits: how users and tests check what an adapter does on a sharded engine.
 """
@@ -9,10 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
+from node_agent.agent import Agent, AgentConfig
+from node_agent.auth import TlsFiles, read_token
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
+from node_agent.server import ServerOptions, create_server
+from node_agent.sources import SourcePolicy
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -26,6 +32,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks in the engine (default 1)")
     parser.add_argument("--dp", type=int, default=1, help="DP-attention groups; must divide --tp (default 1)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel groups for MoE models; must divide --tp (default 1)")
     parser.add_argument("--fully-sharded-loras", action="store_true", help="S-LoRA mode: shard LoRA A/B on the rank dim too")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted (default 16)")
     parser.add_argument("--max-loras-per-batch", type=int, default=4, help="device LoRA slots per rank (default 4)")
@@ -38,7 +45,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model_dir=args.model,
-        topology=Topology(tp_size=args.tp, dp_size=args.dp, fully_sharded_loras=args.fully_sharded_loras),
+        topology=Topology(tp_size=args.tp, dp_size=args.dp, ep_size=args.ep, fully_sharded_loras=args.fully_sharded_loras),
         max_lora_rank=args.max_lora_rank,
         max_loras_per_batch=args.max_loras_per_batch,
         max_loaded_loras=args.max_loaded_loras,
@@ -93,6 +100,67 @@ def run_forward(args: argparse.Namespace) -> None:
     log.info("wrote %d logits tensors to %s", len(logits), args.output)
 
 
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent's own flags (the engine's come from add_engine_arguments)."""
+    parser.add_argument("--listen", default="0.0.0.0:50051", metavar="HOST:PORT",
+                        help="gRPC address; port 0 picks a free one (default 0.0.0.0:50051)")
+    parser.add_argument("--base-model-name", metavar="NAME",
+                        help="base model name reported by Describe (default: the --model directory's name)")
+    parser.add_argument("--adapter-root", action="append", default=[], type=Path, metavar="DIR",
+                        help="directory file:// adapter sources must lie under (repeatable; none: file:// refused)")
+    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
+                        help="where http(s) adapter sources are downloaded (none: http(s) refused)")
+    parser.add_argument("--auth-token-file", type=Path, metavar="FILE",
+                        help="require 'authorization: Bearer <token>' on every call but health")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
+                        help="mutual TLS: require client certificates issued by this PEM CA")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics over HTTP on this port")
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """Read the auth and TLS files named by the flags; a bad file is a usage error."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise UsageError("--tls-client-ca needs --tls-cert and --tls-key")
+    for path in (args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file):
+        if path is not None and not path.is_file():
+            raise UsageError(f"{path} is not a readable file")
+    try:
+        token = read_token(args.auth_token_file) if args.auth_token_file else None
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port)
+
+
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    for root in args.adapter_root:
+        if not root.is_dir():
+            raise UsageError(f"--adapter-root {root} is not a directory")
+    sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir)
+    return AgentConfig(base_model_name=args.base_model_name or "", sources=sources)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    options = server_options(args)
+    config = agent_config(args)
+    with Agent.start(engine_config(args), config) as agent:
+        server = create_server(agent, options)
+        server.start()
+        log.info("serving lorafleet.v1.NodeAgent on %s (port %d)", args.listen, server.port)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: server.request_stop())
+        died = server.wait()
+        server.stop()
+        if died:
+            # Exit non-zero so Kubernetes restarts the pod: a rank cannot be restarted alone.
+            raise EngineError(f"engine is not serving ({agent.failure()}); exiting so the pod restarts")
+    log.info("stopped")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lorafleet-agent", description="lorafleet node agent: sharded multi-LoRA engine")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -111,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help='JSON list of {"tokens": [int, ...], "adapter": "NAME" or null}')
     forward.add_argument("--output", required=True, type=Path, metavar="OUT.safetensors", help="where to write the logits")
     forward.set_defaults(run=run_forward)
+    serve = commands.add_parser(
+        "serve",
+        help="run the node agent: an engine and the lorafleet.v1.NodeAgent gRPC service",
+        description="Start an engine with the given topology and serve lorafleet.v1.NodeAgent, "
+        "grpc.health.v1.Health and reflection. Exits non-zero when a rank dies (see docs/agent.md).",
+    )
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(run=run_serve)
     return parser
 
 

@@ -100,6 +100,10 @@ class LoraLinear(nn.Module):
     def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
         return self.lora
 
+    def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
+        """Per slice: the (A, B) shape of one slot's buffers."""
+        return [(list(a.shape[1:]), list(b.shape[1:])) for a, b in zip(self.a_stacks, self.b_stacks)]
+
 
 class ColumnParallelLoraLinear(LoraLinear):
     """Output features split over the group (qkv_proj, gate_up_proj); no reduction."""

@@ -20,11 +20,13 @@ from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, al
 from node_agent.engine.kernels import LoraBatch
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear
 from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
 from node_agent.engine.sharding import (
     MODULE_KINDS,
     ShardGroup,
     effective_shard,
     kv_heads_on_rank,
+    local_experts,
     module_layout,
     vocab_span,
 )
@@ -170,11 +172,44 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up, batch)
 
 
-class DecoderLayer(nn.Module):
+class MoE(nn.Module):
+    """The expert block of a layer: this rank's experts, then one reduction over the full group."""
+
     def __init__(self, cfg, topology, rank, groups, capacity, dtype, device) -> None:
         super().__init__()
+        experts = local_experts(cfg, topology, rank)
+        moe_group = groups.get(ShardGroup.MOE_TP)
+        projections = [
+            ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, moe_group, capacity, dtype, device)
+            for kind in ("experts.gate_up_proj", "experts.down_proj")
+        ]
+        self.block = SparseMoeBlock(cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.hidden_size,
+                                    *projections, dtype, device)
+        self.full_group = groups.get(ShardGroup.FULL_TP)
+
+    def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        return all_reduce(self.block(x, batch), self.full_group)
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        self.block.router.copy_(checkpoint.read(f"{prefix}.gate.weight"))
+        self.block.gate_up.load_base(checkpoint, f"{prefix}.experts")
+        self.block.down.load_base(checkpoint, f"{prefix}.experts")
+
+    def slot_views(self) -> dict[tuple[str, int], ExpertSlotView]:
+        """One pool-facing view per (expert kind, global expert id) held here."""
+        views = {}
+        for kind, module in (("experts.gate_up_proj", self.block.gate_up), ("experts.down_proj", self.block.down)):
+            for local, expert in enumerate(range(module.experts.start, module.experts.stop)):
+                views[(kind, expert)] = ExpertSlotView(module, local)
+        return views
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device, sparse: bool) -> None:
+        super().__init__()
         self.self_attn = Attention(cfg, topology, rank, groups, capacity, dtype, device)
-        self.mlp = MLP(cfg, topology, rank, groups, capacity, dtype, device)
+        mlp_class = MoE if sparse else MLP
+        self.mlp = mlp_class(cfg, topology, rank, groups, capacity, dtype, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.full_group = groups.get(ShardGroup.FULL_TP)
@@ -209,20 +244,26 @@ class CausalLM(nn.Module):
             self.embed_tokens if cfg.tie_word_embeddings
             else VocabParallelEmbedding(cfg, topology, rank, groups, dtype, device)
         )
+        sparse = cfg.moe.sparse_layers if cfg.moe else frozenset()
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, topology, rank, groups, capacity, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, topology, rank, groups, capacity, dtype, device, index in sparse)
+            for index in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
-    def lora_modules(self) -> dict[tuple[int, str], LoraLinear]:
-        """Every LoRA-capable module, keyed by (layer index, module kind)."""
-        found = {}
+    def lora_modules(self) -> dict[tuple, LoraLinear | ExpertSlotView]:
+        """Every LoRA target the pool fills: (layer, kind) for dense modules, (layer, kind,
+        global expert id) for each expert held on this rank."""
+        found: dict[tuple, LoraLinear | ExpertSlotView] = {}
         for index, layer in enumerate(self.layers):
             for owner in (layer.self_attn, layer.mlp):
                 for name, module in owner.named_children():
                     if isinstance(module, LoraLinear):
                         found[(index, name)] = module
+            if isinstance(layer.mlp, MoE):
+                for (kind, expert), view in layer.mlp.slot_views().items():
+                    found[(index, kind, expert)] = view
         return found
 
     def load_base(self, checkpoint: Checkpoint) -> None:
@@ -240,8 +281,11 @@ class CausalLM(nn.Module):
             if layer.self_attn.q_norm is not None:
                 layer.self_attn.q_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.q_norm.weight"))
                 layer.self_attn.k_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.k_norm.weight"))
-            layer.mlp.gate_up_proj.load_base(checkpoint, f"{prefix}.mlp")
-            layer.mlp.down_proj.load_base(checkpoint, f"{prefix}.mlp")
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.load_base(checkpoint, f"{prefix}.mlp")
+            else:
+                layer.mlp.gate_up_proj.load_base(checkpoint, f"{prefix}.mlp")
+                layer.mlp.down_proj.load_base(checkpoint, f"{prefix}.mlp")
 
     def rope_tables(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..len-1 of each sequence, concatenated."""

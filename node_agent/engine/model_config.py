@@ -6,12 +6,35 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3"}
+SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
 class ModelConfigError(ValueError):
     """The model directory cannot be served (missing files, unsupported architecture)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts of a Qwen3-MoE model (no shared expert in this family)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool
+    sparse_layers: frozenset[int]  # layers whose MLP is the expert block
+
+    @classmethod
+    def from_dict(cls, raw: dict, num_layers: int) -> MoEConfig | None:
+        # transformers 5 writes num_local_experts; checkpoints made with transformers 4 say num_experts.
+        experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        if experts == 0:
+            return None
+        dense_only = set(raw.get("mlp_only_layers") or [])
+        step = int(raw.get("decoder_sparse_step") or 1)
+        sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+        return cls(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                   bool(raw.get("norm_topk_prob", False)), sparse)
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,7 @@ class ModelConfig:
     attention_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    moe: MoEConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -84,7 +108,8 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=MoEConfig.from_dict(raw, int(raw["num_hidden_layers"])) if model_type == "qwen3_moe" else None,
         )
 
 

@@ -24,7 +24,12 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-_MODULE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<name>\w+)$")
+_MODULE = re.compile(
+    r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)$"
+)
+# PEFT `target_parameters` LoRA on the fused 3-D expert weights: nested wrappers add `.base_layer`.
+_FUSED_EXPERTS = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
+FUSED_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 class AdapterLoadError(ValueError):
@@ -33,15 +38,30 @@ class AdapterLoadError(ValueError):
 
 @dataclass(frozen=True)
 class ModuleAdapter:
-    """One targeted PEFT module: where its tensors are and how it scales."""
+    """One targeted module slice (of one expert, for experts): where its tensors are, how it scales.
+
+    PEFT's fused expert LoRA packs all experts in one A [r·E, in] (expert-major rows) and one
+    B [out, r·E] (rank-major columns: column j·E + e is rank j of expert e); the offsets and the
+    stride below select one expert's part. For every other form they are 0, 0, 0 and 1.
+    """
 
     layer: int
-    kind: str  # engine module kind, e.g. "qkv_proj"
+    kind: str  # engine module kind, e.g. "qkv_proj", "experts.down_proj"
     slice_index: int  # which fused slice (q=0, k=1, v=2; gate=0, up=1)
     a_key: str
     b_key: str
     rank: int
     scale: float
+    expert: int | None = None  # global expert id
+    a_row_offset: int = 0
+    b_row_offset: int = 0
+    b_col_start: int = 0
+    b_col_stride: int = 1
+
+    @property
+    def key(self) -> tuple:
+        """The engine's key of the module this slice fills (see CausalLM.lora_modules)."""
+        return (self.layer, self.kind) if self.expert is None else (self.layer, self.kind, self.expert)
 
 
 @dataclass(frozen=True)
@@ -91,8 +111,13 @@ def _refuse_unsupported_features(config: dict) -> None:
         raise AdapterLoadError("LoRA bias is not supported (adapter config sets bias/lora_bias)")
     if config.get("fan_in_fan_out"):
         raise AdapterLoadError("fan_in_fan_out adapters (Conv1D models) are not supported")
-    if config.get("target_parameters"):
-        raise AdapterLoadError("target_parameters LoRA is not supported for dense models")
+    # Entries match parameter names by suffix (PEFT may also move a target_modules name here).
+    fused_names = {name.rsplit(".", 1)[-1] for name in FUSED_PARAMETERS}
+    unknown = sorted(t for t in config.get("target_parameters") or [] if t.rsplit(".", 1)[-1] not in fused_names)
+    if unknown:
+        raise AdapterLoadError(
+            f"target_parameters {', '.join(unknown)} are not supported (supported: {', '.join(FUSED_PARAMETERS)})"
+        )
     for field in ("r", "lora_alpha"):
         value = config.get(field)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -122,7 +147,7 @@ def _read_header(weights: Path) -> dict[str, list[int]]:
 
 
 def _match_modules(config: dict, header: dict[str, list[int]], cfg: ModelConfig, max_lora_rank: int) -> list[ModuleAdapter]:
-    _check_target_names(config)
+    _check_target_names(config, cfg)
     pairs: dict[str, dict[str, str]] = {}
     for key in header:
         match = _KEY.match(key)
@@ -136,29 +161,34 @@ def _match_modules(config: dict, header: dict[str, list[int]], cfg: ModelConfig,
         if set(keys) != {"A", "B"}:
             missing = "lora_B" if "A" in keys else "lora_A"
             raise AdapterLoadError(f"module {module_name} has no {missing} tensor in {WEIGHTS_FILE}")
-        modules.append(_module_adapter(module_name, keys["A"], keys["B"], header, config, cfg, max_lora_rank))
+        if _FUSED_EXPERTS.match(module_name):
+            modules.extend(_fused_expert_adapters(module_name, keys["A"], keys["B"], header, config, cfg, max_lora_rank))
+        else:
+            modules.append(_module_adapter(module_name, keys["A"], keys["B"], header, config, cfg, max_lora_rank))
     return modules
 
 
-def _check_target_names(config: dict) -> None:
+def _check_target_names(config: dict, cfg: ModelConfig) -> None:
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(t for t in targets if t.split(".")[-1] not in PEFT_TO_KIND)
+        names = {name for parent, name in PEFT_TO_KIND if parent != "mlp.experts" or cfg.moe}
+        unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
         if unknown:
             raise AdapterLoadError(
                 f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
-                f"(it has {', '.join(sorted(PEFT_TO_KIND))})"
+                f"(it has {', '.join(sorted(names))})"
             )
 
 
 def _module_adapter(module_name, a_key, b_key, header, config, cfg: ModelConfig, max_lora_rank) -> ModuleAdapter:
     match = _MODULE.match(module_name)
-    if not match or match["name"] not in PEFT_TO_KIND or int(match["layer"]) >= cfg.num_layers:
+    layer = int(match["layer"]) if match else -1
+    expert = int(match["expert"]) if match and match["expert"] is not None else None
+    parent = "mlp.experts" if expert is not None else (match["parent"] if match else "")
+    if not match or not _module_exists(cfg, layer, parent, match["name"], expert):
         raise AdapterLoadError(f"base model does not have module {module_name}")
-    kind_name, slice_index = PEFT_TO_KIND[match["name"]]
-    if MODULE_KINDS[kind_name].parent != match["parent"]:
-        raise AdapterLoadError(f"base model does not have module {module_name}")
-    out_features, in_features = expected_shape(cfg, match["name"])
+    kind_name, slice_index = PEFT_TO_KIND[(parent, match["name"])]
+    out_features, in_features = expected_shape(cfg, match["name"], experts=expert is not None)
     a_shape, b_shape = header[a_key], header[b_key]
     rank = a_shape[0] if len(a_shape) == 2 else -1
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_features or b_shape[0] != out_features or b_shape[1] != rank:
@@ -173,8 +203,65 @@ def _module_adapter(module_name, a_key, b_key, header, config, cfg: ModelConfig,
         raise AdapterLoadError(
             f"{module_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it"
         )
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return ModuleAdapter(int(match["layer"]), kind_name, slice_index, a_key, b_key, rank, scale)
+    return ModuleAdapter(layer, kind_name, slice_index, a_key, b_key, rank, _scale(config, alpha, rank), expert)
+
+
+def _scale(config: dict, alpha: float, rank: int) -> float:
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert: int | None) -> bool:
+    """Does the base model have this module? MLP modules depend on whether the layer is sparse."""
+    if (parent, name) not in PEFT_TO_KIND or not 0 <= layer < cfg.num_layers:
+        return False
+    if parent == "self_attn":
+        return True
+    if parent == "mlp.experts":
+        return _is_sparse(cfg, layer) and expert < cfg.moe.num_experts
+    return not _is_sparse(cfg, layer)
+
+
+def _is_sparse(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.moe is not None and layer in cfg.moe.sparse_layers
+
+
+def _fused_expert_adapters(module_name, a_key, b_key, header, config, cfg: ModelConfig, max_lora_rank) -> list[ModuleAdapter]:
+    """Split PEFT's `target_parameters` LoRA on the 3-D expert weights into per-expert slices.
+
+    Which parameter a pair adapts is told by its shapes: gate_up_proj maps hidden → 2·I,
+    down_proj I → hidden, and the two can never coincide (that would need hidden = I = 2·I).
+    """
+    layer = int(_FUSED_EXPERTS.match(module_name)["layer"])
+    if not _is_sparse(cfg, layer):
+        raise AdapterLoadError(f"base model does not have module {module_name} (layer {layer} has no experts)")
+    experts, hidden, inter = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
+    a_shape, b_shape = header[a_key], header[b_key]
+    fits = len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] % experts == 0 and a_shape[0] == b_shape[1]
+    projection = {(hidden, 2 * inter): "gate_up_proj", (inter, hidden): "down_proj"}.get(
+        (a_shape[1], b_shape[0]) if fits else None
+    )
+    if projection is None:
+        raise AdapterLoadError(
+            f"{module_name}: lora_A {a_shape} / lora_B {b_shape} does not fit the base model's experts "
+            f"(expected [r*{experts}, {hidden}] / [{2 * inter}, r*{experts}] for gate_up_proj or "
+            f"[r*{experts}, {inter}] / [{hidden}, r*{experts}] for down_proj); is this adapter for another base model?"
+        )
+    rank = a_shape[0] // experts
+    parameter_name = f"{module_name.split('.base_layer')[0]}.{projection}"
+    if rank > max_lora_rank:
+        raise AdapterLoadError(f"{parameter_name}: rank {rank} exceeds max_lora_rank {max_lora_rank}")
+    configured_rank, alpha = _rank_and_alpha(config, parameter_name)
+    if configured_rank != rank:
+        raise AdapterLoadError(f"{parameter_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it")
+    scale = _scale(config, alpha, rank)
+    kind = f"experts.{projection}"
+    slices = [(0, 0), (1, inter)] if projection == "gate_up_proj" else [(0, 0)]
+    return [
+        ModuleAdapter(layer, kind, index, a_key, b_key, rank, scale, expert, a_row_offset=expert * rank,
+                      b_row_offset=row_offset, b_col_start=expert, b_col_stride=experts)
+        for expert in range(experts)
+        for index, row_offset in slices
+    ]
 
 
 def _rank_and_alpha(config: dict, module_name: str) -> tuple[int, float]:
@@ -194,8 +281,12 @@ def _pattern_key(patterns: dict, module_name: str) -> str:
     return module_name
 
 
-def expected_shape(cfg: ModelConfig, peft_module: str) -> tuple[int, int]:
-    """(out, in) features of an unsharded PEFT target module in the base model."""
+def expected_shape(cfg: ModelConfig, peft_module: str, experts: bool = False) -> tuple[int, int]:
+    """(out, in) features of an unsharded PEFT target module (of one expert) in the base model."""
+    if experts:
+        inter = cfg.moe.intermediate_size
+        return {"gate_proj": (inter, cfg.hidden_size), "up_proj": (inter, cfg.hidden_size),
+                "down_proj": (cfg.hidden_size, inter)}[peft_module]
     return {
         "q_proj": (cfg.q_size, cfg.hidden_size),
         "k_proj": (cfg.kv_size, cfg.hidden_size),
@@ -211,41 +302,55 @@ def expected_shape(cfg: ModelConfig, peft_module: str) -> tuple[int, int]:
 class AdapterShard:
     """This rank's part of one adapter, ready to be copied into LoRA slots."""
 
-    weights: dict[tuple[int, str], list[SliceWeights | None]]
+    weights: dict[tuple, list[SliceWeights | None]]  # keyed like CausalLM.lora_modules()
     nbytes: int
 
 
 def read_adapter_shard(
     spec: AdapterSpec,
-    lora_layouts: dict[tuple[int, str], tuple[LoraSliceLayout, ...]],
+    lora_layouts: dict[tuple, tuple[LoraSliceLayout, ...]],
     dtype: torch.dtype,
 ) -> AdapterShard:
     """Read this rank's slices of every module (per `lora_layouts`), padded to max rank."""
-    weights: dict[tuple[int, str], list[SliceWeights | None]] = {}
+    weights: dict[tuple, list[SliceWeights | None]] = {}
     nbytes = 0
     try:
         handle = safe_open(str(spec.path / WEIGHTS_FILE), framework="pt")
     except Exception as error:
         raise AdapterLoadError(f"{WEIGHTS_FILE} is corrupt or truncated: {error}") from error
     for module in spec.modules:
-        layout = lora_layouts[(module.layer, module.kind)][module.slice_index]
-        a = _read_padded(handle, module.a_key, rows=layout.a_rank, cols=layout.a_in, real_rows=module.rank)
-        b = _read_padded(handle, module.b_key, rows=layout.b_out, cols=layout.b_rank, real_cols=module.rank)
+        layouts = lora_layouts.get(module.key)
+        if layouts is None:
+            if module.expert is None:
+                raise AdapterLoadError(f"engine has no module for {module.a_key}")
+            continue  # an expert held by another expert-parallel group
+        layout = layouts[module.slice_index]
+        a = _read_padded(handle, module.a_key, rows=layout.a_rank, cols=layout.a_in, real_rows=module.rank,
+                         row_offset=module.a_row_offset)
+        b = _read_padded(handle, module.b_key, rows=layout.b_out, cols=layout.b_rank, real_cols=module.rank,
+                         row_offset=module.b_row_offset, col_start=module.b_col_start, col_stride=module.b_col_stride)
         for tensor, key in ((a, module.a_key), (b, module.b_key)):
             if not torch.isfinite(tensor).all():
                 raise AdapterLoadError(f"tensor {key} has non-finite values (NaN or Inf)")
-        slices = weights.setdefault((module.layer, module.kind), [None] * len(MODULE_KINDS[module.kind].peft_modules))
+        slices = weights.setdefault(module.key, [None] * len(MODULE_KINDS[module.kind].peft_modules))
         slices[module.slice_index] = SliceWeights(a.to(dtype), b.to(dtype), module.scale)
         nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
     return AdapterShard(weights, nbytes)
 
 
-def _read_padded(handle, key: str, rows: Span, cols: Span, real_rows: int | None = None, real_cols: int | None = None) -> torch.Tensor:
-    """Read rows×cols of a 2-D tensor, zero-filling the part beyond its real rank."""
+def _read_padded(handle, key: str, rows: Span, cols: Span, real_rows: int | None = None, real_cols: int | None = None,
+                 row_offset: int = 0, col_start: int = 0, col_stride: int = 1) -> torch.Tensor:
+    """Read rows×cols of a 2-D tensor, zero-filling the part beyond its real rank.
+
+    Logical row i is file row `row_offset + i`; logical column j is file column
+    `col_start + j·col_stride` (how PEFT packs experts into one B).
+    """
     out = torch.zeros(rows.width, cols.width, dtype=torch.float32)
     row_stop = min(rows.stop, real_rows) if real_rows is not None else rows.stop
     col_stop = min(cols.stop, real_cols) if real_cols is not None else cols.stop
     if row_stop > rows.start and col_stop > cols.start:
-        part = handle.get_slice(key)[rows.start : row_stop, cols.start : col_stop]
-        out[: row_stop - rows.start, : col_stop - cols.start] = part.float()
+        first = col_start + cols.start * col_stride
+        last = col_start + (col_stop - 1) * col_stride
+        part = handle.get_slice(key)[row_offset + rows.start : row_offset + row_stop, first : last + 1]
+        out[: row_stop - rows.start, : col_stop - cols.start] = part[:, ::col_stride].float()
     return out

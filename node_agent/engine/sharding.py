@@ -47,12 +47,20 @@ MODULE_KINDS: dict[str, ModuleKind] = {
         ModuleKind("o_proj", ShardGroup.ATTN_TP, ParallelStyle.ROW, ("o_proj",), "self_attn"),
         ModuleKind("gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp"),
         ModuleKind("down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp"),
+        # Routed experts: each expert's intermediate dim is split over the MoE-TP group.
+        ModuleKind("experts.gate_up_proj", ShardGroup.MOE_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp.experts"),
+        ModuleKind("experts.down_proj", ShardGroup.MOE_TP, ParallelStyle.ROW, ("down_proj",), "mlp.experts"),
     )
 }
+DENSE_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+EXPERT_KINDS = ("experts.gate_up_proj", "experts.down_proj")
 
-# PEFT module name (e.g. "k_proj") -> (engine module kind, slice index inside it).
-PEFT_TO_KIND: dict[str, tuple[str, int]] = {
-    peft: (kind.name, index) for kind in MODULE_KINDS.values() for index, peft in enumerate(kind.peft_modules)
+# PEFT module name (e.g. "k_proj") under a parent ("self_attn", "mlp", "mlp.experts")
+# -> (engine module kind, slice index inside it).
+PEFT_TO_KIND: dict[tuple[str, str], tuple[str, int]] = {
+    (kind.parent, peft): (kind.name, index)
+    for kind in MODULE_KINDS.values()
+    for index, peft in enumerate(kind.peft_modules)
 }
 
 
@@ -131,17 +139,29 @@ def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: st
     shard = effective_shard(topology, rank, kind.group)
     if kind.name == "qkv_proj":
         return ModuleLayout(kind, shard, cfg.hidden_size, _qkv_slices(cfg, shard))
-    if kind.name == "gate_up_proj":
-        out = even_span(cfg.intermediate_size, shard, "intermediate_size")
-        full = Span(0, cfg.hidden_size)
-        return ModuleLayout(kind, shard, cfg.hidden_size, tuple(SliceLayout(m, out, full) for m in kind.peft_modules))
     if kind.name == "o_proj":
         inp = even_span(cfg.q_size, shard, "num_attention_heads * head_dim")
         return ModuleLayout(kind, shard, cfg.q_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
-    if kind.name == "down_proj":
-        inp = even_span(cfg.intermediate_size, shard, "intermediate_size")
-        return ModuleLayout(kind, shard, cfg.intermediate_size, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
-    raise KeyError(kind_name)
+    intermediate, what = (
+        (cfg.moe.intermediate_size, "moe_intermediate_size") if kind.name in EXPERT_KINDS else (cfg.intermediate_size, "intermediate_size")
+    )
+    if kind.style is ParallelStyle.COLUMN:  # gate_up_proj, experts.gate_up_proj
+        out = even_span(intermediate, shard, what)
+        full = Span(0, cfg.hidden_size)
+        return ModuleLayout(kind, shard, cfg.hidden_size, tuple(SliceLayout(m, out, full) for m in kind.peft_modules))
+    inp = even_span(intermediate, shard, what)  # down_proj, experts.down_proj
+    return ModuleLayout(kind, shard, intermediate, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
+
+
+def local_experts(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
+    """The routed experts (global ids) a rank holds: its expert-parallel group's share."""
+    ep_rank = topology.coords(rank).ep_rank
+    return even_span(cfg.moe.num_experts, Shard(ShardGroup.MOE_TP, topology.ep_size, ep_rank), "num_experts")
+
+
+def model_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The module kinds a model has: dense ones, plus the expert ones for an MoE model."""
+    return DENSE_KINDS + (EXPERT_KINDS if cfg.moe else ())
 
 
 def kv_heads_on_rank(cfg: ModelConfig, shard: Shard) -> Span:
@@ -218,6 +238,10 @@ def vocab_span(vocab_size: int, shard: Shard) -> Span:
 
 def validate_topology(cfg: ModelConfig, topology: Topology, max_rank: int) -> None:
     """Raise TopologyError now if any rank could not build any module (before spawning ranks)."""
+    if topology.ep_size > 1 and not cfg.moe:
+        raise TopologyError(f"--ep {topology.ep_size} needs a model with routed experts")
     for rank in range(topology.tp_size):
-        for kind_name in MODULE_KINDS:
+        if cfg.moe:
+            local_experts(cfg, topology, rank)
+        for kind_name in model_kinds(cfg):
             lora_layout(module_layout(cfg, topology, rank, kind_name), max_rank, topology.fully_sharded_loras)

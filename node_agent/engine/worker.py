@@ -82,11 +82,8 @@ class RankWorker:
         """This rank's coordinates and every LoRA module's per-slot A/B buffer shapes."""
         return {
             "modules": {
-                f"layers.{layer}.{kind}": {
-                    "a": [list(a.shape[1:]) for a in module.a_stacks],
-                    "b": [list(b.shape[1:]) for b in module.b_stacks],
-                }
-                for (layer, kind), module in self.modules.items()
+                _module_name(key): {"a": [a for a, _ in shapes], "b": [b for _, b in shapes]}
+                for key, shapes in ((key, module.slot_shapes()) for key, module in self.modules.items())
             },
             "resident": self.pool.resident(),
             "loaded": list(self.pool.adapters),
@@ -139,6 +136,14 @@ class RankWorker:
             out[i] = logits[start : start + length].cpu().numpy()
             start += length
         return out
+
+
+def _module_name(key: tuple) -> str:
+    """(layer, kind[, expert]) → "layers.L.kind" or "layers.L.experts.E.proj"."""
+    if len(key) == 3:
+        layer, kind, expert = key
+        return f"layers.{layer}.experts.{expert}.{kind.split('.', 1)[1]}"
+    return f"layers.{key[0]}.{key[1]}"
 
 
 def _proc_status_bytes(field: str) -> int:

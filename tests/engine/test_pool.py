@@ -9,7 +9,7 @@ from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import read_adapter_shard, read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
-from node_agent.engine.sharding import MODULE_KINDS, module_layout
+from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, module_layout
 from node_agent.engine.topology import Topology
 from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
@@ -32,7 +32,7 @@ def make_pool(cfg, adapters, slots: int, max_loaded: int = 8):
     topology = Topology(1)
     modules = {(0, name): LAYER_CLASSES[kind.style](module_layout(cfg, topology, 0, name), None, capacity, False,
                                                     torch.float32, torch.device("cpu"))
-               for name, kind in MODULE_KINDS.items()}
+               for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)}
     layouts = {key: module.lora_slices() for key, module in modules.items()}
     shards = {name: read_adapter_shard(read_adapter_spec(path, cfg, MAX_RANK), layouts, torch.float32)
               for name, path in adapters.items()}

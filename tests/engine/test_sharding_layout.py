@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec
-from node_agent.engine.sharding import MODULE_KINDS, ParallelStyle, module_layout
+from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, ParallelStyle, module_layout
 from node_agent.engine.topology import Topology
 from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
@@ -43,7 +43,7 @@ def build_layers(cfg: ModelConfig, topology: Topology, rank: int):
     return {
         (0, name): LAYER_CLASSES[kind.style](module_layout(cfg, topology, rank, name), None, capacity, False,
                                              torch.float32, torch.device("cpu"))
-        for name, kind in MODULE_KINDS.items()
+        for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)
     }
 
 

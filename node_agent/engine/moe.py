@@ -1,0 +1,150 @@
+"""Routed experts with expert parallelism and expert LoRA (Qwen3-MoE; DESIGN.md §2, §3).
+
+A rank holds only its expert-parallel group's experts (`sharding.local_experts`), each split over
+the MoE-TP group like a dense MLP. LoRA buffers are indexed by *local* expert id; a token routed
+to an expert held elsewhere (or to id −1) is simply not gathered here, so it reads no weights of
+this rank. The block's partial output is reduced once, over the full TP group, by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from node_agent.engine import kernels
+from node_agent.engine.checkpoint import Checkpoint
+from node_agent.engine.distributed import all_gather_last_dim, all_reduce
+from node_agent.engine.lora_layers import LoraCapacity, SliceWeights
+from node_agent.engine.sharding import ModuleLayout, ParallelStyle, Span, lora_layout
+
+
+class ExpertLoraLinear(nn.Module):
+    """One projection (gate_up or down) of every local expert, with per-expert LoRA slots."""
+
+    def __init__(self, layout: ModuleLayout, experts: Span, group: dist.ProcessGroup | None,
+                 capacity: LoraCapacity, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.layout = layout
+        self.experts = experts
+        self.group = group
+        self.style = layout.kind.style
+        self.lora = lora_layout(layout, capacity.max_rank, capacity.fully_sharded)
+        self.gathers_shrink = capacity.fully_sharded and layout.shard.size > 1
+        count = experts.width
+        if self.style is ParallelStyle.COLUMN:
+            shape = (layout.local_out_width, layout.in_features)
+        else:
+            shape = (layout.slices[0].out.width, layout.slices[0].inp.width)
+        self.weight = nn.Parameter(torch.empty(count, *shape, dtype=dtype, device=device), requires_grad=False)
+        zeros = lambda *size: torch.zeros(*size, dtype=dtype, device=device)  # noqa: E731
+        self.a_stacks = [zeros(capacity.slots, count, s.a_rank.width, s.a_in.width) for s in self.lora]
+        self.b_stacks = [zeros(capacity.slots, count, s.b_out.width, s.b_rank.width) for s in self.lora]
+        self.scales = torch.zeros(len(self.lora), capacity.slots, count, dtype=torch.float32, device=device)
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read every local expert's slices from per-expert tensors (`{prefix}.{id}.gate_proj...`)."""
+        for local, expert in enumerate(range(self.experts.start, self.experts.stop)):
+            if self.style is ParallelStyle.COLUMN:
+                rows = [checkpoint.read(f"{prefix}.{expert}.{s.peft_module}.weight", rows=s.out) for s in self.layout.slices]
+                self.weight[local].copy_(torch.cat(rows))
+            else:
+                (only,) = self.layout.slices
+                self.weight[local].copy_(checkpoint.read(f"{prefix}.{expert}.{only.peft_module}.weight", cols=only.inp))
+
+    def set_expert_slot(self, slot: int, local: int, weights: list[SliceWeights | None]) -> None:
+        for index, part in enumerate(weights):
+            a, b = self.a_stacks[index][slot, local], self.b_stacks[index][slot, local]
+            if part is None:
+                a.zero_()
+                b.zero_()
+                self.scales[index, slot, local] = 0.0
+            else:
+                a.copy_(part.a)
+                b.copy_(part.b)
+                self.scales[index, slot, local] = part.scale
+
+    def forward(self, x: torch.Tensor, local: int, batch: kernels.LoraBatch) -> torch.Tensor:
+        """This rank's output of local expert `local` for its routed tokens `x` (unreduced)."""
+        out = F.linear(x, self.weight[local])
+        a_stacks = [a[:, local] for a in self.a_stacks]
+        b_stacks = [b[:, local] for b in self.b_stacks]
+        scales = self.scales[:, :, local]
+        shrunk = kernels.shrink(x, a_stacks, batch)
+        if self.style is ParallelStyle.COLUMN:
+            if self.gathers_shrink:
+                shrunk = all_gather_last_dim(shrunk, self.group)
+            kernels.expand(shrunk, b_stacks, scales, batch, out)
+        elif self.gathers_shrink:
+            all_reduce(shrunk, self.group)
+            block = self.lora[0].b_out
+            kernels.expand(shrunk, b_stacks, scales, batch, out[:, block.start : block.stop])
+        else:
+            kernels.expand(shrunk, b_stacks, scales, batch, out)
+        return out
+
+
+class ExpertSlotView:
+    """One local expert of an `ExpertLoraLinear`, seen by the pool as a module of its own."""
+
+    def __init__(self, module: ExpertLoraLinear, local: int) -> None:
+        self.module = module
+        self.local = local
+
+    def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
+        self.module.set_expert_slot(slot, self.local, weights)
+
+    def clear_slot(self, slot: int) -> None:
+        self.module.set_expert_slot(slot, self.local, [None] * len(self.module.lora))
+
+    def lora_slices(self):
+        return self.module.lora
+
+    def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
+        return [(list(a.shape[2:]), list(b.shape[2:])) for a, b in zip(self.module.a_stacks, self.module.b_stacks)]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (replicated) + this rank's experts; returns the partial output to be reduced."""
+
+    def __init__(self, num_experts: int, top_k: int, norm_topk_prob: bool, hidden: int,
+                 gate_up: ExpertLoraLinear, down: ExpertLoraLinear, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.router = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.gate_up = gate_up
+        self.down = down
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids and weights per token, as transformers' Qwen3-MoE router computes them."""
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.experts_forward(x, ids, weights, batch)
+
+    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        batch: kernels.LoraBatch) -> torch.Tensor:
+        """Sum over this rank's experts of weight · expert(x) for the tokens routed to them.
+
+        `ids` may hold experts of other ranks and −1 (no expert); those rows contribute nothing.
+        Every rank of a MoE-TP group holds the same experts and sees the same routing, so the
+        group's collectives inside the experts line up.
+        """
+        out = torch.zeros_like(x)
+        experts = self.gate_up.experts
+        for local, expert in enumerate(range(experts.start, experts.stop)):
+            token_idx, k_pos = torch.where(ids == expert)
+            if token_idx.numel() == 0:
+                continue
+            expert_batch = kernels.LoraBatch.from_token_slots(batch.token_slots[token_idx])
+            gate, up = self.gate_up(x[token_idx], local, expert_batch).chunk(2, dim=-1)
+            hidden = self.down(F.silu(gate) * up, local, expert_batch)
+            out.index_add_(0, token_idx, hidden * weights[token_idx, k_pos, None])
+        return out
