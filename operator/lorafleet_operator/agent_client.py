@@ -1,0 +1,209 @@
+"""gRPC client for the node agents (``lorafleet.v1.NodeAgent``), as the operator uses it.
+
+One channel per (endpoint, credentials), reused across reconciles; every call has its own
+deadline and goes through two semaphores (per agent and in all), so a fan-out over many
+adapters and agents stays bounded. gRPC failures become :class:`AgentError`, classified once,
+here, as transient (retry with back-off) or permanent (report, retry only when something
+changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+
+from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_operator import metrics
+from lorafleet_operator.config import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Codes that say "try again later": the agent or one of its ranks is down or busy.
+TRANSIENT_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+})
+
+#: Reconnect quickly after an agent restart: gRPC's default back-off grows to two minutes,
+#: during which calls to a healthy agent would fail fast with UNAVAILABLE.
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
+class AgentError(Exception):
+    """A failed call to an agent; ``transient`` says whether retrying soon can help."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.transient = code in TRANSIENT_CODES
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach a fleet's agents (from its Secret refs); the default is plaintext, no token."""
+
+    token: str = ""
+    root_ca: bytes | None = None
+    client_cert: bytes | None = None
+    client_key: bytes | None = None
+    server_name: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return self.root_ca is not None
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """Describe, reduced to what the operator uses."""
+
+    agent_id: str
+    base_model: str
+    config_sha256: str
+    tp_size: int
+    dp_size: int
+    attn_tp_size: int
+    ep_size: int
+    max_lora_rank: int
+    max_loras_per_batch: int
+    max_loaded_loras: int
+    ranks: int
+    ranks_alive: int
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """One adapter of an agent's registry (ListAdapters)."""
+
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    """LoadAdapter / UnloadAdapter reply: the agent's merge over its ranks, plus rank counts."""
+
+    success: bool
+    error_message: str
+    ranks_ok: int
+    ranks_reported: int
+    loaded_adapters: tuple[str, ...]
+
+
+def _control_reply(reply: Any) -> ControlReply:
+    ranks = list(reply.rank_results)
+    return ControlReply(
+        success=bool(reply.success), error_message=reply.error_message,
+        ranks_ok=sum(1 for r in ranks if r.success), ranks_reported=len(ranks),
+        loaded_adapters=tuple(reply.loaded_adapters),
+    )
+
+
+class AgentClients:
+    """Channels and bounded, deadline-carrying calls to every agent the operator talks to."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._channels: dict[tuple[str, Credentials], grpc.aio.Channel] = {}
+        self._per_agent: dict[str, asyncio.Semaphore] = {}
+        self._total = asyncio.Semaphore(settings.total_concurrency)
+
+    def _channel(self, endpoint: str, creds: Credentials) -> grpc.aio.Channel:
+        key = (endpoint, creds)
+        channel = self._channels.get(key)
+        if channel is None:
+            options = list(CHANNEL_OPTIONS)
+            if creds.tls:
+                if creds.server_name:
+                    options.append(("grpc.ssl_target_name_override", creds.server_name))
+                tls = grpc.ssl_channel_credentials(creds.root_ca, creds.client_key,
+                                                   creds.client_cert)
+                channel = grpc.aio.secure_channel(endpoint, tls, options=options)
+            else:
+                channel = grpc.aio.insecure_channel(endpoint, options=options)
+            self._channels[key] = channel
+        return channel
+
+    async def forget(self, endpoint: str) -> None:
+        """Close the channels to an endpoint (its pod is gone; its IP may be reused)."""
+        for key in [k for k in self._channels if k[0] == endpoint]:
+            await self._channels.pop(key).close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    async def _call(self, endpoint: str, creds: Credentials, method: str,
+                    invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
+                    deadline_s: float) -> T:
+        stub = agent_pb2_grpc.NodeAgentStub(self._channel(endpoint, creds))
+        metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
+        semaphore = self._per_agent.setdefault(
+            endpoint, asyncio.Semaphore(self._settings.per_agent_concurrency))
+        async with self._total, semaphore:
+            try:
+                result = await invoke(stub, metadata, deadline_s)
+            except grpc.aio.AioRpcError as err:
+                metrics.AGENT_CALLS.labels(method=method, code=err.code().name).inc()
+                raise AgentError(err.code(), err.details() or err.code().name) from None
+        metrics.AGENT_CALLS.labels(method=method, code="OK").inc()
+        return result
+
+    async def describe(self, endpoint: str, creds: Credentials) -> AgentInfo:
+        reply = await self._call(
+            endpoint, creds, "Describe",
+            lambda s, md, t: s.Describe(agent_pb2.DescribeRequest(), metadata=md, timeout=t),
+            self._settings.call_deadline_s)
+        topo, cap = reply.topology, reply.capacity
+        return AgentInfo(
+            agent_id=reply.agent_id, base_model=reply.base_model.name,
+            config_sha256=reply.base_model.config_sha256, tp_size=topo.tp_size,
+            dp_size=topo.dp_size, attn_tp_size=topo.attn_tp_size, ep_size=topo.ep_size or 1,
+            max_lora_rank=cap.max_lora_rank, max_loras_per_batch=cap.max_loras_per_batch,
+            max_loaded_loras=cap.max_loaded_loras, ranks=len(reply.ranks) or topo.tp_size,
+            ranks_alive=sum(1 for r in reply.ranks if r.alive),
+        )
+
+    async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,
+                   sha256: str, pinned: bool, replace: bool) -> ControlReply:
+        request = agent_pb2.LoadAdapterRequest(name=name, source_uri=source_uri, sha256=sha256,
+                                               pinned=pinned, replace=replace)
+        reply = await self._call(
+            endpoint, creds, "LoadAdapter",
+            lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
+            self._settings.load_deadline_s)
+        return _control_reply(reply)
+
+    async def unload(self, endpoint: str, creds: Credentials, name: str) -> ControlReply:
+        request = agent_pb2.UnloadAdapterRequest(name=name)
+        reply = await self._call(
+            endpoint, creds, "UnloadAdapter",
+            lambda s, md, t: s.UnloadAdapter(request, metadata=md, timeout=t),
+            self._settings.load_deadline_s)
+        return _control_reply(reply)
+
+    async def list_adapters(self, endpoint: str, creds: Credentials) -> dict[str, RegistryEntry]:
+        reply = await self._call(
+            endpoint, creds, "ListAdapters",
+            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md,
+                                            timeout=t),
+            self._settings.call_deadline_s)
+        return {a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks))
+                for a in reply.adapters}

@@ -1,0 +1,264 @@
+"""Registry consistency: each fleet's agents hold exactly the adapters its resources want.
+
+A kopf daemon per LoraFleet runs a check every ``drift_interval_s`` (sooner when an agent pod
+changes). One check:
+
+1. looks at the fleet afresh (pods, Describe of every ready agent);
+2. lists every agent's registry (ListAdapters), **then** lists the LoraAdapters. In this order
+   an adapter loaded by a handler meanwhile is either absent from the registry snapshot (and
+   loaded again: idempotent) or already has its resource in the list; never unloaded by mistake;
+3. unloads managed adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource
+   of any fleet selecting that pod wants on that agent's base model;
+4. for each LoraAdapter of this fleet, loads it where it is missing (an agent restarted; a new
+   agent) unless a permanent failure there is still backing off, and writes its status from
+   what the agents now hold;
+5. writes the fleet's status (agents, ready agents, members with topology and capacity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import kopf
+
+from lorafleet_operator import metrics, names
+from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
+from lorafleet_operator.config import FLEETS, GROUP, VERSION
+from lorafleet_operator.fleet import AgentPod, selector_matches
+from lorafleet_operator.publish import publish_status, unchanged
+from lorafleet_operator.reconcile import (FleetProblem, FleetView, Target, error_result,
+                                          failure_key, fleet_view, load_on, loaded_result,
+                                          remember_failures)
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import AgentResult, AgentState, build_status, condition, now_rfc3339
+
+log = logging.getLogger("lorafleet.operator.drift")
+
+Registry = Mapping[str, RegistryEntry] | AgentError
+
+
+async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
+    """ListAdapters on every dialable agent at once (an error stands for its registry)."""
+
+    async def one(agent: AgentPod) -> Registry:
+        try:
+            return await rt.agents.list_adapters(agent.endpoint, view.creds)
+        except AgentError as err:
+            return err
+
+    agents = view.dialable
+    answers = await asyncio.gather(*(one(a) for a in agents))
+    return {a.name: answer for a, answer in zip(agents, answers)}
+
+
+def _live(adapter: Mapping[str, Any]) -> bool:
+    return not adapter["metadata"].get("deletionTimestamp")
+
+
+def wanted_on(agent: AgentPod, info: AgentInfo, adapters: Sequence[Mapping[str, Any]],
+              fleets: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it)."""
+    selecting = {f["metadata"]["name"] for f in fleets
+                 if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)}
+    return {names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
+            for a in adapters
+            if _live(a) and a["spec"]["fleetRef"]["name"] in selecting
+            and a["spec"]["baseModel"] == info.base_model}
+
+
+def holds(entry: RegistryEntry | None, spec: Mapping[str, Any], ranks_total: int) -> bool:
+    """Whether a registry entry is this spec, on every rank."""
+    if entry is None:
+        return False
+    sha = spec["source"].get("sha256", "")
+    return (entry.source_uri == spec["source"]["uri"] and (not sha or entry.sha256 == sha)
+            and entry.pinned == bool(spec.get("pinned", False))
+            and len(entry.ranks) >= ranks_total)
+
+
+async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
+                          adapters: Sequence[Mapping[str, Any]],
+                          fleets: Sequence[Mapping[str, Any]]) -> int:
+    """Unload managed adapters nobody wants; returns how many were unloaded."""
+    calls = []
+    for agent in view.dialable:
+        registry, info = registries.get(agent.name), view.infos.get(agent.name)
+        if not isinstance(info, AgentInfo) or registry is None or isinstance(registry, AgentError):
+            continue
+        wanted = wanted_on(agent, info, adapters, fleets)
+        for registry_name in registry:
+            if names.is_managed(registry_name, view.namespace) and registry_name not in wanted:
+                calls.append((agent, registry_name))
+
+    async def unload(agent: AgentPod, registry_name: str) -> bool:
+        try:
+            reply = await rt.agents.unload(agent.endpoint, view.creds, registry_name)
+        except AgentError as err:
+            log.warning("drift: unloading %s from %s failed: %s", registry_name, agent.name, err)
+            return False
+        metrics.DRIFT_REPAIRS.labels(action="unload").inc()
+        log.info("drift: unloaded %s from %s (no resource wants it)", registry_name, agent.name)
+        return reply.success
+
+    done = await asyncio.gather(*(unload(a, n) for a, n in calls))
+    return sum(done)
+
+
+async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: Registry | None,
+                        body: Mapping[str, Any], previous: Mapping[str, AgentResult]) -> AgentResult:
+    """What this agent holds of the adapter after repairing it if needed (and allowed)."""
+    if target.error is not None:
+        return error_result(target, target.error)
+    if registry is None:  # the agent turned dialable after the registries were listed
+        registry = AgentError(grpc.StatusCode.UNAVAILABLE, "registry not listed yet")
+    if isinstance(registry, AgentError):
+        return error_result(target, registry)
+    meta = body["metadata"]
+    entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
+    key = failure_key(body, target.agent.name)
+    if holds(entry, body["spec"], target.ranks_total):
+        assert entry is not None
+        rt.failures.pop(key, None)
+        return AgentResult(target.agent.name, AgentState.LOADED,
+                           min(len(entry.ranks), target.ranks_total), target.ranks_total)
+    if not rt.retry_due(key):
+        failure = rt.failures[key]
+        old = previous.get(target.agent.name)
+        return old if old and old.state is AgentState.FAILED else AgentResult(
+            target.agent.name, AgentState.FAILED, 0, target.ranks_total, failure.message)
+    result = await load_on(rt, view, target, body)
+    remember_failures(rt, body, [result])
+    metrics.DRIFT_REPAIRS.labels(action="load").inc()
+    log.info("drift: loaded %s/%s on %s: %s%s", meta["namespace"], meta["name"],
+             target.agent.name, result.state, f" ({result.message})" if result.message else "")
+    return result
+
+
+async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
+                           body: Mapping[str, Any]) -> str | None:
+    """Repair one adapter and write its status; returns its phase (None if skipped)."""
+    meta = body["metadata"]
+    lock = rt.lock(meta["namespace"], meta["name"])
+    if lock.locked():
+        return None  # a handler is reconciling it right now; the next check looks again
+    async with lock:
+        stored = dict(body.get("status") or {})
+        previous = {e["pod"]: AgentResult.from_status(e) for e in stored.get("agents") or []}
+        targets = view.targets(body["spec"]["baseModel"])
+        results = list(await asyncio.gather(*(
+            _agent_result(rt, view, t, registries.get(t.agent.name), body, previous)
+            for t in targets)))
+        status = build_status(results, generation=int(meta.get("generation", 0)),
+                              previous=stored)
+        await publish_status(rt, body, status)
+    return str(status["phase"])
+
+
+def member(agent: AgentPod, info: AgentInfo | AgentError | None,
+           registry: Registry | None) -> dict[str, Any]:
+    """One LoraFleet status.members entry."""
+    entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint,
+                             "ready": agent.dialable and isinstance(info, AgentInfo)}
+    if isinstance(info, AgentInfo):
+        entry["baseModel"] = info.base_model
+        entry["topology"] = {"tpSize": info.tp_size, "dpSize": info.dp_size,
+                             "attnTpSize": info.attn_tp_size, "epSize": info.ep_size,
+                             "moeTpSize": max(info.tp_size // max(info.ep_size, 1), 1)}
+        entry["capacity"] = {"maxLoadedLoras": info.max_loaded_loras,
+                             "maxLorasPerBatch": info.max_loras_per_batch,
+                             "maxLoraRank": info.max_lora_rank}
+        if isinstance(registry, Mapping):
+            entry["capacity"]["loadedLoras"] = len(registry)
+        entry["message"] = ""
+    elif isinstance(info, AgentError):
+        entry["message"] = info.message[:8192]
+    else:
+        entry["message"] = "pod not ready" if not agent.ready else "pod has no IP or gRPC port"
+    return entry
+
+
+def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
+                 registries: Mapping[str, Registry], problem: FleetProblem | None) -> dict[str, Any]:
+    """LoraFleet status: agents found, how many answer, each member's topology and capacity."""
+    previous = list((fleet.get("status") or {}).get("conditions") or [])
+    generation = int(fleet["metadata"].get("generation", 0))
+    now = now_rfc3339()
+    if view is None:
+        assert problem is not None
+        ready = condition("Ready", "False", problem.reason, problem.message, generation,
+                          previous, now)
+        return {"observedGeneration": generation, "conditions": [ready]}
+    members = [member(a, view.infos.get(a.name), registries.get(a.name)) for a in view.agents]
+    ready_agents = sum(1 for m in members if m["ready"])
+    if not members:
+        ready = ("False", "NoAgents", "the selector matches no pod")
+    elif ready_agents == len(members):
+        ready = ("True", "AllAgentsReady", f"{ready_agents}/{len(members)} agents answer")
+    else:
+        ready = ("False", "AgentsNotReady", f"{ready_agents}/{len(members)} agents answer")
+    return {"observedGeneration": generation, "agents": len(members),
+            "readyAgents": ready_agents, "members": members,
+            "conditions": [condition("Ready", *ready, generation, previous, now)]}
+
+
+async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> None:
+    """One registry-consistency check of one fleet (see the module docstring)."""
+    started = time.monotonic()
+    name = fleet["metadata"]["name"]
+    try:
+        view = await fleet_view(rt, namespace, name, fresh=True)
+    except FleetProblem as problem:
+        status = fleet_status(fleet, None, {}, problem)
+        if not unchanged(fleet.get("status") or {}, status):
+            await rt.kube.patch_fleet_status(namespace, name, status)
+        log.info("drift check of lorafleet %s/%s: %s", namespace, name, problem.message)
+        return
+    registries = await list_registries(rt, view)
+    adapters = await rt.kube.list_adapters(namespace)  # after the registries: see module doc
+    fleets = await rt.kube.list_fleets(namespace)
+    unloaded = await remove_unwanted(rt, view, registries, adapters, fleets)
+    mine = [a for a in adapters if _live(a) and a["spec"]["fleetRef"]["name"] == name]
+    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a) for a in mine))
+    current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
+    status = fleet_status(current, view, registries, None)
+    if not unchanged(current.get("status") or {}, status):
+        await rt.kube.patch_fleet_status(namespace, name, status)
+    metrics.DRIFT_CHECKS.inc()
+    counts = {p: phases.count(p) for p in sorted(set(p for p in phases if p))}
+    log.debug("drift check of lorafleet %s/%s: %d agents, %d adapters %s, %d unloaded in %.2fs",
+              namespace, name, len(view.agents), len(mine), counts, unloaded,
+              time.monotonic() - started)
+
+
+async def _sleep(stopped: kopf.DaemonStopped, poke: asyncio.Event, seconds: float) -> None:
+    """Wait for the interval, a poke, or the daemon's stop, whichever comes first."""
+    waiters = [asyncio.ensure_future(stopped.wait(seconds)), asyncio.ensure_future(poke.wait())]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+
+
+@kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=10.0)
+async def fleet_drift(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+                      stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """The drift check of one fleet, for as long as the fleet exists."""
+    rt: Runtime = memo["runtime"]
+    poke = rt.poke(namespace, name)
+    while not stopped:
+        poke.clear()
+        try:
+            await check_fleet(rt, namespace, body)
+        except Exception:  # noqa: BLE001 - an API/agent outage must not end the daemon
+            log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace,
+                          name, rt.settings.drift_interval_s)
+        await _sleep(stopped, poke, rt.settings.drift_interval_s)

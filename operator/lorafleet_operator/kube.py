@@ -1,0 +1,104 @@
+"""The Kubernetes API calls the operator makes outside kopf's own (lists, status, secrets).
+
+The official client is synchronous, so each call runs in a worker thread; responses are read as
+plain JSON dicts (``_preload_content=False``), the same shape kopf hands to handlers, instead of
+the client's model classes. Every request has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from lorafleet_operator.config import ADAPTERS, FLEETS, GROUP, VERSION
+
+REQUEST_TIMEOUT_S = 30.0
+
+
+def make_api_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster credentials inside a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        api = client.ApiClient()
+    else:
+        api = config.new_client_from_config(config_file=kubeconfig)
+    # Many reconciles run at once (one kopf worker per object); the default pool of 4
+    # connections would serialise them and warn.
+    api.configuration.connection_pool_maxsize = 32
+    api.rest_client.pool_manager.connection_pool_kw["maxsize"] = 32
+    return api
+
+
+def _json(response: Any) -> Any:
+    return json.loads(response.data)
+
+
+class Kube:
+    """Async wrappers over the calls the operator needs; every method returns JSON dicts."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("_preload_content", False)
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
+        response = await asyncio.to_thread(fn, *args, **kwargs)
+        return _json(response)
+
+    async def get_fleet(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._run(self.custom.get_namespaced_custom_object,
+                                   GROUP, VERSION, namespace, FLEETS, name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list_fleets(self, namespace: str) -> list[dict[str, Any]]:
+        body = await self._run(self.custom.list_namespaced_custom_object,
+                               GROUP, VERSION, namespace, FLEETS)
+        return list(body.get("items") or [])
+
+    async def list_adapters(self, namespace: str) -> list[dict[str, Any]]:
+        body = await self._run(self.custom.list_namespaced_custom_object,
+                               GROUP, VERSION, namespace, ADAPTERS)
+        return list(body.get("items") or [])
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        body = await self._run(self.core.list_namespaced_pod, namespace,
+                               label_selector=label_selector)
+        return list(body.get("items") or [])
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, bytes]:
+        """A Secret's data, decoded. Raises ApiException (404 when missing)."""
+        body = await self._run(self.core.read_namespaced_secret, name, namespace)
+        return {k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()}
+
+    async def patch_adapter_status(self, namespace: str, name: str,
+                                   status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge-patch a LoraAdapter's status; None when the object is gone."""
+        return await self._patch_status(ADAPTERS, namespace, name, status)
+
+    async def patch_fleet_status(self, namespace: str, name: str,
+                                 status: Mapping[str, Any]) -> dict[str, Any] | None:
+        return await self._patch_status(FLEETS, namespace, name, status)
+
+    async def _patch_status(self, plural: str, namespace: str, name: str,
+                            status: Mapping[str, Any]) -> dict[str, Any] | None:
+        try:
+            return await self._run(self.custom.patch_namespaced_custom_object_status,
+                                   GROUP, VERSION, namespace, plural, name,
+                                   {"status": dict(status)})
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise

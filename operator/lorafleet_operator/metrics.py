@@ -1,0 +1,24 @@
+"""Prometheus metrics of the operator (served on LORAFLEET_METRICS_PORT).
+
+Counters of reconciles and agent calls let a test (or an alert) tell a steady state from a hot
+loop: a permanently failing adapter must not keep ``lorafleet_agent_calls_total`` rising.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILES = Counter(
+    "lorafleet_reconciles_total", "LoraAdapter reconciles, by trigger and resulting phase.",
+    ["trigger", "phase"])
+RECONCILE_SECONDS = Histogram(
+    "lorafleet_reconcile_seconds", "Duration of one LoraAdapter reconcile.", ["trigger"])
+AGENT_CALLS = Counter(
+    "lorafleet_agent_calls_total", "gRPC calls to node agents, by method and status code.",
+    ["method", "code"])
+DRIFT_REPAIRS = Counter(
+    "lorafleet_drift_repairs_total",
+    "Registry repairs by the drift check: load (an agent lacked a wanted adapter) or unload "
+    "(an agent held one no resource wants).", ["action"])
+DRIFT_CHECKS = Counter("lorafleet_drift_checks_total", "Completed drift checks of a fleet.")
+LEADER = Gauge("lorafleet_leader", "1 while this replica holds the leader lease.")

@@ -1,0 +1,217 @@
+"""The core of reconciliation, shared by the kopf handlers and the drift check.
+
+A :class:`FleetView` is one look at a fleet: its agent pods, what each agent says it is
+(Describe), and the credentials to reach them. Loads and unloads fan out over the target agents
+concurrently (bounded in :mod:`agent_client`), and every agent's outcome becomes an
+:class:`~lorafleet_operator.status.AgentResult`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from kubernetes.client.exceptions import ApiException
+
+from lorafleet_operator import names
+from lorafleet_operator.agent_client import AgentError, AgentInfo, ControlReply, Credentials
+from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import AgentResult, AgentState
+
+log = logging.getLogger(__name__)
+
+
+class FleetProblem(Exception):
+    """The fleet cannot be used as declared (missing, or its Secret refs are broken)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Target:
+    """An agent an adapter should be on; ``info`` is None when Describe did not answer."""
+
+    agent: AgentPod
+    info: AgentInfo | None
+    error: AgentError | None = None
+
+    @property
+    def ranks_total(self) -> int:
+        return self.info.tp_size if self.info else 0
+
+
+@dataclass(frozen=True)
+class FleetView:
+    namespace: str
+    name: str
+    spec: Mapping[str, Any]
+    agents: tuple[AgentPod, ...]
+    infos: Mapping[str, AgentInfo | AgentError]
+    creds: Credentials
+
+    @property
+    def dialable(self) -> list[AgentPod]:
+        return [a for a in self.agents if a.dialable]
+
+    def targets(self, base_model: str) -> list[Target]:
+        """Ready agents serving ``base_model``, plus ready agents whose model is unknown because
+        Describe failed (counted as targets that do not hold the adapter: conservative)."""
+        chosen = []
+        for agent in self.dialable:
+            info = self.infos.get(agent.name)
+            if isinstance(info, AgentInfo):
+                if info.base_model == base_model:
+                    chosen.append(Target(agent, info))
+            elif isinstance(info, AgentError):
+                chosen.append(Target(agent, None, info))
+        return chosen
+
+
+async def credentials(rt: Runtime, namespace: str, spec: Mapping[str, Any]) -> Credentials:
+    """The fleet's token and TLS material, read from its Secrets (by name: no list rights)."""
+    try:
+        token = ""
+        auth = spec.get("auth")
+        if auth:
+            ref = auth["tokenSecretRef"]
+            data = await rt.kube.get_secret(namespace, ref["name"])
+            token = data[ref.get("key") or "token"].decode().strip()
+        tls = spec.get("tls")
+        if not tls:
+            return Credentials(token=token)
+        data = await rt.kube.get_secret(namespace, tls["secretRef"]["name"])
+        return Credentials(token=token, root_ca=data["ca.crt"], client_cert=data.get("tls.crt"),
+                           client_key=data.get("tls.key"), server_name=tls.get("serverName", ""))
+    except ApiException as err:
+        raise FleetProblem("SecretUnreadable", f"cannot read the fleet's Secret: {err.reason}") \
+            from None
+    except KeyError as err:
+        raise FleetProblem("SecretIncomplete", f"the fleet's Secret lacks key {err}") from None
+
+
+async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentials,
+                       *, fresh: bool) -> dict[str, AgentInfo | AgentError]:
+    """Describe every dialable agent (cached per pod incarnation unless ``fresh``)."""
+
+    async def one(agent: AgentPod) -> AgentInfo | AgentError:
+        key = (agent.uid, agent.restarts, agent.endpoint)
+        if not fresh and key in rt.describe_cache:
+            return rt.describe_cache[key]
+        try:
+            info = await rt.agents.describe(agent.endpoint, creds)
+        except AgentError as err:
+            return err
+        rt.describe_cache[key] = info
+        return info
+
+    dialable = [a for a in agents if a.dialable]
+    answers = await asyncio.gather(*(one(a) for a in dialable))
+    return {a.name: answer for a, answer in zip(dialable, answers)}
+
+
+async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
+                     fresh: bool = False) -> FleetView:
+    """Look at a fleet now. Raises FleetProblem when it is missing or unusable."""
+    fleet = await rt.kube.get_fleet(namespace, fleet_name)
+    if fleet is None:
+        raise FleetProblem("FleetNotFound", f"LoraFleet {fleet_name!r} not found in {namespace}")
+    spec = fleet.get("spec") or {}
+    pods = await rt.kube.list_pods(namespace, selector_string(spec.get("selector") or {}))
+    agents = agents_of(spec, pods)
+    creds = await credentials(rt, namespace, spec)
+    infos = await describe_all(rt, agents, creds, fresh=fresh)
+    return FleetView(namespace, fleet_name, spec, tuple(agents), infos, creds)
+
+
+def loaded_result(target: Target, reply: ControlReply | None = None) -> AgentResult:
+    """A target that holds the adapter (from a load reply, or from its registry)."""
+    total = target.ranks_total or (reply.ranks_reported if reply else 0)
+    ranks = reply.ranks_ok if reply and reply.ranks_reported else total
+    return AgentResult(target.agent.name, AgentState.LOADED, ranks, total)
+
+
+def error_result(target: Target, err: AgentError) -> AgentResult:
+    state = AgentState.UNREACHABLE if err.transient else AgentState.FAILED
+    return AgentResult(target.agent.name, state, 0, target.ranks_total, err.message)
+
+
+async def load_on(rt: Runtime, view: FleetView, target: Target,
+                  body: Mapping[str, Any]) -> AgentResult:
+    """LoadAdapter on one target (replace=True: the spec is the truth for managed names)."""
+    if target.error is not None:
+        return error_result(target, target.error)
+    spec, meta = body["spec"], body["metadata"]
+    try:
+        reply = await rt.agents.load(
+            target.agent.endpoint, view.creds,
+            name=names.agent_name(meta["namespace"], meta["name"]),
+            source_uri=spec["source"]["uri"], sha256=spec["source"].get("sha256", ""),
+            pinned=bool(spec.get("pinned", False)), replace=True)
+    except AgentError as err:
+        return error_result(target, err)
+    if reply.success:
+        return loaded_result(target, reply)
+    return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
+                       reply.error_message or "the agent refused the adapter")
+
+
+def failure_key(body: Mapping[str, Any], pod: str) -> tuple[str, int, str]:
+    meta = body["metadata"]
+    return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
+
+
+def remember_failures(rt: Runtime, body: Mapping[str, Any],
+                      results: Sequence[AgentResult]) -> None:
+    """Schedule slow retries for permanent failures; forget those that now succeeded."""
+    for result in results:
+        key = failure_key(body, result.pod)
+        if result.state is AgentState.FAILED:
+            rt.record_failure(key, result.message)
+        else:
+            rt.failures.pop(key, None)
+
+
+async def load_everywhere(rt: Runtime, view: FleetView,
+                          body: Mapping[str, Any]) -> list[AgentResult]:
+    """Load on every target agent at once; one result per target."""
+    targets = view.targets(body["spec"]["baseModel"])
+    results = list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    remember_failures(rt, body, results)
+    return results
+
+
+@dataclass(frozen=True)
+class UnloadOutcome:
+    pod: str
+    error: AgentError | None
+
+
+def _unload_ok(reply: ControlReply) -> AgentError | None:
+    if reply.success:
+        return None
+    return AgentError(grpc.StatusCode.UNKNOWN, reply.error_message or "unload failed")
+
+
+async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> list[UnloadOutcome]:
+    """Unload from every dialable agent of the fleet, whatever its model (the spec may have
+    changed since the load). An agent that does not hold the adapter counts as done."""
+
+    async def one(agent: AgentPod) -> UnloadOutcome:
+        try:
+            return UnloadOutcome(agent.name,
+                                 _unload_ok(await rt.agents.unload(agent.endpoint, view.creds,
+                                                                   agent_name)))
+        except AgentError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                return UnloadOutcome(agent.name, None)
+            return UnloadOutcome(agent.name, err)
+
+    return list(await asyncio.gather(*(one(a) for a in view.dialable)))

@@ -1,0 +1,199 @@
+"""LoraAdapter status from per-agent results (DESIGN.md §7).
+
+Each agent's reply is already merged over its ranks by the agent; here the agents' results are
+merged failure-first with the one rule, :func:`node_agent.merge.merge_failure_first`, into the
+resource's ``message``, and summarised as ``phase``, totals and conditions. ``phase`` is only a
+convenience for ``kubectl get``; the conditions (``Ready`` first) are the truth.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from node_agent.merge import merge_failure_first
+
+#: The CRD caps (status.message, agents[].message); longer messages are cut, not refused.
+MAX_MESSAGE = 32768
+MAX_AGENT_MESSAGE = 8192
+
+
+class Phase(enum.StrEnum):
+    PENDING = "Pending"
+    LOADING = "Loading"
+    READY = "Ready"
+    DEGRADED = "Degraded"
+    FAILED = "Failed"
+    TERMINATING = "Terminating"
+
+
+class AgentState(enum.StrEnum):
+    LOADED = "Loaded"
+    LOADING = "Loading"
+    FAILED = "Failed"  # the agent refused the adapter (permanent until something changes)
+    UNREACHABLE = "Unreachable"  # a transient error: retried with back-off
+    UNLOADING = "Unloading"
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What one target agent holds of one adapter (its reply, merged over its ranks)."""
+
+    pod: str
+    state: AgentState
+    ranks_loaded: int
+    ranks_total: int
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.state is AgentState.LOADED and self.ranks_loaded == self.ranks_total
+
+    def to_status(self) -> dict[str, Any]:
+        return {"pod": self.pod, "state": str(self.state), "ranksLoaded": self.ranks_loaded,
+                "ranksTotal": self.ranks_total, "message": self.message[:MAX_AGENT_MESSAGE]}
+
+    @classmethod
+    def from_status(cls, entry: Mapping[str, Any]) -> AgentResult:
+        """Read back an entry written earlier (the drift check keeps a failure it won't retry yet)."""
+        return cls(pod=entry["pod"], state=AgentState(entry.get("state", "Failed")),
+                   ranks_loaded=int(entry.get("ranksLoaded", 0)),
+                   ranks_total=int(entry.get("ranksTotal", 0)),
+                   message=entry.get("message", ""))
+
+
+def phase_of(results: Sequence[AgentResult], *, deleting: bool = False) -> Phase:
+    """The phase for a set of target-agent results.
+
+    Ready needs every target agent to hold the adapter on every rank. With no target there is
+    nothing to be ready on: Pending. Any agent still reachable-but-not-done (or unreachable)
+    and no permanent failure yet means Loading; permanent failures give Failed when no agent
+    holds the adapter and Degraded when some do.
+    """
+    if deleting:
+        return Phase.TERMINATING
+    if not results:
+        return Phase.PENDING
+    loaded = sum(r.ok for r in results)
+    if loaded == len(results):
+        return Phase.READY
+    failed = any(r.state is AgentState.FAILED for r in results)
+    if loaded:
+        return Phase.DEGRADED
+    return Phase.FAILED if failed else Phase.LOADING
+
+
+def merged_message(results: Sequence[AgentResult]) -> str:
+    """The failure-first merged message over the agents ("" when all hold the adapter)."""
+    if not results:
+        return ""
+    merged = merge_failure_first(results, ok=lambda r: r.ok, error=lambda r: r.message)
+    return merged.error[:MAX_MESSAGE]
+
+
+def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending_reason: str,
+                     pending_message: str) -> tuple[str, str, str]:
+    """(status, reason, message) of the Ready condition."""
+    loaded = sum(r.ok for r in results)
+    failing = [r.pod for r in results if not r.ok]
+    if phase is Phase.READY:
+        return "True", "AllAgentsLoaded", f"{loaded}/{len(results)} agents hold the adapter on every rank"
+    if phase is Phase.PENDING:
+        return "False", pending_reason, pending_message
+    if phase is Phase.TERMINATING:
+        return "False", "Terminating", "unloading from every agent"
+    not_ok = f"{loaded}/{len(results)} agents hold the adapter; not on {', '.join(failing)}"
+    if phase is Phase.LOADING:
+        return "Unknown", "Loading", not_ok
+    if phase is Phase.DEGRADED:
+        return "False", "PartiallyLoaded", not_ok
+    return "False", "LoadFailed", not_ok
+
+
+def _degraded_condition(results: Sequence[AgentResult]) -> tuple[str, str, str]:
+    failed = [r for r in results if r.state in (AgentState.FAILED, AgentState.UNREACHABLE)]
+    if not failed:
+        return "False", "NoAgentFailing", "no target agent reports an error"
+    names = ", ".join(f"{r.pod} ({r.state})" for r in failed)
+    return "True", "AgentsFailing", f"failing on {names}: {merged_message(results)}"[:MAX_MESSAGE]
+
+
+def condition(type_: str, status: str, reason: str, message: str, generation: int,
+              previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    """One metav1.Condition; lastTransitionTime moves only when the status changes."""
+    old = next((c for c in previous if c.get("type") == type_), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == status else now
+    return {"type": type_, "status": status, "reason": reason, "message": message[:MAX_MESSAGE],
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def now_rfc3339() -> str:
+    """The current time the way Kubernetes writes it (seconds, UTC, Z)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_status(
+    results: Sequence[AgentResult],
+    *,
+    generation: int,
+    previous: Mapping[str, Any] | None = None,
+    deleting: bool = False,
+    pending_reason: str = "NoTargetAgents",
+    pending_message: str = "no ready agent of the fleet serves this base model",
+    now: str | None = None,
+) -> dict[str, Any]:
+    """The whole ``status`` of a LoraAdapter for these per-agent results.
+
+    ``previous`` is the status as stored (for lastTransitionTime). The result is a complete
+    status, written with a merge patch; list fields are replaced whole.
+    """
+    now = now or now_rfc3339()
+    old_conditions = list((previous or {}).get("conditions") or [])
+    ordered = sorted(results, key=lambda r: r.pod)
+    phase = phase_of(ordered, deleting=deleting)
+    ready = _ready_condition(phase, ordered, pending_reason, pending_message)
+    degraded = _degraded_condition(ordered)
+    agents_ready = sum(r.ok for r in ordered)
+    ranks_loaded = sum(r.ranks_loaded for r in ordered)
+    ranks_total = sum(r.ranks_total for r in ordered)
+    message = merged_message(ordered) or (pending_message if phase is Phase.PENDING else "")
+    return {
+        "phase": str(phase),
+        "observedGeneration": generation,
+        "message": message[:MAX_MESSAGE],
+        "agents": [r.to_status() for r in ordered],
+        "agentsReady": agents_ready,
+        "agentsTarget": len(ordered),
+        "agentsSummary": f"{agents_ready}/{len(ordered)}",
+        "ranksLoaded": ranks_loaded,
+        "ranksTotal": ranks_total,
+        "ranksSummary": f"{ranks_loaded}/{ranks_total}",
+        "conditions": [
+            condition("Ready", *ready, generation, old_conditions, now),
+            condition("Degraded", *degraded, generation, old_conditions, now),
+        ],
+    }
+
+
+def initial_status(generation: int, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Conditions set on the first visit, before any agent answered: Ready is Unknown."""
+    now = now_rfc3339()
+    old = list((previous or {}).get("conditions") or [])
+    return {
+        "phase": str(Phase.LOADING),
+        "observedGeneration": generation,
+        "conditions": [
+            condition("Ready", "Unknown", "Reconciling", "asking the fleet's agents",
+                      generation, old, now),
+            condition("Degraded", "Unknown", "Reconciling", "asking the fleet's agents",
+                      generation, old, now),
+        ],
+    }
+
+
+def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Whether writing ``b`` over ``a`` would change anything a reader cares about."""
+    return dict(a or {}) == dict(b or {})

@@ -1,0 +1,67 @@
+"""The operator against the real API server before any agent is involved: Pending with the
+reason, fleet status, finalizer released on delete, events, one log line per reconcile."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.kube.harness import ControlPlane
+from tests.operator.conftest import OperatorProcess, wait_for
+
+
+def adapter(name: str, fleet: str = "default", uri: str | None = None) -> str:
+    return json.dumps({
+        "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
+        "metadata": {"name": name},
+        "spec": {"baseModel": "tiny", "source": {"uri": uri or f"file:///adapters/{name}"},
+                 "fleetRef": {"name": fleet}}})
+
+
+def fleet(name: str = "default", selector: dict[str, str] | None = None) -> str:
+    return json.dumps({
+        "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet", "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": selector or {"lorafleet.dev/fleet": name}}}})
+
+
+def get(cluster: ControlPlane, kind: str, name: str, ns: str) -> dict[str, Any]:
+    return dict(cluster.kubectl_json("get", kind, name, "-n", ns))
+
+
+def test_missing_fleet_then_empty_fleet_then_delete(
+    kube_cluster: ControlPlane, kube_namespace: str, operator: OperatorProcess
+) -> None:
+    ns = kube_namespace
+    kube_cluster.apply(adapter("a"), ns)
+
+    def phase_reason() -> tuple[str, str]:
+        status = get(kube_cluster, "la", "a", ns).get("status") or {}
+        ready = (status.get("conditions") or [{}])[0]
+        return status.get("phase", ""), ready.get("reason", "")
+
+    wait_for(lambda: phase_reason() == ("Pending", "FleetNotFound"), 30, "FleetNotFound",
+             operator)
+    la = get(kube_cluster, "la", "a", ns)
+    assert "lorafleet.dev/unload" in la["metadata"]["finalizers"]
+    assert la["status"]["conditions"][0]["type"] == "Ready"
+
+    # The fleet appears (no agent pods): its drift check re-evaluates the adapter.
+    kube_cluster.apply(fleet(), ns)
+    wait_for(lambda: phase_reason() == ("Pending", "NoTargetAgents"), 30, "NoTargetAgents",
+             operator)
+    wait_for(lambda: get(kube_cluster, "lfleet", "default", ns).get("status", {})
+             .get("conditions", [{}])[0].get("reason") == "NoAgents", 30, "fleet status",
+             operator)
+    fleet_status = get(kube_cluster, "lfleet", "default", ns)["status"]
+    assert (fleet_status["agents"], fleet_status["readyAgents"]) == (0, 0)
+
+    # Deletion: the finalizer is released (nothing to unload), the object goes.
+    kube_cluster.kubectl("delete", "la", "a", "-n", ns, "--wait=true", "--timeout=30s")
+    assert kube_cluster.kubectl("get", "la", "-n", ns, "-o", "name").stdout == ""
+
+    log = operator.log()
+    assert "reconciled loraadapter" in log and "deleted loraadapter" in log
+    # One line per reconcile: the create handler ran once (not a retry loop).
+    assert log.count(f"reconciled loraadapter {ns}/a gen=1 trigger=create") == 1
+    events = kube_cluster.kubectl_json("get", "events", "-n", ns)["items"]
+    assert any(e["reason"] == "Pending" and e["involvedObject"]["name"] == "a" for e in events)
