@@ -11,20 +11,22 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("agent_id", "base_model", "topology", "capacity", "ranks", "modules")
+    __slots__ = ("agent_id", "base_model", "topology", "capacity", "ranks", "modules", "has_tokenizer")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     base_model: BaseModel
     topology: Topology
     capacity: Capacity
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     modules: _containers.RepeatedCompositeFieldContainer[ModuleShapes]
-    def __init__(self, agent_id: _Optional[str] = ..., base_model: _Optional[_Union[BaseModel, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleShapes, _Mapping]]] = ...) -> None: ...
+    has_tokenizer: bool
+    def __init__(self, agent_id: _Optional[str] = ..., base_model: _Optional[_Union[BaseModel, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleShapes, _Mapping]]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class BaseModel(_message.Message):
     __slots__ = ("name", "config_sha256")
@@ -103,16 +105,18 @@ class LoadAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results")
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     success: bool
     error_message: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
-    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
+    already_loaded: bool
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ...) -> None: ...
 
 class UnloadAdapterRequest(_message.Message):
     __slots__ = ("name",)

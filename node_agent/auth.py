@@ -1,0 +1,84 @@
+"""Who may call the agent: a bearer token (interceptor) and TLS / mutual TLS credentials.
+
+The health service stays open without a token so that kubelet's gRPC probes, which cannot
+send metadata, keep working; every other method (reflection included) needs the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+
+_HANDLER_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the auth token is empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES):
+            return continuation(handler_call_details)
+        presented = next((value for key, value in handler_call_details.invocation_metadata if key == "authorization"), None)
+        if presented is None:
+            return _refusing(continuation(handler_call_details), "missing credentials: send metadata 'authorization: Bearer <token>'")
+        # Constant-time comparison: response timing must not reveal how much of a guess matched.
+        if not hmac.compare_digest(str(presented).encode(), self._expected):
+            return _refusing(continuation(handler_call_details), "invalid bearer token")
+        return continuation(handler_call_details)
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler | None:
+    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
+    if handler is None:
+        return None  # unknown method: UNIMPLEMENTED, as without auth
+
+    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    return factory(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: the server's certificate chain and key, and optionally the CA that client
+    certificates must chain to (mutual TLS: clients without such a certificate are refused)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        client_ca = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.key).read_bytes(), Path(self.cert).read_bytes())],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+
+
+def read_token(path: Path) -> str:
+    """The token in `path` (surrounding whitespace, e.g. a trailing newline, ignored)."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    if any(c.isspace() for c in token):
+        raise ValueError(f"auth token in {path} contains whitespace")
+    return token

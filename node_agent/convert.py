@@ -1,0 +1,98 @@
+"""Conversions between `lorafleet.v1` messages and the agent's domain values (no logic)."""
+
+from __future__ import annotations
+
+import numpy as np
+from lorafleet.v1 import agent_pb2 as pb
+
+from node_agent.agent import AdapterStatus, ControlResult, Description, GeneratedToken, GenerateParams
+
+
+def description(d: Description) -> pb.DescribeResponse:
+    return pb.DescribeResponse(
+        agent_id=d.agent_id,
+        base_model=pb.BaseModel(name=d.base_model_name, config_sha256=d.config_sha256),
+        topology=pb.Topology(
+            tp_size=d.topology.tp_size,
+            dp_size=d.topology.dp_size,
+            attn_tp_size=d.topology.attn_tp_size,
+            fully_sharded_loras=d.topology.fully_sharded_loras,
+            ep_size=d.topology.ep_size,
+        ),
+        capacity=pb.Capacity(
+            max_lora_rank=d.max_lora_rank, max_loras_per_batch=d.max_loras_per_batch, max_loaded_loras=d.max_loaded_loras
+        ),
+        ranks=[pb.RankInfo(rank=r.rank, attn_dp_rank=r.attn_dp_rank, attn_tp_rank=r.attn_tp_rank, alive=r.alive) for r in d.ranks],
+        modules=[
+            pb.ModuleShapes(
+                module=m.module,
+                rank=m.rank,
+                slices=[pb.LoraSliceShape(lora_a_shape=a, lora_b_shape=b) for a, b in m.slices],
+            )
+            for m in d.modules
+        ],
+        has_tokenizer=d.has_tokenizer,
+    )
+
+
+def _rank_results(result: ControlResult) -> list[pb.RankResult]:
+    return [
+        pb.RankResult(rank=o.rank, attn_dp_rank=o.attn_dp_rank, attn_tp_rank=o.attn_tp_rank, success=o.ok, error_message=o.error)
+        for o in result.ranks
+    ]
+
+
+def load_response(result: ControlResult) -> pb.LoadAdapterResponse:
+    return pb.LoadAdapterResponse(
+        success=result.ok,
+        error_message=result.error,
+        loaded_adapters=result.loaded,
+        rank_results=_rank_results(result),
+        already_loaded=result.already_loaded,
+    )
+
+
+def unload_response(result: ControlResult) -> pb.UnloadAdapterResponse:
+    return pb.UnloadAdapterResponse(
+        success=result.ok, error_message=result.error, loaded_adapters=result.loaded, rank_results=_rank_results(result)
+    )
+
+
+def list_response(adapters: list[AdapterStatus]) -> pb.ListAdaptersResponse:
+    return pb.ListAdaptersResponse(
+        adapters=[
+            pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters
+        ]
+    )
+
+
+def forward_sequences(request: pb.ForwardRequest) -> list[tuple[list[int], str | None]]:
+    return [(list(s.token_ids), s.adapter or None) for s in request.sequences]
+
+
+def forward_response(logits: list[np.ndarray]) -> pb.ForwardResponse:
+    return pb.ForwardResponse(
+        logits=[
+            pb.Logits(num_tokens=a.shape[0], vocab_size=a.shape[1], float32_data=np.ascontiguousarray(a, dtype="<f4").tobytes())
+            for a in logits
+        ]
+    )
+
+
+def logits_array(message: pb.Logits) -> np.ndarray:
+    """A Logits message back into a float32 [num_tokens, vocab_size] array (for clients)."""
+    return np.frombuffer(message.float32_data, dtype="<f4").reshape(message.num_tokens, message.vocab_size)
+
+
+def generate_params(request: pb.GenerateRequest) -> GenerateParams:
+    return GenerateParams(
+        token_ids=tuple(request.token_ids),
+        prompt=request.prompt,
+        adapter=request.adapter or None,
+        max_new_tokens=request.max_new_tokens,
+        stop_token_ids=tuple(request.stop_token_ids),
+    )
+
+
+def generated(token: GeneratedToken) -> pb.GenerateResponse:
+    return pb.GenerateResponse(token_id=token.token_id, text=token.text, finish_reason=token.finish_reason)

@@ -1,0 +1,77 @@
+"""The node agent's domain errors.
+
+Each class is one kind of refusal with a stable `reason` (the `reason` label of the failure
+metric). The gRPC layer maps classes to status codes in one table (`server.STATUS_CODES`);
+nothing below the servicer knows about gRPC.
+"""
+
+from __future__ import annotations
+
+
+class AgentError(Exception):
+    """A call the agent refuses or cannot complete; the message is meant for the caller."""
+
+    reason = "error"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
+
+
+class InvalidRequest(AgentError):
+    """The request itself is malformed (bad name, empty batch, token outside the vocabulary)."""
+
+    reason = "invalid_request"
+
+
+class SourceRefused(AgentError):
+    """The adapter source is not allowed or its content is not what was promised.
+
+    Reasons: scheme, relative_path, traversal, outside_roots, symlink_escape, sha256_mismatch,
+    too_large, no_cache_dir, bad_uri.
+    """
+
+    reason = "source_refused"
+
+
+class SourceNotFound(AgentError):
+    """The source names a file or URL that does not exist."""
+
+    reason = "source_not_found"
+
+
+class SourceUnavailable(AgentError):
+    """The source could not be fetched now (network error, server error); worth retrying."""
+
+    reason = "download_failed"
+
+
+class AdapterNotFound(AgentError):
+    """No routable adapter has this name (never loaded, failed to load, or being unloaded)."""
+
+    reason = "not_found"
+
+
+class AdapterConflict(AgentError):
+    """The name is loaded with other content (or pinning) and `replace` was not set."""
+
+    reason = "conflict"
+
+
+class CapacityExceeded(AgentError):
+    """A batch needs more device LoRA slots than the engine has."""
+
+    reason = "capacity"
+
+
+class RequestAborted(AgentError):
+    """A running request lost its adapter (unloaded after the drain timeout)."""
+
+    reason = "aborted"
+
+
+class EngineUnavailable(AgentError):
+    """The engine is not serving (a rank died or a call timed out); the agent will exit."""
+
+    reason = "engine_unavailable"

@@ -1,0 +1,188 @@
+"""The agent's adapter registry: public names, the engine names behind them, and who is using them.
+
+A public name (what callers and the operator use) maps to one *engine name*, fresh for every
+load (`<name>.<generation>`), so a replacement can be loaded beside the version it replaces and
+swapped in at once. Requests take a lease on the engine names they use for their whole duration
+(a Generate stream included); retiring a version (replace or unload) first stops routing to it,
+then waits, bounded, for its leases to drain, and only then is it unloaded from the ranks.
+
+Calls for the same name are serialised (`serialised`); different names proceed concurrently,
+so a slow download or drain of one adapter never blocks another (the engine itself still runs
+one command at a time).
+
+Everything here is in-process bookkeeping; the engine is driven by `node_agent.agent`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from node_agent.errors import AdapterNotFound
+from node_agent.sources import ResolvedSource
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """One loaded version of an adapter."""
+
+    name: str
+    engine_name: str
+    source: ResolvedSource
+    pinned: bool
+
+
+@dataclass
+class Lease:
+    """A request's hold on the adapter versions it uses (public name -> engine name)."""
+
+    engine_names: dict[str, str]
+    released: bool = field(default=False, compare=False)
+
+    def engine_name(self, name: str | None) -> str | None:
+        return None if name is None else self.engine_names[name]
+
+
+class Registry:
+    """Routable adapters, versions being retired, leases, and per-name serialisation."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._routable: dict[str, AdapterEntry] = {}  # public name -> current version
+        self._held: dict[str, AdapterEntry] = {}  # engine name -> version the engine holds
+        self._retiring: set[str] = set()  # public names being unloaded (refused with a clear message)
+        self._leases: Counter[str] = Counter()  # engine name -> running requests
+        self._revoked: set[str] = set()  # engine names unloaded while still leased
+        self._name_locks: dict[str, list] = {}  # public name -> [lock, users]
+        self._generation = itertools.count(1)
+
+    # -- per-name serialisation ------------------------------------------------------------------
+
+    @contextmanager
+    def serialised(self, name: str) -> Iterator[None]:
+        """Hold the lock of one public name; the lock is dropped when nobody uses it."""
+        with self._lock:
+            slot = self._name_locks.setdefault(name, [threading.Lock(), 0])
+            slot[1] += 1
+        try:
+            with slot[0]:
+                yield
+        finally:
+            with self._lock:
+                slot[1] -= 1
+                if slot[1] == 0:
+                    del self._name_locks[name]
+
+    # -- versions ----------------------------------------------------------------------------------
+
+    def new_engine_name(self, name: str) -> str:
+        """A fresh engine name for a new version of `name` (valid for the engine's name rule)."""
+        return f"{name[:240]}.{next(self._generation)}"
+
+    def get(self, name: str) -> AdapterEntry | None:
+        with self._lock:
+            return self._routable.get(name)
+
+    def entries(self) -> list[AdapterEntry]:
+        """Routable adapters, in load order."""
+        with self._lock:
+            return list(self._routable.values())
+
+    def held(self) -> list[AdapterEntry]:
+        """Every version the engine holds: routable ones and ones being retired."""
+        with self._lock:
+            return list(self._held.values())
+
+    def public_name(self, engine_name: str) -> str:
+        """The public name of an engine name (itself if the registry does not know it)."""
+        with self._lock:
+            entry = self._held.get(engine_name)
+        return entry.name if entry else engine_name
+
+    def publish(self, entry: AdapterEntry) -> AdapterEntry | None:
+        """Route `entry.name` to `entry` from now on; returns the version it replaces, if any."""
+        with self._lock:
+            previous = self._routable.get(entry.name)
+            self._routable[entry.name] = entry
+            self._held[entry.engine_name] = entry
+            return previous
+
+    def update(self, entry: AdapterEntry) -> None:
+        """Change a routable version's metadata (same engine name, e.g. the source URI)."""
+        with self._lock:
+            current = self._routable.get(entry.name)
+            if current is not None and current.engine_name == entry.engine_name:
+                self._routable[entry.name] = entry
+                self._held[entry.engine_name] = entry
+
+    def withdraw(self, name: str) -> AdapterEntry:
+        """Stop routing `name` at once (new requests are refused); returns its version."""
+        with self._lock:
+            entry = self._routable.pop(name, None)
+            if entry is None:
+                raise AdapterNotFound(f"adapter {name!r} is not loaded")
+            self._retiring.add(name)
+            return entry
+
+    def forget(self, entry: AdapterEntry) -> None:
+        """The engine no longer holds `entry`; requests still leasing it are revoked."""
+        with self._lock:
+            self._held.pop(entry.engine_name, None)
+            if entry.name not in self._routable:
+                self._retiring.discard(entry.name)
+            if self._leases[entry.engine_name]:
+                self._revoked.add(entry.engine_name)
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def acquire(self, names: Iterable[str]) -> Lease:
+        """Lease the current version of each name; unknown or retiring names are refused."""
+        with self._lock:
+            mapping = {}
+            for name in dict.fromkeys(names):
+                entry = self._routable.get(name)
+                if entry is None:
+                    state = "is being unloaded" if name in self._retiring else "is not loaded"
+                    raise AdapterNotFound(f"adapter {name!r} {state}")
+                mapping[name] = entry.engine_name
+            for engine_name in mapping.values():
+                self._leases[engine_name] += 1
+            return Lease(mapping)
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            for engine_name in lease.engine_names.values():
+                self._leases[engine_name] -= 1
+                if not self._leases[engine_name]:
+                    del self._leases[engine_name]
+                    self._revoked.discard(engine_name)
+            self._idle.notify_all()
+
+    def revoked(self, lease: Lease) -> list[str]:
+        """Public names of the lease whose versions were unloaded under it."""
+        with self._lock:
+            return [name for name, engine_name in lease.engine_names.items() if engine_name in self._revoked]
+
+    def in_flight(self, engine_name: str) -> int:
+        with self._lock:
+            return self._leases[engine_name]
+
+    def wait_idle(self, engine_name: str, timeout_s: float) -> bool:
+        """Wait until no request leases `engine_name`; False if `timeout_s` passed first."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._leases[engine_name]:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+            return True
