@@ -78,9 +78,12 @@ _BASE_DEFAULTS: dict[str, Any] = dict(
     pad_token_id=None,
 )
 # Qwen3: head_dim given explicitly and != hidden / heads (4 * 24 = 96 != 64).
+# Qwen3-MoE: 4 routed experts, top-2, layer 0 sparse, layer 1 dense (mlp_only_layers).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen3": dict(head_dim=24),
+    "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
 }
 
 
@@ -106,11 +109,19 @@ def _quiet_transformers() -> None:
 
 
 def _family(family: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     families = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     if family not in families:
         raise ValueError(f"unknown family {family!r}; expected one of {sorted(families)}")
@@ -242,6 +253,55 @@ def make_adapter(
     # PEFT also writes a README.md model card; harmless, the engine must ignore it.
     if not (out_dir / ADAPTER_WEIGHTS).is_file() or not (out_dir / ADAPTER_CONFIG).is_file():
         raise RuntimeError(f"PEFT did not write {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS} into {out_dir}")
+    return out_dir
+
+
+def make_per_expert_adapter(
+    model_dir: Path | str,
+    out_dir: Path | str,
+    seed: int = 0,
+    *,
+    r: int = 4,
+    lora_alpha: float = 8,
+    use_rslora: bool = False,
+    std: float = 0.2,
+    attention: tuple[str, ...] = ("q_proj",),
+) -> Path:
+    """An expert LoRA in the per-expert-module form (`mlp.experts.N.gate_proj`, ...).
+
+    That is what PEFT wrote for MoE models of transformers 4, whose experts were separate
+    modules; transformers 5 fuses them, so the file is written here directly, in PEFT's key
+    format. PEFT 0.21 converts it on load (`PeftModel.from_pretrained`), which makes PEFT itself
+    the reference for this form too. Every sparse layer's experts get gate/up/down adapters;
+    `attention` modules get ordinary ones.
+    """
+    config = model_config(model_dir)
+    experts, hidden = config["num_local_experts"], config["hidden_size"]
+    inter, dense = config["moe_intermediate_size"], set(config.get("mlp_only_layers") or [])
+    heads, head_dim = config["num_attention_heads"], config["head_dim"]
+    gen = torch.Generator().manual_seed(3000 + seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config["num_hidden_layers"]):
+        if layer not in dense:
+            for expert in range(experts):
+                for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+                                         "down_proj": (hidden, inter)}.items():
+                    key = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{name}"
+                    tensors[f"{key}.lora_A.weight"] = std * _randn(gen, (r, inp))
+                    tensors[f"{key}.lora_B.weight"] = std * _randn(gen, (out, r))
+        for name in attention:
+            assert name == "q_proj", "only q_proj is generated here"
+            key = f"{PEFT_PREFIX}model.layers.{layer}.self_attn.{name}"
+            tensors[f"{key}.lora_A.weight"] = std * _randn(gen, (r, hidden))
+            tensors[f"{key}.lora_B.weight"] = std * _randn(gen, (heads * head_dim, r))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tensors(out_dir, tensors)
+    _write_config(out_dir, {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": lora_alpha, "use_rslora": use_rslora,
+        "target_modules": ["gate_proj", "up_proj", "down_proj", *attention], "bias": "none",
+        "lora_dropout": 0.0, "base_model_name_or_path": str(model_dir),
+    })
     return out_dir
 
 
