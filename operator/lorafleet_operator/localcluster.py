@@ -253,8 +253,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the test process dies, so no server outlives a crash."""
+def die_with_parent() -> None:
+    """In the child (preexec_fn): SIGTERM when the parent dies, so no server outlives a crash."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -298,7 +298,7 @@ def _spawn(name: str, argv: Sequence[str], log_dir: Path) -> _Proc:
     with log_path.open("ab") as out:
         popen = subprocess.Popen(  # noqa: S603 - argv is built here from known binaries
             list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads touch this child
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child
         )
     log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
     return _Proc(name, popen, log_path, list(argv))

@@ -1,0 +1,149 @@
+"""Node agents as local processes (``lorafleet-agent serve``) for the demo, tests and benchmarks.
+
+Each agent is one engine (``--tp`` rank processes) serving gRPC on 127.0.0.1. It runs in its own
+process group, so a "crash" (:meth:`AgentProcess.kill`) takes its rank processes with it, and
+with PR_SET_PDEATHSIG, so nothing outlives the process that started it. Readiness is the
+standard gRPC health check, the same the chart's probes use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lorafleet_operator.localcluster import die_with_parent, free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """How to start one agent."""
+
+    model_dir: Path
+    adapter_roots: tuple[Path, ...]
+    base_model_name: str
+    tp: int = 2
+    dp: int = 2
+    max_lora_rank: int = 16
+    max_loaded_loras: int = 128
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
+        argv = ["lorafleet-agent", "--log-level", "INFO", "serve",
+                "--model", str(self.model_dir), "--tp", str(self.tp), "--dp", str(self.dp),
+                "--listen", f"127.0.0.1:{port}", "--base-model-name", self.base_model_name,
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--max-loaded-loras", str(self.max_loaded_loras)]
+        for root in self.adapter_roots:
+            argv += ["--adapter-root", str(root)]
+        if metrics_port:
+            argv += ["--metrics-port", str(metrics_port)]
+        return argv + list(self.extra_args)
+
+
+@dataclass
+class AgentProcess:
+    """One running agent; :meth:`start` again after :meth:`kill` models a restarted container."""
+
+    name: str
+    spec: AgentSpec
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> AgentProcess:
+        """Start the process (same port every time) without waiting for it."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as out:
+            self.popen = subprocess.Popen(  # noqa: S603
+                self.spec.argv(self.port, self.metrics_port), stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child
+            )
+        self.starts += 1
+        log.info("started agent %s (pid %d) on %s", self.name, self.popen.pid, self.endpoint)
+        return self
+
+    def wait_ready(self, timeout_s: float = 180.0) -> AgentProcess:
+        """Wait until grpc.health.v1 says SERVING; raise with the log tail if it exits."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.endpoint) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.popen is None or self.popen.poll() is not None:
+                    raise RuntimeError(f"agent {self.name} exited:\n{self.log_tail()}")
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: the agent and its ranks die at once (a crash)."""
+        self._signal_group(signal.SIGKILL)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (a clean shutdown), SIGKILL if it does not exit in time."""
+        self._signal_group(signal.SIGTERM, timeout_s)
+
+    def _signal_group(self, sig: int, timeout_s: float = 20.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        except ProcessLookupError:
+            pass
+        # Rank processes share the group; make sure none lingers holding the port or memory.
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def start_agents(names: Sequence[str], spec: AgentSpec, log_dir: Path,
+                 timeout_s: float = 180.0) -> list[AgentProcess]:
+    """Start several agents at once and wait for all (they load their models in parallel)."""
+    agents = [AgentProcess(name, spec, log_dir).start() for name in names]
+    try:
+        for agent in agents:
+            agent.wait_ready(timeout_s)
+    except BaseException:
+        for agent in agents:
+            agent.stop()
+        raise
+    return agents

@@ -1,0 +1,94 @@
+"""Helpers for end-to-end tests: adapters on disk, agent pods, and direct gRPC checks of what
+the agents hold (the registries are the truth the operator's status must equal)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_operator.localagents import AgentProcess
+from node_agent.synthetic import SyntheticModel, write_adapter
+from tests.kube.harness import ControlPlane
+
+SHAPE = SyntheticModel()
+BASE_MODEL = "tiny-llama"
+FLEET_LABEL = "lorafleet.dev/fleet"
+
+
+def make_adapter(root: Path, name: str, *, rank: int = 4, seed: int = 0) -> Path:
+    return write_adapter(root / name, SHAPE, rank=rank, seed=seed)
+
+
+def corrupt_adapter(root: Path, name: str) -> Path:
+    """A PEFT directory whose weights file is not safetensors at all."""
+    path = make_adapter(root, name)
+    (path / "adapter_model.safetensors").write_bytes(b"\x00garbage, not safetensors" * 8)
+    return path
+
+
+def adapter_manifest(name: str, path: Path, *, fleet: str = "default",
+                     base_model: str = BASE_MODEL) -> dict[str, Any]:
+    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
+            "metadata": {"name": name},
+            "spec": {"baseModel": base_model, "source": {"uri": f"file://{path}"},
+                     "fleetRef": {"name": fleet}}}
+
+
+def fleet_manifest(name: str = "default") -> dict[str, Any]:
+    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet",
+            "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": {FLEET_LABEL: name}}, "grpcPortName": "grpc"}}
+
+
+def apply(cluster: ControlPlane, ns: str, *objects: dict[str, Any]) -> None:
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}), ns)
+
+
+def add_agent_pod(cluster: ControlPlane, ns: str, agent: AgentProcess, *, ready: bool = True,
+                  fleet: str = "default") -> None:
+    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: fleet},
+                             ready=ready)
+
+
+def stub(agent: AgentProcess) -> tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]:
+    channel = grpc.insecure_channel(agent.endpoint)
+    return channel, agent_pb2_grpc.NodeAgentStub(channel)
+
+
+def registry(agent: AgentProcess, ns: str | None = None) -> dict[str, list[int]]:
+    """The agent's registry (name -> ranks), optionally only this namespace's managed names."""
+    channel, agent_stub = stub(agent)
+    with channel:
+        reply = agent_stub.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
+    names = [a.name for a in reply.adapters]
+    assert len(names) == len(set(names)), f"duplicate registry entries: {names}"
+    return {a.name: list(a.ranks) for a in reply.adapters
+            if ns is None or a.name.startswith(f"{ns}.")}
+
+
+def generate(agent: AgentProcess, adapter: str, tokens: list[int], n: int = 4) -> list[int]:
+    """Greedy tokens from the agent with ``adapter`` (raises grpc.RpcError if not routable)."""
+    channel, agent_stub = stub(agent)
+    with channel:
+        replies = agent_stub.Generate(
+            agent_pb2.GenerateRequest(token_ids=tokens, adapter=adapter, max_new_tokens=n),
+            timeout=30)
+        return [r.token_id for r in replies]
+
+
+def status(cluster: ControlPlane, ns: str, name: str) -> dict[str, Any]:
+    obj = cluster.kubectl_json("get", "la", name, "-n", ns)
+    return dict(obj.get("status") or {})
+
+
+def phase(cluster: ControlPlane, ns: str, name: str) -> str:
+    return str(status(cluster, ns, name).get("phase", ""))
+
+
+def phases(cluster: ControlPlane, ns: str) -> dict[str, str]:
+    items = cluster.kubectl_json("get", "la", "-n", ns)["items"]
+    return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}

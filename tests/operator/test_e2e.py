@@ -1,0 +1,280 @@
+"""End to end: the real operator (subprocess), the real API server, real node agents
+(``lorafleet-agent serve``, tp=2 dp=2 on CPU) on loopback, their Pod objects written by the
+harness. Bad specs refused by the API server are tested in tests/kube/test_crds.py.
+
+Two agents are shared by the whole module (starting one costs seconds); tests are isolated by
+namespace, because the operator's registry names are ``<namespace>.<name>``. agent-1 accepts
+adapters up to rank 8 only, agent-0 up to 16: a rank-16 adapter makes exactly one agent fail.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lorafleet_operator.localagents import AgentProcess, AgentSpec, start_agents
+from node_agent.synthetic import write_model
+from tests.kube.harness import ControlPlane
+from tests.operator.agents import (BASE_MODEL, SHAPE, add_agent_pod, adapter_manifest, apply,
+                                   corrupt_adapter, fleet_manifest, generate, make_adapter,
+                                   phase, phases, registry, status)
+from tests.operator.conftest import OperatorProcess, start_operator, wait_for
+
+TOKENS = [1, 5, 9, 42]
+
+
+@pytest.fixture(scope="module")
+def agent_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    root = tmp_path_factory.mktemp("agents")
+    model = write_model(root / "model", SHAPE)
+    adapters = root / "adapters"
+    adapters.mkdir()
+    spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name=BASE_MODEL)
+    a0 = AgentProcess("agent-0", spec, root / "logs")
+    a1 = AgentProcess("agent-1", AgentSpec(**{**spec.__dict__, "max_lora_rank": 8}),
+                      root / "logs")
+    for agent in (a0, a1):
+        agent.start()
+    try:
+        for agent in (a0, a1):
+            agent.wait_ready()
+        yield {"agents": [a0, a1], "adapters": adapters, "spec": spec, "root": root}
+    finally:
+        for agent in (a0, a1):
+            agent.stop()
+
+
+@pytest.fixture
+def agents(agent_env: dict[str, object]) -> list[AgentProcess]:
+    """The two shared agents, serving (a test that killed one must have restarted it)."""
+    agents: list[AgentProcess] = agent_env["agents"]  # type: ignore[assignment]
+    for agent in agents:
+        agent.wait_ready(60)
+    return agents
+
+
+@pytest.fixture
+def adapters(agent_env: dict[str, object], kube_namespace: str) -> Path:
+    """This test's own directory under the agents' adapter root."""
+    path: Path = agent_env["adapters"] / kube_namespace  # type: ignore[operator]
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def fleet(kube_cluster: ControlPlane, kube_namespace: str, agents: list[AgentProcess],
+          lorafleet_crds: tuple[str, ...]) -> list[AgentProcess]:
+    """The default LoraFleet with both agents' pods, Ready, in the test namespace."""
+    for agent in agents:
+        add_agent_pod(kube_cluster, kube_namespace, agent)
+    apply(kube_cluster, kube_namespace, fleet_manifest())
+    return agents
+
+
+def wait_phase(cluster: ControlPlane, ns: str, name: str, want: str, op: OperatorProcess,
+               timeout_s: float = 90) -> dict[str, object]:
+    wait_for(lambda: phase(cluster, ns, name) == want, timeout_s, f"{name} {want}", op)
+    return status(cluster, ns, name)
+
+
+def test_apply_ready_then_delete_unloads_everywhere(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    ns = kube_namespace
+    apply(kube_cluster, ns, adapter_manifest("support", make_adapter(adapters, "support")))
+    st = wait_phase(kube_cluster, ns, "support", "Ready", operator)
+
+    assert st["agents"] == [
+        {"pod": "agent-0", "state": "Loaded", "ranksLoaded": 2, "ranksTotal": 2, "message": ""},
+        {"pod": "agent-1", "state": "Loaded", "ranksLoaded": 2, "ranksTotal": 2, "message": ""}]
+    assert (st["agentsSummary"], st["ranksSummary"], st["message"]) == ("2/2", "4/4", "")
+    ready = st["conditions"][0]  # type: ignore[index]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True",
+                                                                  "AllAgentsLoaded")
+    # The status is what the registries say: every rank of both agents holds it.
+    for agent in fleet:
+        assert registry(agent, ns) == {f"{ns}.support": [0, 1]}
+        assert len(generate(agent, f"{ns}.support", TOKENS)) == 4
+    table = kube_cluster.kubectl("get", "la", "-n", ns).stdout
+    assert "support" in table and "Ready" in table and "2/2" in table and "4/4" in table
+
+    # The fleet's status describes its members.
+    wait_for(lambda: kube_cluster.kubectl_json("get", "lfleet", "default", "-n", ns)
+             ["status"].get("readyAgents") == 2, 30, "fleet status", operator)
+    members = kube_cluster.kubectl_json("get", "lfleet", "default", "-n", ns)["status"]["members"]
+    assert [m["pod"] for m in members] == ["agent-0", "agent-1"]
+    assert members[0]["topology"] == {"tpSize": 2, "dpSize": 2, "attnTpSize": 1, "epSize": 1,
+                                      "moeTpSize": 2}
+    assert members[1]["capacity"]["maxLoraRank"] == 8
+    assert members[0]["baseModel"] == BASE_MODEL
+
+    kube_cluster.kubectl("delete", "la", "support", "-n", ns, "--wait=true", "--timeout=60s")
+    for agent in fleet:
+        assert registry(agent, ns) == {}
+        with pytest.raises(grpc.RpcError) as err:
+            generate(agent, f"{ns}.support", TOKENS)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_adapter_fails_without_hot_loop_and_others_are_unaffected(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    ns = kube_namespace
+    apply(kube_cluster, ns, adapter_manifest("good", make_adapter(adapters, "good")),
+          adapter_manifest("bad", corrupt_adapter(adapters, "bad")))
+    wait_phase(kube_cluster, ns, "good", "Ready", operator)
+    st = wait_phase(kube_cluster, ns, "bad", "Failed", operator)
+    # The agents' own words, failure-first merged (both agents say the same: one message).
+    assert st["message"] and " | " not in st["message"]  # type: ignore[operator]
+    assert "safetensors" in st["message"].lower() or "header" in st["message"].lower(), st
+    assert [a["state"] for a in st["agents"]] == ["Failed", "Failed"]  # type: ignore[union-attr]
+    assert st["conditions"][0]["reason"] == "LoadFailed"  # type: ignore[index]
+
+    # No hot loop: over several drift intervals (1 s each) the operator calls LoadAdapter at
+    # most a few times (permanent failures back off from 4 s), and nothing for "good".
+    before = operator.agent_calls("LoadAdapter")
+    time.sleep(8)
+    calls = operator.agent_calls("LoadAdapter") - before
+    assert calls <= 4, f"{calls} LoadAdapter calls in 8 s: a retry loop"
+    assert operator.log().count(f"reconciled loraadapter {ns}/bad gen=1 trigger=create") == 1
+    assert phases(kube_cluster, ns) == {"good": "Ready", "bad": "Failed"}
+    for agent in fleet:
+        assert set(registry(agent, ns)) == {f"{ns}.good"}
+        assert len(generate(agent, f"{ns}.good", TOKENS)) == 4
+    events = kube_cluster.kubectl_json("get", "events", "-n", ns)["items"]
+    assert any(e["reason"] == "Failed" and e["type"] == "Warning"
+               and e["involvedObject"]["name"] == "bad" for e in events)
+
+    # A spec change (new generation) is retried at once: fixed -> Ready.
+    fixed = adapter_manifest("bad", make_adapter(adapters, "bad-fixed"))
+    apply(kube_cluster, ns, fixed)
+    st = wait_phase(kube_cluster, ns, "bad", "Ready", operator)
+    assert st["observedGeneration"] == 2
+
+
+def test_one_agent_failing_is_degraded_then_fixed(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    ns = kube_namespace
+    big = make_adapter(adapters, "big", rank=16)  # agent-1 takes rank <= 8 only
+    apply(kube_cluster, ns, adapter_manifest("big", big))
+    st = wait_phase(kube_cluster, ns, "big", "Degraded", operator)
+    by_pod = {a["pod"]: a for a in st["agents"]}  # type: ignore[union-attr]
+    assert by_pod["agent-0"]["state"] == "Loaded" and by_pod["agent-0"]["ranksLoaded"] == 2
+    assert by_pod["agent-1"]["state"] == "Failed" and by_pod["agent-1"]["message"]
+    assert st["message"] == by_pod["agent-1"]["message"]
+    assert (st["agentsSummary"], st["ranksSummary"]) == ("1/2", "2/4")
+    ready, degraded = st["conditions"]  # type: ignore[misc]
+    assert ready["reason"] == "PartiallyLoaded" and "agent-1" in ready["message"]
+    assert degraded["status"] == "True" and "agent-1" in degraded["message"]
+    # The other agent serves it meanwhile.
+    assert len(generate(fleet[0], f"{ns}.big", TOKENS)) == 4
+    assert f"{ns}.big" not in registry(fleet[1], ns)
+
+    apply(kube_cluster, ns, adapter_manifest("big", make_adapter(adapters, "small", rank=8)))
+    st = wait_phase(kube_cluster, ns, "big", "Ready", operator)
+    assert (st["agentsSummary"], st["ranksSummary"]) == ("2/2", "4/4")
+    for agent in fleet:
+        assert registry(agent, ns) == {f"{ns}.big": [0, 1]}
+
+
+def test_restarted_agent_gets_its_adapters_back(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    ns = kube_namespace
+    apply(kube_cluster, ns, *(adapter_manifest(n, make_adapter(adapters, n, seed=i))
+                              for i, n in enumerate(("one", "two"))))
+    for name in ("one", "two"):
+        wait_phase(kube_cluster, ns, name, "Ready", operator)
+    restarted = fleet[1]
+    restarted.kill()  # a crash: the registry lives in memory and is gone
+    restarted.start().wait_ready()
+    # (It may already be repaired here: the drift check runs every second.)
+    kube_cluster.write_pod_status(ns, restarted.name, restart_count=1)  # as a kubelet would
+    wait_for(lambda: registry(restarted, ns) == {f"{ns}.one": [0, 1], f"{ns}.two": [0, 1]},
+             60, "the drift check to restore the adapters", operator)
+    for name in ("one", "two"):
+        st = wait_phase(kube_cluster, ns, name, "Ready", operator)
+        assert st["ranksSummary"] == "4/4"
+    for name in ("one", "two"):  # repaired by the drift check, not by a handler
+        assert f"drift: loaded {ns}/{name} on agent-1: Loaded" in operator.log()
+
+
+def test_new_and_newly_ready_agent_pods_get_every_adapter(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess, agent_env: dict[str, object],
+) -> None:
+    ns = kube_namespace
+    apply(kube_cluster, ns, adapter_manifest("one", make_adapter(adapters, "one")))
+    wait_phase(kube_cluster, ns, "one", "Ready", operator)
+    spec: AgentSpec = agent_env["spec"]  # type: ignore[assignment]
+    (extra,) = start_agents(["agent-2"], spec, agent_env["root"] / "logs")  # type: ignore[operator]
+    try:
+        add_agent_pod(kube_cluster, ns, extra, ready=False)  # scheduled, not ready yet
+        time.sleep(2)  # two drift intervals: a not-ready pod is no target
+        assert status(kube_cluster, ns, "one")["agentsSummary"] == "2/2"
+        assert registry(extra, ns) == {}
+        kube_cluster.write_pod_status(ns, extra.name, ready=True)
+        wait_for(lambda: status(kube_cluster, ns, "one").get("agentsSummary") == "3/3", 60,
+                 "the new agent to hold the adapter", operator)
+        assert registry(extra, ns) == {f"{ns}.one": [0, 1]}
+        assert status(kube_cluster, ns, "one")["ranksSummary"] == "6/6"
+        # An agent pod that goes away no longer counts.
+        kube_cluster.delete_pod(ns, extra.name)
+        wait_for(lambda: status(kube_cluster, ns, "one").get("agentsSummary") == "2/2", 60,
+                 "the deleted agent pod to drop out", operator)
+        assert phase(kube_cluster, ns, "one") == "Ready"
+    finally:
+        extra.stop()
+
+
+def test_operator_restarted_mid_reconcile_converges(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess, tmp_path: Path,
+) -> None:
+    ns = kube_namespace
+    names = [f"r{i:02d}" for i in range(12)]
+    apply(kube_cluster, ns, *(adapter_manifest(n, make_adapter(adapters, n, seed=i))
+                              for i, n in enumerate(names)))
+    wait_for(lambda: "Ready" in phases(kube_cluster, ns).values(), 60, "a first Ready",
+             operator)
+    operator.stop(signal.SIGKILL)  # mid-reconcile: no cleanup, the lease is left held
+    assert set(phases(kube_cluster, ns).values()) != {"Ready"} or True  # state is whatever it was
+    second = start_operator(kube_cluster, ns, tmp_path, identity="op-1")
+    try:
+        wait_for(lambda: set(phases(kube_cluster, ns).values()) == {"Ready"}, 120,
+                 "all adapters Ready after the restart", second)
+        want = {f"{ns}.{n}": [0, 1] for n in names}
+        for agent in fleet:
+            assert registry(agent, ns) == want  # nothing lost, nothing extra, no duplicates
+        for name in names:
+            st = status(kube_cluster, ns, name)
+            assert [a["pod"] for a in st["agents"]] == ["agent-0", "agent-1"]
+    finally:
+        second.stop()
+
+
+def test_fifty_adapters_applied_at_once(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    ns = kube_namespace
+    names = [f"bulk-{i:02d}" for i in range(50)]
+    paths = [make_adapter(adapters, n, seed=i) for i, n in enumerate(names)]
+    apply(kube_cluster, ns, *(adapter_manifest(n, p) for n, p in zip(names, paths)))
+    wait_for(lambda: list(phases(kube_cluster, ns).values()).count("Ready") == 50, 300,
+             "50 adapters Ready", operator, interval_s=1.0)
+    for agent in fleet:
+        assert set(registry(agent, ns)) == {f"{ns}.{n}" for n in names}
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=180s")
+    for agent in fleet:
+        assert registry(agent, ns) == {}
