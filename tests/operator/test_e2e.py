@@ -9,6 +9,8 @@ adapters up to rank 8 only, agent-0 up to 16: a rank-16 adapter makes exactly on
 
 from __future__ import annotations
 
+import json
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -278,3 +280,67 @@ def test_fifty_adapters_applied_at_once(
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=180s")
     for agent in fleet:
         assert registry(agent, ns) == {}
+
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "lorafleet"
+
+
+def service_account_kubeconfig(cluster: ControlPlane, ns: str, sa: str, path: Path) -> Path:
+    """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
+    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": cluster.server,
+                                               "certificate-authority": str(cluster.ca_file)}}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
+        "current-context": "c"}))
+    return path
+
+
+def test_operator_under_the_charts_service_account_with_agent_auth(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    adapters: Path, agent_env: dict[str, object], tmp_path: Path,
+) -> None:
+    """The chart's RBAC is enough for the whole job (tests/kube/test_chart.py shows it is no
+    broader): the operator runs with the chart ServiceAccount's own token, reads the fleet's
+    token Secret, loads on an agent that requires that token, and unloads on delete."""
+    ns = kube_namespace
+    rendered = kube_cluster.helm("template", "lf", str(CHART), "--namespace", ns,
+                                 "--set", "agent.enabled=false", "--set", "operator.enabled=false",
+                                 "--set", "fleet.create=false").stdout
+    kube_cluster.apply(rendered, ns)
+    kubeconfig = service_account_kubeconfig(kube_cluster, ns, "lf-lorafleet-operator",
+                                            tmp_path / "sa.kubeconfig")
+    token_file = tmp_path / "agent-token"
+    token_file.write_text(secrets.token_urlsafe(24))
+    spec: AgentSpec = agent_env["spec"]  # type: ignore[assignment]
+    (agent,) = start_agents(["agent-auth"], AgentSpec(**{
+        **spec.__dict__, "extra_args": ("--auth-token-file", str(token_file))}),
+        agent_env["root"] / "logs")  # type: ignore[operator]
+    op = None
+    try:
+        with pytest.raises(grpc.RpcError) as err:  # the agent really requires the token
+            registry(agent)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        kube_cluster.kubectl("create", "secret", "generic", "agent-token", "-n", ns,
+                             f"--from-file=token={token_file}")
+        add_agent_pod(kube_cluster, ns, agent)
+        fleet_obj = fleet_manifest()
+        fleet_obj["spec"]["auth"] = {"tokenSecretRef": {"name": "agent-token"}}
+        apply(kube_cluster, ns, fleet_obj,
+              adapter_manifest("support", make_adapter(adapters, "support")))
+        op = start_operator(kube_cluster, ns, tmp_path, identity="sa-op", kubeconfig=kubeconfig)
+        st = wait_phase(kube_cluster, ns, "support", "Ready", op)
+        assert (st["agentsSummary"], st["ranksSummary"]) == ("1/1", "2/2")
+        kube_cluster.kubectl("delete", "la", "support", "-n", ns, "--wait=true", "--timeout=60s")
+        log = op.log()
+        assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+        assert "became leader" in log
+    finally:
+        if op is not None:
+            op.stop()
+        agent.stop()
+    who = kube_cluster.kubectl_json("auth", "whoami", f"--kubeconfig={kubeconfig}")
+    assert who["status"]["userInfo"]["username"] == \
+        f"system:serviceaccount:{ns}:lf-lorafleet-operator"

@@ -4,10 +4,13 @@ reason, fleet status, finalizer released on delete, events, one log line per rec
 from __future__ import annotations
 
 import json
+import signal
+import time
+from pathlib import Path
 from typing import Any
 
 from tests.kube.harness import ControlPlane
-from tests.operator.conftest import OperatorProcess, wait_for
+from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 
 
 def adapter(name: str, fleet: str = "default", uri: str | None = None) -> str:
@@ -65,3 +68,32 @@ def test_missing_fleet_then_empty_fleet_then_delete(
     assert log.count(f"reconciled loraadapter {ns}/a gen=1 trigger=create") == 1
     events = kube_cluster.kubectl_json("get", "events", "-n", ns)["items"]
     assert any(e["reason"] == "Pending" and e["involvedObject"]["name"] == "a" for e in events)
+
+
+def test_two_replicas_only_the_leader_acts_and_the_other_takes_over(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    tmp_path: Path,
+) -> None:
+    ns = kube_namespace
+    first = start_operator(kube_cluster, ns, tmp_path, identity="op-a")
+    second = start_operator(kube_cluster, ns, tmp_path, identity="op-b", wait_leader=False)
+    try:
+        wait_for(lambda: "waiting for leadership" in second.log(), 30, "op-b to wait", second)
+        kube_cluster.apply(adapter("a"), ns)
+        wait_for(lambda: "reconciled loraadapter" in first.log(), 30, "op-a to act", first)
+        time.sleep(2)
+        assert "reconciled loraadapter" not in second.log()
+        lease = kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)
+        assert lease["spec"]["holderIdentity"] == "op-a"
+
+        first.stop(signal.SIGKILL)  # no release: op-b must wait for the lease to expire
+        wait_for(lambda: "became leader" in second.log(), 60, "op-b to take over", second)
+        kube_cluster.apply(adapter("b"), ns)
+        wait_for(lambda: f"reconciled loraadapter {ns}/b" in second.log(), 30,
+                 "op-b to act", second)
+        lease = kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)
+        assert lease["spec"]["holderIdentity"] == "op-b"
+        assert lease["spec"]["leaseTransitions"] >= 1
+    finally:
+        first.stop()
+        second.stop()
