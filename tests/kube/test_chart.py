@@ -194,3 +194,33 @@ def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> Non
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["LORAFLEET_WATCH_NAMESPACES"] == "team-a,team-b"
+
+
+@pytest.mark.parametrize("sets", VARIANTS[:2])
+def test_agent_args_parse_with_the_agents_own_parser(
+    kube_cluster: ControlPlane, sets: tuple[str, ...]
+) -> None:
+    """The StatefulSet's command line is one `lorafleet-agent serve` accepts, meaning what the
+    values say (the chart follows node_agent/cli.py, not guesses)."""
+    from node_agent.cli import build_parser
+
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all(render(kube_cluster, "lf-ns", *sets)) if d}
+    agent = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]
+    container = agent["containers"][0]
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert args.listen == "0.0.0.0:50051"
+    assert args.base_model_name == "tiny-llama"
+    assert str(args.model) == "/models/base"
+    assert [str(r) for r in args.adapter_root] == ["/var/lib/lorafleet/adapters"]
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {str(args.model), str(args.adapter_root[0]), str(args.cache_dir)} <= mounts
+    if "agent.tpSize=2" in sets:
+        assert (args.tp, args.dp, args.device) == (2, 2, "cpu")
+        assert str(args.auth_token_file) == "/var/run/lorafleet/auth/token"
+        assert (str(args.tls_cert), str(args.tls_key), str(args.tls_client_ca)) == (
+            "/var/run/lorafleet/tls/tls.crt", "/var/run/lorafleet/tls/tls.key",
+            "/var/run/lorafleet/tls/ca.crt")
+    else:
+        assert (args.tp, args.dp, args.device, args.max_lora_rank) == (1, 1, "cuda", 16)
+        assert args.auth_token_file is None and args.tls_cert is None
