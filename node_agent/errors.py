@@ -28,8 +28,8 @@ class InvalidRequest(AgentError):
 class SourceRefused(AgentError):
     """The adapter source is not allowed or its content is not what was promised.
 
-    Reasons: scheme, relative_path, traversal, outside_roots, symlink_escape, sha256_mismatch,
-    too_large, no_cache_dir, bad_uri.
+    Reasons: scheme, redirect, relative_path, traversal, outside_roots, symlink_escape,
+    sha256_mismatch, too_large, no_cache_dir, bad_uri, http_error.
     """
 
     reason = "source_refused"

@@ -35,15 +35,16 @@ class AgentMetrics:
             ["method"], buckets=INFERENCE_BUCKETS, registry=r)
         self.generated_tokens = Counter("lorafleet_agent_generated_tokens", "Tokens streamed by Generate", registry=r)
         self.engine_up = Gauge("lorafleet_agent_engine_up", "1 while every rank of the engine is alive", registry=r)
-        self._httpd = None
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Expose the metrics over HTTP on `port` (0: any free port); returns the bound port."""
-        self._httpd, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(self._httpd.server_address[1])
 
-    def stop_serving(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+
+class MetricsEndpoint:
+    """An HTTP endpoint serving one agent's metrics; closed by whoever opened it."""
+
+    def __init__(self, metrics: AgentMetrics, port: int, addr: str = "0.0.0.0") -> None:
+        self._httpd, _thread = start_http_server(port, addr=addr, registry=metrics.registry)
+        self.port = int(self._httpd.server_address[1])  # the bound port (port 0: any free one)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -40,6 +40,7 @@ from node_agent.errors import (
     SourceRefused,
     SourceUnavailable,
 )
+from node_agent.metrics import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class AgentServer:
         self.health = health_servicer
         self.port = port
         self.options = options
-        self.metrics_port: int | None = None
+        self._metrics: MetricsEndpoint | None = None
         self._done = threading.Event()
         self._engine_died = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -163,9 +164,14 @@ class AgentServer:
         self._set_health(self.agent.alive)
         self.server.start()
         if self.options.metrics_port is not None:
-            self.metrics_port = self.agent.metrics.serve(self.options.metrics_port)
+            self._metrics = MetricsEndpoint(self.agent.metrics, self.options.metrics_port)
         self._watcher = threading.Thread(target=self._watch, name="lorafleet-health", daemon=True)
         self._watcher.start()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound metrics port while the endpoint is open (None: no metrics endpoint)."""
+        return self._metrics.port if self._metrics else None
 
     def wait(self) -> bool:
         """Block until `request_stop()` or the engine's death; True if the engine died."""
@@ -182,7 +188,9 @@ class AgentServer:
         self._done.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(self.options.stop_grace_s if grace is None else grace).wait()
-        self.agent.metrics.stop_serving()
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
     def __enter__(self) -> AgentServer:
         self.start()

@@ -173,7 +173,7 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         if urlsplit(newurl).scheme.lower() not in ("http", "https"):
-            raise SourceRefused(f"redirect from {req.full_url} to {newurl!r} refused: http(s) only", "scheme")
+            raise SourceRefused(f"redirect from {req.full_url} to {newurl!r} refused: http(s) only", "redirect")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -217,6 +217,8 @@ def _fetch(url: str, dest: Path, cap: int, timeout_s: float) -> str:
     except urllib.error.HTTPError as error:
         if error.code in (404, 410):
             raise SourceNotFound(f"{url} not found (HTTP {error.code})") from None
+        if 300 <= error.code < 400:  # urllib itself refuses redirects to file:// with an HTTPError
+            raise SourceRefused(f"redirect from {url} refused: {error.reason} (http(s) only)", "redirect") from None
         if error.code >= 500:
             raise SourceUnavailable(f"download of {url} failed: HTTP {error.code} {error.reason}") from None
         raise SourceRefused(f"download of {url} refused: HTTP {error.code} {error.reason}", "http_error") from None

@@ -1,0 +1,115 @@
+"""Bearer tokens, TLS and mutual TLS: extra servers over the shared agent (no new engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from lorafleet.v1 import agent_pb2 as pb
+from lorafleet.v1 import agent_pb2_grpc
+
+from node_agent.auth import TlsFiles
+from node_agent.server import AgentServer, ServerOptions, create_server
+from tests.agent.certs import Authority
+from tests.agent.helpers import rpc_error
+
+TOKEN = "0123456789abcdef-token"
+
+
+@contextmanager
+def extra_server(shared, **options) -> Iterator[AgentServer]:
+    server = create_server(shared.agent, ServerOptions(**options))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(grace=0)
+
+
+def every_rpc(stub: agent_pb2_grpc.NodeAgentStub, metadata) -> dict[str, callable]:
+    """One call of each NodeAgent method (each valid, so only auth can refuse it)."""
+    return {
+        "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=30),
+        "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), metadata=metadata, timeout=30),
+        "LoadAdapter": lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="auth", source_uri="s3://x"), metadata=metadata, timeout=30),
+        "UnloadAdapter": lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="auth"), metadata=metadata, timeout=30),
+        "Forward": lambda: stub.Forward(pb.ForwardRequest(sequences=[pb.Sequence(token_ids=[1])]), metadata=metadata, timeout=30),
+        "Generate": lambda: list(stub.Generate(pb.GenerateRequest(token_ids=[1], max_new_tokens=1), metadata=metadata, timeout=30)),
+    }
+
+
+@pytest.mark.parametrize(
+    "metadata, phrase",
+    [(None, "missing credentials"), ((("authorization", "Bearer wrong"),), "invalid bearer token"),
+     ((("authorization", TOKEN),), "invalid bearer token"), ((("authorization", f"Basic {TOKEN}"),), "invalid bearer token")],
+    ids=["no-token", "wrong-token", "no-scheme", "basic-scheme"],
+)
+def test_every_method_but_health_needs_the_bearer_token(shared, metadata, phrase):
+    with extra_server(shared, auth_token=TOKEN) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        for method, call in every_rpc(stub, metadata).items():
+            error = rpc_error(call)
+            assert (method, error.code(), phrase in error.details()) == (method, grpc.StatusCode.UNAUTHENTICATED, True)
+        with pytest.raises(grpc.RpcError) as refused:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Health stays open: kubelet's gRPC probes cannot send metadata.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_right_token_is_accepted(shared):
+    with extra_server(shared, auth_token=TOKEN) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        calls = every_rpc(agent_pb2_grpc.NodeAgentStub(channel), (("authorization", f"Bearer {TOKEN}"),))
+        assert calls["Describe"]().agent_id == "agent-under-test"
+        assert len(calls["Forward"]().logits) == 1 and len(calls["Generate"]()) == 1
+        assert calls["ListAdapters"]() is not None
+        # Past auth, the agent's own answers: an s3 source is refused, an unknown adapter not found.
+        assert rpc_error(calls["LoadAdapter"]).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rpc_error(calls["UnloadAdapter"]).code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> dict[str, Path | bytes]:
+    directory = tmp_path_factory.mktemp("pki")
+    ca, other_ca = Authority("lorafleet test CA"), Authority("someone else")
+    server = ca.issue("agent", server=True)
+    (directory / "server.crt").write_bytes(server.cert)
+    (directory / "server.key").write_bytes(server.key)
+    (directory / "ca.crt").write_bytes(ca.pem)
+    client, stranger = ca.issue("operator", server=False), other_ca.issue("operator", server=False)
+    return {"dir": directory, "ca": ca.pem, "other_ca": other_ca.pem, "client": client, "stranger": stranger}
+
+
+def describe_over(port: int, credentials: grpc.ChannelCredentials) -> pb.DescribeResponse:
+    with grpc.secure_channel(f"localhost:{port}", credentials) as channel:
+        return agent_pb2_grpc.NodeAgentStub(channel).Describe(pb.DescribeRequest(), timeout=10)
+
+
+def test_tls_serves_clients_that_trust_its_ca_only(shared, pki):
+    tls = TlsFiles(pki["dir"] / "server.crt", pki["dir"] / "server.key")
+    with extra_server(shared, tls=tls) as server:
+        assert describe_over(server.port, grpc.ssl_channel_credentials(pki["ca"])).agent_id == "agent-under-test"
+        assert rpc_error(lambda: describe_over(server.port, grpc.ssl_channel_credentials(pki["other_ca"]))).code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as plain:
+            error = rpc_error(lambda: agent_pb2_grpc.NodeAgentStub(plain).Describe(pb.DescribeRequest(), timeout=10))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(shared, pki):
+    tls = TlsFiles(pki["dir"] / "server.crt", pki["dir"] / "server.key", pki["dir"] / "ca.crt")
+    with extra_server(shared, tls=tls, auth_token=TOKEN) as server:
+        client, stranger = pki["client"], pki["stranger"]
+        with_cert = grpc.ssl_channel_credentials(pki["ca"], client.key, client.cert)
+        token = grpc.access_token_call_credentials(TOKEN)  # sends "authorization: Bearer <token>"
+        assert describe_over(server.port, grpc.composite_channel_credentials(with_cert, token)).agent_id == "agent-under-test"
+        assert rpc_error(lambda: describe_over(server.port, with_cert)).code() == grpc.StatusCode.UNAUTHENTICATED
+        without_cert = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(pki["ca"]), token)
+        assert rpc_error(lambda: describe_over(server.port, without_cert)).code() == grpc.StatusCode.UNAVAILABLE
+        foreign = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(pki["ca"], stranger.key, stranger.cert), token)
+        assert rpc_error(lambda: describe_over(server.port, foreign)).code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,154 @@
+"""A rank that dies: health NOT_SERVING, fast UNAVAILABLE errors, and `serve` exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lorafleet.v1 import agent_pb2 as pb
+from lorafleet.v1 import agent_pb2_grpc
+
+from node_agent.agent import Agent, AgentConfig
+from node_agent.engine import EngineConfig, Topology
+from node_agent.server import ServerOptions, create_server
+from tests.agent.helpers import make_adapter, make_model, rpc_error, wait_until
+
+FAST_S = 10  # "fails fast": far below any gloo or call timeout (minutes)
+
+
+def health_status(channel: grpc.Channel) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="lorafleet.v1.NodeAgent"), timeout=10).status
+
+
+def test_a_killed_rank_turns_health_not_serving_and_calls_fail_fast(tmp_path):
+    model = make_model(tmp_path / "model", tokenizer=False)
+    agent = Agent.start(EngineConfig(model_dir=model, topology=Topology(2, 2)), AgentConfig())
+    server = create_server(agent, ServerOptions())
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    try:
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        os.kill(agent.engine.pids[1], signal.SIGKILL)
+        wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+        assert server.wait() is True, "wait() ends with the engine's death"
+        calls = {
+            "Forward": lambda: stub.Forward(pb.ForwardRequest(sequences=[pb.Sequence(token_ids=[1, 2])]), timeout=60),
+            "Generate": lambda: list(stub.Generate(pb.GenerateRequest(token_ids=[1, 2]), timeout=60)),
+            "LoadAdapter": lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="x", source_uri="file:///x"), timeout=60),
+            "UnloadAdapter": lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="x"), timeout=60),
+            "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), timeout=60),
+        }
+        for method, call in calls.items():
+            started = time.monotonic()
+            error = rpc_error(call)
+            assert (method, error.code()) == (method, grpc.StatusCode.UNAVAILABLE), error.details()
+            assert "engine is not serving" in error.details() and "restarts" in error.details()
+            assert time.monotonic() - started < FAST_S
+        # Describe still answers, so an operator can see which rank died.
+        ranks = stub.Describe(pb.DescribeRequest(), timeout=30).ranks
+        assert [(r.rank, r.alive) for r in ranks] == [(0, True), (1, False)]
+    finally:
+        channel.close()
+        server.stop(grace=0)
+        agent.close()
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The engine's rank processes: the agent's children started by multiprocessing spawn."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def start_serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`lorafleet-agent serve` on a free port (--listen 127.0.0.1:0); returns the process and the
+    port it logged."""
+    log_path = tmp_path / "agent.log"
+    executable = Path(sys.executable).parent / "lorafleet-agent"  # the installed console script
+    command = [str(executable), "--log-level", "INFO", "serve", "--listen", "127.0.0.1:0", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_path.open("w"))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        match = re.search(r"serving lorafleet\.v1\.NodeAgent on \S+ \(port (\d+)\)", log_path.read_text())
+        if match:
+            return process, int(match.group(1))
+        if process.poll() is not None:
+            raise AssertionError(f"serve exited with {process.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"serve did not start:\n{log_path.read_text()}")
+
+
+def test_serve_exits_non_zero_when_a_rank_dies(tmp_path):
+    model = make_model(tmp_path / "model", tokenizer=False)
+    adapter = make_adapter(tmp_path / "adapters" / "ad", seed=1)
+    (tmp_path / "token").write_text("s3cret\n")
+    process, port = start_serve(
+        tmp_path, "--model", str(model), "--tp", "2", "--dp", "2", "--base-model-name", "llama-test",
+        "--adapter-root", str(tmp_path / "adapters"), "--auth-token-file", str(tmp_path / "token"))
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        token = (("authorization", "Bearer s3cret"),)
+        assert stub.Describe(pb.DescribeRequest(), metadata=token, timeout=30).base_model.name == "llama-test"
+        assert stub.LoadAdapter(pb.LoadAdapterRequest(name="a", source_uri=adapter.as_uri()), metadata=token, timeout=60).success
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        pids = rank_pids(process.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[0], signal.SIGKILL)
+        assert process.wait(timeout=60) != 0
+        log = (tmp_path / "agent.log").read_text()
+        assert "exiting so the pod restarts" in log
+        channel.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_serve_stops_cleanly_on_sigterm(tmp_path):
+    model = make_model(tmp_path / "model", tokenizer=False)
+    process, port = start_serve(tmp_path, "--model", str(model))
+    try:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "stopped" in (tmp_path / "agent.log").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
+        (["--auth-token-file", "missing"], "is not a readable file"),
+        (["--auth-token-file", "empty"], "is empty"),
+        (["--adapter-root", "nowhere"], "is not a directory"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_starting_an_engine(tmp_path, flags, message, capsys):
+    from node_agent.cli import main
+
+    (tmp_path / "cert.pem").write_text("x")
+    (tmp_path / "ca.pem").write_text("x")
+    (tmp_path / "empty").write_text("\n")
+    flags = [str(tmp_path / f) if not f.startswith("--") else f for f in flags]
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    assert message in capsys.readouterr().err
