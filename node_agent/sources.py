@@ -33,6 +33,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from email.message import Message
 from http.client import HTTPException
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -171,7 +172,9 @@ def _sha256_of(handle: BinaryIO) -> str:
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
     """Follow redirects only to http(s): never to ftp:// or file:// (urllib allows ftp)."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(
+        self, req: urllib.request.Request, fp: BinaryIO, code: int, msg: str, headers: Message, newurl: str
+    ) -> urllib.request.Request | None:
         if urlsplit(newurl).scheme.lower() not in ("http", "https"):
             raise SourceRefused(f"redirect from {req.full_url} to {newurl!r} refused: http(s) only", "redirect")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
