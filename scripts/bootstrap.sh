@@ -21,6 +21,11 @@ PY
 )
 venv="$cache_root/venv-$key"
 
+mkdir -p "$cache_root"
+# Two runs at once (CI and a developer, or parallel test jobs) must not build the same
+# environment twice: the second waits for the first.
+exec {lock_fd}>"$cache_root/.bootstrap.lock"
+flock "$lock_fd"
 if [ ! -f "$venv/.complete" ]; then
     echo "bootstrap: creating Python environment $venv (first run downloads torch; several minutes)" >&2
     rm -rf "$venv"
@@ -47,6 +52,9 @@ if [ ! -f "$stamp" ]; then
     rm -f "$venv"/.editable-*
     touch "$stamp"
 fi
+
+flock -u "$lock_fd"
+exec {lock_fd}>&-
 
 export VIRTUAL_ENV="$venv"
 export PATH="$venv/bin:$PATH"
