@@ -5,6 +5,8 @@
 # torch from PyPI is a multi-gigabyte CUDA build that every clone (CI clones too) should share.
 # Source this file:  . scripts/bootstrap.sh
 # It is idempotent: a second run only re-links this checkout into the environment (seconds).
+# The work runs in a subshell with strict options, so sourcing leaves the caller's shell as it was.
+_lorafleet_bootstrap() (
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -23,7 +25,7 @@ venv="$cache_root/venv-$key"
 
 mkdir -p "$cache_root"
 # Two runs at once (CI and a developer, or parallel test jobs) must not build the same
-# environment twice: the second waits for the first.
+# environment twice: the second waits for the first (the lock goes with this subshell).
 exec {lock_fd}>"$cache_root/.bootstrap.lock"
 flock "$lock_fd"
 if [ ! -f "$venv/.complete" ]; then
@@ -53,8 +55,11 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
-flock -u "$lock_fd"
-exec {lock_fd}>&-
+echo "$venv"
+)
 
-export VIRTUAL_ENV="$venv"
-export PATH="$venv/bin:$PATH"
+_lorafleet_venv=$(_lorafleet_bootstrap) || { echo "bootstrap: failed" >&2; return 1 2>/dev/null || exit 1; }
+export VIRTUAL_ENV="$_lorafleet_venv"
+export PATH="$_lorafleet_venv/bin:$PATH"
+unset -f _lorafleet_bootstrap
+unset _lorafleet_venv
