@@ -9,11 +9,15 @@ The drift check (:mod:`drift`) keeps everything consistent between those events.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import kopf
+import urllib3
+from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator import metrics, names
 from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, GROUP, VERSION
@@ -77,31 +81,51 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str, retry: i
         raise kopf.PermanentError(status["message"])
 
 
+@contextlib.asynccontextmanager
+async def api_errors_are_transient(rt: Runtime, retry: int) -> AsyncIterator[None]:
+    """An API server that is restarting or overloaded is retried like an unreachable agent
+    (kopf's default for unexpected errors would wait a whole minute)."""
+    try:
+        yield
+    except (ApiException, urllib3.exceptions.HTTPError) as err:
+        reason = f"{err.status} {err.reason}" if isinstance(err, ApiException) else repr(err)
+        raise kopf.TemporaryError(f"Kubernetes API: {reason}",
+                                  delay=rt.settings.transient_delay(retry)) from err
+
+
 @kopf.on.create(GROUP, VERSION, ADAPTERS)
 async def on_adapter_created(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile_adapter(_runtime(memo), body, "create", retry)
+    async with api_errors_are_transient(_runtime(memo), retry):
+        await reconcile_adapter(_runtime(memo), body, "create", retry)
 
 
 @kopf.on.update(GROUP, VERSION, ADAPTERS, field="spec")
 async def on_adapter_updated(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile_adapter(_runtime(memo), body, "update", retry)
+    async with api_errors_are_transient(_runtime(memo), retry):
+        await reconcile_adapter(_runtime(memo), body, "update", retry)
 
 
 @kopf.on.resume(GROUP, VERSION, ADAPTERS)
 async def on_adapter_resumed(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
     """After an operator (re)start: the same reconcile; loads are idempotent."""
-    await reconcile_adapter(_runtime(memo), body, "resume", retry)
+    async with api_errors_are_transient(_runtime(memo), retry):
+        await reconcile_adapter(_runtime(memo), body, "resume", retry)
 
 
 @kopf.on.delete(GROUP, VERSION, ADAPTERS)
 async def on_adapter_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
+    async with api_errors_are_transient(_runtime(memo), retry):
+        await unload_adapter(_runtime(memo), body, retry)
+
+
+async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     """Unload from every agent of the fleet, then let kopf release the finalizer.
 
     Agents whose pod is gone or not Ready do not block. A Ready agent that cannot be reached
     is retried a few times; after that the finalizer is released anyway and the drift check
     unloads the orphan when the agent answers again (it is a managed name nobody wants).
     """
-    rt, started = _runtime(memo), time.monotonic()
+    started = time.monotonic()
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     async with rt.lock(namespace, name):
