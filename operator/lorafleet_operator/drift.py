@@ -33,7 +33,7 @@ from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
 from lorafleet_operator.reconcile import (FleetProblem, FleetView, Target, error_result,
-                                          failure_key, fleet_view, load_on, loaded_result,
+                                          failure_key, fleet_view, load_on,
                                           remember_failures)
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState, build_status, condition, now_rfc3339
