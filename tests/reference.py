@@ -84,6 +84,9 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(head_dim=24),
     "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       norm_topk_prob=True, mlp_only_layers=[1]),
+    # Qwen2-MoE: a shared expert with a sigmoid gate beside the routed ones; q/k/v biases.
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }
 
 
@@ -114,6 +117,8 @@ def _family(family: str):
         LlamaForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -122,6 +127,7 @@ def _family(family: str):
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     }
     if family not in families:
         raise ValueError(f"unknown family {family!r}; expected one of {sorted(families)}")

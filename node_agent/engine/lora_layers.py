@@ -169,7 +169,14 @@ class RowParallelLoraLinear(LoraLinear):
         return partial
 
 
+class ReplicatedLoraLinear(ColumnParallelLoraLinear):
+    """Held whole by every rank (e.g. the shared-expert gate): a column layer of group size 1."""
+
+    style = ParallelStyle.REPLICATED
+
+
 LAYER_CLASSES: dict[ParallelStyle, type[LoraLinear]] = {
     ParallelStyle.COLUMN: ColumnParallelLoraLinear,
     ParallelStyle.ROW: RowParallelLoraLinear,
+    ParallelStyle.REPLICATED: ReplicatedLoraLinear,
 }

@@ -162,14 +162,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device) -> None:
+    """Gated MLP, TP over all ranks; `prefix` names the module kinds ("" dense, "shared_expert.")."""
+
+    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = _lora_linear(cfg, topology, rank, groups, capacity, "gate_up_proj", cfg.mlp_bias, dtype, device)
-        self.down_proj = _lora_linear(cfg, topology, rank, groups, capacity, "down_proj", cfg.mlp_bias, dtype, device)
+        self.gate_up_proj = _lora_linear(cfg, topology, rank, groups, capacity, f"{prefix}gate_up_proj", cfg.mlp_bias, dtype, device)
+        self.down_proj = _lora_linear(cfg, topology, rank, groups, capacity, f"{prefix}down_proj", cfg.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, batch).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, batch)
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        self.gate_up_proj.load_base(checkpoint, prefix)
+        self.down_proj.load_base(checkpoint, prefix)
 
 
 class MoE(nn.Module):
@@ -186,14 +192,25 @@ class MoE(nn.Module):
         self.block = SparseMoeBlock(cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.hidden_size,
                                     *projections, dtype, device)
         self.full_group = groups.get(ShardGroup.FULL_TP)
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, topology, rank, groups, capacity, dtype, device, prefix="shared_expert.")
+            self.shared_expert_gate = _lora_linear(cfg, topology, rank, groups, capacity, "shared_expert_gate", False, dtype, device)
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-        return all_reduce(self.block(x, batch), self.full_group)
+        out = all_reduce(self.block(x, batch), self.full_group)
+        if self.shared_expert is not None:
+            # The shared expert reduces inside its own down_proj (a full-TP row layer).
+            out = out + torch.sigmoid(self.shared_expert_gate(x, batch)) * self.shared_expert(x, batch)
+        return out
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         self.block.router.copy_(checkpoint.read(f"{prefix}.gate.weight"))
         self.block.gate_up.load_base(checkpoint, f"{prefix}.experts")
         self.block.down.load_base(checkpoint, f"{prefix}.experts")
+        if self.shared_expert is not None:
+            self.shared_expert.load_base(checkpoint, f"{prefix}.shared_expert")
+            self.shared_expert_gate.load_base(checkpoint, prefix)
 
     def slot_views(self) -> dict[tuple[str, int], ExpertSlotView]:
         """One pool-facing view per (expert kind, global expert id) held here."""
@@ -257,10 +274,9 @@ class CausalLM(nn.Module):
         global expert id) for each expert held on this rank."""
         found: dict[tuple, LoraLinear | ExpertSlotView] = {}
         for index, layer in enumerate(self.layers):
-            for owner in (layer.self_attn, layer.mlp):
-                for name, module in owner.named_children():
-                    if isinstance(module, LoraLinear):
-                        found[(index, name)] = module
+            for module in layer.modules():
+                if isinstance(module, LoraLinear):
+                    found[(index, module.layout.kind.name)] = module
             if isinstance(layer.mlp, MoE):
                 for (kind, expert), view in layer.mlp.slot_views().items():
                     found[(index, kind, expert)] = view
@@ -281,11 +297,7 @@ class CausalLM(nn.Module):
             if layer.self_attn.q_norm is not None:
                 layer.self_attn.q_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.q_norm.weight"))
                 layer.self_attn.k_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.k_norm.weight"))
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.load_base(checkpoint, f"{prefix}.mlp")
-            else:
-                layer.mlp.gate_up_proj.load_base(checkpoint, f"{prefix}.mlp")
-                layer.mlp.down_proj.load_base(checkpoint, f"{prefix}.mlp")
+            layer.mlp.load_base(checkpoint, f"{prefix}.mlp")
 
     def rope_tables(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..len-1 of each sequence, concatenated."""

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
+SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -16,13 +17,14 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Routed experts of a Qwen3-MoE model (no shared expert in this family)."""
+    """Routed experts of a Qwen-MoE model, and its optional shared expert (Qwen2-MoE has one)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert
     norm_topk_prob: bool
     sparse_layers: frozenset[int]  # layers whose MLP is the expert block
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     @classmethod
     def from_dict(cls, raw: dict, num_layers: int) -> MoEConfig | None:
@@ -34,7 +36,7 @@ class MoEConfig:
         step = int(raw.get("decoder_sparse_step") or 1)
         sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
         return cls(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
-                   bool(raw.get("norm_topk_prob", False)), sparse)
+                   bool(raw.get("norm_topk_prob", False)), sparse, int(raw.get("shared_expert_intermediate_size") or 0))
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
             )
+        if raw.get("use_sliding_window"):
+            raise ModelConfigError("sliding-window attention (use_sliding_window: true) is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ModelConfigError(f"hidden_act {raw.get('hidden_act')!r} is not supported (silu only)")
         heads = int(raw["num_attention_heads"])
@@ -106,10 +110,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            # Qwen2-family configs call the q/k/v bias "qkv_bias".
+            attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            moe=MoEConfig.from_dict(raw, int(raw["num_hidden_layers"])) if model_type == "qwen3_moe" else None,
+            moe=MoEConfig.from_dict(raw, int(raw["num_hidden_layers"])) if model_type in MOE_ARCHITECTURES else None,
         )
 
 

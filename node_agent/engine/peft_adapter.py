@@ -18,14 +18,21 @@ from safetensors import safe_open
 
 from node_agent.engine.lora_layers import SliceWeights
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.sharding import MODULE_KINDS, PEFT_TO_KIND, LoraSliceLayout, Span
+from node_agent.engine.sharding import (
+    MODULE_KINDS,
+    PEFT_TO_KIND,
+    SHARED_EXPERT_KINDS,
+    LoraSliceLayout,
+    Span,
+    model_kinds,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _MODULE = re.compile(
-    r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)$"
+    r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.shared_expert|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)$"
 )
 # PEFT `target_parameters` LoRA on the fused 3-D expert weights: nested wrappers add `.base_layer`.
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
@@ -171,7 +178,8 @@ def _match_modules(config: dict, header: dict[str, list[int]], cfg: ModelConfig,
 def _check_target_names(config: dict, cfg: ModelConfig) -> None:
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        names = {name for parent, name in PEFT_TO_KIND if parent != "mlp.experts" or cfg.moe}
+        kinds = model_kinds(cfg)
+        names = {name for (_, name), (kind, _) in PEFT_TO_KIND.items() if kind in kinds}
         unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
         if unknown:
             raise AdapterLoadError(
@@ -188,7 +196,8 @@ def _module_adapter(module_name, a_key, b_key, header, config, cfg: ModelConfig,
     if not match or not _module_exists(cfg, layer, parent, match["name"], expert):
         raise AdapterLoadError(f"base model does not have module {module_name}")
     kind_name, slice_index = PEFT_TO_KIND[(parent, match["name"])]
-    out_features, in_features = expected_shape(cfg, match["name"], experts=expert is not None)
+    out_features, in_features = expected_shape(cfg, match["name"], experts=expert is not None,
+                                               shared=parent == "mlp.shared_expert")
     a_shape, b_shape = header[a_key], header[b_key]
     rank = a_shape[0] if len(a_shape) == 2 else -1
     if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_features or b_shape[0] != out_features or b_shape[1] != rank:
@@ -214,11 +223,14 @@ def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert:
     """Does the base model have this module? MLP modules depend on whether the layer is sparse."""
     if (parent, name) not in PEFT_TO_KIND or not 0 <= layer < cfg.num_layers:
         return False
+    kind = PEFT_TO_KIND[(parent, name)][0]
+    if kind not in model_kinds(cfg):
+        return False
     if parent == "self_attn":
         return True
     if parent == "mlp.experts":
         return _is_sparse(cfg, layer) and expert < cfg.moe.num_experts
-    return not _is_sparse(cfg, layer)
+    return _is_sparse(cfg, layer) == (kind in SHARED_EXPERT_KINDS)
 
 
 def _is_sparse(cfg: ModelConfig, layer: int) -> bool:
@@ -281,10 +293,12 @@ def _pattern_key(patterns: dict, module_name: str) -> str:
     return module_name
 
 
-def expected_shape(cfg: ModelConfig, peft_module: str, experts: bool = False) -> tuple[int, int]:
+def expected_shape(cfg: ModelConfig, peft_module: str, experts: bool = False, shared: bool = False) -> tuple[int, int]:
     """(out, in) features of an unsharded PEFT target module (of one expert) in the base model."""
-    if experts:
-        inter = cfg.moe.intermediate_size
+    if peft_module == "shared_expert_gate":
+        return 1, cfg.hidden_size
+    if experts or shared:
+        inter = cfg.moe.shared_expert_intermediate_size if shared else cfg.moe.intermediate_size
         return {"gate_proj": (inter, cfg.hidden_size), "up_proj": (inter, cfg.hidden_size),
                 "down_proj": (cfg.hidden_size, inter)}[peft_module]
     return {

@@ -50,10 +50,17 @@ MODULE_KINDS: dict[str, ModuleKind] = {
         # Routed experts: each expert's intermediate dim is split over the MoE-TP group.
         ModuleKind("experts.gate_up_proj", ShardGroup.MOE_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp.experts"),
         ModuleKind("experts.down_proj", ShardGroup.MOE_TP, ParallelStyle.ROW, ("down_proj",), "mlp.experts"),
+        # The shared expert is a dense MLP beside the routed ones (TP over all ranks); its gate
+        # is a [1, hidden] linear every rank holds whole.
+        ModuleKind("shared_expert.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"),
+                   "mlp.shared_expert"),
+        ModuleKind("shared_expert.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_expert"),
+        ModuleKind("shared_expert_gate", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("shared_expert_gate",), "mlp"),
     )
 }
 DENSE_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 EXPERT_KINDS = ("experts.gate_up_proj", "experts.down_proj")
+SHARED_EXPERT_KINDS = ("shared_expert.gate_up_proj", "shared_expert.down_proj", "shared_expert_gate")
 
 # PEFT module name (e.g. "k_proj") under a parent ("self_attn", "mlp", "mlp.experts")
 # -> (engine module kind, slice index inside it).
@@ -142,15 +149,24 @@ def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: st
     if kind.name == "o_proj":
         inp = even_span(cfg.q_size, shard, "num_attention_heads * head_dim")
         return ModuleLayout(kind, shard, cfg.q_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
-    intermediate, what = (
-        (cfg.moe.intermediate_size, "moe_intermediate_size") if kind.name in EXPERT_KINDS else (cfg.intermediate_size, "intermediate_size")
-    )
+    if kind.style is ParallelStyle.REPLICATED:  # shared_expert_gate
+        return ModuleLayout(kind, shard, cfg.hidden_size, (SliceLayout(kind.peft_modules[0], Span(0, 1), Span(0, cfg.hidden_size)),))
+    intermediate, what = _intermediate(cfg, kind.name)
     if kind.style is ParallelStyle.COLUMN:  # gate_up_proj, experts.gate_up_proj
         out = even_span(intermediate, shard, what)
         full = Span(0, cfg.hidden_size)
         return ModuleLayout(kind, shard, cfg.hidden_size, tuple(SliceLayout(m, out, full) for m in kind.peft_modules))
     inp = even_span(intermediate, shard, what)  # down_proj, experts.down_proj
     return ModuleLayout(kind, shard, intermediate, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
+
+
+def _intermediate(cfg: ModelConfig, kind_name: str) -> tuple[int, str]:
+    """The intermediate width an MLP-like module kind splits, and its config name for errors."""
+    if kind_name in EXPERT_KINDS:
+        return cfg.moe.intermediate_size, "moe_intermediate_size"
+    if kind_name in SHARED_EXPERT_KINDS:
+        return cfg.moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
+    return cfg.intermediate_size, "intermediate_size"
 
 
 def local_experts(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
@@ -161,7 +177,9 @@ def local_experts(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
 
 def model_kinds(cfg: ModelConfig) -> tuple[str, ...]:
     """The module kinds a model has: dense ones, plus the expert ones for an MoE model."""
-    return DENSE_KINDS + (EXPERT_KINDS if cfg.moe else ())
+    if not cfg.moe:
+        return DENSE_KINDS
+    return DENSE_KINDS + EXPERT_KINDS + (SHARED_EXPERT_KINDS if cfg.moe.shared_expert_intermediate_size else ())
 
 
 def kv_heads_on_rank(cfg: ModelConfig, shard: Shard) -> Span:

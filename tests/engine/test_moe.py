@@ -73,6 +73,45 @@ def test_moe_logits_equal_peft(moe, tp, ep, dp, fully_sharded):
     torch.testing.assert_close(alone[0], reference[2], atol=1e-4, rtol=1e-4)
 
 
+SHARED_MATRIX = [(2, 2, 2, True), (4, 2, 1, False), (4, 4, 2, True)]
+
+
+@pytest.fixture(scope="module")
+def shared_expert_moe(tmp_path_factory):
+    """Qwen2-MoE: a shared expert (full-TP MLP) and its replicated [1, hidden] gate beside the experts."""
+    root = tmp_path_factory.mktemp("qwen2_moe")
+    model = R.make_tiny_model(root / "model", "qwen2_moe", seed=6)
+    adapters = {
+        # all-linear: attention, shared expert and its gate; plus the fused routed experts
+        "everything": R.make_adapter(model, root / "everything", seed=4, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
+                                     target_modules="all-linear", target_parameters=FUSED_PARAMS),
+        "shared_only": R.make_adapter(model, root / "shared_only", seed=5, r=2, lora_alpha=8, a_std=0.3, b_std=0.3,
+                                      target_modules=["shared_expert_gate", "gate_proj", "down_proj"]),
+    }
+    tokens = [[(13 * i + 5 * j) % 250 for j in range(4 + 3 * i)] for i in range(3)]
+    batch = [SequenceInput(tokens[0], "everything"), SequenceInput(tokens[1], None), SequenceInput(tokens[2], "shared_only")]
+    reference = R.reference_logits(model, batch, adapters)
+    base = R.reference_logits(model, [SequenceInput(s.tokens, None) for s in batch])
+    for seq, ref, plain in zip(batch, reference, base):
+        if seq.adapter:
+            assert (ref - plain).abs().max() > 1e-2, seq.adapter
+    return model, adapters, batch, reference
+
+
+@pytest.mark.parametrize("tp,ep,dp,fully_sharded", SHARED_MATRIX,
+                         ids=[f"tp{t}-ep{e}-dp{d}-{'fs' if f else 'default'}" for t, e, d, f in SHARED_MATRIX])
+def test_shared_expert_logits_equal_peft(shared_expert_moe, tp, ep, dp, fully_sharded):
+    model, adapters, batch, reference = shared_expert_moe
+    config = EngineConfig(model_dir=model, topology=Topology(tp, dp, ep_size=ep, fully_sharded_loras=fully_sharded),
+                          max_lora_rank=MAX_RANK, max_loras_per_batch=2)
+    with Engine(config) as engine:
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        logits = engine.forward(batch)
+    for seq, got, want in zip(batch, logits, reference):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{seq.adapter}: {m}")
+
+
 @pytest.mark.parametrize("fully_sharded", [False, True])
 @pytest.mark.parametrize("tp,ep", [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)])
 def test_expert_buffers_match_slices_and_rebuild_each_expert(moe, tp, ep, fully_sharded):
