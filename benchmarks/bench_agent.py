@@ -29,10 +29,9 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+from node_agent.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 
-SHAPE = SyntheticModel(hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4,
-                       head_dim=64, vocab_size=8192)
+SHAPE = BENCHMARK_MODEL
 RANK = 16
 BATCH, TOKENS = 8, 32
 # 8 x 32 x 8192 float32 logits are 8 MiB, over gRPC's default 4 MiB receive limit.

@@ -20,10 +20,9 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+from node_agent.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 
-SHAPE = SyntheticModel(hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4,
-                       head_dim=64, vocab_size=8192)
+SHAPE = BENCHMARK_MODEL
 RANK = 16
 
 

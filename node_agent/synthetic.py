@@ -53,6 +53,11 @@ class SyntheticModel:
         }
 
 
+# The model every engine/agent benchmark uses: hidden 1024, 4 layers, GQA 16/4 (about 60M params).
+BENCHMARK_MODEL = SyntheticModel(hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4,
+                                 head_dim=64, vocab_size=8192)
+
+
 def write_model(out_dir: Path, shape: SyntheticModel, seed: int = 0) -> Path:
     """Write config.json + model.safetensors with random weights."""
     out_dir = Path(out_dir)
