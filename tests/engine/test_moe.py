@@ -7,6 +7,11 @@ load, so PEFT is the reference for both).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -184,3 +189,21 @@ def test_tokens_of_other_experts_and_id_minus_one_contribute_nothing(moe):
     assert out[0].abs().sum() > 0 and out[3].abs().sum() > 0
     assert torch.equal(out[1], torch.zeros_like(out[1])), "experts 2 and 3 live on the other rank"
     assert torch.equal(out[2], torch.zeros_like(out[2])), "id -1 selects no expert"
+
+
+def test_forward_command_with_expert_parallelism_matches_peft(moe, tmp_path):
+    """`lorafleet-agent forward --ep` runs the MoE engine end to end."""
+    model, adapters, batch, reference, _ = moe
+    inp = tmp_path / "in.json"
+    inp.write_text(json.dumps([{"tokens": s.tokens, "adapter": s.adapter} for s in batch]))
+    out = tmp_path / "out.safetensors"
+    cmd = [str(Path(sys.executable).with_name("lorafleet-agent")), "forward", "--model", str(model),
+           "--tp", "2", "--dp", "2", "--ep", "2", "--max-lora-rank", str(MAX_RANK), "--max-loras-per-batch", "3",
+           "--input", str(inp), "--output", str(out)]
+    for name, path in adapters.items():
+        cmd += ["--adapter", f"{name}={path}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logits = load_file(str(out))
+    for index, want in enumerate(reference):
+        torch.testing.assert_close(logits[f"logits.{index}"], want, atol=1e-4, rtol=1e-4)
