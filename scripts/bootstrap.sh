@@ -55,6 +55,15 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
+# Environments of older pins take ~5 GB each: drop those no checkout has used for a week.
+touch "$venv/.last-used"
+for old in "$cache_root"/venv-*; do
+    if [ "$old" != "$venv" ] && [ -z "$(find "$old/.last-used" -mtime -7 2>/dev/null)" ]; then
+        echo "bootstrap: removing unused environment $old" >&2
+        rm -rf "$old"
+    fi
+done
+
 echo "$venv"
 )
 
