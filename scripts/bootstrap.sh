@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Create (once) and activate the project's Python environment.
 #
-# The environment lives outside the checkout, in a cache keyed by the dependency pins, because
+# Two layers. The dependencies live outside the checkout, in a cache keyed by their pins, because
 # torch from PyPI is a multi-gigabyte CUDA build that every clone (CI clones too) should share.
+# The project itself is installed (editable) into a thin `.venv` inside the checkout, which sees
+# the shared packages through a .pth file: checkouts never import each other's code.
 # Source this file:  . scripts/bootstrap.sh
-# It is idempotent: a second run only re-links this checkout into the environment (seconds).
+# It is idempotent: a second run takes about a second.
 # The work runs in a subshell with strict options, so sourcing leaves the caller's shell as it was.
 _lorafleet_bootstrap() (
 set -euo pipefail
@@ -46,12 +48,27 @@ PY
     touch "$venv/.complete"
 fi
 
-# Point the shared environment at this checkout (editable, no dependency resolution: fast).
-# Redone whenever the checkout or its pyproject.toml changes (package layout, console scripts).
-stamp="$venv/.editable-$(cat "$repo_root/pyproject.toml" <(echo "$repo_root") | sha256sum | cut -c1-16)"
+# An older layout installed the project into the shared environment; take it out again.
+if compgen -G "$venv/lib/python3*/site-packages/__editable__*lorafleet*" >/dev/null; then
+    "$venv/bin/python" -m pip uninstall --quiet --yes lorafleet >&2
+fi
+
+# This checkout's thin environment on top of the shared one.
+local_venv="$repo_root/.venv"
+site_packages() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+if [ "$(cat "$local_venv/.shared" 2>/dev/null)" != "$venv" ]; then
+    rm -rf "$local_venv"
+    "$python_bin" -m venv --without-pip "$local_venv"
+    echo "import site; site.addsitedir('$(site_packages "$venv")')" > "$(site_packages "$local_venv")/lorafleet-shared.pth"
+    echo "$venv" > "$local_venv/.shared"
+fi
+# Re-link whenever pyproject.toml changes (package layout, console scripts).
+stamp="$local_venv/.editable-$(sha256sum < "$repo_root/pyproject.toml" | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-    "$venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" >&2
-    rm -f "$venv"/.editable-*
+    # setuptools is chatty about editable installs: keep its output unless the install fails.
+    "$local_venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" \
+        > "$local_venv/install.log" 2>&1 || { cat "$local_venv/install.log" >&2; exit 1; }
+    rm -f "$local_venv"/.editable-*
     touch "$stamp"
 fi
 
@@ -64,11 +81,12 @@ for old in "$cache_root"/venv-*; do
     fi
 done
 
-echo "$venv"
+echo "$local_venv $venv"
 )
 
-_lorafleet_venv=$(_lorafleet_bootstrap) || { echo "bootstrap: failed" >&2; return 1 2>/dev/null || exit 1; }
-export VIRTUAL_ENV="$_lorafleet_venv"
-export PATH="$_lorafleet_venv/bin:$PATH"
+_lorafleet_venvs=$(_lorafleet_bootstrap) || { echo "bootstrap: failed" >&2; return 1 2>/dev/null || exit 1; }
+export VIRTUAL_ENV="${_lorafleet_venvs% *}"
+# The checkout's scripts (lorafleet-agent, lorafleet-operator) first, then the shared ones.
+export PATH="$VIRTUAL_ENV/bin:${_lorafleet_venvs#* }/bin:$PATH"
 unset -f _lorafleet_bootstrap
-unset _lorafleet_venv
+unset _lorafleet_venvs
