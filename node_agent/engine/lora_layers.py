@@ -38,6 +38,39 @@ class SliceWeights:
     scale: float
 
 
+def add_lora(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a_stacks: list[torch.Tensor],
+    b_stacks: list[torch.Tensor],
+    scales: torch.Tensor,
+    batch: kernels.LoraBatch,
+    style: ParallelStyle,
+    lora: tuple[LoraSliceLayout, ...],
+    fully_sharded: bool,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Add the LoRA delta of `x` into this rank's (unreduced) base output `out`, in place.
+
+    The one place for the collectives of both LoRA modes (DESIGN.md §3), used by dense and
+    expert layers alike. `fully_sharded` means fully-sharded mode on a group wider than 1.
+    """
+    shrunk = kernels.shrink(x, a_stacks, batch)
+    if fully_sharded and style is ParallelStyle.ROW:
+        # Complete the shrink first, then this rank adds only its own block of output columns;
+        # the base reduction afterwards assembles the LoRA output with the base.
+        all_reduce(shrunk, group)
+        block = lora[0].b_out
+        kernels.expand(shrunk, b_stacks, scales, batch, out[:, block.start : block.stop])
+        return
+    if fully_sharded:
+        # Column layer: every rank computed r/size rows of the rank dim; assemble the full rank.
+        shrunk = all_gather_last_dim(shrunk, group)
+    # Row layer, default mode: the delta of a partial input is partial too, added before the
+    # layer's one reduction.
+    kernels.expand(shrunk, b_stacks, scales, batch, out)
+
+
 class LoraLinear(nn.Module):
     """Common part: base weight shard, LoRA buffers, slot management."""
 
@@ -100,6 +133,10 @@ class LoraLinear(nn.Module):
     def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
         return self.lora
 
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
+        add_lora(x, out, self.a_stacks, self.b_stacks, self.scales, batch, self.style, self.lora,
+                 self.gathers_shrink, self.group)
+
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""
         return [(list(a.shape[1:]), list(b.shape[1:])) for a, b in zip(self.a_stacks, self.b_stacks)]
@@ -124,11 +161,7 @@ class ColumnParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         out = nn.functional.linear(x, self.weight, self.bias)
-        shrunk = kernels.shrink(x, self.a_stacks, batch)
-        if self.gathers_shrink:
-            # Every rank computed r/size rows of the rank dim; assemble the full rank.
-            shrunk = all_gather_last_dim(shrunk, self.group)
-        kernels.expand(shrunk, self.b_stacks, self.scales, batch, out)
+        self.add_lora(x, out, batch)
         return out
 
 
@@ -153,16 +186,7 @@ class RowParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         partial = nn.functional.linear(x, self.weight)
-        shrunk = kernels.shrink(x, self.a_stacks, batch)
-        if self.gathers_shrink:
-            # Fully sharded: complete the shrink first, then this rank adds only its own block of
-            # output columns; the base reduction below assembles the LoRA output with the base.
-            all_reduce(shrunk, self.group)
-            block = self.lora[0].b_out
-            kernels.expand(shrunk, self.b_stacks, self.scales, batch, partial[:, block.start : block.stop])
-        else:
-            # The delta of a partial input is partial too: added before the one reduction.
-            kernels.expand(shrunk, self.b_stacks, self.scales, batch, partial)
+        self.add_lora(x, partial, batch)
         all_reduce(partial, self.group)
         if self.bias is not None:
             partial += self.bias

@@ -15,8 +15,7 @@ from torch import nn
 
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.distributed import all_gather_last_dim, all_reduce
-from node_agent.engine.lora_layers import LoraCapacity, SliceWeights
+from node_agent.engine.lora_layers import LoraCapacity, SliceWeights, add_lora
 from node_agent.engine.sharding import ModuleLayout, ParallelStyle, Span, lora_layout
 
 
@@ -68,20 +67,8 @@ class ExpertLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor, local: int, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output of local expert `local` for its routed tokens `x` (unreduced)."""
         out = F.linear(x, self.weight[local])
-        a_stacks = [a[:, local] for a in self.a_stacks]
-        b_stacks = [b[:, local] for b in self.b_stacks]
-        scales = self.scales[:, :, local]
-        shrunk = kernels.shrink(x, a_stacks, batch)
-        if self.style is ParallelStyle.COLUMN:
-            if self.gathers_shrink:
-                shrunk = all_gather_last_dim(shrunk, self.group)
-            kernels.expand(shrunk, b_stacks, scales, batch, out)
-        elif self.gathers_shrink:
-            all_reduce(shrunk, self.group)
-            block = self.lora[0].b_out
-            kernels.expand(shrunk, b_stacks, scales, batch, out[:, block.start : block.stop])
-        else:
-            kernels.expand(shrunk, b_stacks, scales, batch, out)
+        add_lora(x, out, [a[:, local] for a in self.a_stacks], [b[:, local] for b in self.b_stacks],
+                 self.scales[:, :, local], batch, self.style, self.lora, self.gathers_shrink, self.group)
         return out
 
 

@@ -81,10 +81,7 @@ class RankWorker:
     def describe(self) -> dict:
         """This rank's coordinates and every LoRA module's per-slot A/B buffer shapes."""
         return {
-            "modules": {
-                _module_name(key): {"a": [a for a, _ in shapes], "b": [b for _, b in shapes]}
-                for key, shapes in ((key, module.slot_shapes()) for key, module in self.modules.items())
-            },
+            "modules": {_module_name(key): _shapes(module.slot_shapes()) for key, module in self.modules.items()},
             "resident": self.pool.resident(),
             "loaded": list(self.pool.adapters),
         }
@@ -136,6 +133,11 @@ class RankWorker:
             out[i] = logits[start : start + length].cpu().numpy()
             start += length
         return out
+
+
+def _shapes(slot_shapes: list[tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:
+    """Per-slice (A, B) slot shapes as {"a": [...], "b": [...]}."""
+    return {"a": [a for a, _ in slot_shapes], "b": [b for _, b in slot_shapes]}
 
 
 def _module_name(key: tuple) -> str:
