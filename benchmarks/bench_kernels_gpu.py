@@ -31,8 +31,8 @@ try:
 except ModuleNotFoundError:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node_agent.engine.kernels import torch_ops, triton_ops  # noqa: E402
-from node_agent.engine.kernels.batch import LoraBatch  # noqa: E402
+from node_agent.engine.kernels import torch_ops, triton_ops
+from node_agent.engine.kernels.batch import LoraBatch
 
 SLICE_SETS = {"qkv": (4096, 1024, 1024), "single": (4096,)}
 FLUSH_BYTES = 512 * 1024 * 1024  # larger than any current GPU's L2

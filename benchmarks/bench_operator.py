@@ -93,7 +93,7 @@ def main() -> None:
                    "LORAFLEET_LEASE_NAMESPACE": ns, "LORAFLEET_METRICS_PORT": str(free_port()),
                    "LORAFLEET_LOG_LEVEL": "WARNING"}
             with open(root / "operator.log", "wb") as out:
-                operator = subprocess.Popen(["lorafleet-operator"], stdout=out,  # noqa: S603,S607
+                operator = subprocess.Popen(["lorafleet-operator"], stdout=out,
                                             stderr=subprocess.STDOUT, env=env)
             # Warm-up: the operator's start (leader election, first watch) is not measured.
             apply_and_wait(cluster, ns, dict(list(paths.items())[:1]))

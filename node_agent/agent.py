@@ -22,19 +22,18 @@ from types import TracebackType
 
 import numpy as np
 
+from lorafleet_common.merge import merge_failure_first
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, RankLoadError, RankUnloadError, SequenceInput, Topology
 from node_agent.engine.engine import ADAPTER_NAME
 from node_agent.engine.worker import RankReply
 from node_agent.errors import (
     AdapterConflict,
-    AdapterNotFound,
     AgentError,
     CapacityExceeded,
     EngineUnavailable,
     InvalidRequest,
     RequestAborted,
 )
-from node_agent.merge import merge_failure_first
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
 from node_agent.sources import ResolvedSource, SourcePolicy, clean_cache, parse_sha256, resolve_source

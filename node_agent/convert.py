@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from lorafleet.v1 import agent_pb2 as pb
 
+from lorafleet.v1 import agent_pb2 as pb
 from node_agent.agent import AdapterStatus, ControlResult, Description, GeneratedToken, GenerateParams
 
 
@@ -18,6 +18,7 @@ def description(d: Description) -> pb.DescribeResponse:
             attn_tp_size=d.topology.attn_tp_size,
             fully_sharded_loras=d.topology.fully_sharded_loras,
             ep_size=d.topology.ep_size,
+            moe_tp_size=d.topology.moe_tp_size,
         ),
         capacity=pb.Capacity(
             max_lora_rank=d.max_lora_rank, max_loras_per_batch=d.max_loras_per_batch, max_loaded_loras=d.max_loaded_loras

@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
-
 from node_agent import convert
 from node_agent.agent import Agent
 from node_agent.auth import BearerTokenInterceptor, TlsFiles
@@ -81,7 +81,7 @@ def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - every error becomes a status
+        except Exception as error:
             _abort(context, error)
 
     return wrapper
@@ -94,7 +94,7 @@ def _streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[A
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
             yield from method(self, request, context)
-        except Exception as error:  # noqa: BLE001 - every error becomes a status
+        except Exception as error:
             _abort(context, error)
 
     return wrapper

@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 . scripts/bootstrap.sh
 # The real control plane (kube-apiserver, etcd, kubectl, helm) built from Go modules; cached.
 bash scripts/build-kube.sh
+# Lint, types and import layers first: a failure there fails the suite.
+bash scripts/check.sh
 exec python -m pytest "$@"

@@ -43,9 +43,9 @@ import pickle
 import shutil
 import struct
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -115,10 +115,10 @@ def _family(family: str):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from node_agent.merge import NO_MESSAGE, merge_failure_first
+from lorafleet_common.merge import NO_MESSAGE, merge_failure_first
 
 
 @dataclass

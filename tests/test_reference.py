@@ -253,9 +253,8 @@ def test_pickle_decoys_and_open_watcher(llama, work):
         os.stat(decoys[0])
         os.listdir(d)
     assert not w.opened
-    with R.FileOpenWatcher(decoys) as w:
-        with open(decoys[1], "rb") as fh:
-            fh.read(1)
+    with R.FileOpenWatcher(decoys) as w, open(decoys[1], "rb") as fh:
+        fh.read(1)
     assert w.opened == {decoys[1]}
 
 

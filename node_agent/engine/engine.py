@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError
 from node_agent.engine.sharding import validate_topology
 from node_agent.engine.topology import Topology
 from node_agent.engine.worker import RankReply, WorkerConfig, rank_main
-from node_agent.merge import merge_failure_first
 
 log = logging.getLogger(__name__)
 

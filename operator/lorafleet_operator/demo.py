@@ -82,7 +82,7 @@ def running_operator(cluster: ControlPlane, log_path: Path) -> Iterator[subproce
            "LORAFLEET_DRIFT_INTERVAL_SECONDS": "5",
            "LORAFLEET_METRICS_PORT": str(free_port())}
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(["lorafleet-operator"], stdout=out,  # noqa: S603,S607
+        proc = subprocess.Popen(["lorafleet-operator"], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)
     try:
         yield proc

@@ -32,9 +32,7 @@ from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
-from lorafleet_operator.reconcile import (FleetProblem, FleetView, Target, error_result,
-                                          failure_key, fleet_view, load_on,
-                                          remember_failures)
+from lorafleet_operator.reconcile import FleetProblem, FleetView, Target, error_result, failure_key, fleet_view, load_on, remember_failures
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState, build_status, condition, now_rfc3339
 
@@ -258,7 +256,7 @@ async def fleet_drift(body: kopf.Body, namespace: str, name: str, memo: kopf.Mem
         poke.clear()
         try:
             await check_fleet(rt, namespace, body)
-        except Exception:  # noqa: BLE001 - an API/agent outage must not end the daemon
+        except Exception:
             log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace,
                           name, rt.settings.drift_interval_s)
         await _sleep(stopped, poke, rt.settings.drift_interval_s)

@@ -158,7 +158,7 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
 
 
 @kopf.on.event("", "v1", "pods")
-def on_pod_event(type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:  # noqa: A002
+def on_pod_event(type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A pod appeared, changed readiness or restarted: check the namespace's fleets now rather
     than at the next interval (a new or newly ready agent gets its adapters at once)."""
     rt = _runtime(memo)

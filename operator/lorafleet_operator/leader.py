@@ -33,7 +33,7 @@ GROUP, VERSION, PLURAL = "coordination.k8s.io", "v1", "leases"
 
 def micro_time(now: dt.datetime | None = None) -> str:
     """A metav1.MicroTime string."""
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -144,7 +144,7 @@ class LeaderElector:
                 if await asyncio.to_thread(self.try_acquire_or_renew):
                     last = time.monotonic()
                     continue
-            except Exception as err:  # noqa: BLE001 - any failure to renew counts the same
+            except Exception as err:
                 log.warning("leader election: renewing failed: %s", err)
             if time.monotonic() - last > self.renew_deadline_s:
                 self.leading, self.lost = False, True

@@ -75,7 +75,7 @@ class AgentProcess:
         """Start the process (same port every time) without waiting for it."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self.popen = subprocess.Popen(  # noqa: S603
+            self.popen = subprocess.Popen(
                 self.spec.argv(self.port, self.metrics_port), stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child

@@ -144,7 +144,7 @@ def _issue(
     client: bool = False,
 ) -> x509.Certificate:
     """Sign a certificate valid for one day (a test cluster never lives longer)."""
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -296,7 +296,7 @@ def _spawn(name: str, argv: Sequence[str], log_dir: Path) -> _Proc:
     """
     log_path = log_dir / f"{name}.log"
     with log_path.open("ab") as out:
-        popen = subprocess.Popen(  # noqa: S603 - argv is built here from known binaries
+        popen = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child
         )
@@ -332,7 +332,7 @@ def _wait_until(
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -431,7 +431,7 @@ class ControlPlane:
         self._procs.append(proc)
 
         def healthy() -> bool:
-            with urllib.request.urlopen(f"{client}/health", timeout=2) as resp:  # noqa: S310
+            with urllib.request.urlopen(f"{client}/health", timeout=2) as resp:
                 return bool(json.load(resp).get("health") == "true")
 
         _wait_until("etcd /health", healthy, proc, timeout_s)
@@ -582,7 +582,7 @@ class ControlPlane:
     ) -> tuple[int, Any]:
         """One admin HTTPS request to the API server; returns (status, decoded JSON or text)."""
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(  # noqa: S310 - https to our own server
+        req = urllib.request.Request(
             self.server + path, data=data, method=method,
             headers={"Authorization": f"Bearer {self.token}",
                      "Content-Type": "application/json", "Accept": "application/json"},
@@ -613,7 +613,7 @@ class ControlPlane:
     def kubectl(
         self,
         *args: str,
-        input: str | None = None,  # noqa: A002 - mirrors subprocess.run
+        input: str | None = None,
         as_user: str | None = None,
         as_groups: Sequence[str] = (),
         check: bool = True,
@@ -629,7 +629,7 @@ class ControlPlane:
             argv.append(f"--as={as_user}")
         argv += [f"--as-group={g}" for g in as_groups]
         argv += list(args)
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             argv, input=input, capture_output=True, text=True, timeout=timeout_s,
             env=self.tool_env(), check=False,
         )
@@ -645,7 +645,7 @@ class ControlPlane:
         self, *args: str, check: bool = True, timeout_s: float = 120.0
     ) -> subprocess.CompletedProcess[str]:
         """Run the real helm binary against this cluster."""
-        proc = subprocess.run(  # noqa: S603
+        proc = subprocess.run(
             [str(self.bin_dir / "helm"), *args], capture_output=True, text=True,
             timeout=timeout_s, env=self.tool_env(), check=False,
         )

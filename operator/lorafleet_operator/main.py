@@ -17,7 +17,7 @@ import sys
 import kopf
 from prometheus_client import start_http_server
 
-import lorafleet_operator.drift  # noqa: F401 - registers the fleet daemon
+import lorafleet_operator.drift
 import lorafleet_operator.handlers  # noqa: F401 - registers the adapter and pod handlers
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings

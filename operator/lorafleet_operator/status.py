@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node_agent.merge import merge_failure_first
+from lorafleet_common.merge import merge_failure_first
 
 #: The CRD caps (status.message, agents[].message); longer messages are cut, not refused.
 MAX_MESSAGE = 32768
@@ -132,7 +132,7 @@ def condition(type_: str, status: str, reason: str, message: str, generation: in
 
 def now_rfc3339() -> str:
     """The current time the way Kubernetes writes it (seconds, UTC, Z)."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build_status(

@@ -32,7 +32,7 @@ class Authority:
     def __init__(self, name: str) -> None:
         self.key = ec.generate_private_key(ec.SECP256R1())
         self.name = _name(name)
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (
             x509.CertificateBuilder().subject_name(self.name).issuer_name(self.name)
             .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
@@ -47,7 +47,7 @@ class Authority:
 
     def issue(self, common_name: str, server: bool) -> KeyPair:
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         builder = (
             x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(self.name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorafleet.v1 import agent_pb2_grpc
 
+from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import AgentServer, ServerOptions, create_server

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
-
 from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
 SHAPE = SyntheticModel()  # hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256
@@ -116,7 +116,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args: object) -> None:  # keep test output quiet
         pass
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:
         self.server.requests.append(self.path)
         kind, _, relative = self.path.lstrip("/").partition("/")
         path = self.server.root / relative

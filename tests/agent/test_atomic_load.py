@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
-
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server

@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
-import pytest
-from lorafleet.v1 import agent_pb2 as pb
 
+from lorafleet.v1 import agent_pb2 as pb
 from tests.agent.helpers import forward, generate, http_server, make_adapter, rpc_error, wait_until
 
 PROMPT = [4, 8, 15, 16, 23, 42]

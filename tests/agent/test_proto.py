@@ -33,7 +33,6 @@ def test_regenerating_the_proto_code_gives_the_committed_files(tmp_path):
 
 def test_the_generated_service_matches_the_servicer():
     from lorafleet.v1 import agent_pb2
-
     from node_agent.server import NodeAgentServicer
 
     methods = [m.name for m in agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].methods]

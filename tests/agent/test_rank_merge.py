@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from lorafleet_common.merge import NO_MESSAGE
 from node_agent.agent import RankOutcome, merge_rank_outcomes, rolled_back
-from node_agent.merge import NO_MESSAGE
 
 
 def outcome(rank: int, ok: bool, error: str = "", loaded: tuple[str, ...] = ()) -> RankOutcome:

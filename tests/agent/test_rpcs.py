@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from lorafleet.v1 import agent_pb2 as pb
 
+from lorafleet.v1 import agent_pb2 as pb
 from tests.agent.conftest import SLOTS
 from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, rpc_error
 

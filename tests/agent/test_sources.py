@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lorafleet.v1 import agent_pb2 as pb
 
+from lorafleet.v1 import agent_pb2 as pb
 from node_agent.errors import SourceNotFound, SourceRefused, SourceUnavailable
 from node_agent.sources import SourcePolicy, clean_cache, parse_sha256, resolve_source
 from tests.agent.helpers import http_server, make_adapter, rpc_error

@@ -90,9 +90,8 @@ def test_refused_and_engine_still_serves(served: Served, case: str):
     name = f"bad-{case}"
     pickles = sorted(p for p in bad_dir.iterdir() if p.suffix in (".bin", ".pt"))
 
-    with R.FileOpenWatcher(pickles) as watcher:
-        with pytest.raises(served.api.AdapterLoadError) as info:
-            served.engine.load_adapter(name, bad_dir, pinned=False)
+    with R.FileOpenWatcher(pickles) as watcher, pytest.raises(served.api.AdapterLoadError) as info:
+        served.engine.load_adapter(name, bad_dir, pinned=False)
     message = str(info.value)
     assert phrase in message.lower(), f"{case}: message lacks {phrase!r}: {message!r}"
     assert message.strip() and "\n" not in message.strip(), f"{case}: want one line, got {message!r}"

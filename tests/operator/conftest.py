@@ -51,7 +51,7 @@ class OperatorProcess:
     def metrics(self) -> dict[str, float]:
         """The operator's Prometheus samples, "name{labels}" -> value."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - loopback
+        with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
         samples = {}
         for line in text.splitlines():
@@ -89,7 +89,7 @@ def start_operator(cluster: ControlPlane, namespace: str, work_dir: Path, *,
                 "POD_NAME": identity, "LORAFLEET_METRICS_PORT": str(port),
                 "LORAFLEET_LOG_LEVEL": "INFO", **(env or {})}
     with open(log_path, "wb") as log_file:
-        popen = subprocess.Popen(["lorafleet-operator"], stdout=log_file,  # noqa: S603,S607
+        popen = subprocess.Popen(["lorafleet-operator"], stdout=log_file,
                                  stderr=subprocess.STDOUT, env=full_env)
     proc = OperatorProcess(popen, log_path, port, identity)
     if wait_leader:
@@ -106,7 +106,7 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
         try:
             if predicate():
                 return
-        except Exception:  # noqa: BLE001 - e.g. an object not created yet
+        except Exception:
             pass
         if operator is not None and operator.popen.poll() is not None:
             pytest.fail(f"operator exited ({operator.popen.returncode}) while waiting for "
@@ -127,4 +127,4 @@ def operator(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tu
     finally:
         proc.stop()
         if os.environ.get("LORAFLEET_SHOW_OPERATOR_LOG"):
-            print(proc.log())  # noqa: T201 - opt-in debugging aid
+            print(proc.log())

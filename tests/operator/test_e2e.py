@@ -22,9 +22,21 @@ import pytest
 from lorafleet_operator.localagents import AgentProcess, AgentSpec, start_agents
 from node_agent.synthetic import write_model
 from tests.kube.harness import ControlPlane
-from tests.operator.agents import (BASE_MODEL, SHAPE, add_agent_pod, adapter_manifest, apply,
-                                   corrupt_adapter, fleet_manifest, generate, make_adapter,
-                                   phase, phases, registry, status)
+from tests.operator.agents import (
+    BASE_MODEL,
+    SHAPE,
+    adapter_manifest,
+    add_agent_pod,
+    apply,
+    corrupt_adapter,
+    fleet_manifest,
+    generate,
+    make_adapter,
+    phase,
+    phases,
+    registry,
+    status,
+)
 from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 
 TOKENS = [1, 5, 9, 42]

@@ -9,8 +9,7 @@ import json
 import pytest
 
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.status import (AgentResult, AgentState, Phase, build_status,
-                                       initial_status, merged_message, phase_of)
+from lorafleet_operator.status import AgentResult, AgentState, Phase, build_status, initial_status, merged_message, phase_of
 from tests.kube.harness import ControlPlane
 
 LOADED = AgentResult("agent-0", AgentState.LOADED, 2, 2)

@@ -37,18 +37,20 @@ class BaseModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_sha256: _Optional[str] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("tp_size", "dp_size", "attn_tp_size", "fully_sharded_loras", "ep_size")
+    __slots__ = ("tp_size", "dp_size", "attn_tp_size", "fully_sharded_loras", "ep_size", "moe_tp_size")
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ATTN_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FULLY_SHARDED_LORAS_FIELD_NUMBER: _ClassVar[int]
     EP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MOE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     tp_size: int
     dp_size: int
     attn_tp_size: int
     fully_sharded_loras: bool
     ep_size: int
-    def __init__(self, tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., attn_tp_size: _Optional[int] = ..., fully_sharded_loras: _Optional[bool] = ..., ep_size: _Optional[int] = ...) -> None: ...
+    moe_tp_size: int
+    def __init__(self, tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., attn_tp_size: _Optional[int] = ..., fully_sharded_loras: _Optional[bool] = ..., ep_size: _Optional[int] = ..., moe_tp_size: _Optional[int] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_lora_rank", "max_loras_per_batch", "max_loaded_loras")

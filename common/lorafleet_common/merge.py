@@ -1,4 +1,4 @@
-"""Failure-first merging: the one rule for combining replies from many parts (DESIGN.md §1).
+"""Failure-first merging: the one rule for combining replies from many parts.
 
 Used at every level: rank replies into an engine/agent reply, agent replies into a resource's
 status. Success only when every part succeeded, and then the merged reply is the first part's
