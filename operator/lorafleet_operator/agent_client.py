@@ -2,9 +2,8 @@
 
 One channel per (endpoint, credentials), reused across reconciles; every call has its own
 deadline and goes through two semaphores (per agent and in all), so a fan-out over many
-adapters and agents stays bounded. gRPC failures become :class:`AgentError`, classified once,
-here, as transient (retry with back-off) or permanent (report, retry only when something
-changes).
+adapters and agents stays bounded. gRPC failures become :class:`AgentError`, carrying the
+status code that :mod:`failures` classifies.
 """
 
 from __future__ import annotations
@@ -25,15 +24,9 @@ from lorafleet_operator.config import Settings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Codes that say "try again later": the agent or one of its ranks is down or busy.
-TRANSIENT_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-})
-
 #: Reconnect quickly after an agent restart: gRPC's default back-off grows to two minutes,
 #: during which calls to a healthy agent would fail fast with UNAVAILABLE.
-CHANNEL_OPTIONS = (
+CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -42,13 +35,12 @@ CHANNEL_OPTIONS = (
 
 
 class AgentError(Exception):
-    """A failed call to an agent; ``transient`` says whether retrying soon can help."""
+    """A failed call to an agent: its gRPC status code and the agent's message."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.transient = code in TRANSIENT_CODES
 
 
 @dataclass(frozen=True)
@@ -70,18 +62,16 @@ class Credentials:
 class AgentInfo:
     """Describe, reduced to what the operator uses."""
 
-    agent_id: str
     base_model: str
-    config_sha256: str
     tp_size: int
     dp_size: int
     attn_tp_size: int
     ep_size: int
+    #: The TP width of each expert, as the agent built it (the operator derives no group).
+    moe_tp_size: int
     max_lora_rank: int
     max_loras_per_batch: int
     max_loaded_loras: int
-    ranks: int
-    ranks_alive: int
 
 
 @dataclass(frozen=True)
@@ -103,7 +93,6 @@ class ControlReply:
     error_message: str
     ranks_ok: int
     ranks_reported: int
-    loaded_adapters: tuple[str, ...]
 
 
 def _control_reply(reply: Any) -> ControlReply:
@@ -111,7 +100,6 @@ def _control_reply(reply: Any) -> ControlReply:
     return ControlReply(
         success=bool(reply.success), error_message=reply.error_message,
         ranks_ok=sum(1 for r in ranks if r.success), ranks_reported=len(ranks),
-        loaded_adapters=tuple(reply.loaded_adapters),
     )
 
 
@@ -139,11 +127,6 @@ class AgentClients:
                 channel = grpc.aio.insecure_channel(endpoint, options=options)
             self._channels[key] = channel
         return channel
-
-    async def forget(self, endpoint: str) -> None:
-        """Close the channels to an endpoint (its pod is gone; its IP may be reused)."""
-        for key in [k for k in self._channels if k[0] == endpoint]:
-            await self._channels.pop(key).close()
 
     async def close(self) -> None:
         for channel in self._channels.values():
@@ -173,12 +156,10 @@ class AgentClients:
             self._settings.call_deadline_s)
         topo, cap = reply.topology, reply.capacity
         return AgentInfo(
-            agent_id=reply.agent_id, base_model=reply.base_model.name,
-            config_sha256=reply.base_model.config_sha256, tp_size=topo.tp_size,
-            dp_size=topo.dp_size, attn_tp_size=topo.attn_tp_size, ep_size=topo.ep_size or 1,
-            max_lora_rank=cap.max_lora_rank, max_loras_per_batch=cap.max_loras_per_batch,
-            max_loaded_loras=cap.max_loaded_loras, ranks=len(reply.ranks) or topo.tp_size,
-            ranks_alive=sum(1 for r in reply.ranks if r.alive),
+            base_model=reply.base_model.name, tp_size=topo.tp_size, dp_size=topo.dp_size,
+            attn_tp_size=topo.attn_tp_size, ep_size=topo.ep_size or 1,
+            moe_tp_size=topo.moe_tp_size, max_lora_rank=cap.max_lora_rank,
+            max_loras_per_batch=cap.max_loras_per_batch, max_loaded_loras=cap.max_loaded_loras,
         )
 
     async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any
 
 GROUP = "lorafleet.dev"
 VERSION = "v1alpha1"
@@ -19,16 +21,6 @@ FINALIZER = "lorafleet.dev/unload"
 ANNOTATION_PREFIX = "lorafleet.dev"
 
 
-def _float(env: dict[str, str], key: str, default: float) -> float:
-    raw = env.get(key, "").strip()
-    return float(raw) if raw else default
-
-
-def _int(env: dict[str, str], key: str, default: int) -> int:
-    raw = env.get(key, "").strip()
-    return int(raw) if raw else default
-
-
 @dataclass(frozen=True)
 class Settings:
     """What one operator process does and how fast; built by :func:`from_env`."""
@@ -37,7 +29,7 @@ class Settings:
     lease_name: str = "lorafleet-operator"
     lease_namespace: str = "default"
     lease_duration_s: float = 15.0
-    identity: str = field(default_factory=socket.gethostname)
+    identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: str = "INFO"
     metrics_port: int = 0
     #: Seconds between registry-consistency checks of one fleet.
@@ -60,38 +52,52 @@ class Settings:
     delete_retries: int = 5
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        """Read ``LORAFLEET_*`` variables (and POD_NAME for the lease identity)."""
-        env = dict(os.environ if env is None else env)
-        lease_ns = env.get("LORAFLEET_LEASE_NAMESPACE", "").strip() or "default"
-        namespaces = tuple(
-            n.strip() for n in env.get("LORAFLEET_WATCH_NAMESPACES", "").split(",") if n.strip()
-        ) or (lease_ns,)
-        return cls(
-            namespaces=namespaces,
-            lease_name=env.get("LORAFLEET_LEASE_NAME", "").strip() or "lorafleet-operator",
-            lease_namespace=lease_ns,
-            lease_duration_s=_float(env, "LORAFLEET_LEASE_DURATION_SECONDS", 15.0),
-            identity=env.get("POD_NAME", "").strip() or f"{socket.gethostname()}-{os.getpid()}",
-            log_level=env.get("LORAFLEET_LOG_LEVEL", "").strip().upper() or "INFO",
-            metrics_port=_int(env, "LORAFLEET_METRICS_PORT", 0),
-            drift_interval_s=_float(env, "LORAFLEET_DRIFT_INTERVAL_SECONDS", 30.0),
-            failed_retry_s=_float(env, "LORAFLEET_FAILED_RETRY_SECONDS", 300.0),
-            failed_retry_max_s=_float(env, "LORAFLEET_FAILED_RETRY_MAX_SECONDS", 3600.0),
-            transient_retry_s=_float(env, "LORAFLEET_TRANSIENT_RETRY_SECONDS", 2.0),
-            transient_retry_max_s=_float(env, "LORAFLEET_TRANSIENT_RETRY_MAX_SECONDS", 60.0),
-            load_deadline_s=_float(env, "LORAFLEET_LOAD_DEADLINE_SECONDS", 120.0),
-            call_deadline_s=_float(env, "LORAFLEET_CALL_DEADLINE_SECONDS", 10.0),
-            per_agent_concurrency=_int(env, "LORAFLEET_PER_AGENT_CONCURRENCY", 4),
-            total_concurrency=_int(env, "LORAFLEET_TOTAL_CONCURRENCY", 32),
-            delete_retries=_int(env, "LORAFLEET_DELETE_RETRIES", 5),
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read ``LORAFLEET_*`` variables (and POD_NAME for the lease identity); a variable
+        that is unset or empty keeps the field's default."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_VARS.get(f.name, ""), "").strip()
+            if raw:
+                values[f.name] = _parse(f, raw)
+        settings = cls(**values)
+        if not settings.namespaces:  # by default, manage the namespace the lease lives in
+            settings = replace(settings, namespaces=(settings.lease_namespace,))
+        return settings
 
-    def transient_delay(self, retry: int) -> float:
-        """kopf retry delay after ``retry`` earlier failures: exponential, capped."""
-        return min(self.transient_retry_s * 2 ** min(retry, 20), self.transient_retry_max_s)
 
-    def failed_delay(self, attempts: int) -> float:
-        """Drift-check delay before the next try of a permanently failed load."""
-        return min(self.failed_retry_s * 2 ** min(max(attempts - 1, 0), 20),
-                   self.failed_retry_max_s)
+#: The environment variable of each setting (docs/operator.md lists them with their defaults).
+ENV_VARS = {
+    "namespaces": "LORAFLEET_WATCH_NAMESPACES",
+    "lease_name": "LORAFLEET_LEASE_NAME",
+    "lease_namespace": "LORAFLEET_LEASE_NAMESPACE",
+    "lease_duration_s": "LORAFLEET_LEASE_DURATION_SECONDS",
+    "identity": "POD_NAME",
+    "log_level": "LORAFLEET_LOG_LEVEL",
+    "metrics_port": "LORAFLEET_METRICS_PORT",
+    "drift_interval_s": "LORAFLEET_DRIFT_INTERVAL_SECONDS",
+    "failed_retry_s": "LORAFLEET_FAILED_RETRY_SECONDS",
+    "failed_retry_max_s": "LORAFLEET_FAILED_RETRY_MAX_SECONDS",
+    "transient_retry_s": "LORAFLEET_TRANSIENT_RETRY_SECONDS",
+    "transient_retry_max_s": "LORAFLEET_TRANSIENT_RETRY_MAX_SECONDS",
+    "load_deadline_s": "LORAFLEET_LOAD_DEADLINE_SECONDS",
+    "call_deadline_s": "LORAFLEET_CALL_DEADLINE_SECONDS",
+    "per_agent_concurrency": "LORAFLEET_PER_AGENT_CONCURRENCY",
+    "total_concurrency": "LORAFLEET_TOTAL_CONCURRENCY",
+    "delete_retries": "LORAFLEET_DELETE_RETRIES",
+}
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in raw.split(",") if n.strip())
+
+
+#: How a variable's text becomes a value, by the field's declared type.
+_PARSERS: dict[str, Callable[[str], object]] = {
+    "str": str, "int": int, "float": float, "tuple[str, ...]": _names,
+}
+
+
+def _parse(f: Field[Any], raw: str) -> object:
+    return _PARSERS[str(f.type)](raw)

@@ -24,7 +24,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
 import kopf
 
 from lorafleet_operator import metrics, names
@@ -34,7 +33,7 @@ from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
 from lorafleet_operator.reconcile import FleetProblem, FleetView, Target, error_result, failure_key, fleet_view, load_on, remember_failures
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import AgentResult, AgentState, build_status, condition, now_rfc3339
+from lorafleet_operator.status import MAX_AGENT_MESSAGE, AgentResult, AgentState, build_status, condition, now_rfc3339
 
 log = logging.getLogger("lorafleet.operator.drift")
 
@@ -52,7 +51,7 @@ async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
 
     agents = view.dialable
     answers = await asyncio.gather(*(one(a) for a in agents))
-    return {a.name: answer for a, answer in zip(agents, answers)}
+    return {a.name: answer for a, answer in zip(agents, answers, strict=True)}
 
 
 def _live(adapter: Mapping[str, Any]) -> bool:
@@ -70,29 +69,36 @@ def wanted_on(agent: AgentPod, info: AgentInfo, adapters: Sequence[Mapping[str, 
             and a["spec"]["baseModel"] == info.base_model}
 
 
-def holds(entry: RegistryEntry | None, spec: Mapping[str, Any], ranks_total: int) -> bool:
-    """Whether a registry entry is this spec, on every rank."""
-    if entry is None:
-        return False
+def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bool:
+    """Whether a registry entry is this spec (source, sha256 when given, pinning), on every
+    rank; anything else is loaded again (replace=True swaps it atomically)."""
     sha = spec["source"].get("sha256", "")
     return (entry.source_uri == spec["source"]["uri"] and (not sha or entry.sha256 == sha)
             and entry.pinned == bool(spec.get("pinned", False))
             and len(entry.ranks) >= ranks_total)
 
 
-async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                          adapters: Sequence[Mapping[str, Any]],
-                          fleets: Sequence[Mapping[str, Any]]) -> int:
-    """Unload managed adapters nobody wants; returns how many were unloaded."""
-    calls = []
+def unwanted(view: FleetView, registries: Mapping[str, Registry],
+             adapters: Sequence[Mapping[str, Any]],
+             fleets: Sequence[Mapping[str, Any]]) -> list[tuple[AgentPod, str]]:
+    """(agent, registry name) of every managed adapter no live resource wants there. An agent
+    whose Describe or registry listing failed is left alone: what it holds is unknown."""
+    calls: list[tuple[AgentPod, str]] = []
     for agent in view.dialable:
         registry, info = registries.get(agent.name), view.infos.get(agent.name)
         if not isinstance(info, AgentInfo) or registry is None or isinstance(registry, AgentError):
             continue
         wanted = wanted_on(agent, info, adapters, fleets)
-        for registry_name in registry:
-            if names.is_managed(registry_name, view.namespace) and registry_name not in wanted:
-                calls.append((agent, registry_name))
+        calls.extend((agent, registry_name) for registry_name in registry
+                     if names.is_managed(registry_name, view.namespace)
+                     and registry_name not in wanted)
+    return calls
+
+
+async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
+                          adapters: Sequence[Mapping[str, Any]],
+                          fleets: Sequence[Mapping[str, Any]]) -> int:
+    """Unload managed adapters nobody wants (:func:`unwanted`); returns how many were unloaded."""
 
     async def unload(agent: AgentPod, registry_name: str) -> bool:
         try:
@@ -104,7 +110,8 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
         log.info("drift: unloaded %s from %s (no resource wants it)", registry_name, agent.name)
         return reply.success
 
-    done = await asyncio.gather(*(unload(a, n) for a, n in calls))
+    done = await asyncio.gather(*(unload(a, n) for a, n in unwanted(view, registries, adapters,
+                                                                     fleets)))
     return sum(done)
 
 
@@ -113,20 +120,22 @@ async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: 
     """What this agent holds of the adapter after repairing it if needed (and allowed)."""
     if target.error is not None:
         return error_result(target, target.error)
-    if registry is None:  # the agent turned dialable after the registries were listed
-        registry = AgentError(grpc.StatusCode.UNAVAILABLE, "registry not listed yet")
+    if registry is None:
+        # The agent turned dialable after the registries were listed: nothing is known of it
+        # this round (not a failure to classify); the next check lists it.
+        return AgentResult(target.agent.name, AgentState.UNREACHABLE, 0, target.ranks_total,
+                           "registry not listed yet")
     if isinstance(registry, AgentError):
         return error_result(target, registry)
     meta = body["metadata"]
     entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
     key = failure_key(body, target.agent.name)
-    if holds(entry, body["spec"], target.ranks_total):
-        assert entry is not None
-        rt.failures.pop(key, None)
+    if entry is not None and holds(entry, body["spec"], target.ranks_total):
+        rt.failures.clear(key)
         return AgentResult(target.agent.name, AgentState.LOADED,
                            min(len(entry.ranks), target.ranks_total), target.ranks_total)
-    if not rt.retry_due(key):
-        failure = rt.failures[key]
+    failure = rt.failures.waiting(key)
+    if failure is not None:  # a permanent failure of this generation here is backing off
         old = previous.get(target.agent.name)
         return old if old and old.state is AgentState.FAILED else AgentResult(
             target.agent.name, AgentState.FAILED, 0, target.ranks_total, failure.message)
@@ -167,7 +176,7 @@ def member(agent: AgentPod, info: AgentInfo | AgentError | None,
         entry["baseModel"] = info.base_model
         entry["topology"] = {"tpSize": info.tp_size, "dpSize": info.dp_size,
                              "attnTpSize": info.attn_tp_size, "epSize": info.ep_size,
-                             "moeTpSize": max(info.tp_size // max(info.ep_size, 1), 1)}
+                             "moeTpSize": info.moe_tp_size}
         entry["capacity"] = {"maxLoadedLoras": info.max_loaded_loras,
                              "maxLorasPerBatch": info.max_loras_per_batch,
                              "maxLoraRank": info.max_lora_rank}
@@ -175,7 +184,7 @@ def member(agent: AgentPod, info: AgentInfo | AgentError | None,
             entry["capacity"]["loadedLoras"] = len(registry)
         entry["message"] = ""
     elif isinstance(info, AgentError):
-        entry["message"] = info.message[:8192]
+        entry["message"] = info.message[:MAX_AGENT_MESSAGE]
     else:
         entry["message"] = "pod not ready" if not agent.ready else "pod has no IP or gRPC port"
     return entry
@@ -189,17 +198,18 @@ def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
     now = now_rfc3339()
     if view is None:
         assert problem is not None
-        ready = condition("Ready", "False", problem.reason, problem.message, generation,
-                          previous, now)
-        return {"observedGeneration": generation, "conditions": [ready]}
+        unusable = condition("Ready", "False", problem.reason, problem.message, generation,
+                             previous, now)
+        return {"observedGeneration": generation, "conditions": [unusable]}
     members = [member(a, view.infos.get(a.name), registries.get(a.name)) for a in view.agents]
     ready_agents = sum(1 for m in members if m["ready"])
+    answering = f"{ready_agents}/{len(members)} agents answer"
     if not members:
         ready = ("False", "NoAgents", "the selector matches no pod")
     elif ready_agents == len(members):
-        ready = ("True", "AllAgentsReady", f"{ready_agents}/{len(members)} agents answer")
+        ready = ("True", "AllAgentsReady", answering)
     else:
-        ready = ("False", "AgentsNotReady", f"{ready_agents}/{len(members)} agents answer")
+        ready = ("False", "AgentsNotReady", answering)
     return {"observedGeneration": generation, "agents": len(members),
             "readyAgents": ready_agents, "members": members,
             "conditions": [condition("Ready", *ready, generation, previous, now)]}
@@ -228,7 +238,7 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
     if not unchanged(current.get("status") or {}, status):
         await rt.kube.patch_fleet_status(namespace, name, status)
     metrics.DRIFT_CHECKS.inc()
-    counts = {p: phases.count(p) for p in sorted(set(p for p in phases if p))}
+    counts = {p: phases.count(p) for p in sorted({p for p in phases if p})}
     log.debug("drift check of lorafleet %s/%s: %d agents, %d adapters %s, %d unloaded in %.2fs",
               namespace, name, len(view.agents), len(mine), counts, unloaded,
               time.monotonic() - started)
@@ -247,10 +257,11 @@ async def _sleep(stopped: kopf.DaemonStopped, poke: asyncio.Event, seconds: floa
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=10.0)
-async def fleet_drift(body: kopf.Body, namespace: str, name: str, memo: kopf.Memo,
+async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
                       stopped: kopf.DaemonStopped, **_: Any) -> None:
     """The drift check of one fleet, for as long as the fleet exists."""
     rt: Runtime = memo["runtime"]
+    namespace: str = body["metadata"]["namespace"]  # LoraFleet is a namespaced kind
     poke = rt.poke(namespace, name)
     while not stopped:
         poke.clear()

@@ -1,30 +1,28 @@
 """kopf handlers for LoraAdapter (create, update, resume, delete) and agent pods.
 
 Each handler is a small function that takes the kopf kwargs it uses and hands the work to
-:mod:`reconcile`. Retries are kopf's: a transient agent error raises ``kopf.TemporaryError``
-with an exponential delay; a permanent one raises ``kopf.PermanentError`` (no hot loop) after
-the status says Failed; a new generation (``spec`` changed) runs the update handler again.
-The drift check (:mod:`drift`) keeps everything consistent between those events.
+:mod:`reconcile`. Retries are kopf's, decided by :mod:`failures` (every adapter handler is
+wrapped in :func:`~lorafleet_operator.failures.kopf_retries`): a transient failure is retried
+with an exponential delay; a permanent one stops (no hot loop) after the status says Failed;
+a new generation (``spec`` changed) runs the update handler again. The drift check
+(:mod:`drift`) keeps everything consistent between those events.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import kopf
-import urllib3
-from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator import metrics, names
 from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, GROUP, VERSION
-from lorafleet_operator.publish import publish_status
-from lorafleet_operator.reconcile import FleetProblem, fleet_view, load_everywhere, unload_everywhere
+from lorafleet_operator.failures import Transient, check_load, delete_waits, kopf_retries
+from lorafleet_operator.publish import post_event, publish_status
+from lorafleet_operator.reconcile import FleetProblem, fleet_view, load_everywhere, unload_everywhere, unload_message
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import AgentState, Phase, build_status, initial_status
+from lorafleet_operator.status import Phase, build_status, initial_status
 
 log = logging.getLogger("lorafleet.operator")
 
@@ -46,11 +44,13 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _runtime(memo: kopf.Memo) -> Runtime:
-    return memo["runtime"]  # type: ignore[no-any-return]
+    runtime: Runtime = memo["runtime"]  # put there by main.run
+    return runtime
 
 
-async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str, retry: int) -> None:
-    """Load the adapter on every target agent and write the status; raise kopf's retry errors."""
+async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
+    """Load the adapter on every target agent and write the status; then let the policy say
+    whether to retry (:func:`~lorafleet_operator.failures.check_load`)."""
     started = time.monotonic()
     meta, spec = body["metadata"], body["spec"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
@@ -75,47 +75,32 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str, retry: i
              "in %.2fs%s", namespace, name, generation, trigger, status["phase"],
              status["agentsSummary"], status["ranksSummary"], elapsed,
              f": {status['message']}" if status["message"] else "")
-    if any(r.state is AgentState.UNREACHABLE for r in results):
-        raise kopf.TemporaryError(status["message"], delay=rt.settings.transient_delay(retry))
-    if status["phase"] == Phase.FAILED:
-        raise kopf.PermanentError(status["message"])
-
-
-@contextlib.asynccontextmanager
-async def api_errors_are_transient(rt: Runtime, retry: int) -> AsyncIterator[None]:
-    """An API server that is restarting or overloaded is retried like an unreachable agent
-    (kopf's default for unexpected errors would wait a whole minute)."""
-    try:
-        yield
-    except (ApiException, urllib3.exceptions.HTTPError) as err:
-        reason = f"{err.status} {err.reason}" if isinstance(err, ApiException) else repr(err)
-        raise kopf.TemporaryError(f"Kubernetes API: {reason}",
-                                  delay=rt.settings.transient_delay(retry)) from err
+    check_load(results, status["phase"], status["message"])
 
 
 @kopf.on.create(GROUP, VERSION, ADAPTERS)
-async def on_adapter_created(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    async with api_errors_are_transient(_runtime(memo), retry):
-        await reconcile_adapter(_runtime(memo), body, "create", retry)
+@kopf_retries
+async def on_adapter_created(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile_adapter(_runtime(memo), body, "create")
 
 
 @kopf.on.update(GROUP, VERSION, ADAPTERS, field="spec")
-async def on_adapter_updated(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    async with api_errors_are_transient(_runtime(memo), retry):
-        await reconcile_adapter(_runtime(memo), body, "update", retry)
+@kopf_retries
+async def on_adapter_updated(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile_adapter(_runtime(memo), body, "update")
 
 
 @kopf.on.resume(GROUP, VERSION, ADAPTERS)
-async def on_adapter_resumed(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
+@kopf_retries
+async def on_adapter_resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """After an operator (re)start: the same reconcile; loads are idempotent."""
-    async with api_errors_are_transient(_runtime(memo), retry):
-        await reconcile_adapter(_runtime(memo), body, "resume", retry)
+    await reconcile_adapter(_runtime(memo), body, "resume")
 
 
 @kopf.on.delete(GROUP, VERSION, ADAPTERS)
+@kopf_retries
 async def on_adapter_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
-    async with api_errors_are_transient(_runtime(memo), retry):
-        await unload_adapter(_runtime(memo), body, retry)
+    await unload_adapter(_runtime(memo), body, retry)
 
 
 async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
@@ -139,22 +124,20 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
             log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name,
                      problem.message)
             return
-    failed = [o for o in outcomes if o.error is not None]
+    failures = [o.failure for o in outcomes if o.failure is not None]
+    message = unload_message(outcomes)
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger="delete", phase=Phase.TERMINATING).inc()
-    if any(o.error.transient for o in failed) and retry < rt.settings.delete_retries:  # type: ignore[union-attr]
+    if delete_waits(rt.settings, retry, failures):
         log.info("unloading loraadapter %s/%s: %d/%d agents failed, retrying",
-                 namespace, name, len(failed), len(outcomes))
-        raise kopf.TemporaryError("; ".join(f"{o.pod}: {o.error}" for o in failed),
-                                  delay=rt.settings.transient_delay(retry))
-    if failed:
-        kopf.warn(body, reason="UnloadIncomplete",
-                  message="; ".join(f"{o.pod}: {o.error}" for o in failed)[:1024])
-    for key in [k for k in rt.failures if k[0] == meta.get("uid")]:
-        del rt.failures[key]
+                 namespace, name, len(failures), len(outcomes))
+        raise Transient(message)
+    if message:
+        post_event(body, "Warning", "UnloadIncomplete", message)
+    rt.failures.clear_adapter(meta.get("uid", ""))
     rt.locks.pop((namespace, name), None)
     log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
-             len(outcomes) - len(failed), len(outcomes), elapsed)
+             len(outcomes) - len(failures), len(outcomes), elapsed)
 
 
 @kopf.on.event("", "v1", "pods")

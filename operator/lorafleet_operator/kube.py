@@ -11,9 +11,10 @@ import asyncio
 import base64
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -36,8 +37,15 @@ def make_api_client(kubeconfig: str | None = None) -> client.ApiClient:
     return api
 
 
-def _json(response: Any) -> Any:
-    return json.loads(response.data)
+def read_json(response: object) -> dict[str, Any]:
+    """The JSON object of a raw response: a call made with ``_preload_content=False`` returns
+    urllib3's response (not the client's model classes), read here as the API server's JSON."""
+    if not isinstance(response, urllib3.BaseHTTPResponse):
+        raise TypeError(f"expected a raw HTTP response, got {type(response).__name__}")
+    body = json.loads(response.data)
+    if not isinstance(body, dict):
+        raise TypeError(f"expected a JSON object, got {type(body).__name__}")
+    return body
 
 
 class Kube:
@@ -48,11 +56,10 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 
-    async def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _run(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> dict[str, Any]:
         kwargs.setdefault("_preload_content", False)
         kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
-        response = await asyncio.to_thread(fn, *args, **kwargs)
-        return _json(response)
+        return read_json(await asyncio.to_thread(fn, *args, **kwargs))
 
     async def get_fleet(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:

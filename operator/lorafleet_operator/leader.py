@@ -25,6 +25,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator import metrics
 from lorafleet_operator.config import Settings
+from lorafleet_operator.kube import read_json
 
 log = logging.getLogger("lorafleet.operator.leader")
 
@@ -64,14 +65,14 @@ class LeaderElector:
             if err.status == 404:
                 return None
             raise
-        return dict(json.loads(response.data))
+        return read_json(response)
 
     def _create(self) -> bool:
         now = micro_time()
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Lease",
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": {"holderIdentity": self.identity,
-                         "leaseDurationSeconds": max(int(round(self.duration_s)), 1),
+                         "leaseDurationSeconds": max(round(self.duration_s), 1),
                          "acquireTime": now, "renewTime": now, "leaseTransitions": 0}}
         try:
             self._custom.create_namespaced_custom_object(
@@ -112,7 +113,7 @@ class LeaderElector:
             spec["acquireTime"] = now
             spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
         spec.update(holderIdentity=self.identity, renewTime=now,
-                    leaseDurationSeconds=max(int(round(self.duration_s)), 1))
+                    leaseDurationSeconds=max(round(self.duration_s), 1))
         return self._replace(lease)
 
     # ---- the loops ----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import importlib
 import logging
 import os
 import sys
@@ -17,8 +19,6 @@ import sys
 import kopf
 from prometheus_client import start_http_server
 
-import lorafleet_operator.drift
-import lorafleet_operator.handlers  # noqa: F401 - registers the adapter and pod handlers
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings
 from lorafleet_operator.kube import Kube, make_api_client
@@ -26,6 +26,9 @@ from lorafleet_operator.leader import LeaderElector
 from lorafleet_operator.runtime import Runtime
 
 log = logging.getLogger("lorafleet.operator")
+
+#: Importing these registers their kopf handlers (in kopf's default registry).
+HANDLER_MODULES = ("lorafleet_operator.handlers", "lorafleet_operator.drift")
 
 
 def configure_logging(level: str) -> None:
@@ -39,6 +42,8 @@ def configure_logging(level: str) -> None:
 
 async def run(settings: Settings, kubeconfig: str | None = None) -> int:
     """Elect, then operate until stopped (signal) or leadership is lost; returns an exit code."""
+    for module in HANDLER_MODULES:
+        importlib.import_module(module)
     api = make_api_client(kubeconfig)
     elector = LeaderElector(api, settings)
     await elector.acquire()
@@ -73,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["KUBECONFIG"] = args.kubeconfig
     settings = Settings.from_env()
     if args.namespace:
-        settings = Settings(**{**settings.__dict__, "namespaces": tuple(args.namespace)})
-    configure_logging(settings.log_level)
+        settings = dataclasses.replace(settings, namespaces=tuple(args.namespace))
+    configure_logging(settings.log_level.upper())
     if settings.metrics_port:
         start_http_server(settings.metrics_port)
     log.info("lorafleet-operator %s: namespaces %s, lease %s/%s", settings.identity,

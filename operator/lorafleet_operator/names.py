@@ -10,9 +10,6 @@ hand without that prefix (e.g. ``support``) are never touched.
 
 from __future__ import annotations
 
-#: The agent API's limit on adapter names.
-MAX_AGENT_NAME = 253
-
 
 def agent_name(namespace: str, name: str) -> str:
     """The adapter's name in every agent registry."""
@@ -23,7 +20,3 @@ def is_managed(registry_name: str, namespace: str) -> bool:
     """Whether a registry entry on an agent pod in ``namespace`` belongs to this operator."""
     return registry_name.startswith(f"{namespace}.") and len(registry_name) > len(namespace) + 1
 
-
-def resource_name(registry_name: str) -> str:
-    """The LoraAdapter name behind a managed registry name."""
-    return registry_name.partition(".")[2]

@@ -17,8 +17,10 @@ from typing import Any
 import grpc
 from kubernetes.client.exceptions import ApiException
 
+from lorafleet_common.merge import merge_failure_first
 from lorafleet_operator import names
 from lorafleet_operator.agent_client import AgentError, AgentInfo, ControlReply, Credentials
+from lorafleet_operator.failures import AgentFailure, FailureKey, agent_state, failure_message
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
@@ -114,7 +116,7 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
 
     dialable = [a for a in agents if a.dialable]
     answers = await asyncio.gather(*(one(a) for a in dialable))
-    return {a.name: answer for a, answer in zip(dialable, answers)}
+    return {a.name: answer for a, answer in zip(dialable, answers, strict=True)}
 
 
 async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
@@ -138,9 +140,10 @@ def loaded_result(target: Target, reply: ControlReply | None = None) -> AgentRes
     return AgentResult(target.agent.name, AgentState.LOADED, ranks, total)
 
 
-def error_result(target: Target, err: AgentError) -> AgentResult:
-    state = AgentState.UNREACHABLE if err.transient else AgentState.FAILED
-    return AgentResult(target.agent.name, state, 0, target.ranks_total, err.message)
+def error_result(target: Target, failure: AgentFailure) -> AgentResult:
+    """A target whose call failed: Unreachable or Failed as the policy classifies it."""
+    return AgentResult(target.agent.name, agent_state(failure), 0, target.ranks_total,
+                       failure_message(failure, "the agent refused the adapter"))
 
 
 async def load_on(rt: Runtime, view: FleetView, target: Target,
@@ -157,13 +160,11 @@ async def load_on(rt: Runtime, view: FleetView, target: Target,
             pinned=bool(spec.get("pinned", False)), replace=True)
     except AgentError as err:
         return error_result(target, err)
-    if reply.success:
-        return loaded_result(target, reply)
-    return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
-                       reply.error_message or "the agent refused the adapter")
+    return loaded_result(target, reply) if reply.success else error_result(target, reply)
 
 
-def failure_key(body: Mapping[str, Any], pod: str) -> tuple[str, int, str]:
+def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
+    """The slow-retry key of this adapter generation on one agent."""
     meta = body["metadata"]
     return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
 
@@ -172,11 +173,7 @@ def remember_failures(rt: Runtime, body: Mapping[str, Any],
                       results: Sequence[AgentResult]) -> None:
     """Schedule slow retries for permanent failures; forget those that now succeeded."""
     for result in results:
-        key = failure_key(body, result.pod)
-        if result.state is AgentState.FAILED:
-            rt.record_failure(key, result.message)
-        else:
-            rt.failures.pop(key, None)
+        rt.failures.remember(failure_key(body, result.pod), result)
 
 
 async def load_everywhere(rt: Runtime, view: FleetView,
@@ -190,14 +187,29 @@ async def load_everywhere(rt: Runtime, view: FleetView,
 
 @dataclass(frozen=True)
 class UnloadOutcome:
+    """One agent's part of a deletion: done (``failure`` None), or how it failed."""
+
     pod: str
-    error: AgentError | None
+    failure: AgentFailure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def message(self) -> str:
+        return "" if self.failure is None else failure_message(self.failure, "unload failed")
 
 
-def _unload_ok(reply: ControlReply) -> AgentError | None:
-    if reply.success:
-        return None
-    return AgentError(grpc.StatusCode.UNKNOWN, reply.error_message or "unload failed")
+def unload_message(outcomes: Sequence[UnloadOutcome]) -> str:
+    """The agents a deletion could not unload from, and their errors merged failure-first
+    (the one rule); "" when every agent is done."""
+    if not outcomes:
+        return ""
+    merged = merge_failure_first(outcomes, ok=lambda o: o.ok, error=lambda o: o.message)
+    if merged.ok:
+        return ""
+    return f"not unloaded from {', '.join(o.pod for o in outcomes if not o.ok)}: {merged.error}"
 
 
 async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> list[UnloadOutcome]:
@@ -206,12 +218,9 @@ async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> li
 
     async def one(agent: AgentPod) -> UnloadOutcome:
         try:
-            return UnloadOutcome(agent.name,
-                                 _unload_ok(await rt.agents.unload(agent.endpoint, view.creds,
-                                                                   agent_name)))
+            reply = await rt.agents.unload(agent.endpoint, view.creds, agent_name)
         except AgentError as err:
-            if err.code == grpc.StatusCode.NOT_FOUND:
-                return UnloadOutcome(agent.name, None)
-            return UnloadOutcome(agent.name, err)
+            return UnloadOutcome(agent.name, None if err.code == grpc.StatusCode.NOT_FOUND else err)
+        return UnloadOutcome(agent.name, None if reply.success else reply)
 
     return list(await asyncio.gather(*(one(a) for a in view.dialable)))

@@ -7,32 +7,25 @@ the agents. Losing all of it (a restart) costs at most one extra round of calls.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
+from lorafleet_operator.failures import SlowRetries
 from lorafleet_operator.kube import Kube
 
 
 @dataclass
-class Failure:
-    """A permanent load failure of one adapter generation on one agent, and when to retry."""
-
-    attempts: int
-    retry_at: float
-    message: str
-
-
-@dataclass
 class Runtime:
+    """The process's settings, clients, caches and locks (kopf's ``memo["runtime"]``)."""
+
     settings: Settings
     kube: Kube
     agents: AgentClients
     #: One lock per LoraAdapter: its handlers and the drift check never act on it at once.
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    #: (adapter uid, generation, pod) -> the last permanent failure there.
-    failures: dict[tuple[str, int, str], Failure] = field(default_factory=dict)
+    #: Permanent load failures per (adapter uid, generation, pod), and when to try again.
+    failures: SlowRetries = field(init=False)
     #: (pod uid, restarts, endpoint) -> the agent's Describe.
     describe_cache: dict[tuple[str, int, str], AgentInfo] = field(default_factory=dict)
     #: (namespace, fleet) -> set to run that fleet's drift check now instead of at its interval.
@@ -40,19 +33,13 @@ class Runtime:
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.failures = SlowRetries(self.settings)
+
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        """The adapter's lock, made on first use."""
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
     def poke(self, namespace: str, fleet: str) -> asyncio.Event:
+        """The event that wakes a fleet's drift check early."""
         return self.pokes.setdefault((namespace, fleet), asyncio.Event())
-
-    def record_failure(self, key: tuple[str, int, str], message: str) -> None:
-        """Count one more permanent failure and schedule the next (slow) retry."""
-        old = self.failures.get(key)
-        attempts = (old.attempts if old else 0) + 1
-        delay = self.settings.failed_delay(attempts)
-        self.failures[key] = Failure(attempts, time.monotonic() + delay, message)
-
-    def retry_due(self, key: tuple[str, int, str]) -> bool:
-        failure = self.failures.get(key)
-        return failure is None or time.monotonic() >= failure.retry_at

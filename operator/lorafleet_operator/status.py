@@ -1,8 +1,8 @@
-"""LoraAdapter status from per-agent results (DESIGN.md §7).
+"""LoraAdapter status from per-agent results (docs/operator.md, "Status semantics").
 
 Each agent's reply is already merged over its ranks by the agent; here the agents' results are
-merged failure-first with the one rule, :func:`node_agent.merge.merge_failure_first`, into the
-resource's ``message``, and summarised as ``phase``, totals and conditions. ``phase`` is only a
+merged failure-first with the one rule, :func:`lorafleet_common.merge.merge_failure_first`, into
+the resource's ``message``, and summarised as ``phase``, totals and conditions. ``phase`` is only a
 convenience for ``kubectl get``; the conditions (``Ready`` first) are the truth.
 """
 
@@ -16,7 +16,9 @@ from typing import Any
 
 from lorafleet_common.merge import merge_failure_first
 
-#: The CRD caps (status.message, agents[].message); longer messages are cut, not refused.
+#: The CRDs' caps: a LoraAdapter's status.message and condition messages, and one agent's
+#: message (LoraAdapter agents[].message, LoraFleet members[].message). Longer messages are
+#: cut, not refused.
 MAX_MESSAGE = 32768
 MAX_AGENT_MESSAGE = 8192
 
@@ -32,10 +34,8 @@ class Phase(enum.StrEnum):
 
 class AgentState(enum.StrEnum):
     LOADED = "Loaded"
-    LOADING = "Loading"
     FAILED = "Failed"  # the agent refused the adapter (permanent until something changes)
     UNREACHABLE = "Unreachable"  # a transient error: retried with back-off
-    UNLOADING = "Unloading"
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,3 @@ def initial_status(generation: int, previous: Mapping[str, Any] | None = None) -
         ],
     }
 
-
-def same_status(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
-    """Whether writing ``b`` over ``a`` would change anything a reader cares about."""
-    return dict(a or {}) == dict(b or {})

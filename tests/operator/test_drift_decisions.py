@@ -1,0 +1,111 @@
+"""The drift check's decisions as plain functions of what it saw: whether an agent's registry
+entry is the adapter's spec (``holds``), which names live resources want on an agent
+(``wanted_on``), and which managed names it unloads (``unwanted``). No cluster, no agents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from lorafleet_operator.agent_client import AgentError, AgentInfo, Credentials, RegistryEntry
+from lorafleet_operator.drift import Registry, holds, unwanted, wanted_on
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.reconcile import FleetView
+
+NS = "team"
+SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"},
+                        "fleetRef": {"name": "default"}}
+
+
+def entry(name: str = "team.one", uri: str = "file:///a/one", sha256: str = "ab",
+          pinned: bool = False, ranks: tuple[int, ...] = (0, 1)) -> RegistryEntry:
+    return RegistryEntry(name, uri, sha256, pinned, ranks)
+
+
+def test_holds_only_the_same_source_sha_and_pinning_on_every_rank() -> None:
+    assert holds(entry(), SPEC, ranks_total=2)
+    assert not holds(entry(ranks=(0,)), SPEC, ranks_total=2)  # a rank lost it
+    assert not holds(entry(uri="file:///a/two"), SPEC, ranks_total=2)  # the spec moved on
+    assert not holds(entry(sha256="cd"), SPEC, ranks_total=2)
+    assert not holds(entry(pinned=True), SPEC, ranks_total=2)
+    assert holds(entry(pinned=True), {**SPEC, "pinned": True}, ranks_total=2)
+    # Without a sha256 in the spec, any digest the agent computed will do.
+    without_sha = {**SPEC, "source": {"uri": "file:///a/one"}}
+    assert holds(entry(sha256="whatever"), without_sha, ranks_total=2)
+
+
+def pod(name: str, labels: dict[str, str] | None = None, ready: bool = True) -> AgentPod:
+    return AgentPod(name=name, namespace=NS, uid=f"uid-{name}",
+                    labels=labels if labels is not None else {"fleet": "default"},
+                    ready=ready, endpoint=f"10.0.0.{len(name)}:50051", restarts=0)
+
+
+def info(base_model: str = "tiny") -> AgentInfo:
+    return AgentInfo(base_model=base_model, tp_size=2, dp_size=2, attn_tp_size=1, ep_size=1,
+                     moe_tp_size=2, max_lora_rank=16, max_loras_per_batch=4,
+                     max_loaded_loras=8)
+
+
+def fleet(name: str, selector: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": NS}, "spec": {"selector": selector}}
+
+
+def adapter(name: str, fleet_name: str = "default", base_model: str = "tiny",
+            deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": NS}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {**SPEC, "baseModel": base_model,
+                                       "fleetRef": {"name": fleet_name}}}
+
+
+FLEETS = [fleet("default", {"matchLabels": {"fleet": "default"}}),
+          fleet("other", {"matchLabels": {"fleet": "other"}})]
+
+
+def test_wanted_on_an_agent_live_resources_of_fleets_selecting_it_and_its_model() -> None:
+    adapters = [adapter("one"), adapter("two"),
+                adapter("gone", deleting=True),  # being deleted: nobody wants it any more
+                adapter("elsewhere", fleet_name="other"),  # its fleet does not select the pod
+                adapter("bigger", base_model="big"),  # another base model
+                adapter("stray", fleet_name="missing")]  # no such fleet
+    assert wanted_on(pod("agent-0"), info(), adapters, FLEETS) == {"team.one", "team.two"}
+    # A pod both fleets select serves both fleets' adapters.
+    both = pod("agent-0", {"fleet": "default", "also": "x"})
+    fleets = [*FLEETS, fleet("also", {"matchLabels": {"also": "x"}})]
+    assert "team.also-one" in wanted_on(both, info(), [*adapters, adapter("also-one", "also")],
+                                        fleets)
+    assert wanted_on(pod("agent-0"), info("big"), adapters, FLEETS) == {"team.bigger"}
+
+
+def view(*agents: AgentPod, infos: dict[str, AgentInfo | AgentError] | None = None) -> FleetView:
+    infos = infos if infos is not None else {a.name: info() for a in agents}
+    return FleetView(NS, "default", {"selector": {"matchLabels": {"fleet": "default"}}},
+                     agents, infos, Credentials())
+
+
+def test_unwanted_is_every_managed_name_no_live_resource_wants() -> None:
+    a0, a1 = pod("agent-0"), pod("agent-1")
+    registries: dict[str, Registry] = {
+        "agent-0": {n: entry(n) for n in ("team.one", "team.old", "support", "other-ns.one")},
+        "agent-1": {n: entry(n) for n in ("team.one", "team.gone")},
+    }
+    adapters = [adapter("one"), adapter("gone", deleting=True)]
+    decided = unwanted(view(a0, a1), registries, adapters, FLEETS)
+    # Hand-loaded names ("support") and other namespaces' names are never touched.
+    assert [(a.name, n) for a, n in decided] == [("agent-0", "team.old"), ("agent-1", "team.gone")]
+
+
+def test_unwanted_leaves_agents_alone_whose_state_is_unknown() -> None:
+    a0, a1, a2, a3 = pod("agent-0"), pod("agent-1"), pod("agent-2"), pod("agent-3", ready=False)
+    down = AgentError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    registries: dict[str, Registry] = {
+        "agent-0": down,  # ListAdapters failed
+        "agent-1": {"team.old": entry("team.old")},  # Describe failed: its model is unknown
+        # agent-2 turned Ready after the registries were listed: no registry yet
+        "agent-3": {"team.old": entry("team.old")},  # not Ready: not dialled at all
+    }
+    fleet_view = view(a0, a1, a2, a3, infos={"agent-0": info(), "agent-1": down,
+                                             "agent-2": info()})
+    assert unwanted(fleet_view, registries, [], FLEETS) == []
