@@ -1,31 +1,40 @@
-"""The node agent's domain: one engine, its adapter registry, sources, metrics and call logs.
+"""The node agent's domain: one engine served to callers, its adapter registry and sources.
 
 No gRPC here: `node_agent.server` converts messages and maps `AgentError` classes to status
-codes. Every method is safe to call from many threads at once.
+codes. Requests are checked by `node_agent.validation`, calls are counted and logged by
+`node_agent.calls`, and results are the values of `node_agent.values` and the engine's
+`ControlResult`. Every method is safe to call from many threads at once.
 
-Per-rank truth: control results and ListAdapters report what each rank's pool actually holds
-(asked from the ranks after the command), merged failure-first.
+Per-rank truth: a load or unload reports what each rank's pool holds afterwards, as the ranks
+said in their replies to that very command (merged failure-first, once, by the engine);
+ListAdapters asks the ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import socket
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
+from torch import Tensor
 
-from lorafleet_common.merge import merge_failure_first
-from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, RankLoadError, RankUnloadError, SequenceInput, Topology
-from node_agent.engine.engine import ADAPTER_NAME
-from node_agent.engine.worker import RankReply
+from node_agent.calls import ControlCall, InferenceCall
+from node_agent.engine import (
+    AdapterLoadError,
+    ControlResult,
+    DescribeReply,
+    Engine,
+    EngineConfig,
+    EngineError,
+    RankLoadError,
+    RankUnloadError,
+    SequenceInput,
+)
 from node_agent.errors import (
     AdapterConflict,
     AgentError,
@@ -38,11 +47,10 @@ from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
 from node_agent.sources import ResolvedSource, SourcePolicy, clean_cache, parse_sha256, resolve_source
 from node_agent.text import IncrementalDecoder, eos_token_ids, load_tokenizer
+from node_agent.validation import check_adapter_name, check_forward, check_generate
+from node_agent.values import DEFAULT_NEW_TOKENS, AdapterStatus, Description, GeneratedToken, GenerateParams, RankStatus
 
 log = logging.getLogger(__name__)
-call_log = logging.getLogger("lorafleet.agent.calls")
-
-DEFAULT_NEW_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -51,110 +59,10 @@ class AgentConfig:
 
     base_model_name: str = ""  # "" = the model directory's name
     agent_id: str = field(default_factory=socket.gethostname)
-    sources: SourcePolicy = SourcePolicy()
+    sources: SourcePolicy = field(default_factory=SourcePolicy)
     drain_timeout_s: float = 30.0  # how long unload/replace wait for running requests
     max_new_tokens: int = 1024  # the most a Generate may ask for
     max_request_tokens: int = 16384  # tokens in one Forward batch or one Generate sequence
-
-
-# -- results -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankOutcome:
-    """One rank's answer to a control call, with the adapters it holds afterwards."""
-
-    rank: int
-    attn_dp_rank: int
-    attn_tp_rank: int
-    ok: bool
-    error: str
-    loaded: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ControlResult:
-    """The merged answer of a LoadAdapter/UnloadAdapter and every rank's part in it."""
-
-    ok: bool
-    error: str
-    loaded: tuple[str, ...]
-    ranks: tuple[RankOutcome, ...]
-    already_loaded: bool = False
-
-
-def merge_rank_outcomes(outcomes: Sequence[RankOutcome], already_loaded: bool = False) -> ControlResult:
-    """Failure-first: success only if every rank succeeded; the loaded list is the first rank's
-    on success, the first failed rank's otherwise; distinct errors joined with " | "."""
-    merged = merge_failure_first(outcomes, lambda o: o.ok, lambda o: o.error)
-    return ControlResult(merged.ok, merged.error, merged.reply.loaded, tuple(outcomes), already_loaded)
-
-
-def rolled_back(result: ControlResult) -> ControlResult:
-    """A failed load as the ranks end up: those that loaded it unloaded it again (rollback), so
-    they are reported as not holding it. The merged error keeps only the ranks' own failures."""
-    failed = ", ".join(str(o.rank) for o in result.ranks if not o.ok)
-    note = f"loaded, then rolled back because the load failed on rank {failed}"
-    return replace(result, ranks=tuple(o if not o.ok else replace(o, ok=False, error=note) for o in result.ranks))
-
-
-@dataclass(frozen=True)
-class RankStatus:
-    rank: int
-    attn_dp_rank: int
-    attn_tp_rank: int
-    alive: bool
-
-
-@dataclass(frozen=True)
-class ModuleShape:
-    """Per-slot LoRA buffer shapes of one module on one rank, one (A, B) pair per fused slice."""
-
-    module: str
-    rank: int
-    slices: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-
-
-@dataclass(frozen=True)
-class Description:
-    agent_id: str
-    base_model_name: str
-    config_sha256: str
-    topology: Topology
-    max_lora_rank: int
-    max_loras_per_batch: int
-    max_loaded_loras: int
-    ranks: tuple[RankStatus, ...]
-    modules: tuple[ModuleShape, ...]
-    has_tokenizer: bool
-
-
-@dataclass(frozen=True)
-class AdapterStatus:
-    name: str
-    source_uri: str
-    sha256: str
-    pinned: bool
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    token_ids: tuple[int, ...] = ()
-    prompt: str = ""
-    adapter: str | None = None
-    max_new_tokens: int = 0  # 0 = DEFAULT_NEW_TOKENS
-    stop_token_ids: tuple[int, ...] = ()  # () = the model's eos ids
-
-
-@dataclass(frozen=True)
-class GeneratedToken:
-    token_id: int
-    text: str
-    finish_reason: str  # "" until the last token: "stop" or "length"
-
-
-# -- the agent -----------------------------------------------------------------------------------
 
 
 class Agent:
@@ -170,7 +78,7 @@ class Agent:
         self._config_sha256 = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
         # Buffer shapes are fixed for the engine's life: asked once, so Describe answers even
         # after a rank died (it is how an operator sees which rank).
-        self._modules = _module_shapes(self._describe_ranks())
+        self._modules = tuple(module for reply in self._describe_ranks() for module in reply.modules)
         self.tokenizer = load_tokenizer(model_dir)
         self._eos = eos_token_ids(model_dir)
         if config.sources.cache_dir is not None:
@@ -246,8 +154,9 @@ class Agent:
         )
 
     def list_adapters(self) -> list[AdapterStatus]:
+        """Routable adapters, in load order, each with the ranks whose pool holds it (asked now)."""
         self._check_alive()
-        holdings = self._holdings()
+        holdings = {reply.rank: reply.holds for reply in self._describe_ranks()}
         return [
             AdapterStatus(
                 entry.name, entry.source.uri, entry.source.content.weights_sha256, entry.pinned,
@@ -260,8 +169,8 @@ class Agent:
 
     def load(self, name: str, source_uri: str, sha256: str = "", pinned: bool = False, replace_existing: bool = False) -> ControlResult:
         """Load `name` on every rank or on none; idempotent for the same content and pinning."""
-        with ControlCall(self, "load", name, source=source_uri) as call:
-            _check_name(name)
+        with ControlCall(self.metrics, "load", name, source=source_uri) as call:
+            check_adapter_name(name)
             expected = parse_sha256(sha256)
             if not source_uri:
                 raise InvalidRequest("source_uri is required")
@@ -269,14 +178,12 @@ class Agent:
                 self._check_alive()
                 current = self.registry.get(name)
                 if current is not None and _unchanged(current, source_uri, expected, pinned):
-                    call.already_loaded = True  # same URI, promised digest and pinning: no fetch
-                    return call.result(self._holding_result(current))
+                    return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
                 source = resolve_source(source_uri, expected, self.config.sources)
                 if current is not None and current.source.content == source.content and current.pinned == pinned:
                     source.discard()
                     self.registry.update(replace(current, source=replace(current.source, uri=source_uri)))
-                    call.already_loaded = True
-                    return call.result(self._holding_result(current))
+                    return call.result(self._holding(current))
                 if current is not None and not replace_existing:
                     source.discard()
                     raise AdapterConflict(_conflict_message(current, source.content.weights_sha256, pinned))
@@ -286,10 +193,10 @@ class Agent:
         """Load a new version under a fresh engine name; publish it; retire the one it replaces."""
         engine_name = self.registry.new_engine_name(name)
         try:
-            replies = self.engine.load_adapter(engine_name, source.path, pinned)
+            result = self.engine.load_adapter(engine_name, source.path, pinned)
         except RankLoadError as error:  # refused somewhere; the engine rolled the others back
             source.discard()
-            return rolled_back(self._result(error.replies))
+            return self._public(error.result)
         except AdapterLoadError as error:
             source.discard()
             raise InvalidRequest(str(error)) from None
@@ -298,25 +205,26 @@ class Agent:
             raise self._engine_error(error) from None
         previous = self.registry.publish(AdapterEntry(name, engine_name, source, pinned))
         self.metrics.loaded_adapters.set(len(self.registry.entries()))
+        published = self._public(result)  # while the registry still knows the previous version's name
         if previous is not None:
-            old = merge_failure_first(self._retire(previous), lambda r: r.ok, lambda r: r.error)
+            old = self._retire(previous)
             if not old.ok:
                 log.error("replaced %s, but unloading its previous version failed: %s", name, old.error)
-        return self._result(replies)
+        return published
 
     # -- UnloadAdapter ---------------------------------------------------------------------------
 
     def unload(self, name: str) -> ControlResult:
         """Refuse new requests for `name` at once, wait (bounded) for running ones, unload."""
-        with ControlCall(self, "unload", name) as call:
-            _check_name(name)
+        with ControlCall(self.metrics, "unload", name) as call:
+            check_adapter_name(name)
             with self.registry.serialised(name):
                 self._check_alive()
                 entry = self.registry.withdraw(name)
                 self.metrics.loaded_adapters.set(len(self.registry.entries()))
-                return call.result(self._result(self._retire(entry)))
+                return call.result(self._public(self._retire(entry)))
 
-    def _retire(self, entry: AdapterEntry) -> list[RankReply]:
+    def _retire(self, entry: AdapterEntry) -> ControlResult:
         """Drain a version that no longer routes, then unload it from every rank."""
         if not self.registry.wait_idle(entry.engine_name, self.config.drain_timeout_s):
             log.warning("adapter %s: %d requests still running after %.0fs; unloading anyway (they are aborted)",
@@ -324,7 +232,7 @@ class Agent:
         try:
             return self.engine.unload_adapter(entry.engine_name)
         except RankUnloadError as error:
-            return error.replies
+            return error.result
         except EngineError as error:
             raise self._engine_error(error) from None
         finally:
@@ -335,10 +243,8 @@ class Agent:
 
     def forward(self, sequences: Sequence[tuple[Sequence[int], str | None]]) -> list[np.ndarray]:
         """Logits (float32 [tokens, vocab]) of each sequence, in order; adapter None = base."""
-        with InferenceCall(self, "forward"):
-            if not sequences:
-                raise InvalidRequest("a forward needs at least one sequence")
-            self._check_tokens([list(tokens) for tokens, _ in sequences], "sequence")
+        with InferenceCall(self.metrics, "forward"):
+            check_forward([tokens for tokens, _ in sequences], self.engine.model_config.vocab_size, self.config.max_request_tokens)
             self._check_alive()
             with self._leased([adapter for _, adapter in sequences if adapter]) as lease:
                 inputs = [SequenceInput(list(tokens), lease.engine_name(adapter)) for tokens, adapter in sequences]
@@ -347,12 +253,11 @@ class Agent:
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = lambda: False) -> Iterator[GeneratedToken]:
         """Greedy decoding, one token per step. The engine keeps no KV cache, so every step
         recomputes the whole sequence: O(n^2) in the generated length (bounded by max_new_tokens)."""
-        with InferenceCall(self, "generate") as call:
+        with InferenceCall(self.metrics, "generate") as call:
             tokens = self._prompt_ids(params)
             max_new = params.max_new_tokens or DEFAULT_NEW_TOKENS
-            if not 1 <= max_new <= self.config.max_new_tokens:
-                raise InvalidRequest(f"max_new_tokens must be within [1, {self.config.max_new_tokens}], got {max_new}")
-            self._check_tokens([tokens], "prompt", extra=max_new)
+            config = self.config
+            check_generate(tokens, max_new, config.max_new_tokens, self.engine.model_config.vocab_size, config.max_request_tokens)
             stop = set(params.stop_token_ids or self._eos)
             self._check_alive()
             with self._leased([params.adapter] if params.adapter else []) as lease:
@@ -384,18 +289,6 @@ class Agent:
             raise InvalidRequest("the prompt encodes to no tokens")
         return ids
 
-    def _check_tokens(self, batches: list[list[int]], what: str, extra: int = 0) -> None:
-        vocab = self.engine.model_config.vocab_size
-        for index, tokens in enumerate(batches):
-            if not tokens:
-                raise InvalidRequest(f"{what} {index} has no tokens")
-            bad = next((t for t in tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequest(f"{what} {index} has token id {bad} outside the vocabulary [0, {vocab})")
-        total = sum(len(tokens) for tokens in batches) + extra
-        if total > self.config.max_request_tokens:
-            raise InvalidRequest(f"the request needs {total} tokens, over the limit of {self.config.max_request_tokens}")
-
     @contextmanager
     def _leased(self, adapters: Sequence[str]) -> Iterator[Lease]:
         """Hold the adapters' current versions for the whole request (NOT_FOUND if unroutable)."""
@@ -418,7 +311,7 @@ class Agent:
                 f"{len(pinned)} pinned adapters hold slots) but the engine has {slots} (--max-loras-per-batch)"
             )
 
-    def _engine_forward(self, inputs: list[SequenceInput], lease: Lease) -> list:
+    def _engine_forward(self, inputs: list[SequenceInput], lease: Lease) -> list[Tensor]:
         try:
             return self.engine.forward(inputs)
         except EngineError as error:
@@ -429,115 +322,26 @@ class Agent:
 
     # -- per-rank results ------------------------------------------------------------------------
 
-    def _describe_ranks(self) -> list[RankReply]:
+    def _describe_ranks(self) -> list[DescribeReply]:
         try:
-            replies = self.engine.describe()
+            return self.engine.describe()
         except EngineError as error:
             raise self._engine_error(error) from None
-        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-        if not merged.ok:
-            raise AgentError(f"engine error: {merged.error}", "engine_error")
-        return replies
 
-    def _holdings(self) -> dict[int, list[str]]:
-        """Engine names each rank's pool holds now."""
-        return {reply.rank: list(reply.payload["loaded"]) for reply in self._describe_ranks()}
+    def _public(self, result: ControlResult) -> ControlResult:
+        """`result` with public adapter names instead of engine names (versions of one name once)."""
+        def public(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(self.registry.public_name(name) for name in names))
 
-    def _public(self, engine_names: list[str]) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(self.registry.public_name(name) for name in engine_names))
+        ranks = tuple(replace(reply, holds=public(reply.holds)) for reply in result.ranks)
+        return replace(result, holds=public(result.holds), ranks=ranks)
 
-    def _result(self, replies: list[RankReply]) -> ControlResult:
-        holdings = self._holdings()
-        return merge_rank_outcomes([
-            RankOutcome(r.rank, r.attn_dp_rank, r.attn_tp_rank, r.ok, r.error, self._public(holdings[r.rank]))
-            for r in replies
-        ])
-
-    def _holding_result(self, entry: AdapterEntry) -> ControlResult:
+    def _holding(self, entry: AdapterEntry) -> ControlResult:
         """An idempotent load's result: each rank succeeded if it holds the current version."""
-        holdings = self._holdings()
-        topology = self.engine.config.topology
-        outcomes = []
-        for rank, names in sorted(holdings.items()):
-            coords = topology.coords(rank)
-            held = entry.engine_name in names
-            outcomes.append(RankOutcome(rank, coords.attn_dp_rank, coords.attn_tp_rank, held,
-                                        "" if held else f"rank {rank} does not hold {entry.name!r}", self._public(names)))
-        return merge_rank_outcomes(outcomes, already_loaded=True)
-
-
-# -- call bookkeeping ----------------------------------------------------------------------------
-
-
-class ControlCall:
-    """Times one control call; records its metric, failure reason and one structured log line."""
-
-    def __init__(self, agent: Agent, operation: str, adapter: str, **fields: object) -> None:
-        self.agent, self.operation, self.adapter, self.fields = agent, operation, adapter, fields
-        self.outcome = "ok"
-        self.error = ""
-        self.already_loaded = False
-
-    def result(self, result: ControlResult) -> ControlResult:
-        if not result.ok:
-            self.outcome, self.error = "rank_failed", result.error
-        return result
-
-    def __enter__(self) -> ControlCall:
-        self.started = time.monotonic()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if isinstance(exc, AgentError):
-            self.outcome, self.error = exc.reason, str(exc)
-        elif exc is not None:
-            self.outcome, self.error = "internal", f"{type(exc).__name__}: {exc}"
-        duration = time.monotonic() - self.started
-        metrics = self.agent.metrics
-        histogram = metrics.load_seconds if self.operation == "load" else metrics.unload_seconds
-        histogram.labels(self.outcome).observe(duration)
-        if self.outcome != "ok":
-            metrics.failures.labels(self.operation, self.outcome).inc()
-        line = {"call": self.operation, "adapter": self.adapter, "outcome": self.outcome,
-                "duration_ms": round(duration * 1000, 1), **self.fields}
-        if self.operation == "load":
-            line["already_loaded"] = self.already_loaded
-        if self.error:
-            line["error"] = self.error
-        call_log.log(logging.INFO if self.outcome == "ok" else logging.WARNING, json.dumps(line, sort_keys=True))
-
-
-class InferenceCall:
-    """Counts and times one Forward/Generate by outcome (a Generate: its whole stream)."""
-
-    def __init__(self, agent: Agent, method: str) -> None:
-        self.agent, self.method = agent, method
-        self.outcome = "ok"
-
-    def __enter__(self) -> InferenceCall:
-        self.started = time.monotonic()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if isinstance(exc, AgentError):
-            self.outcome = exc.reason
-        elif isinstance(exc, GeneratorExit):
-            self.outcome = "cancelled"  # the caller stopped reading the stream
-        elif exc is not None:
-            self.outcome = "internal"
-        metrics = self.agent.metrics
-        metrics.requests.labels(self.method, self.outcome).inc()
-        metrics.request_seconds.labels(self.method).observe(time.monotonic() - self.started)
-        if self.outcome not in ("ok", "cancelled"):
-            metrics.failures.labels(self.method, self.outcome).inc()
+        return self._public(self.engine.holding(entry.engine_name))
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _check_name(name: str) -> None:
-    if not ADAPTER_NAME.match(name or ""):
-        raise InvalidRequest(f"invalid adapter name {name!r} (letters, digits, '.', '_', '-'; at most 253 characters)")
 
 
 def _unchanged(entry: AdapterEntry, uri: str, sha256: str | None, pinned: bool) -> bool:
@@ -550,15 +354,6 @@ def _conflict_message(entry: AdapterEntry, new_sha256: str, pinned: bool) -> str
         return f"adapter {entry.name!r} is loaded with pinned={entry.pinned}; set replace to change it"
     return (f"adapter {entry.name!r} is loaded with other content (sha256 {entry.source.content.weights_sha256}, "
             f"new {new_sha256}); set replace to swap it")
-
-
-def _module_shapes(replies: list[RankReply]) -> tuple[ModuleShape, ...]:
-    shapes = []
-    for reply in replies:
-        for module, buffers in reply.payload["modules"].items():
-            slices = tuple((tuple(a), tuple(b)) for a, b in zip(buffers["a"], buffers["b"]))
-            shapes.append(ModuleShape(module, reply.rank, slices))
-    return tuple(shapes)
 
 
 def _ranks_running(pids: list[int], tp_size: int, engine_alive: bool) -> list[bool]:

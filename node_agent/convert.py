@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
-from node_agent.agent import AdapterStatus, ControlResult, Description, GeneratedToken, GenerateParams
+from node_agent.engine import ControlResult
+from node_agent.values import AdapterStatus, Description, GeneratedToken, GenerateParams
 
 
 def description(d: Description) -> pb.DescribeResponse:
+    """Describe's reply."""
     return pb.DescribeResponse(
         agent_id=d.agent_id,
         base_model=pb.BaseModel(name=d.base_model_name, config_sha256=d.config_sha256),
@@ -28,7 +30,7 @@ def description(d: Description) -> pb.DescribeResponse:
             pb.ModuleShapes(
                 module=m.module,
                 rank=m.rank,
-                slices=[pb.LoraSliceShape(lora_a_shape=a, lora_b_shape=b) for a, b in m.slices],
+                slices=[pb.LoraSliceShape(lora_a_shape=s.lora_a, lora_b_shape=s.lora_b) for s in m.slices],
             )
             for m in d.modules
         ],
@@ -44,22 +46,25 @@ def _rank_results(result: ControlResult) -> list[pb.RankResult]:
 
 
 def load_response(result: ControlResult) -> pb.LoadAdapterResponse:
+    """LoadAdapter's reply: the merged result, what the ranks hold, every rank's part."""
     return pb.LoadAdapterResponse(
         success=result.ok,
         error_message=result.error,
-        loaded_adapters=result.loaded,
+        loaded_adapters=result.holds,
         rank_results=_rank_results(result),
         already_loaded=result.already_loaded,
     )
 
 
 def unload_response(result: ControlResult) -> pb.UnloadAdapterResponse:
+    """UnloadAdapter's reply: the merged result, what the ranks hold, every rank's part."""
     return pb.UnloadAdapterResponse(
-        success=result.ok, error_message=result.error, loaded_adapters=result.loaded, rank_results=_rank_results(result)
+        success=result.ok, error_message=result.error, loaded_adapters=result.holds, rank_results=_rank_results(result)
     )
 
 
 def list_response(adapters: list[AdapterStatus]) -> pb.ListAdaptersResponse:
+    """ListAdapters' reply."""
     return pb.ListAdaptersResponse(
         adapters=[
             pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters
@@ -68,10 +73,12 @@ def list_response(adapters: list[AdapterStatus]) -> pb.ListAdaptersResponse:
 
 
 def forward_sequences(request: pb.ForwardRequest) -> list[tuple[list[int], str | None]]:
+    """A Forward request's sequences as (token ids, adapter or None for the base model)."""
     return [(list(s.token_ids), s.adapter or None) for s in request.sequences]
 
 
 def forward_response(logits: list[np.ndarray]) -> pb.ForwardResponse:
+    """Forward's reply: each sequence's logits as little-endian float32 bytes."""
     return pb.ForwardResponse(
         logits=[
             pb.Logits(num_tokens=a.shape[0], vocab_size=a.shape[1], float32_data=np.ascontiguousarray(a, dtype="<f4").tobytes())
@@ -80,12 +87,8 @@ def forward_response(logits: list[np.ndarray]) -> pb.ForwardResponse:
     )
 
 
-def logits_array(message: pb.Logits) -> np.ndarray:
-    """A Logits message back into a float32 [num_tokens, vocab_size] array (for clients)."""
-    return np.frombuffer(message.float32_data, dtype="<f4").reshape(message.num_tokens, message.vocab_size)
-
-
 def generate_params(request: pb.GenerateRequest) -> GenerateParams:
+    """A Generate request's parameters ("" adapter: the base model)."""
     return GenerateParams(
         token_ids=tuple(request.token_ids),
         prompt=request.prompt,
@@ -96,4 +99,5 @@ def generate_params(request: pb.GenerateRequest) -> GenerateParams:
 
 
 def generated(token: GeneratedToken) -> pb.GenerateResponse:
+    """One streamed Generate message."""
     return pb.GenerateResponse(token_id=token.token_id, text=token.text, finish_reason=token.finish_reason)

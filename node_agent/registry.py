@@ -48,6 +48,14 @@ class Lease:
         return None if name is None else self.engine_names[name]
 
 
+@dataclass
+class _NameLock:
+    """The lock of one public name and how many calls use (or wait for) it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
+
+
 class Registry:
     """Routable adapters, versions being retired, leases, and per-name serialisation."""
 
@@ -59,7 +67,7 @@ class Registry:
         self._retiring: set[str] = set()  # public names being unloaded (refused with a clear message)
         self._leases: Counter[str] = Counter()  # engine name -> running requests
         self._revoked: set[str] = set()  # engine names unloaded while still leased
-        self._name_locks: dict[str, list] = {}  # public name -> [lock, users]
+        self._name_locks: dict[str, _NameLock] = {}  # public name -> its lock while someone uses it
         self._generation = itertools.count(1)
 
     # -- per-name serialisation ------------------------------------------------------------------
@@ -68,21 +76,21 @@ class Registry:
     def serialised(self, name: str) -> Iterator[None]:
         """Hold the lock of one public name; the lock is dropped when nobody uses it."""
         with self._lock:
-            slot = self._name_locks.setdefault(name, [threading.Lock(), 0])
-            slot[1] += 1
+            slot = self._name_locks.setdefault(name, _NameLock())
+            slot.users += 1
         try:
-            with slot[0]:
+            with slot.lock:
                 yield
         finally:
             with self._lock:
-                slot[1] -= 1
-                if slot[1] == 0:
+                slot.users -= 1
+                if slot.users == 0:
                     del self._name_locks[name]
 
     # -- versions ----------------------------------------------------------------------------------
 
     def new_engine_name(self, name: str) -> str:
-        """A fresh engine name for a new version of `name` (valid for the engine's name rule)."""
+        """A fresh engine name for a new version of `name` (itself valid under `ADAPTER_NAME`)."""
         return f"{name[:240]}.{next(self._generation)}"
 
     def get(self, name: str) -> AdapterEntry | None:

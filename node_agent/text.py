@@ -57,7 +57,7 @@ class IncrementalDecoder:
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
+        text: str = self._tokenizer.decode(self._ids)
         if text.endswith(REPLACEMENT_CHAR) or not text.startswith(self._emitted):
             return ""  # incomplete character, or a decoder that rewrote earlier text: wait
         piece = text[len(self._emitted) :]

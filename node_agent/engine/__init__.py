@@ -1,25 +1,43 @@
-"""The sharded multi-LoRA engine a node agent hosts (DESIGN.md §2–§5)."""
+"""The sharded multi-LoRA engine a node agent hosts (docs/engine.md): its one public face.
+
+Callers (the agent, the CLI) import only from here. Every command answers with typed per-rank
+replies (`node_agent.engine.protocol`); a load or unload answers with one `ControlResult`,
+merged failure-first, that carries what every rank holds afterwards.
+"""
 
 from node_agent.engine.engine import (
     Engine,
     EngineConfig,
     EngineError,
-    LoadedAdapter,
     RankLoadError,
     RankUnloadError,
     SequenceInput,
 )
 from node_agent.engine.peft_adapter import AdapterLoadError
-from node_agent.engine.topology import Topology
+from node_agent.engine.protocol import (
+    ControlReply,
+    ControlResult,
+    DescribeReply,
+    ModuleShape,
+    RankReply,
+    SliceShape,
+)
+from node_agent.engine.topology import Topology, TopologyError
 
 __all__ = [
     "AdapterLoadError",
+    "ControlReply",
+    "ControlResult",
+    "DescribeReply",
     "Engine",
     "EngineConfig",
     "EngineError",
-    "LoadedAdapter",
+    "ModuleShape",
     "RankLoadError",
+    "RankReply",
     "RankUnloadError",
     "SequenceInput",
+    "SliceShape",
     "Topology",
+    "TopologyError",
 ]

@@ -51,7 +51,11 @@ def init_process_groups(
 def _subgroup(all_ranks: list[list[int]], mine: int, backend: str) -> dist.ProcessGroup | None:
     # new_group is collective over the whole world: every rank creates every group.
     created = [dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None for ranks in all_ranks]
-    return created[mine]
+    group = created[mine]
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    # new_group answers a rank outside the group with a marker instead of a group.
+    raise RuntimeError(f"this rank is not a member of its own group {all_ranks[mine]}")
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -2,20 +2,26 @@
 
 The driver keeps the registry of adapters that every rank holds: an adapter enters it only when
 all ranks loaded it (a partial load is rolled back), so it is routable only when every rank can
-serve it.
+serve it. It also keeps what each rank last reported holding: only the driver's own commands
+change a rank's pool, so that record is exact without asking the ranks again.
+
+Requests are checked at the agent's boundary (`node_agent.validation`); the engine checks only
+its own state (which adapters are loaded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import re
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
-from typing import Any
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -23,33 +29,48 @@ import torch.multiprocessing as mp
 from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError
+from node_agent.engine.protocol import (
+    Command,
+    ControlReply,
+    ControlResult,
+    Describe,
+    DescribeReply,
+    Forward,
+    ForwardReply,
+    Load,
+    RankReply,
+    Shutdown,
+    Unload,
+    merge_control,
+    rolled_back,
+)
 from node_agent.engine.sharding import validate_topology
 from node_agent.engine.topology import Topology
-from node_agent.engine.worker import RankReply, WorkerConfig, rank_main
+from node_agent.engine.worker import WorkerConfig, rank_main
 
 log = logging.getLogger(__name__)
 
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+R = TypeVar("R", bound=RankReply)
 
 
 class EngineError(RuntimeError):
-    """The engine cannot do what was asked (startup failure, dead rank, bad request)."""
+    """The engine cannot do what was asked (startup failure, dead rank, unknown adapter)."""
 
 
 class RankLoadError(AdapterLoadError):
-    """Some ranks refused a load (the others rolled it back); `replies` holds every rank's answer."""
+    """Some ranks refused a load (the others rolled it back); `result` holds every rank's answer."""
 
-    def __init__(self, message: str, replies: list[RankReply]) -> None:
-        super().__init__(message)
-        self.replies = replies
+    def __init__(self, result: ControlResult) -> None:
+        super().__init__(result.error)
+        self.result = result
 
 
 class RankUnloadError(EngineError):
-    """Some ranks failed an unload; `replies` holds every rank's answer."""
+    """Some ranks failed an unload; `result` holds every rank's answer."""
 
-    def __init__(self, message: str, replies: list[RankReply]) -> None:
-        super().__init__(message)
-        self.replies = replies
+    def __init__(self, result: ControlResult) -> None:
+        super().__init__(result.error)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -73,14 +94,8 @@ class EngineConfig:
 class SequenceInput:
     """One sequence of a forward batch; `adapter` None means the base model."""
 
-    tokens: list[int]
+    tokens: Sequence[int]
     adapter: str | None = None
-
-
-@dataclass(frozen=True)
-class LoadedAdapter:
-    path: Path
-    pinned: bool
 
 
 class Engine:
@@ -92,13 +107,14 @@ class Engine:
         validate_topology(self.model_config, config.topology, config.max_lora_rank)
         if config.max_lora_rank < 1 or config.max_loras_per_batch < 1 or config.max_loaded_loras < 1:
             raise EngineError("max_lora_rank, max_loras_per_batch and max_loaded_loras must be at least 1")
-        self.adapters: dict[str, LoadedAdapter] = {}
+        self.adapters: set[str] = set()  # loaded on every rank
         self.failure: str | None = None
         # Commands must reach every rank in the same order, and a load with its rollback must
         # not interleave with other commands: one command sequence at a time.
         self._lock = threading.RLock()
-        self._processes: list[mp.Process] = []
-        self._conns: list[Any] = []
+        self._processes: list[SpawnProcess] = []
+        self._conns: list[Connection] = []
+        self._holds: list[tuple[str, ...]] = [() for _ in range(config.topology.tp_size)]  # as each rank last said
         self._start()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -135,20 +151,18 @@ class Engine:
         except EngineError:
             self.close()
             raise
-        failed = [r for r in replies if r is not None and not r.ok]
-        if failed:
+        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
+        if not merged.ok:
             self.close()
-            raise EngineError(merge_failure_first(failed, lambda r: r.ok, lambda r: r.error).error)
+            raise EngineError(merged.error)
         log.info("engine started: %s ranks, topology %s", len(replies), config.topology)
 
     def close(self) -> None:
         """Stop every rank (politely, then by force)."""
-        for conn, process in zip(self._conns, self._processes):
+        for conn, process in zip(self._conns, self._processes, strict=True):
             if process.is_alive():
-                try:
-                    conn.send(("shutdown", {}))
-                except (BrokenPipeError, OSError):
-                    pass
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    conn.send(Shutdown())
         deadline = time.monotonic() + 10
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -172,94 +186,114 @@ class Engine:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
+        """The rank processes' ids, in rank order (empty once closed)."""
+        return [p.pid for p in self._processes if p.pid is not None]
 
     # -- commands ----------------------------------------------------------------------------
 
-    def call(self, command: str, **kwargs: Any) -> list[RankReply]:
-        """Send one command to every rank and collect every reply (rank order)."""
-        with self._lock:
-            return self._call_locked(command, **kwargs)
-
-    def _call_locked(self, command: str, **kwargs: Any) -> list[RankReply]:
-        if self.failure:
-            raise EngineError(f"engine is not serving: {self.failure}")
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send((command, kwargs))
-            except (BrokenPipeError, OSError) as error:
-                self._fail(f"rank {rank} is gone ({error})")
-        return self._collect(self.config.call_timeout_s, command)
-
-    def describe(self) -> list[RankReply]:
-        return self.call("describe")
-
-    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> list[RankReply]:
-        """Load on every rank, or on none: a failure anywhere is rolled back everywhere."""
-        if not ADAPTER_NAME.match(name or ""):
-            raise AdapterLoadError(f"invalid adapter name {name!r} (letters, digits, '.', '_', '-'; at most 253)")
-        with self._lock:
-            if name in self.adapters:
-                raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            replies = self.call("load", name=name, path=str(path), pinned=pinned)
-            merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-            if not merged.ok:
-                loaded = [r.rank for r in replies if r.ok]
-                if loaded:
-                    self._unload_on(loaded, name)
-                raise RankLoadError(merged.error, replies)
-            self.adapters[name] = LoadedAdapter(Path(path), pinned)
-            return replies
-
-    def unload_adapter(self, name: str) -> list[RankReply]:
-        with self._lock:
-            if name not in self.adapters:
-                raise EngineError(f"adapter {name!r} is not loaded")
-            replies = self.call("unload", name=name)
-            del self.adapters[name]
-        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-        if not merged.ok:
-            raise RankUnloadError(merged.error, replies)
-        return replies
-
-    def forward(self, sequences: list[SequenceInput]) -> list[torch.Tensor]:
-        """Logits (float32, [len(tokens), vocab]) of every sequence, in input order."""
-        with self._lock:
-            self._check_batch(sequences)
-            replies = self.call("forward", sequences=[(list(s.tokens), s.adapter) for s in sequences])
+    def describe(self) -> list[DescribeReply]:
+        """Every rank's buffer shapes, device slots and adapters (rank order)."""
+        replies = self._broadcast(Describe(), DescribeReply)
+        self._record(replies)
         merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
         if not merged.ok:
             raise EngineError(merged.error)
-        logits: dict[int, Any] = {}
-        for reply in replies:
-            logits.update(reply.payload)
+        return replies
+
+    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> ControlResult:
+        """Load on every rank, or on none: a failure anywhere is rolled back everywhere
+        (`RankLoadError` then carries every rank's answer)."""
+        with self._lock:
+            if name in self.adapters:
+                raise AdapterLoadError(f"adapter {name!r} is already loaded")
+            result = merge_control(self._control(Load(name, str(path), pinned)))
+            if not result.ok:
+                if any(reply.ok for reply in result.ranks):
+                    result = self._roll_back(name, result)
+                raise RankLoadError(result)
+            self.adapters.add(name)
+            return result
+
+    def unload_adapter(self, name: str) -> ControlResult:
+        """Unload from every rank (`RankUnloadError` if some failed; the name is gone either way)."""
+        with self._lock:
+            if name not in self.adapters:
+                raise EngineError(f"adapter {name!r} is not loaded")
+            result = merge_control(self._control(Unload(name)))
+            self.adapters.discard(name)
+        if not result.ok:
+            raise RankUnloadError(result)
+        return result
+
+    def holding(self, name: str) -> ControlResult:
+        """The answer to a load of an adapter that is already loaded, asking no rank: a rank
+        succeeds if what it last reported holding includes `name`."""
+        topology = self.config.topology
+        replies = []
+        with self._lock:
+            for rank, holds in enumerate(self._holds):
+                coords = topology.coords(rank)
+                error = "" if name in holds else f"rank {rank} does not hold {name!r}"
+                replies.append(ControlReply(rank, coords.attn_dp_rank, coords.attn_tp_rank, not error, error, holds))
+        return merge_control(replies, already_loaded=True)
+
+    def forward(self, sequences: Sequence[SequenceInput]) -> list[torch.Tensor]:
+        """Logits (float32, [len(tokens), vocab]) of every sequence, in input order."""
+        with self._lock:
+            self._check_loaded(sequences)
+            command = Forward(tuple((tuple(s.tokens), s.adapter) for s in sequences))
+            replies = self._broadcast(command, ForwardReply)
+        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
+        if not merged.ok:
+            raise EngineError(merged.error)
+        logits = dict(item for reply in replies for item in reply.logits)
         return [torch.from_numpy(logits[i]) for i in range(len(sequences))]
 
-    def _check_batch(self, sequences: list[SequenceInput]) -> None:
-        if not sequences:
-            raise EngineError("a forward needs at least one sequence")
-        vocab = self.model_config.vocab_size
+    def _check_loaded(self, sequences: Sequence[SequenceInput]) -> None:
         for index, sequence in enumerate(sequences):
-            if not sequence.tokens:
-                raise EngineError(f"sequence {index} has no tokens")
-            bad = [t for t in sequence.tokens if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise EngineError(f"sequence {index} has token id {bad[0]!r} outside the vocabulary [0, {vocab})")
             if sequence.adapter is not None and sequence.adapter not in self.adapters:
                 raise EngineError(f"sequence {index}: adapter {sequence.adapter!r} is not loaded")
 
-    def _unload_on(self, ranks: list[int], name: str) -> None:
-        # Roll back a partial load. Unload is sent to every rank (commands must reach all ranks
-        # in the same order); ranks that never loaded the adapter answer "not loaded".
-        replies = self.call("unload", name=name)
-        stuck = [r.rank for r in replies if not r.ok and r.rank in ranks]
+    def _control(self, command: Load | Unload) -> list[ControlReply]:
+        replies = self._broadcast(command, ControlReply)
+        self._record(replies)
+        return replies
+
+    def _record(self, replies: Sequence[ControlReply | DescribeReply]) -> None:
+        for reply in replies:
+            self._holds[reply.rank] = reply.holds
+
+    def _roll_back(self, name: str, result: ControlResult) -> ControlResult:
+        # Unload is sent to every rank (commands must reach all ranks in the same order); ranks
+        # that never loaded the adapter answer "not loaded".
+        after = self._control(Unload(name))
+        stuck = [reply.rank for reply, later in zip(result.ranks, after, strict=True) if reply.ok and not later.ok]
         if stuck:
             self._fail(f"rollback of {name!r} failed on ranks {stuck}")
+        return rolled_back(result, after)
 
     # -- plumbing ----------------------------------------------------------------------------
 
+    def _broadcast(self, command: Command, kind: type[R]) -> list[R]:
+        """Send one command to every rank and collect every rank's reply, in rank order."""
+        with self._lock:
+            if self.failure:
+                raise EngineError(f"engine is not serving: {self.failure}")
+            what = type(command).__name__.lower()
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send(command)
+                except (BrokenPipeError, OSError) as error:
+                    self._fail(f"rank {rank} is gone ({error})")
+            replies = self._collect(self.config.call_timeout_s, what)
+        typed = [reply for reply in replies if isinstance(reply, kind)]
+        if len(typed) != len(replies):  # a rank runs other code than this driver
+            self._fail(f"a rank answered {what} with something other than a {kind.__name__}")
+        return typed
+
     def _collect(self, timeout_s: float, what: str, stop_on_failure: bool = False) -> list[RankReply]:
-        """Wait for one reply per rank; a rank that exits or a deadline that passes fails the engine."""
+        """Wait for one reply per rank; a rank that exits or a deadline that passes fails the engine.
+        With `stop_on_failure`, return the replies so far once one of them is a failure."""
         deadline = time.monotonic() + timeout_s
         replies: list[RankReply | None] = [None] * len(self._conns)
         while any(r is None for r in replies):
@@ -270,21 +304,24 @@ class Engine:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(f"{what} timed out after {timeout_s:.0f}s waiting for ranks {sorted(pending.values())}")
-            for ready in wait([*pending, *sentinels], timeout=remaining):
-                rank = pending.get(ready, sentinels.get(ready))
-                if ready in pending:
+            ready = set(wait([*pending, *sentinels], timeout=remaining))
+            for conn, rank in pending.items():
+                if conn in ready:
                     try:
-                        replies[rank] = ready.recv()
-                        continue
+                        replies[rank] = conn.recv()
                     except (EOFError, OSError):
-                        pass
-                elif replies[rank] is not None or self._conns[rank].poll():
-                    continue  # the rank answered before exiting; its reply is read above
-                self._processes[rank].join(1)
-                self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
-        return replies  # type: ignore[return-value]
+                        self._rank_exited(rank, what)
+            for sentinel, rank in sentinels.items():
+                # A rank that answered before exiting has its reply read above (or still queued).
+                if sentinel in ready and replies[rank] is None and not self._conns[rank].poll():
+                    self._rank_exited(rank, what)
+        return [reply for reply in replies if reply is not None]
 
-    def _fail(self, reason: str) -> None:
+    def _rank_exited(self, rank: int, what: str) -> NoReturn:
+        self._processes[rank].join(1)
+        self._fail(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
+
+    def _fail(self, reason: str) -> NoReturn:
         self.failure = reason
         raise EngineError(reason)
 
@@ -292,4 +329,4 @@ class Engine:
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])

@@ -1,19 +1,21 @@
 """The rank process: holds one shard of the model and the LoRA pool, obeys the driver's commands.
 
-A rank answers every command with a `RankReply`; it never raises to the driver. Commands reach
-all ranks in the same order, which is what keeps the pools' decisions identical.
+A rank answers every command with that command's reply (`node_agent.engine.protocol`); it never
+raises to the driver. Commands reach all ranks in the same order, which is what keeps the pools'
+decisions identical.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import torch
 
 from node_agent.engine.checkpoint import Checkpoint
@@ -24,6 +26,20 @@ from node_agent.engine.model import CausalLM, ForwardContext
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError, read_adapter_shard, read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
+from node_agent.engine.protocol import (
+    Command,
+    ControlReply,
+    Describe,
+    DescribeReply,
+    Forward,
+    ForwardReply,
+    Load,
+    ModuleShape,
+    RankReply,
+    Shutdown,
+    SliceShape,
+    Unload,
+)
 from node_agent.engine.topology import Topology, assign_sequences
 
 log = logging.getLogger(__name__)
@@ -45,20 +61,8 @@ class WorkerConfig:
     fault_fail_load_on_rank: int | None = None  # test-only: this rank refuses every load
 
 
-@dataclass(frozen=True)
-class RankReply:
-    """One rank's answer to one command."""
-
-    rank: int
-    attn_dp_rank: int
-    attn_tp_rank: int
-    ok: bool
-    error: str = ""
-    payload: Any = field(default=None, compare=False)
-
-
 class RankWorker:
-    """The state of one rank and one method per command."""
+    """The state of one rank and one method per command, each returning that command's reply."""
 
     def __init__(self, config: WorkerConfig, rank: int) -> None:
         self.config = config
@@ -78,69 +82,114 @@ class RankWorker:
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
         self.pool = LoraPool(self.modules, config.max_loras_per_batch, config.max_loaded_loras)
 
-    def describe(self) -> dict:
-        """This rank's coordinates and every LoRA module's per-slot A/B buffer shapes."""
-        return {
-            "modules": {_module_name(key): _shapes(module.slot_shapes()) for key, module in self.modules.items()},
-            "resident": self.pool.resident(),
-            "loaded": list(self.pool.adapters),
-        }
+    def run(self, command: Command) -> RankReply:
+        """Carry out one command; a refusal or an unexpected error becomes a failed reply."""
+        try:
+            return self._dispatch(command)
+        except (AdapterLoadError, PoolError) as error:
+            return self.failed(command, str(error))
+        except Exception as error:  # report, keep serving: one bad request must not kill the rank
+            log.error("command %s failed: %s", type(command).__name__, traceback.format_exc())
+            return self.failed(command, f"{type(error).__name__}: {error}")
 
-    def load(self, name: str, path: str, pinned: bool) -> dict:
+    def _dispatch(self, command: Command) -> RankReply:
+        match command:
+            case Describe():
+                return self.describe()
+            case Load():
+                return self.load(command)
+            case Unload():
+                return self.unload(command)
+            case Forward():
+                return self.forward(command)
+            case Shutdown():
+                return self.reply()
+        raise TypeError(f"unknown command {command!r}")
+
+    def reply(self, ok: bool = True, error: str = "") -> RankReply:
+        return RankReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, ok, error)
+
+    def failed(self, command: Command, error: str) -> RankReply:
+        """The failed reply of `command`'s kind; a control reply still says what the rank holds."""
+        coords = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, error)
+        match command:
+            case Load() | Unload():
+                return ControlReply(*coords, holds=self.holds())
+            case Describe():
+                return DescribeReply(*coords, holds=self.holds())
+            case Forward():
+                return ForwardReply(*coords)
+        return RankReply(*coords)
+
+    def holds(self) -> tuple[str, ...]:
+        """The adapters this rank's pool holds, in load order."""
+        return tuple(self.pool.adapters)
+
+    def describe(self) -> DescribeReply:
+        """This rank's coordinates, every LoRA module's per-slot A/B buffer shapes, its slots."""
+        modules = tuple(
+            ModuleShape(_module_name(key), self.rank, tuple(SliceShape(tuple(a), tuple(b)) for a, b in module.slot_shapes()))
+            for key, module in self.modules.items()
+        )
+        resident = tuple(sorted(self.pool.resident().items()))
+        return DescribeReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
+                             modules=modules, resident=resident, holds=self.holds())
+
+    def load(self, command: Load) -> ControlReply:
         if self.config.fault_fail_load_on_rank == self.rank:
             raise AdapterLoadError(f"injected load failure on rank {self.rank}")
         baseline = _reset_peak_rss()
-        spec = read_adapter_spec(Path(path), self.cfg, self.config.max_lora_rank)
+        spec = read_adapter_spec(Path(command.path), self.cfg, self.config.max_lora_rank)
         shard = read_adapter_shard(spec, self.layouts, self.dtype)
-        self.pool.add(name, shard, pinned)
-        return {"shard_bytes": shard.nbytes, "peak_rss_growth_bytes": _proc_status_bytes("VmHWM") - baseline}
+        self.pool.add(command.name, shard, command.pinned)
+        return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds(),
+                            shard_bytes=shard.nbytes, peak_rss_growth_bytes=_proc_status_bytes("VmHWM") - baseline)
 
-    def unload(self, name: str) -> None:
-        self.pool.remove(name)
+    def unload(self, command: Unload) -> ControlReply:
+        self.pool.remove(command.name)
+        return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds())
 
-    def forward(self, sequences: list[tuple[list[int], str | None]]) -> dict[int, Any]:
+    def forward(self, command: Forward) -> ForwardReply:
         """Run one batch; the attention-TP leader of each group returns its sequences' logits."""
+        sequences = command.sequences
         slots = self.pool.prepare([adapter for _, adapter in sequences if adapter])
         dp_size = self.config.topology.dp_size
         group_of = assign_sequences([len(tokens) for tokens, _ in sequences], dp_size)
         members = [[i for i, g in enumerate(group_of) if g == group] for group in range(dp_size)]
         counts = [sum(len(sequences[i][0]) for i in group) for group in members]
-        all_slots = [
-            slots[sequences[i][1]] if sequences[i][1] else -1
-            for group in members for i in group for _ in sequences[i][0]
-        ]
+        slot_of = [slots[adapter] if adapter else -1 for _, adapter in sequences]
+        all_slots = [slot_of[i] for group in members for i in group for _ in sequences[i][0]]
         mine = members[self.coords.attn_dp_rank]
         tokens = [t for i in mine for t in sequences[i][0]]
         offset = sum(counts[: self.coords.attn_dp_rank])
         seq_lens = [len(sequences[i][0]) for i in mine]
         cos, sin = self.model.rope_tables(seq_lens)
-        to_device = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
         ctx = ForwardContext(
             seq_lens=seq_lens,
             group_token_counts=counts,
             attn_dp_rank=self.coords.attn_dp_rank,
             attn_tp_rank=self.coords.attn_tp_rank,
-            attn_lora=LoraBatch.from_token_slots(to_device(all_slots[offset : offset + len(tokens)])),
-            mlp_lora=LoraBatch.from_token_slots(to_device(all_slots)),
+            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + len(tokens)])),
+            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
             cos=cos,
             sin=sin,
         )
-        logits = self.model(to_device(tokens), ctx)
+        logits = self.model(self._ids(tokens), ctx)
+        reply = ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
         if self.coords.attn_tp_rank != 0:
-            return {}
-        out, start = {}, 0
-        for i, length in zip(mine, seq_lens):
-            out[i] = logits[start : start + length].cpu().numpy()
+            return reply
+        out: list[tuple[int, np.ndarray]] = []
+        start = 0
+        for i, length in zip(mine, seq_lens, strict=True):
+            out.append((i, logits[start : start + length].cpu().numpy()))
             start += length
-        return out
+        return ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, logits=tuple(out))
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
-def _shapes(slot_shapes: list[tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:
-    """Per-slice (A, B) slot shapes as {"a": [...], "b": [...]}."""
-    return {"a": [a for a, _ in slot_shapes], "b": [b for _, b in slot_shapes]}
-
-
-def _module_name(key: tuple) -> str:
+def _module_name(key: tuple[int, str] | tuple[int, str, int]) -> str:
     """(layer, kind[, expert]) → "layers.L.kind" or "layers.L.experts.E.proj"."""
     if len(key) == 3:
         layer, kind, expert = key
@@ -161,10 +210,8 @@ def _proc_status_bytes(field: str) -> int:
 
 def _reset_peak_rss() -> int:
     """Reset the kernel's peak-RSS mark so a load's own peak can be measured; returns RSS now."""
-    try:
+    with contextlib.suppress(OSError):  # not Linux: the growth figure reads 0
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
     return _proc_status_bytes("VmRSS")
 
 
@@ -174,31 +221,19 @@ def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
     if config.device == "cpu":
         # Ranks share the machine's cores; oversubscription makes every collective wait.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.topology.tp_size))
-    coords = config.topology.coords(rank)
-
-    def reply(ok: bool, error: str = "", payload: Any = None) -> RankReply:
-        return RankReply(rank, coords.attn_dp_rank, coords.attn_tp_rank, ok, error, payload)
-
     try:
         worker = RankWorker(config, rank)
     except Exception as error:  # any startup failure is reported, then the rank exits
         log.debug("startup failed: %s", traceback.format_exc())
-        conn.send(reply(False, f"rank {rank} failed to start: {error}"))
+        coords = config.topology.coords(rank)
+        conn.send(RankReply(rank, coords.attn_dp_rank, coords.attn_tp_rank, False, f"rank {rank} failed to start: {error}"))
         return
-    conn.send(reply(True))
-    handlers = {"describe": worker.describe, "load": worker.load, "unload": worker.unload, "forward": worker.forward}
+    conn.send(worker.reply())
     while True:
         try:
-            command, kwargs = conn.recv()
+            command = conn.recv()
         except EOFError:
             return  # the driver is gone
-        if command == "shutdown":
-            conn.send(reply(True))
+        conn.send(worker.run(command))
+        if isinstance(command, Shutdown):
             return
-        try:
-            conn.send(reply(True, payload=handlers[command](**kwargs)))
-        except (AdapterLoadError, PoolError) as error:
-            conn.send(reply(False, str(error)))
-        except Exception as error:  # report, keep serving: one bad request must not kill the rank
-            log.error("command %s failed: %s", command, traceback.format_exc())
-            conn.send(reply(False, f"{type(error).__name__}: {error}"))

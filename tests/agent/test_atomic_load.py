@@ -51,7 +51,7 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(faulty):
         expected = "injected load failure" if result.rank == FAILING_RANK else "rolled back because the load failed on rank 2"
         assert expected in result.error_message
     # Ask the ranks themselves, not the registry: none holds anything.
-    assert [r.payload["loaded"] for r in agent.engine.describe()] == [[], [], [], []]
+    assert [r.holds for r in agent.engine.describe()] == [(), (), (), ()]
     assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     for call in (lambda: forward(stub, ([1, 2, 3], "atomic")), lambda: generate(stub, [1, 2, 3], "atomic")):
         assert rpc_error(call).code() == grpc.StatusCode.NOT_FOUND

@@ -95,7 +95,8 @@ def test_tls_serves_clients_that_trust_its_ca_only(shared, pki):
     tls = TlsFiles(pki["dir"] / "server.crt", pki["dir"] / "server.key")
     with extra_server(shared, tls=tls) as server:
         assert describe_over(server.port, grpc.ssl_channel_credentials(pki["ca"])).agent_id == "agent-under-test"
-        assert rpc_error(lambda: describe_over(server.port, grpc.ssl_channel_credentials(pki["other_ca"]))).code() == grpc.StatusCode.UNAVAILABLE
+        untrusted = grpc.ssl_channel_credentials(pki["other_ca"])
+        assert rpc_error(lambda: describe_over(server.port, untrusted)).code() == grpc.StatusCode.UNAVAILABLE
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as plain:
             error = rpc_error(lambda: agent_pb2_grpc.NodeAgentStub(plain).Describe(pb.DescribeRequest(), timeout=10))
             assert error.code() == grpc.StatusCode.UNAVAILABLE

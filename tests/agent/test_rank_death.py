@@ -123,7 +123,7 @@ def test_serve_exits_non_zero_when_a_rank_dies(tmp_path):
 
 def test_serve_stops_cleanly_on_sigterm(tmp_path):
     model = make_model(tmp_path / "model", tokenizer=False)
-    process, port = start_serve(tmp_path, "--model", str(model))
+    process, _port = start_serve(tmp_path, "--model", str(model))
     try:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0

@@ -19,7 +19,7 @@ def entry(registry: Registry, name: str, digest: str = "a") -> AdapterEntry:
 
 
 def test_each_version_gets_a_fresh_engine_name_valid_for_the_engine():
-    from node_agent.engine.engine import ADAPTER_NAME
+    from node_agent.validation import ADAPTER_NAME
 
     registry = Registry()
     names = {registry.new_engine_name("x" * 253) for _ in range(3)}

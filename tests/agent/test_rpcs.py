@@ -32,7 +32,8 @@ def test_describe_reports_identity_model_topology_capacity_ranks_and_buffer_shap
     assert reply.base_model.name == "tiny-llama"  # default: the model directory's name
     assert reply.base_model.config_sha256 == hashlib.sha256((shared.model / "config.json").read_bytes()).hexdigest()
     topology = reply.topology
-    assert (topology.tp_size, topology.dp_size, topology.attn_tp_size, topology.ep_size, topology.fully_sharded_loras) == (2, 2, 1, 1, False)
+    sizes = (topology.tp_size, topology.dp_size, topology.attn_tp_size, topology.ep_size, topology.moe_tp_size)
+    assert sizes == (2, 2, 1, 1, 2) and not topology.fully_sharded_loras
     assert (reply.capacity.max_lora_rank, reply.capacity.max_loras_per_batch, reply.capacity.max_loaded_loras) == (16, SLOTS, 16)
     assert [(r.rank, r.attn_dp_rank, r.attn_tp_rank, r.alive) for r in reply.ranks] == [(0, 0, 0, True), (1, 1, 0, True)]
     assert reply.has_tokenizer
@@ -101,7 +102,8 @@ def test_generate_is_greedy_over_forward_and_streams_text(shared, stub):
 
 def test_generate_accepts_a_text_prompt_and_stops_at_stop_tokens(stub):
     by_ids = generate(stub, PROMPT, "", 8)
-    by_text = [r.token_id for r in stub.Generate(pb.GenerateRequest(prompt=" ".join(WORDS[t] for t in PROMPT), max_new_tokens=8), timeout=120)]
+    prompt = " ".join(WORDS[t] for t in PROMPT)
+    by_text = [r.token_id for r in stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=8), timeout=120)]
     assert by_text == by_ids
     stop = by_ids[2]
     replies = list(stub.Generate(pb.GenerateRequest(token_ids=PROMPT, max_new_tokens=8, stop_token_ids=[stop]), timeout=120))
@@ -135,7 +137,7 @@ def test_forward_refusals(shared, stub):
         (pb.ForwardRequest(sequences=[pb.Sequence(token_ids=[1], adapter="nope")]), grpc.StatusCode.NOT_FOUND, "'nope' is not loaded"),
     ]
     for request, code, phrase in cases:
-        error = rpc_error(lambda: stub.Forward(request, timeout=30))
+        error = rpc_error(lambda request=request: stub.Forward(request, timeout=30))
         assert (error.code(), phrase in error.details()) == (code, True), error.details()
     names = [f"slot{i}" for i in range(SLOTS + 1)]
     for i, name in enumerate(names):
@@ -199,9 +201,9 @@ def test_metrics_and_one_structured_log_line_per_control_call(shared, stub, capl
     stub.UnloadAdapter(pb.UnloadAdapterRequest(name="observed"), timeout=30)
     forward(stub, (PROMPT, ""))
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lorafleet.agent.calls"]
-    assert [(l["call"], l["adapter"], l["outcome"]) for l in lines] == [  # noqa: E741
+    assert [(line["call"], line["adapter"], line["outcome"]) for line in lines] == [
         ("load", "observed", "ok"), ("unload", "never-loaded", "not_found"), ("unload", "observed", "ok")]
-    assert all(isinstance(l["duration_ms"], float) for l in lines)  # noqa: E741
+    assert all(isinstance(line["duration_ms"], float) for line in lines)
     assert lines[0]["source"] == shared.adapters["ad3"].as_uri() and "is not loaded" in lines[1]["error"]
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{shared.server.metrics_port}/metrics", timeout=10).read().decode()

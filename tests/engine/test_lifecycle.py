@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
-from node_agent.engine.topology import TopologyError
+from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology, TopologyError
 from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
 SHAPE = SyntheticModel()
@@ -75,10 +74,12 @@ def test_every_rank_makes_the_same_slot_decisions(model_dir, tmp_path):
     with Engine(config) as engine:
         engine.load_adapter("p", adapters["d"], pinned=True)
         for name in "abc":
-            engine.load_adapter(name, adapters[name])
+            result = engine.load_adapter(name, adapters[name])
+            assert [r.holds[-1] for r in result.ranks] == [name] * 4, "each rank says what it holds afterwards"
+        assert engine.holding("b").already_loaded and engine.holding("b").ok
         for batch in (["a"], ["b", None], ["c"], [None], ["b"], ["p", "c"], [None, "a", "p"]):
             engine.forward([SequenceInput([1, 2, 3 + i], adapter) for i, adapter in enumerate(batch)])
-            resident = [reply.payload["resident"] for reply in engine.describe()]
+            resident = [dict(reply.resident) for reply in engine.describe()]
             assert all(r == resident[0] for r in resident), resident
             assert 0 in resident[0] and resident[0][0] == "p", "the pinned adapter keeps its slot"
         with pytest.raises(EngineError, match="no free LoRA slot"):
@@ -91,9 +92,10 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(model_dir, tmp_pat
     adapter = write_adapter(tmp_path / "a", SHAPE, rank=4)
     config = EngineConfig(model_dir=model_dir, topology=Topology(2, 2), fault_fail_load_on_rank=1)
     with Engine(config) as engine:
-        with pytest.raises(AdapterLoadError, match="injected load failure on rank 1"):
+        with pytest.raises(AdapterLoadError, match="injected load failure on rank 1") as refused:
             engine.load_adapter("a", adapter)
-        assert all(reply.payload["loaded"] == [] for reply in engine.describe()), "rank 0 rolled back"
+        assert all(reply.holds == () for reply in engine.describe()), "rank 0 rolled back"
+        assert [(r.ok, r.holds) for r in refused.value.result.ranks] == [(False, ()), (False, ())], "and says so"
         assert "a" not in engine.adapters
         with pytest.raises(EngineError, match="'a' is not loaded"):
             engine.forward([SequenceInput([1, 2], "a")])

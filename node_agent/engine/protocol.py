@@ -1,0 +1,150 @@
+"""What the driver and its ranks say to each other: one command class and one reply class each.
+
+Commands and replies are plain frozen dataclasses, pickled over each rank's pipe. A rank always
+answers a command with that command's reply class (`ok` false and `error` set when it refused);
+it never raises to the driver. Control replies carry what the rank holds afterwards, so nobody
+has to ask the ranks again after a load or an unload.
+
+`merge_control` is the one place where the ranks' control replies become one result, by the
+failure-first rule (`lorafleet_common.merge`, docs/agent.md "Failure-first results").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from lorafleet_common.merge import merge_failure_first
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Describe:
+    """Ask a rank for its LoRA buffer shapes, its device slots and the adapters it holds."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """Read this rank's shard of the adapter at `path` into the pool under `name`."""
+
+    name: str
+    path: str
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class Unload:
+    """Drop `name` from the pool (its device slot is zeroed)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run one batch; each sequence is (token ids, engine adapter name or None)."""
+
+    sequences: tuple[tuple[tuple[int, ...], str | None], ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Answer once more, then exit."""
+
+
+Command = Describe | Load | Unload | Forward | Shutdown
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """One rank's answer: who answered and whether it succeeded (startup and shutdown replies)."""
+
+    rank: int
+    attn_dp_rank: int
+    attn_tp_rank: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ControlReply(RankReply):
+    """A rank's answer to a load or an unload, with the adapters it holds afterwards (load order)."""
+
+    holds: tuple[str, ...] = ()
+    shard_bytes: int = 0  # a load: the size of this rank's shard of the adapter
+    peak_rss_growth_bytes: int = 0  # a load: how much this rank's peak memory grew while loading
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """Per-slot shapes of one fused slice's LoRA buffers (qkv has three slices, gate_up two)."""
+
+    lora_a: tuple[int, ...]
+    lora_b: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """One LoRA module's per-slot buffer shapes on one rank ("layers.L.kind", "layers.L.experts.E.proj")."""
+
+    module: str
+    rank: int
+    slices: tuple[SliceShape, ...]
+
+
+@dataclass(frozen=True)
+class DescribeReply(RankReply):
+    """A rank's buffer shapes, which adapter each device slot holds, and the adapters it holds."""
+
+    modules: tuple[ModuleShape, ...] = ()
+    resident: tuple[tuple[int, str], ...] = ()  # (slot, adapter) for every occupied slot
+    holds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ForwardReply(RankReply):
+    """Logits of the sequences this rank answers for (its attention group's, on the group's
+    attention-TP leader; nothing on the other ranks), by index in the batch."""
+
+    logits: tuple[tuple[int, np.ndarray], ...] = field(default=(), compare=False)
+
+
+# -- the merged result of a control command ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """A load or unload on every rank, merged failure-first: `ok` only if every rank succeeded;
+    `error` joins the failed ranks' distinct messages; `holds` is what the first rank (on
+    success) or the first failed rank holds afterwards; `ranks` has every rank's reply."""
+
+    ok: bool
+    error: str
+    holds: tuple[str, ...]
+    ranks: tuple[ControlReply, ...]
+    already_loaded: bool = False  # a load that found the adapter loaded: no rank was asked
+
+
+def merge_control(replies: Sequence[ControlReply], already_loaded: bool = False) -> ControlResult:
+    """Merge every rank's control reply into one result (the failure-first rule, once)."""
+    merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
+    return ControlResult(merged.ok, merged.error, merged.reply.holds, tuple(replies), already_loaded)
+
+
+def rolled_back(result: ControlResult, after: Sequence[ControlReply]) -> ControlResult:
+    """A failed load as the ranks end up once the driver unloaded it again from every rank
+    (`after`: their replies to that unload): the ranks that had loaded it are reported as failed
+    with a note, so that counting successful ranks gives the truth (none holds it); `error` keeps
+    only the ranks' own failures."""
+    failed = ", ".join(str(r.rank) for r in result.ranks if not r.ok)
+    note = f"loaded, then rolled back because the load failed on rank {failed}"
+    ranks = tuple(
+        reply if not reply.ok else replace(reply, ok=False, error=note, holds=later.holds)
+        for reply, later in zip(result.ranks, after, strict=True)
+    )
+    return replace(result, ranks=ranks)

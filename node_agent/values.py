@@ -1,0 +1,71 @@
+"""The agent's domain values: what its calls take and return, without gRPC.
+
+`node_agent.convert` maps them to and from `lorafleet.v1` messages. A LoadAdapter/UnloadAdapter
+answers with the engine's `ControlResult` itself (every rank's reply, merged once), its adapter
+names turned into public ones by the agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from node_agent.engine import ModuleShape, Topology
+
+DEFAULT_NEW_TOKENS = 16  # what a Generate without max_new_tokens produces
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's coordinates and whether its process runs."""
+
+    rank: int
+    attn_dp_rank: int
+    attn_tp_rank: int
+    alive: bool
+
+
+@dataclass(frozen=True)
+class Description:
+    """Describe: who the agent is, its model, topology, capacity, ranks and LoRA buffer shapes."""
+
+    agent_id: str
+    base_model_name: str
+    config_sha256: str
+    topology: Topology
+    max_lora_rank: int
+    max_loras_per_batch: int
+    max_loaded_loras: int
+    ranks: tuple[RankStatus, ...]
+    modules: tuple[ModuleShape, ...]
+    has_tokenizer: bool
+
+
+@dataclass(frozen=True)
+class AdapterStatus:
+    """One routable adapter in ListAdapters, with the ranks whose pool holds it."""
+
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    """A Generate request: token ids or a text prompt, the adapter, how many tokens, stop ids."""
+
+    token_ids: tuple[int, ...] = ()
+    prompt: str = ""
+    adapter: str | None = None
+    max_new_tokens: int = 0  # 0 = DEFAULT_NEW_TOKENS
+    stop_token_ids: tuple[int, ...] = ()  # () = the model's eos ids
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One streamed step of a Generate."""
+
+    token_id: int
+    text: str
+    finish_reason: str  # "" until the last token: "stop" or "length"
