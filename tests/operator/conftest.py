@@ -65,6 +65,11 @@ class OperatorProcess:
         pattern = re.compile(rf'^lorafleet_agent_calls_total\{{.*method="{method}".*\}}$')
         return sum(v for k, v in self.metrics().items() if pattern.match(k))
 
+    def drift_checks(self) -> float:
+        """Completed drift checks (of every fleet): the operator's own clock, for tests that
+        must see that a check ran after some change, rather than sleep and hope."""
+        return self.metrics().get("lorafleet_drift_checks_total", 0.0)
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)

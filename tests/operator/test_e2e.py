@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import secrets
 import signal
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -42,8 +43,18 @@ from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 TOKENS = [1, 5, 9, 42]
 
 
+@dataclass(frozen=True)
+class AgentEnv:
+    """The module's shared agents, where they read adapters from, and how they were made."""
+
+    agents: list[AgentProcess]
+    adapters: Path
+    spec: AgentSpec
+    root: Path
+
+
 @pytest.fixture(scope="module")
-def agent_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+def agent_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentEnv]:
     root = tmp_path_factory.mktemp("agents")
     model = write_model(root / "model", SHAPE)
     adapters = root / "adapters"
@@ -57,25 +68,25 @@ def agent_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
     try:
         for agent in (a0, a1):
             agent.wait_ready()
-        yield {"agents": [a0, a1], "adapters": adapters, "spec": spec, "root": root}
+        yield AgentEnv(agents=[a0, a1], adapters=adapters, spec=spec, root=root)
     finally:
         for agent in (a0, a1):
             agent.stop()
 
 
 @pytest.fixture
-def agents(agent_env: dict[str, object]) -> list[AgentProcess]:
+def agents(agent_env: AgentEnv) -> list[AgentProcess]:
     """The two shared agents, serving (a test that killed one must have restarted it)."""
-    agents: list[AgentProcess] = agent_env["agents"]  # type: ignore[assignment]
+    agents = agent_env.agents
     for agent in agents:
         agent.wait_ready(60)
     return agents
 
 
 @pytest.fixture
-def adapters(agent_env: dict[str, object], kube_namespace: str) -> Path:
+def adapters(agent_env: AgentEnv, kube_namespace: str) -> Path:
     """This test's own directory under the agents' adapter root."""
-    path: Path = agent_env["adapters"] / kube_namespace  # type: ignore[operator]
+    path = agent_env.adapters / kube_namespace
     path.mkdir()
     return path
 
@@ -91,7 +102,7 @@ def fleet(kube_cluster: ControlPlane, kube_namespace: str, agents: list[AgentPro
 
 
 def wait_phase(cluster: ControlPlane, ns: str, name: str, want: str, op: OperatorProcess,
-               timeout_s: float = 90) -> dict[str, object]:
+               timeout_s: float = 90) -> dict[str, Any]:
     wait_for(lambda: phase(cluster, ns, name) == want, timeout_s, f"{name} {want}", op)
     return status(cluster, ns, name)
 
@@ -108,7 +119,7 @@ def test_apply_ready_then_delete_unloads_everywhere(
         {"pod": "agent-0", "state": "Loaded", "ranksLoaded": 2, "ranksTotal": 2, "message": ""},
         {"pod": "agent-1", "state": "Loaded", "ranksLoaded": 2, "ranksTotal": 2, "message": ""}]
     assert (st["agentsSummary"], st["ranksSummary"], st["message"]) == ("2/2", "4/4", "")
-    ready = st["conditions"][0]  # type: ignore[index]
+    ready = st["conditions"][0]
     assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "True",
                                                                   "AllAgentsLoaded")
     # The status is what the registries say: every rank of both agents holds it.
@@ -146,17 +157,17 @@ def test_bad_adapter_fails_without_hot_loop_and_others_are_unaffected(
     wait_phase(kube_cluster, ns, "good", "Ready", operator)
     st = wait_phase(kube_cluster, ns, "bad", "Failed", operator)
     # The agents' own words, failure-first merged (both agents say the same: one message).
-    assert st["message"] and " | " not in st["message"]  # type: ignore[operator]
+    assert st["message"] and " | " not in st["message"]
     assert "safetensors" in st["message"].lower() or "header" in st["message"].lower(), st
-    assert [a["state"] for a in st["agents"]] == ["Failed", "Failed"]  # type: ignore[union-attr]
-    assert st["conditions"][0]["reason"] == "LoadFailed"  # type: ignore[index]
+    assert [a["state"] for a in st["agents"]] == ["Failed", "Failed"]
+    assert st["conditions"][0]["reason"] == "LoadFailed"
 
     # No hot loop: over several drift intervals (1 s each) the operator calls LoadAdapter at
     # most a few times (permanent failures back off from 4 s), and nothing for "good".
-    before = operator.agent_calls("LoadAdapter")
-    time.sleep(8)
+    before, checks = operator.agent_calls("LoadAdapter"), operator.drift_checks()
+    wait_for(lambda: operator.drift_checks() >= checks + 8, 60, "8 drift checks", operator)
     calls = operator.agent_calls("LoadAdapter") - before
-    assert calls <= 4, f"{calls} LoadAdapter calls in 8 s: a retry loop"
+    assert calls <= 4, f"{calls} LoadAdapter calls in 8 drift checks: a retry loop"
     assert operator.log().count(f"reconciled loraadapter {ns}/bad gen=1 trigger=create") == 1
     assert phases(kube_cluster, ns) == {"good": "Ready", "bad": "Failed"}
     for agent in fleet:
@@ -181,12 +192,12 @@ def test_one_agent_failing_is_degraded_then_fixed(
     big = make_adapter(adapters, "big", rank=16)  # agent-1 takes rank <= 8 only
     apply(kube_cluster, ns, adapter_manifest("big", big))
     st = wait_phase(kube_cluster, ns, "big", "Degraded", operator)
-    by_pod = {a["pod"]: a for a in st["agents"]}  # type: ignore[union-attr]
+    by_pod = {a["pod"]: a for a in st["agents"]}
     assert by_pod["agent-0"]["state"] == "Loaded" and by_pod["agent-0"]["ranksLoaded"] == 2
     assert by_pod["agent-1"]["state"] == "Failed" and by_pod["agent-1"]["message"]
     assert st["message"] == by_pod["agent-1"]["message"]
     assert (st["agentsSummary"], st["ranksSummary"]) == ("1/2", "2/4")
-    ready, degraded = st["conditions"]  # type: ignore[misc]
+    ready, degraded = st["conditions"]
     assert ready["reason"] == "PartiallyLoaded" and "agent-1" in ready["message"]
     assert degraded["status"] == "True" and "agent-1" in degraded["message"]
     # The other agent serves it meanwhile.
@@ -225,16 +236,19 @@ def test_restarted_agent_gets_its_adapters_back(
 
 def test_new_and_newly_ready_agent_pods_get_every_adapter(
     kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
-    operator: OperatorProcess, agent_env: dict[str, object],
+    operator: OperatorProcess, agent_env: AgentEnv,
 ) -> None:
     ns = kube_namespace
     apply(kube_cluster, ns, adapter_manifest("one", make_adapter(adapters, "one")))
     wait_phase(kube_cluster, ns, "one", "Ready", operator)
-    spec: AgentSpec = agent_env["spec"]  # type: ignore[assignment]
-    (extra,) = start_agents(["agent-2"], spec, agent_env["root"] / "logs")  # type: ignore[operator]
+    (extra,) = start_agents(["agent-2"], agent_env.spec, agent_env.root / "logs")
     try:
         add_agent_pod(kube_cluster, ns, extra, ready=False)  # scheduled, not ready yet
-        time.sleep(2)  # two drift intervals: a not-ready pod is no target
+        # Two more completed checks: the second began after the pod existed (a fleet's checks
+        # run one at a time), and a not-ready pod is no target.
+        checks = operator.drift_checks()
+        wait_for(lambda: operator.drift_checks() >= checks + 2, 30, "two drift checks",
+                 operator)
         assert status(kube_cluster, ns, "one")["agentsSummary"] == "2/2"
         assert registry(extra, ns) == {}
         kube_cluster.write_pod_status(ns, extra.name, ready=True)
@@ -312,7 +326,7 @@ def test_fifty_adapters_applied_at_once(
     ns = kube_namespace
     names = [f"bulk-{i:02d}" for i in range(50)]
     paths = [make_adapter(adapters, n, seed=i) for i, n in enumerate(names)]
-    apply(kube_cluster, ns, *(adapter_manifest(n, p) for n, p in zip(names, paths)))
+    apply(kube_cluster, ns, *(adapter_manifest(n, p) for n, p in zip(names, paths, strict=True)))
     wait_for(lambda: list(phases(kube_cluster, ns).values()).count("Ready") == 50, 300,
              "50 adapters Ready", operator, interval_s=1.0)
     for agent in fleet:
@@ -340,7 +354,7 @@ def service_account_kubeconfig(cluster: ControlPlane, ns: str, sa: str, path: Pa
 
 def test_operator_under_the_charts_service_account_with_agent_auth(
     kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    adapters: Path, agent_env: dict[str, object], tmp_path: Path,
+    adapters: Path, agent_env: AgentEnv, tmp_path: Path,
 ) -> None:
     """The chart's RBAC is enough for the whole job (tests/kube/test_chart.py shows it is no
     broader): the operator runs with the chart ServiceAccount's own token, reads the fleet's
@@ -354,10 +368,9 @@ def test_operator_under_the_charts_service_account_with_agent_auth(
                                             tmp_path / "sa.kubeconfig")
     token_file = tmp_path / "agent-token"
     token_file.write_text(secrets.token_urlsafe(24))
-    spec: AgentSpec = agent_env["spec"]  # type: ignore[assignment]
     (agent,) = start_agents(["agent-auth"], AgentSpec(**{
-        **spec.__dict__, "extra_args": ("--auth-token-file", str(token_file))}),
-        agent_env["root"] / "logs")  # type: ignore[operator]
+        **agent_env.spec.__dict__, "extra_args": ("--auth-token-file", str(token_file))}),
+        agent_env.root / "logs")
     op = None
     try:
         with pytest.raises(grpc.RpcError) as err:  # the agent really requires the token
