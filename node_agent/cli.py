@@ -18,7 +18,13 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
 from node_agent.server import ServerOptions, create_server
-from node_agent.sources import SourcePolicy
+from node_agent.sources import (
+    DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
+    DEFAULT_DOWNLOAD_RATE_WINDOW_S,
+    DEFAULT_DOWNLOAD_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_DOWNLOADS,
+    SourcePolicy,
+)
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -117,6 +123,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
                         help="mutual TLS: require client certificates issued by this PEM CA")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--download-timeout-s", type=float, default=DEFAULT_DOWNLOAD_TIMEOUT_S, metavar="S",
+                        help=f"overall deadline of one http(s) source's download (default {DEFAULT_DOWNLOAD_TIMEOUT_S:g})")
+    parser.add_argument("--download-min-bytes-per-s", type=int, default=DEFAULT_DOWNLOAD_MIN_BYTES_PER_S, metavar="B",
+                        help="fail a download that receives fewer bytes per second over "
+                        f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})")
+    parser.add_argument("--max-concurrent-downloads", type=int, default=DEFAULT_MAX_CONCURRENT_DOWNLOADS, metavar="N",
+                        help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -140,7 +153,15 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     for root in args.adapter_root:
         if not root.is_dir():
             raise UsageError(f"--adapter-root {root} is not a directory")
-    sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir)
+    if not args.download_timeout_s > 0:
+        raise UsageError("--download-timeout-s must be positive")
+    if args.download_min_bytes_per_s < 0:
+        raise UsageError("--download-min-bytes-per-s must be 0 or more")
+    if args.max_concurrent_downloads < 1:
+        raise UsageError("--max-concurrent-downloads must be at least 1")
+    sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir,
+                           download_timeout_s=args.download_timeout_s, download_min_bytes_per_s=args.download_min_bytes_per_s,
+                           max_concurrent_downloads=args.max_concurrent_downloads)
     return AgentConfig(base_model_name=args.base_model_name or "", sources=sources)
 
 

@@ -29,7 +29,8 @@ class SourceRefused(AgentError):
     """The adapter source is not allowed or its content is not what was promised.
 
     Reasons: scheme, redirect, relative_path, traversal, outside_roots, symlink_escape,
-    sha256_mismatch, too_large, no_cache_dir, bad_uri, http_error.
+    sha256_mismatch, too_large, no_cache_dir, bad_uri, http_error, credentials, file_host,
+    not_a_directory, not_a_file, symlink_loop, unreadable.
     """
 
     reason = "source_refused"
@@ -45,6 +46,12 @@ class SourceUnavailable(AgentError):
     """The source could not be fetched now (network error, server error); worth retrying."""
 
     reason = "download_failed"
+
+
+class TooManyDownloads(AgentError):
+    """As many downloads as the policy allows are running (`--max-concurrent-downloads`); retry later."""
+
+    reason = "too_many_downloads"
 
 
 class AdapterNotFound(AgentError):

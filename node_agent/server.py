@@ -39,6 +39,7 @@ from node_agent.errors import (
     SourceNotFound,
     SourceRefused,
     SourceUnavailable,
+    TooManyDownloads,
 )
 from node_agent.metrics import MetricsEndpoint
 
@@ -55,6 +56,7 @@ STATUS_CODES: dict[type[AgentError], grpc.StatusCode] = {
     SourceRefused: grpc.StatusCode.INVALID_ARGUMENT,
     SourceNotFound: grpc.StatusCode.NOT_FOUND,
     SourceUnavailable: grpc.StatusCode.UNAVAILABLE,
+    TooManyDownloads: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterConflict: grpc.StatusCode.FAILED_PRECONDITION,
     CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -1,45 +1,62 @@
-"""Adapter sources: from a LoadAdapter URI to a local PEFT adapter directory the ranks can read.
+"""Adapter sources: from a LoadAdapter URI to a private local copy of the adapter the ranks read.
 
-Policy (DESIGN.md §6):
+Policy (DESIGN.md §6, docs/agent.md "Sources" and "Limits"):
 
-* ``file:///absolute/dir`` — only under a configured adapter root. Refused: relative paths
-  (``file:dir``, ``file://dir/...``, whose first segment URL syntax makes a host name), any ``..``
-  component (also percent-encoded), a directory whose real path (symlinks resolved) leaves every
-  root, and adapter files that are symlinks out of the roots. Symlinks that stay inside a root
-  are fine (Kubernetes volumes are built from them).
-* ``http(s)://host/base`` — a directory-like URL without query or fragment: the agent fetches
-  ``<base>/adapter_config.json`` and ``<base>/adapter_model.safetensors`` separately (no archive
-  format to unpack, so no archive traversal to defend against) into a fresh directory of the
-  cache, under a size cap, hashing the weights while they stream; redirects only to http(s).
-* Any other scheme is refused.
+* ``file:///absolute/dir`` — only under a configured adapter root. Refused: relative paths,
+  a host (``file://host/...``; only ``localhost`` is accepted), any ``..`` component (also
+  percent-encoded), and any symlink whose target leaves the roots. The path is walked from the
+  root one component at a time through directory file descriptors opened with ``O_NOFOLLOW``:
+  the kernel never follows a symlink by itself; a symlink met on the way is read and resolved by
+  the walk, and followed only while it stays inside a root (Kubernetes volumes are built from
+  such links). The two adapter files are opened the same way (``O_NONBLOCK``: a FIFO is refused,
+  not waited on), read once into an agent-private snapshot directory (mode 0700, in the cache
+  directory or the system temp directory) and hashed while copied. The ranks load the snapshot,
+  so the bytes that were checked and hashed are exactly the bytes every rank reads, whatever
+  happens under the root meanwhile.
+* ``http(s)://host/base`` — a directory-like URL without userinfo, query or fragment: the agent
+  fetches ``<base>/adapter_config.json`` and ``<base>/adapter_model.safetensors`` separately (no
+  archive format to unpack, so no archive traversal to defend against) into a fresh private
+  directory of the cache, under a size cap, hashing the weights while they stream; redirects
+  only to http(s). A download has an overall deadline and a minimum transfer rate (a watchdog
+  shuts its socket down when either is broken), a per-operation socket timeout, and at most
+  ``max_concurrent_downloads`` run at once per cache directory (beyond: `TooManyDownloads`).
+* Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
+  message or log line of this module repeats a URI's userinfo or query (`redact_uri`).
 
 Only those two files are ever read by the agent, and the engine reads only safetensors weights:
 no pickle is ever opened. The sha256 of the weights file is always computed (it is what
 ListAdapters reports and what "same content" compares) and checked against the request's
-sha256 when one is given.
-
-The rank processes read the directory after these checks, so a root whose contents change in
-between is not defended against: adapter roots are expected to be read-only volumes.
+sha256 when one is given. Snapshots and downloads are owned by their `ResolvedSource` and
+removed by `discard()`.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import errno
+import functools
 import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
+import stat
 import tempfile
+import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from email.message import Message
-from http.client import HTTPException
+from http.client import HTTPConnection, HTTPException, HTTPMessage, HTTPResponse, HTTPSConnection
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
-from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable
+from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +64,41 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_DOWNLOAD_BYTES = 4 << 30
+DEFAULT_DOWNLOAD_TIMEOUT_S = 600.0
+DEFAULT_DOWNLOAD_MIN_BYTES_PER_S = 64 << 10
+DEFAULT_DOWNLOAD_RATE_WINDOW_S = 10.0
+DEFAULT_SOCKET_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONCURRENT_DOWNLOADS = 8
 CHUNK_BYTES = 1 << 20
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 DOWNLOAD_PREFIX = "dl-"
+SNAPSHOT_PREFIX = "snap-"
+MAX_SYMLINKS = 40  # symlinks followed while walking one path (the kernel's own limit)
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?//[^/?#]*@")
 
 
 @dataclass(frozen=True)
 class SourcePolicy:
-    """Where adapters may come from and where downloads go."""
+    """Where adapters may come from, where their copies go, and the limits on downloads."""
 
     adapter_roots: tuple[Path, ...] = ()
     cache_dir: Path | None = None
-    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES  # cap on adapter_model.safetensors
-    download_timeout_s: float = 60.0  # per socket operation, not for the whole download
+    # cap on adapter_model.safetensors, downloaded or snapshotted (adapter_config.json: 1 MiB)
+    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    download_timeout_s: float = DEFAULT_DOWNLOAD_TIMEOUT_S  # overall deadline of one source's download
+    # the download fails when fewer bytes than this per second arrived over the last window
+    download_min_bytes_per_s: int = DEFAULT_DOWNLOAD_MIN_BYTES_PER_S
+    download_rate_window_s: float = DEFAULT_DOWNLOAD_RATE_WINDOW_S
+    download_socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S  # per socket operation
+    max_concurrent_downloads: int = DEFAULT_MAX_CONCURRENT_DOWNLOADS  # per cache directory
+
+    def __post_init__(self) -> None:
+        for name in ("max_download_bytes", "download_timeout_s", "download_rate_window_s",
+                     "download_socket_timeout_s", "max_concurrent_downloads"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SourcePolicy.{name} must be positive, got {getattr(self, name)!r}")
+        if self.download_min_bytes_per_s < 0:
+            raise ValueError(f"SourcePolicy.download_min_bytes_per_s must be >= 0, got {self.download_min_bytes_per_s!r}")
 
 
 @dataclass(frozen=True)
@@ -72,16 +111,20 @@ class Content:
 
 @dataclass(frozen=True)
 class ResolvedSource:
-    """A checked local adapter directory; `downloaded` ones live in the cache and are owned."""
+    """A checked private adapter directory: a download (`downloaded`) or a file:// snapshot.
+
+    `owned` copies are the agent's and are removed by `discard()`.
+    """
 
     uri: str
     path: Path
     content: Content
     downloaded: bool = False
+    owned: bool = False
 
     def discard(self) -> None:
-        """Remove a downloaded copy (a no-op for file:// sources, which are never touched)."""
-        if self.downloaded:
+        """Remove the agent's private copy (downloads and snapshots)."""
+        if self.downloaded or self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
@@ -95,136 +138,471 @@ def parse_sha256(value: str) -> str | None:
     return normalised
 
 
+def redact_uri(uri: str) -> str:
+    """`uri` safe for messages and logs: userinfo becomes ``***@``, a query or fragment ``?<redacted>``."""
+    cut = min((i for i in (uri.find("?"), uri.find("#")) if i >= 0), default=-1)
+    shown = uri if cut < 0 else uri[:cut] + "?<redacted>"
+    match = _USERINFO.match(shown)
+    if match:
+        shown = (match.group(1) or "") + "//***@" + shown[match.end():]
+    return shown
+
+
 def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy) -> ResolvedSource:
-    """Check `uri` against the policy and make its adapter available locally."""
-    parts = urlsplit(uri)
+    """Check `uri` against the policy and make a private copy of its adapter."""
+    shown = redact_uri(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as error:
+        raise SourceRefused(f"source URI {shown!r} is not a valid URI: {error}", "bad_uri") from None
     scheme = parts.scheme.lower()
+    if "@" in parts.netloc:
+        raise SourceRefused(
+            f"credentials in source URIs are refused ({shown!r}): the agent never sends or logs "
+            "URL userinfo; serve the adapter without them",
+            "credentials",
+        )
     if scheme == "file":
-        source = _resolve_file(uri, parts.netloc, parts.path, parts.query or parts.fragment, policy)
+        source = _resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
     elif scheme in ("http", "https"):
-        source = _download(uri, parts.query or parts.fragment, policy)
+        source = _download(uri, shown, parts.query or parts.fragment, policy)
     else:
-        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {uri!r}: use file:// or http(s)://", "scheme")
+        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file:// or http(s)://", "scheme")
     if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
         source.discard()
         raise SourceRefused(
-            f"sha256 mismatch for {uri}: {ADAPTER_WEIGHTS} has {source.content.weights_sha256}, expected {expected_sha256}",
+            f"sha256 mismatch for {shown}: {ADAPTER_WEIGHTS} has {source.content.weights_sha256}, expected {expected_sha256}",
             "sha256_mismatch",
         )
     return source
 
 
 def clean_cache(cache_dir: Path) -> None:
-    """Remove downloads left by an earlier process (a fresh agent holds no adapters)."""
-    for stale in Path(cache_dir).glob(f"{DOWNLOAD_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Remove downloads and snapshots left by an earlier process (a fresh agent holds no adapters)."""
+    for prefix in (DOWNLOAD_PREFIX, SNAPSHOT_PREFIX):
+        for stale in Path(cache_dir).glob(f"{prefix}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _private_dir(policy: SourcePolicy, prefix: str) -> Path:
+    """A fresh directory only this process's user can enter (mkdtemp: mode 0700)."""
+    where = policy.cache_dir if policy.cache_dir is not None else Path(tempfile.gettempdir())
+    try:
+        if policy.cache_dir is None:
+            return Path(tempfile.mkdtemp(prefix=f"lorafleet-{prefix}"))
+        Path(policy.cache_dir).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=policy.cache_dir))
+    except OSError as error:
+        raise SourceUnavailable(
+            f"the adapter cache directory {where} is not usable ({error.strerror or error}): "
+            "--cache-dir must name a writable directory",
+            "cache_unavailable",
+        ) from None
 
 
 # -- file:// -----------------------------------------------------------------------------------
 
 
-def _resolve_file(uri: str, host: str, raw_path: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
+def _resolve_file(uri: str, shown: str, host: str, raw_path: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
     path = unquote(raw_path)
-    if host not in ("", "localhost") or not path.startswith("/"):
-        raise SourceRefused(f"relative path refused in {uri!r}: file URIs need an absolute path (file:///dir)", "relative_path")
+    if host not in ("", "localhost"):
+        raise SourceRefused(
+            f"file URI {shown!r} names the host {host!r}: hosts are not supported (relative path refused: "
+            "file URIs need an absolute local path, file:///dir)",
+            "file_host",
+        )
+    if not path.startswith("/"):
+        raise SourceRefused(f"relative path refused in {shown!r}: file URIs need an absolute path (file:///dir)", "relative_path")
     if extra or "\x00" in path:
-        raise SourceRefused(f"file URI {uri!r} must be a plain path (no query, fragment or NUL)", "bad_uri")
+        raise SourceRefused(f"file URI {shown!r} must be a plain path (no query, fragment or NUL)", "bad_uri")
     if ".." in PurePosixPath(path).parts:
-        raise SourceRefused(f"'..' is refused in source paths: {uri!r}", "traversal")
+        raise SourceRefused(f"'..' is refused in source paths: {shown!r}", "traversal")
     if not policy.adapter_roots:
         raise SourceRefused("file:// sources are refused: the agent has no --adapter-root", "outside_roots")
-    roots = [os.path.abspath(root) for root in policy.adapter_roots]
-    real_roots = [os.path.realpath(root) for root in roots]
-    lexical = os.path.normpath(path)
-    if not any(_within(lexical, root) for root in roots + real_roots):
-        raise SourceRefused(f"{uri!r} is outside the adapter roots ({', '.join(roots)})", "outside_roots")
-    real = os.path.realpath(lexical)
-    if not any(_within(real, root) for root in real_roots):
-        raise SourceRefused(f"{uri!r} resolves through a symlink to {real}, outside the adapter roots", "symlink_escape")
-    if not os.path.isdir(real):
-        raise SourceNotFound(f"adapter directory {uri!r} does not exist")
-    digests = {}
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        file_real = os.path.realpath(os.path.join(real, name))
-        if not any(_within(file_real, root) for root in real_roots):
-            raise SourceRefused(f"{name} in {uri!r} is a symlink to {file_real}, outside the adapter roots", "symlink_escape")
-        if not os.path.isfile(file_real):
-            raise SourceNotFound(f"{name} not found in {uri!r} (only safetensors adapters are served; pickle files are never read)")
-        with open(file_real, "rb") as handle:
-            digests[name] = _sha256_of(handle)
-    return ResolvedSource(uri, Path(real), Content(digests[ADAPTER_WEIGHTS], digests[ADAPTER_CONFIG]))
+    roots = [(os.path.abspath(root), os.path.realpath(root)) for root in policy.adapter_roots]
+    with _Beneath(roots, shown) as beneath:
+        start = beneath.locate(os.path.normpath(path))
+        if start is None:
+            raise SourceRefused(f"{shown!r} is outside the adapter roots ({', '.join(r for r, _ in roots)})", "outside_roots")
+        directory = beneath.walk(
+            [beneath.root_fd(start[0])], start[1], want_dir=True,
+            missing=f"adapter directory {shown!r} does not exist",
+        )
+        files = {}
+        for name, cap in ((ADAPTER_CONFIG, MAX_CONFIG_BYTES), (ADAPTER_WEIGHTS, policy.max_download_bytes)):
+            fd = beneath.walk(
+                directory, [name], want_dir=False,
+                missing=f"{name} not found in {shown!r} (only safetensors adapters are served; pickle files are never read)",
+            )[-1]
+            size = os.fstat(fd).st_size
+            if size > cap:
+                raise SourceRefused(f"{name} in {shown!r} is {size} bytes, over the {cap}-byte cap", "too_large")
+            files[name] = (fd, cap)
+        snapshot = _private_dir(policy, SNAPSHOT_PREFIX)
+        try:
+            digests = {name: _copy_fd(fd, snapshot / name, cap, f"{name} in {shown!r}") for name, (fd, cap) in files.items()}
+        except BaseException:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise
+    log.debug("snapshotted %s into %s", shown, snapshot)
+    return ResolvedSource(uri, snapshot, Content(digests[ADAPTER_WEIGHTS], digests[ADAPTER_CONFIG]), owned=True)
+
+
+def _copy_fd(fd: int, dest: Path, cap: int, what: str) -> str:
+    """Copy an open file into `dest` (never more than `cap` bytes); the sha256 of what was written."""
+    digest, total = hashlib.sha256(), 0
+    with open(dest, "xb") as out:
+        while chunk := os.read(fd, CHUNK_BYTES):
+            total += len(chunk)
+            if total > cap:  # the file grew after it was measured
+                raise SourceRefused(f"{what} exceeds the {cap}-byte cap", "too_large")
+            digest.update(chunk)
+            out.write(chunk)
+    return digest.hexdigest()
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+class _Beneath:
+    """Opens paths beneath the adapter roots through directory fds, one component at a time.
+
+    Every open uses ``O_NOFOLLOW`` relative to the directory fd the walk holds, so the kernel
+    never resolves a symlink: a symlink met on the way is read (``readlink`` on that fd) and its
+    target walked in turn, from the same directory (relative) or from the root it names
+    (absolute). ``..`` steps back to the directory the walk came from and never above the root.
+    A symlink out of the roots is refused, however briefly it was there.
+    """
+
+    def __init__(self, roots: list[tuple[str, str]], shown: str) -> None:
+        self.roots = roots  # (absolute path, real path) of each root
+        self.shown = shown
+        self._root_fds: dict[int, int] = {}
+        self._held: list[int] = []  # the fds of finished walks, closed at exit
+
+    def __enter__(self) -> _Beneath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in [*self._root_fds.values(), *self._held]:
+            os.close(fd)
+
+    def locate(self, path: str) -> tuple[int, list[str]] | None:
+        """The root `path` lies under (lexically) and the components below it."""
+        for index, prefixes in enumerate(self.roots):
+            for prefix in prefixes:
+                if _within(path, prefix):
+                    return index, [p for p in PurePosixPath(os.path.relpath(path, prefix)).parts if p != "."]
+        return None
+
+    def root_fd(self, index: int) -> int:
+        if index not in self._root_fds:
+            real = self.roots[index][1]
+            try:
+                self._root_fds[index] = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as error:
+                raise SourceNotFound(f"adapter root {real} cannot be opened ({error.strerror}) for {self.shown!r}") from None
+        return self._root_fds[index]
+
+    def walk(self, start: list[int], parts: list[str], want_dir: bool, missing: str) -> list[int]:
+        """Open `parts` below the directory stack `start`; the new stack's fds stay open until exit."""
+        stack = [os.dup(fd) for fd in start]
+        pending = collections.deque(parts)
+        links = 0
+        try:
+            while pending:
+                name = pending.popleft()
+                if name in ("", "."):
+                    continue
+                if name == "..":
+                    if len(stack) == 1:
+                        raise SourceRefused(f"{self.shown!r} leads through a symlink above its adapter root", "symlink_escape")
+                    os.close(stack.pop())
+                    continue
+                directory = want_dir or bool(pending)
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_DIRECTORY if directory else 0)
+                try:
+                    fd = os.open(name, flags, dir_fd=stack[-1])
+                except OSError as error:
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise SourceRefused(
+                            f"{self.shown!r}: too many symlinks (or a path changing under the walk)", "symlink_loop"
+                        ) from None
+                    target = self._classify(stack[-1], name, directory, error, missing)
+                    if target is None:  # the entry changed between open and lstat: look again
+                        pending.appendleft(name)
+                    elif os.path.isabs(target):
+                        found = self.locate(os.path.normpath(target))
+                        if found is None:
+                            raise SourceRefused(
+                                f"{name!r} in {self.shown!r} is a symlink to {target}, outside the adapter roots", "symlink_escape"
+                            ) from None
+                        for held in stack:
+                            os.close(held)
+                        stack = [os.dup(self.root_fd(found[0]))]
+                        pending.extendleft(reversed(found[1]))
+                    else:
+                        pending.extendleft(reversed(PurePosixPath(target).parts))
+                    continue
+                stack.append(fd)
+                if not directory and not stat.S_ISREG(mode := os.fstat(fd).st_mode):
+                    raise SourceRefused(f"{name!r} in {self.shown!r} is {_kind(mode)}, not a regular file", "not_a_file")
+            self._held.extend(stack)
+            return stack
+        except BaseException:
+            for held in stack:
+                os.close(held)
+            raise
+
+    def _classify(self, dir_fd: int, name: str, directory: bool, error: OSError, missing: str) -> str | None:
+        """Why opening `name` failed: its symlink target, None to retry, or a refusal."""
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
+                return os.readlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise SourceNotFound(missing) from None
+        except OSError as again:
+            if again.errno == errno.EINVAL:  # readlink: no longer a symlink
+                return None
+            raise SourceRefused(f"{name!r} in {self.shown!r} cannot be read ({again.strerror})", "unreadable") from None
+        if directory and not stat.S_ISDIR(mode):
+            raise SourceRefused(f"{name!r} in {self.shown!r} is {_kind(mode)}, not a directory", "not_a_directory")
+        if directory or stat.S_ISREG(mode):
+            if error.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                return None  # it was a symlink (or missing) a moment ago
+            raise SourceRefused(f"{name!r} in {self.shown!r} cannot be opened ({error.strerror})", "unreadable")
+        raise SourceRefused(f"{name!r} in {self.shown!r} is {_kind(mode)}, not a regular file", "not_a_file")
 
 
 def _within(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _sha256_of(handle: BinaryIO) -> str:
-    digest = hashlib.sha256()
-    while chunk := handle.read(CHUNK_BYTES):
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
 # -- http(s):// --------------------------------------------------------------------------------
 
 
+class _Watchdog:
+    """Enforces one source's overall deadline and minimum rate by shutting its sockets down.
+
+    Socket timeouts bound single operations only; a server that trickles a byte now and then
+    never trips them. The watchdog thread ticks, and once the deadline passes or fewer than the
+    minimum bytes per second arrived over the last window, it records why and shuts down every
+    socket of the download, which ends the blocked read at once.
+    """
+
+    def __init__(self, policy: SourcePolicy) -> None:
+        self.deadline_s = policy.download_timeout_s
+        self.min_rate = policy.download_min_bytes_per_s
+        self.window_s = policy.download_rate_window_s
+        self.started = time.monotonic()
+        self.received = 0
+        self.failure: str | None = None
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="download-watchdog", daemon=True)
+
+    def __enter__(self) -> _Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def track(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.failure is not None:
+                _shutdown(sock)
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.received += n
+
+    def _run(self) -> None:
+        tick = min(0.25, self.window_s / 4)
+        samples: collections.deque[tuple[float, int]] = collections.deque([(self.started, 0)])
+        while not self._done.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                received = self.received
+            samples.append((now, received))
+            while len(samples) > 1 and now - samples[1][0] >= self.window_s:
+                samples.popleft()
+            if now - self.started >= self.deadline_s:
+                self._fire(f"did not finish within the {self.deadline_s:g}-s download deadline ({received} bytes received)")
+            elif now - samples[0][0] >= self.window_s:
+                rate = (received - samples[0][1]) / (now - samples[0][0])
+                if rate < self.min_rate:
+                    self._fire(
+                        f"is too slow: {rate:.0f} bytes/s over the last {now - samples[0][0]:.1f} s, "
+                        f"under the minimum of {self.min_rate} bytes/s"
+                    )
+            if self.failure is not None:
+                return
+
+    def _fire(self, why: str) -> None:
+        with self._lock:
+            self.failure = why
+            for sock in self._sockets:
+                _shutdown(sock)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    # the plain socket's shutdown, also for TLS sockets (it ends a read blocked in another thread)
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class _TrackedHTTPConnection(HTTPConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._watchdog = watchdog
+
+    def connect(self) -> None:
+        super().connect()
+        self._watchdog.track(self.sock)
+
+
+class _TrackedHTTPSConnection(HTTPSConnection):
+    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._watchdog = watchdog
+
+    def connect(self) -> None:
+        super().connect()
+        self._watchdog.track(self.sock)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self._factory = functools.partial(_TrackedHTTPConnection, watchdog=watchdog)
+
+    def http_open(self, req: urllib.request.Request) -> HTTPResponse:
+        return self.do_open(self._factory, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, watchdog: _Watchdog) -> None:
+        super().__init__()
+        self._factory = functools.partial(_TrackedHTTPSConnection, watchdog=watchdog)
+
+    def https_open(self, req: urllib.request.Request) -> HTTPResponse:
+        return self.do_open(self._factory, req)
+
+
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects only to http(s): never to ftp:// or file:// (urllib allows ftp)."""
+    """Follow redirects only to http(s) URLs without credentials (urllib allows ftp:// and file://)."""
 
     def redirect_request(
-        self, req: urllib.request.Request, fp: BinaryIO, code: int, msg: str, headers: Message, newurl: str
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
     ) -> urllib.request.Request | None:
-        if urlsplit(newurl).scheme.lower() not in ("http", "https"):
-            raise SourceRefused(f"redirect from {req.full_url} to {newurl!r} refused: http(s) only", "redirect")
+        target = urlsplit(newurl)
+        what = f"redirect from {redact_uri(req.full_url)} to {redact_uri(newurl)!r} refused"
+        if target.scheme.lower() not in ("http", "https"):
+            raise SourceRefused(f"{what}: http(s) only", "redirect")
+        if "@" in target.netloc:
+            raise SourceRefused(f"{what}: credentials in URLs are refused", "redirect")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-_OPENER = urllib.request.build_opener(_HttpOnlyRedirects)
+_ACTIVE_DOWNLOADS: dict[str, int] = {}
+_ACTIVE_LOCK = threading.Lock()
 
 
-def _download(uri: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
+@contextmanager
+def _download_slot(policy: SourcePolicy) -> Iterator[None]:
+    """One of the cache directory's `max_concurrent_downloads` places, or TooManyDownloads at once."""
+    key = os.path.abspath(str(policy.cache_dir))
+    limit = policy.max_concurrent_downloads
+    with _ACTIVE_LOCK:
+        running = _ACTIVE_DOWNLOADS.get(key, 0)
+        if running >= limit:
+            raise TooManyDownloads(
+                f"too many concurrent downloads: {running} running, the limit is {limit} "
+                "(--max-concurrent-downloads); retry later"
+            )
+        _ACTIVE_DOWNLOADS[key] = running + 1
+    try:
+        yield
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE_DOWNLOADS[key] -= 1
+            if not _ACTIVE_DOWNLOADS[key]:
+                del _ACTIVE_DOWNLOADS[key]
+
+
+def _download(uri: str, shown: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
     if extra:
-        raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {uri!r}", "bad_uri")
+        raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
     if policy.cache_dir is None:
         raise SourceRefused("http(s) sources are refused: the agent has no --cache-dir", "no_cache_dir")
-    Path(policy.cache_dir).mkdir(parents=True, exist_ok=True)
-    target = Path(tempfile.mkdtemp(prefix=DOWNLOAD_PREFIX, dir=policy.cache_dir))
-    base = uri.rstrip("/")
-    try:
-        config_sha = _fetch(f"{base}/{ADAPTER_CONFIG}", target / ADAPTER_CONFIG, MAX_CONFIG_BYTES, policy.download_timeout_s)
-        weights_sha = _fetch(f"{base}/{ADAPTER_WEIGHTS}", target / ADAPTER_WEIGHTS, policy.max_download_bytes, policy.download_timeout_s)
-    except BaseException:
-        shutil.rmtree(target, ignore_errors=True)
-        raise
-    log.debug("downloaded %s into %s", uri, target)
-    return ResolvedSource(uri, target, Content(weights_sha, config_sha), downloaded=True)
+    with _download_slot(policy):
+        target = _private_dir(policy, DOWNLOAD_PREFIX)
+        base = uri.rstrip("/")
+        try:
+            with _Watchdog(policy) as watchdog:
+                opener = urllib.request.build_opener(_HTTPHandler(watchdog), _HTTPSHandler(watchdog), _HttpOnlyRedirects)
+                fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s)
+                config_sha = fetch(f"{base}/{ADAPTER_CONFIG}", target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+                weights_sha = fetch(f"{base}/{ADAPTER_WEIGHTS}", target / ADAPTER_WEIGHTS, policy.max_download_bytes)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+    log.debug("downloaded %s into %s", shown, target)
+    return ResolvedSource(uri, target, Content(weights_sha, config_sha), downloaded=True, owned=True)
 
 
-def _fetch(url: str, dest: Path, cap: int, timeout_s: float) -> str:
+def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float) -> str:
     """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256."""
+    shown = redact_uri(url)
     request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response, open(dest, "xb") as out:
-            declared = response.headers.get("Content-Length")
-            if declared and declared.isdigit() and int(declared) > cap:
-                raise SourceRefused(f"{url} is {int(declared)} bytes, over the {cap}-byte cap", "too_large")
+        # The deadline is the watchdog's: the socket timeout bounds one operation only.
+        with opener.open(request, timeout=socket_timeout_s) as response, open(dest, "xb") as out:
+            declared_text = response.headers.get("Content-Length")
+            declared = int(declared_text) if declared_text and declared_text.isdigit() else None
+            if declared is not None and declared > cap:
+                raise SourceRefused(f"{shown} is {declared} bytes, over the {cap}-byte cap", "too_large")
             digest, total = hashlib.sha256(), 0
-            while chunk := response.read(CHUNK_BYTES):
+            while chunk := response.read1(CHUNK_BYTES):
                 total += len(chunk)
+                watchdog.count(len(chunk))
                 if total > cap:  # a server may omit or understate Content-Length
-                    raise SourceRefused(f"{url} exceeds the {cap}-byte cap", "too_large")
+                    raise SourceRefused(f"{shown} exceeds the {cap}-byte cap", "too_large")
                 digest.update(chunk)
                 out.write(chunk)
+            _check_watchdog(watchdog, shown)
+            if declared is not None and total != declared:
+                raise SourceUnavailable(f"download of {shown} failed: the body ended after {total} of {declared} bytes (truncated)")
             return digest.hexdigest()
     except urllib.error.HTTPError as error:
         if error.code in (404, 410):
-            raise SourceNotFound(f"{url} not found (HTTP {error.code})") from None
+            raise SourceNotFound(f"{shown} not found (HTTP {error.code})") from None
         if 300 <= error.code < 400:  # urllib itself refuses redirects to file:// with an HTTPError
-            raise SourceRefused(f"redirect from {url} refused: {error.reason} (http(s) only)", "redirect") from None
+            raise SourceRefused(f"redirect from {shown} refused: {error.reason} (http(s) only)", "redirect") from None
         if error.code >= 500:
-            raise SourceUnavailable(f"download of {url} failed: HTTP {error.code} {error.reason}") from None
-        raise SourceRefused(f"download of {url} refused: HTTP {error.code} {error.reason}", "http_error") from None
+            raise SourceUnavailable(f"download of {shown} failed: HTTP {error.code} {error.reason}") from None
+        raise SourceRefused(f"download of {shown} refused: HTTP {error.code} {error.reason}", "http_error") from None
     except (urllib.error.URLError, HTTPException, OSError) as error:
+        _check_watchdog(watchdog, shown)
         reason = getattr(error, "reason", error)
-        raise SourceUnavailable(f"download of {url} failed: {reason}") from None
+        raise SourceUnavailable(f"download of {shown} failed: {reason}") from None
+
+
+def _check_watchdog(watchdog: _Watchdog, shown: str) -> None:
+    failure = watchdog.failure
+    if failure is None and time.monotonic() - watchdog.started >= watchdog.deadline_s:  # before the watchdog's tick
+        failure = f"did not finish within the {watchdog.deadline_s:g}-s download deadline"
+    if failure is not None:
+        raise SourceUnavailable(f"download of {shown} {failure}")

@@ -72,11 +72,13 @@ def cases(root: Path, outside: Path, http) -> list[tuple[str, str, grpc.StatusCo
 def test_every_refused_source_is_refused_with_a_clear_status_and_leaves_nothing(shared, stub, hostile, monkeypatch):
     # The shared agent's download cap, lowered for this test (the files here are KiB).
     policy = shared.agent.config.sources
-    monkeypatch.setattr(shared.agent, "config", _with_sources(shared.agent.config, SourcePolicy(policy.adapter_roots, policy.cache_dir, CAP)))
+    lowered = SourcePolicy(policy.adapter_roots, policy.cache_dir, CAP)
+    monkeypatch.setattr(shared.agent, "config", _with_sources(shared.agent.config, lowered))
     with http_server(shared.root) as http:
         for case_id, uri, code, phrase in cases(shared.root, hostile, http):
             sha = {"file-sha256": "0" * 64, "http-sha256": "f" * 64, "bad-sha256": "abc"}.get(case_id, "")
-            error = rpc_error(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="src", source_uri=uri, sha256=sha), timeout=60))
+            request = pb.LoadAdapterRequest(name="src", source_uri=uri, sha256=sha)
+            error = rpc_error(lambda request=request: stub.LoadAdapter(request, timeout=60))
             assert (case_id, error.code(), phrase in error.details()) == (case_id, code, True), error.details()
     assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     assert not list(shared.cache.glob("dl-*")), "refused downloads leave nothing in the cache"
@@ -109,8 +111,11 @@ def test_symlinks_that_stay_inside_a_root_are_followed(tmp_path):
     root = tmp_path / "root-link"
     root.symlink_to(tmp_path / "volume" / "..data", target_is_directory=True)
     (real / "alias").symlink_to(real / "ad", target_is_directory=True)
-    source = resolve_source((root / "alias").as_uri(), None, SourcePolicy(adapter_roots=(root,)))
-    assert source.path == (real / "ad").resolve() and not source.downloaded
+    source = resolve_source((root / "alias").as_uri(), None, SourcePolicy(adapter_roots=(root,), cache_dir=tmp_path / "cache"))
+    # The ranks get a private snapshot of the checked bytes, never the live directory.
+    assert source.path.parent == tmp_path / "cache" and source.owned and not source.downloaded
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (source.path / name).read_bytes() == (real / "ad" / name).read_bytes()
 
 
 def test_file_sources_need_an_adapter_root_and_http_sources_a_cache(tmp_path):
@@ -167,7 +172,7 @@ def test_redirects_are_followed_only_to_http(tmp_path):
 
 def test_missing_files_under_a_root_are_not_found(tmp_path):
     (tmp_path / "root" / "empty").mkdir(parents=True)
-    with pytest.raises(SourceNotFound, match="adapter_config.json not found"):
+    with pytest.raises(SourceNotFound, match=r"adapter_config\.json not found"):
         resolve_source((tmp_path / "root" / "empty").as_uri(), None, SourcePolicy(adapter_roots=(tmp_path / "root",)))
 
 
