@@ -17,6 +17,7 @@ from pathlib import Path
 from node_agent.agent import Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
+from node_agent.errors import InvalidRequest
 from node_agent.server import ServerOptions, create_server
 from node_agent.sources import (
     DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
@@ -25,6 +26,7 @@ from node_agent.sources import (
     DEFAULT_MAX_CONCURRENT_DOWNLOADS,
     SourcePolicy,
 )
+from node_agent.validation import check_adapter_name, check_forward
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -44,7 +46,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=4, help="device LoRA slots per rank (default 4)")
     parser.add_argument("--max-loaded-loras", type=int, default=32, help="adapters kept loaded on the host (default 32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where ranks run (default cpu, gloo)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--master-port", type=int, default=0, help="torch.distributed port on 127.0.0.1 (default: a free one)")
 
 
@@ -96,7 +99,11 @@ def run_forward(args: argparse.Namespace) -> None:
     names = [name for name, _ in args.adapter]
     if len(set(names)) != len(names):
         raise UsageError("each --adapter NAME may be given once")
+    for name in names:
+        check_adapter_name(name)
     with Engine(engine_config(args)) as engine:
+        # The agent's own checks of a Forward: the engine trusts what it is given.
+        check_forward([s.tokens for s in sequences], engine.model_config.vocab_size)
         for name, path in args.adapter:
             log.info("loading adapter %s from %s", name, path)
             engine.load_adapter(name, path)
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         args.run(args)
-    except (UsageError, EngineError, AdapterLoadError, ValueError, OSError) as error:
+    except (UsageError, InvalidRequest, EngineError, AdapterLoadError, ValueError, OSError) as error:
         print(f"lorafleet-agent: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     return 0

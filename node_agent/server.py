@@ -151,7 +151,9 @@ class ServerOptions:
 class AgentServer:
     """A bound gRPC server over one agent, with its health watcher and metrics endpoint."""
 
-    def __init__(self, agent: Agent, server: grpc.Server, health_servicer: health.HealthServicer, port: int, options: ServerOptions) -> None:
+    def __init__(
+        self, agent: Agent, server: grpc.Server, health_servicer: health.HealthServicer, port: int, options: ServerOptions
+    ) -> None:
         self.agent = agent
         self.server = server
         self.health = health_servicer

@@ -104,22 +104,22 @@ class RankWorker:
                 return self.forward(command)
             case Shutdown():
                 return self.reply()
-        raise TypeError(f"unknown command {command!r}")
 
     def reply(self, ok: bool = True, error: str = "") -> RankReply:
         return RankReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, ok, error)
 
     def failed(self, command: Command, error: str) -> RankReply:
         """The failed reply of `command`'s kind; a control reply still says what the rank holds."""
-        coords = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, error)
+        head = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, error)
         match command:
             case Load() | Unload():
-                return ControlReply(*coords, holds=self.holds())
+                return ControlReply(*head, holds=self.holds())
             case Describe():
-                return DescribeReply(*coords, holds=self.holds())
+                return DescribeReply(*head, holds=self.holds())
             case Forward():
-                return ForwardReply(*coords)
-        return RankReply(*coords)
+                return ForwardReply(*head)
+            case Shutdown():
+                return RankReply(*head)
 
     def holds(self) -> tuple[str, ...]:
         """The adapters this rank's pool holds, in load order."""
