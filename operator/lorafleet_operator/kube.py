@@ -52,7 +52,6 @@ class Kube:
     """Async wrappers over the calls the operator needs; every method returns JSON dicts."""
 
     def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
 

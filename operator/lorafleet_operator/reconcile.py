@@ -52,9 +52,9 @@ class Target:
 
 @dataclass(frozen=True)
 class FleetView:
+    """One look at a fleet: its agent pods, their Describe (or its error), the credentials."""
+
     namespace: str
-    name: str
-    spec: Mapping[str, Any]
     agents: tuple[AgentPod, ...]
     infos: Mapping[str, AgentInfo | AgentError]
     creds: Credentials
@@ -130,13 +130,13 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
     agents = agents_of(spec, pods)
     creds = await credentials(rt, namespace, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
-    return FleetView(namespace, fleet_name, spec, tuple(agents), infos, creds)
+    return FleetView(namespace, tuple(agents), infos, creds)
 
 
-def loaded_result(target: Target, reply: ControlReply | None = None) -> AgentResult:
-    """A target that holds the adapter (from a load reply, or from its registry)."""
-    total = target.ranks_total or (reply.ranks_reported if reply else 0)
-    ranks = reply.ranks_ok if reply and reply.ranks_reported else total
+def loaded_result(target: Target, reply: ControlReply) -> AgentResult:
+    """A target that holds the adapter after a successful load reply."""
+    total = target.ranks_total or reply.ranks_reported
+    ranks = reply.ranks_ok if reply.ranks_reported else total
     return AgentResult(target.agent.name, AgentState.LOADED, ranks, total)
 
 

@@ -178,18 +178,18 @@ def build_status(
     }
 
 
-def initial_status(generation: int, previous: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Conditions set on the first visit, before any agent answered: Ready is Unknown."""
+def initial_status(generation: int) -> dict[str, Any]:
+    """Conditions set on the first visit (there are none yet), before any agent answered:
+    Ready is Unknown."""
     now = now_rfc3339()
-    old = list((previous or {}).get("conditions") or [])
     return {
         "phase": str(Phase.LOADING),
         "observedGeneration": generation,
         "conditions": [
             condition("Ready", "Unknown", "Reconciling", "asking the fleet's agents",
-                      generation, old, now),
+                      generation, [], now),
             condition("Degraded", "Unknown", "Reconciling", "asking the fleet's agents",
-                      generation, old, now),
+                      generation, [], now),
         ],
     }
 

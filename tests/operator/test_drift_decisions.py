@@ -81,8 +81,7 @@ def test_wanted_on_an_agent_live_resources_of_fleets_selecting_it_and_its_model(
 
 def view(*agents: AgentPod, infos: dict[str, AgentInfo | AgentError] | None = None) -> FleetView:
     infos = infos if infos is not None else {a.name: info() for a in agents}
-    return FleetView(NS, "default", {"selector": {"matchLabels": {"fleet": "default"}}},
-                     agents, infos, Credentials())
+    return FleetView(NS, agents, infos, Credentials())
 
 
 def test_unwanted_is_every_managed_name_no_live_resource_wants() -> None:
