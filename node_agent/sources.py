@@ -74,7 +74,9 @@ SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 DOWNLOAD_PREFIX = "dl-"
 SNAPSHOT_PREFIX = "snap-"
 MAX_SYMLINKS = 40  # symlinks followed while walking one path (the kernel's own limit)
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:)?//[^/?#]*@")
+# Everything between "//" and the next "/": a userinfo is anything up to the last "@" in there
+# (also when it holds a raw "?" or "#", which urlsplit would cut the netloc at).
+_AUTHORITY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?//(?P<authority>[^/]*)")
 
 
 @dataclass(frozen=True)
@@ -138,14 +140,21 @@ def parse_sha256(value: str) -> str | None:
     return normalised
 
 
+def _userinfo_span(uri: str) -> tuple[int, int] | None:
+    """Where a URI's userinfo (``user:password@``) is, if it has one."""
+    match = _AUTHORITY.match(uri)
+    if match is None or "@" not in match.group("authority"):
+        return None
+    start = match.start("authority")
+    return start, start + match.group("authority").rindex("@") + 1
+
+
 def redact_uri(uri: str) -> str:
     """`uri` safe for messages and logs: userinfo becomes ``***@``, a query or fragment ``?<redacted>``."""
-    cut = min((i for i in (uri.find("?"), uri.find("#")) if i >= 0), default=-1)
-    shown = uri if cut < 0 else uri[:cut] + "?<redacted>"
-    match = _USERINFO.match(shown)
-    if match:
-        shown = (match.group(1) or "") + "//***@" + shown[match.end():]
-    return shown
+    span = _userinfo_span(uri)
+    shown = uri if span is None else uri[: span[0]] + "***@" + uri[span[1]:]
+    cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
+    return shown if cut < 0 else shown[:cut] + "?<redacted>"
 
 
 def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy) -> ResolvedSource:
@@ -156,7 +165,7 @@ def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy) 
     except ValueError as error:
         raise SourceRefused(f"source URI {shown!r} is not a valid URI: {error}", "bad_uri") from None
     scheme = parts.scheme.lower()
-    if "@" in parts.netloc:
+    if "@" in parts.netloc or _userinfo_span(uri) is not None:
         raise SourceRefused(
             f"credentials in source URIs are refused ({shown!r}): the agent never sends or logs "
             "URL userinfo; serve the adapter without them",

@@ -147,15 +147,45 @@ def test_without_a_cache_dir_snapshots_go_to_a_private_temp_dir(tmp_path):
     assert not source.path.exists()
 
 
-def test_a_swapping_entry_gives_the_in_root_bytes_or_a_refusal(tmp_path):
+@contextmanager
+def relinking(entry: Path, inside: str, outside: Path) -> Iterator[None]:
+    """A thread that keeps replacing the symlink `entry` by one to `inside` (relative, in the root)
+    and one to `outside`."""
+    stop = threading.Event()
+    tmp = entry.with_name(".relink")
+
+    def run() -> None:
+        while not stop.is_set():
+            for target in (inside, str(outside)):
+                os.symlink(target, tmp)
+                os.replace(tmp, entry)
+            stop.wait(0.0002)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("swapped", ["weights-file", "directory-link"])
+def test_a_swapping_entry_gives_the_in_root_bytes_or_a_refusal(tmp_path, swapped):
     root = tmp_path / "root"
     inside = make_adapter(root / "in", seed=1)
     outside = make_adapter(tmp_path / "outside", seed=2)
-    race = root / "race"
-    shutil.copytree(inside, race)
     policy = policy_for(root, tmp_path)
     outcomes = {"loaded": 0, "refused": 0}
-    with swapping(race / WEIGHTS, inside / WEIGHTS, outside / WEIGHTS):
+    if swapped == "weights-file":
+        race = root / "race"
+        shutil.copytree(inside, race)
+        swapper = swapping(race / WEIGHTS, inside / WEIGHTS, outside / WEIGHTS)
+    else:  # an in-root symlink to the adapter directory, re-pointed out of the root and back
+        race = root / "current"
+        race.symlink_to("in")
+        swapper = relinking(race, "in", outside)
+    with swapper:
         for _ in range(200):
             try:
                 source = resolve_source(race.as_uri(), None, policy)
