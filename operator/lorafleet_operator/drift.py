@@ -31,27 +31,30 @@ from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
-from lorafleet_operator.reconcile import FleetProblem, FleetView, Target, error_result, failure_key, fleet_view, load_on, remember_failures
+from lorafleet_operator.reconcile import (
+    FleetProblem,
+    FleetView,
+    Target,
+    ask_each,
+    error_result,
+    failure_key,
+    fleet_view,
+    load_on,
+    remember_failures,
+)
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import MAX_AGENT_MESSAGE, AgentResult, AgentState, build_status, condition, now_rfc3339
 
 log = logging.getLogger("lorafleet.operator.drift")
 
-Registry = Mapping[str, RegistryEntry] | AgentError
+#: One agent's registry (ListAdapters by name), or the error that stands for it.
+Registry = dict[str, RegistryEntry] | AgentError
 
 
 async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
-    """ListAdapters on every dialable agent at once (an error stands for its registry)."""
-
-    async def one(agent: AgentPod) -> Registry:
-        try:
-            return await rt.agents.list_adapters(agent.endpoint, view.creds)
-        except AgentError as err:
-            return err
-
-    agents = view.dialable
-    answers = await asyncio.gather(*(one(a) for a in agents))
-    return {a.name: answer for a, answer in zip(agents, answers, strict=True)}
+    """ListAdapters on every dialable agent at once."""
+    return await ask_each(view.dialable,
+                          lambda agent: rt.agents.list_adapters(agent.endpoint, view.creds))
 
 
 def _live(adapter: Mapping[str, Any]) -> bool:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from kubernetes.client.exceptions import ApiException
@@ -26,6 +26,7 @@ from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class FleetProblem(Exception):
@@ -99,24 +100,31 @@ async def credentials(rt: Runtime, namespace: str, spec: Mapping[str, Any]) -> C
         raise FleetProblem("SecretIncomplete", f"the fleet's Secret lacks key {err}") from None
 
 
+async def ask_each(agents: Sequence[AgentPod],
+                   call: Callable[[AgentPod], Awaitable[T]]) -> dict[str, T | AgentError]:
+    """``call`` on every agent at once; by pod name, its answer or the AgentError it raised."""
+
+    async def one(agent: AgentPod) -> T | AgentError:
+        try:
+            return await call(agent)
+        except AgentError as err:
+            return err
+
+    answers = await asyncio.gather(*(one(a) for a in agents))
+    return {a.name: answer for a, answer in zip(agents, answers, strict=True)}
+
+
 async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentials,
                        *, fresh: bool) -> dict[str, AgentInfo | AgentError]:
     """Describe every dialable agent (cached per pod incarnation unless ``fresh``)."""
 
-    async def one(agent: AgentPod) -> AgentInfo | AgentError:
+    async def describe(agent: AgentPod) -> AgentInfo:
         key = (agent.uid, agent.restarts, agent.endpoint)
-        if not fresh and key in rt.describe_cache:
-            return rt.describe_cache[key]
-        try:
-            info = await rt.agents.describe(agent.endpoint, creds)
-        except AgentError as err:
-            return err
-        rt.describe_cache[key] = info
-        return info
+        if fresh or key not in rt.describe_cache:
+            rt.describe_cache[key] = await rt.agents.describe(agent.endpoint, creds)
+        return rt.describe_cache[key]
 
-    dialable = [a for a in agents if a.dialable]
-    answers = await asyncio.gather(*(one(a) for a in dialable))
-    return {a.name: answer for a, answer in zip(dialable, answers, strict=True)}
+    return await ask_each([a for a in agents if a.dialable], describe)
 
 
 async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
