@@ -260,13 +260,16 @@ def _resolve_file(uri: str, shown: str, host: str, raw_path: str, extra: str, po
 def _copy_fd(fd: int, dest: Path, cap: int, what: str) -> str:
     """Copy an open file into `dest` (never more than `cap` bytes); the sha256 of what was written."""
     digest, total = hashlib.sha256(), 0
-    with open(dest, "xb") as out:
-        while chunk := os.read(fd, CHUNK_BYTES):
-            total += len(chunk)
-            if total > cap:  # the file grew after it was measured
-                raise SourceRefused(f"{what} exceeds the {cap}-byte cap", "too_large")
-            digest.update(chunk)
-            out.write(chunk)
+    try:
+        with open(dest, "xb") as out:
+            while chunk := os.read(fd, CHUNK_BYTES):
+                total += len(chunk)
+                if total > cap:  # the file grew after it was measured
+                    raise SourceRefused(f"{what} exceeds the {cap}-byte cap", "too_large")
+                digest.update(chunk)
+                out.write(chunk)
+    except OSError as error:  # a read error under the root, or a full cache
+        raise SourceUnavailable(f"copying {what} into {dest.parent} failed: {error.strerror or error}", "snapshot_failed") from None
     return digest.hexdigest()
 
 
