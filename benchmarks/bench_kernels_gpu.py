@@ -19,6 +19,7 @@ Needs a CUDA GPU; `--help` works anywhere. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +27,7 @@ from pathlib import Path
 
 import torch
 
-try:
-    import node_agent  # noqa: F401
-except ModuleNotFoundError:  # run as a script from a checkout that is not pip-installed
+if importlib.util.find_spec("node_agent") is None:  # run as a script from a checkout that is not pip-installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from node_agent.engine.kernels import torch_ops, triton_ops
@@ -80,14 +79,14 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int, flush: torch.Tens
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for start, end in zip(starts, ends):
+    for start, end in zip(starts, ends, strict=True):
         if flush is not None:
             flush.zero_()
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
-    return sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / iters
+    return sum(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) / iters
 
 
 def run_case(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -14,6 +15,26 @@ class CheckpointError(ValueError):
     """The base model checkpoint is missing, incomplete or does not match its config."""
 
 
+class _TensorSlice(Protocol):
+    """What this module uses of a safetensors slice (the library's own stubs are untyped)."""
+
+    def get_shape(self) -> list[int]:
+        """The tensor's full shape."""
+
+    def __getitem__(self, index: slice | tuple[slice, slice]) -> torch.Tensor:
+        """Read only the indexed part."""
+
+
+class _SafetensorsFile(Protocol):
+    """What this module uses of an open safetensors file."""
+
+    def keys(self) -> list[str]:
+        """Names of the file's tensors."""
+
+    def get_slice(self, name: str) -> _TensorSlice:
+        """A lazily read view of one tensor."""
+
+
 class Checkpoint:
     """All `*.safetensors` files of a model directory, addressed by tensor name."""
 
@@ -22,22 +43,15 @@ class Checkpoint:
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"model directory {model_dir} has no *.safetensors files")
-        self._handles = {}
+        self._handles: dict[Path, _SafetensorsFile] = {}
         self._file_of: dict[str, Path] = {}
         for path in files:
             try:
-                handle = safe_open(str(path), framework="pt")
+                handle: _SafetensorsFile = safe_open(str(path), framework="pt")
             except Exception as error:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot read {path.name}: {error}") from error
             self._handles[path] = handle
-            for key in handle.keys():
-                self._file_of[key] = path
-
-    def has(self, key: str) -> bool:
-        return key in self._file_of
-
-    def shape(self, key: str) -> list[int]:
-        return list(self._slice(key).get_shape())
+            self._file_of.update(dict.fromkeys(handle.keys(), path))
 
     def read(self, key: str, rows: Span | None = None, cols: Span | None = None) -> torch.Tensor:
         """Read `key`, only rows/cols in the given spans; rows past the tensor are zero padding."""
@@ -57,9 +71,8 @@ class Checkpoint:
             part = torch.cat([part, pad])
         return part
 
-    def _slice(self, key: str):
+    def _slice(self, key: str) -> _TensorSlice:
         path = self._file_of.get(key)
         if path is None:
             raise CheckpointError(f"checkpoint in {self.model_dir} has no tensor {key!r}")
         return self._handles[path].get_slice(key)
-

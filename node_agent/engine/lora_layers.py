@@ -1,4 +1,4 @@
-"""Sharded linear layers with multi-slot LoRA: one class per parallel style (DESIGN.md §3).
+"""Sharded linear layers with multi-slot LoRA: one class per parallel style (docs/design.md §3).
 
 Each layer owns its base weight shard and `slots` LoRA buffers per output slice. Shapes come
 from `sharding.lora_layout`, the same layout the adapter loader slices with. The per-batch slot
@@ -9,6 +9,7 @@ not apply a previous batch's adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from torch import nn
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import all_gather_last_dim, all_reduce
-from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_layout
+from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,35 @@ class SliceWeights:
     scale: float
 
 
+class LoraSlots(Protocol):
+    """What the pool fills: one module's (or one local expert's) LoRA slots on this rank."""
+
+    def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
+        """Write one adapter into `slot`; a slice the adapter does not target becomes zero."""
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot."""
+
+    def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
+        """The A/B slices one slot holds, as `sharding.lora_layout` gives them."""
+
+    def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
+        """Per slice: the (A, B) shape of one slot's buffers."""
+
+
+def fill_slot(a: list[torch.Tensor], b: list[torch.Tensor], scales: torch.Tensor, weights: list[SliceWeights | None]) -> None:
+    """Copy one adapter's slices into one slot's A/B views and scale entries; untargeted ones become zero."""
+    for index, part in enumerate(weights):
+        if part is None:
+            a[index].zero_()
+            b[index].zero_()
+            scales[index] = 0.0
+        else:
+            a[index].copy_(part.a)
+            b[index].copy_(part.b)
+            scales[index] = part.scale
+
+
 def add_lora(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -52,8 +82,8 @@ def add_lora(
 ) -> None:
     """Add the LoRA delta of `x` into this rank's (unreduced) base output `out`, in place.
 
-    The one place for the collectives of both LoRA modes (DESIGN.md §3), used by dense and
-    expert layers alike. `fully_sharded` means fully-sharded mode on a group wider than 1.
+    The one place for the collectives of both LoRA modes (docs/design.md §3), used by dense and
+    expert layers alike. `fully_sharded` is `sharding.lora_fully_sharded` of the layer.
     """
     shrunk = kernels.shrink(x, a_stacks, batch)
     if fully_sharded and style is ParallelStyle.ROW:
@@ -89,13 +119,10 @@ class LoraLinear(nn.Module):
         self.layout = layout
         self.group = group
         self.lora = lora_layout(layout, capacity.max_rank, capacity.fully_sharded)
-        # The shrink output is split on the rank dim only in fully-sharded column layers.
-        self.gathers_shrink = capacity.fully_sharded and layout.shard.size > 1
-        in_width, out_width = self.base_shape()
+        self.gathers_shrink = lora_fully_sharded(layout.shard, capacity.fully_sharded)
+        out_width, in_width = layout.base_shape
         self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.zeros(self.bias_width(), dtype=dtype, device=device), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.zeros(out_width, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.a_stacks = [
             torch.zeros(capacity.slots, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
         ]
@@ -104,54 +131,36 @@ class LoraLinear(nn.Module):
         ]
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
 
-    def base_shape(self) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def bias_width(self) -> int:
-        raise NotImplementedError
-
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read this rank's slices of the base weight (and bias) under `prefix`."""
         raise NotImplementedError
 
     def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
         """Write one adapter into `slot`; a slice the adapter does not target becomes zero."""
-        for index, part in enumerate(weights):
-            a, b = self.a_stacks[index][slot], self.b_stacks[index][slot]
-            if part is None:
-                a.zero_()
-                b.zero_()
-                self.scales[index, slot] = 0.0
-                continue
-            a.copy_(part.a)
-            b.copy_(part.b)
-            self.scales[index, slot] = part.scale
+        fill_slot([a[slot] for a in self.a_stacks], [b[slot] for b in self.b_stacks], self.scales[:, slot], weights)
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot, so nothing of the adapter that held it can leak into a later one."""
         self.set_slot(slot, [None] * len(self.lora))
 
     def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
+        """The A/B slices one slot holds."""
         return self.lora
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
+        """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
         add_lora(x, out, self.a_stacks, self.b_stacks, self.scales, batch, self.style, self.lora,
                  self.gathers_shrink, self.group)
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""
-        return [(list(a.shape[1:]), list(b.shape[1:])) for a, b in zip(self.a_stacks, self.b_stacks)]
+        return [(list(a.shape[1:]), list(b.shape[1:])) for a, b in zip(self.a_stacks, self.b_stacks, strict=True)]
 
 
 class ColumnParallelLoraLinear(LoraLinear):
     """Output features split over the group (qkv_proj, gate_up_proj); no reduction."""
 
     style = ParallelStyle.COLUMN
-
-    def base_shape(self) -> tuple[int, int]:
-        return self.layout.in_features, self.layout.local_out_width
-
-    def bias_width(self) -> int:
-        return self.layout.local_out_width
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         rows = [checkpoint.read(f"{prefix}.{s.peft_module}.weight", rows=s.out) for s in self.layout.slices]
@@ -160,6 +169,7 @@ class ColumnParallelLoraLinear(LoraLinear):
             self.bias.copy_(torch.cat([checkpoint.read(f"{prefix}.{s.peft_module}.bias", rows=s.out) for s in self.layout.slices]))
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        """This rank's output columns, base plus LoRA."""
         out = nn.functional.linear(x, self.weight, self.bias)
         self.add_lora(x, out, batch)
         return out
@@ -170,13 +180,6 @@ class RowParallelLoraLinear(LoraLinear):
 
     style = ParallelStyle.ROW
 
-    def base_shape(self) -> tuple[int, int]:
-        (only,) = self.layout.slices
-        return only.inp.width, only.out.width
-
-    def bias_width(self) -> int:
-        return self.layout.slices[0].out.width
-
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         (only,) = self.layout.slices
         key = f"{prefix}.{only.peft_module}"
@@ -185,6 +188,7 @@ class RowParallelLoraLinear(LoraLinear):
             self.bias.copy_(checkpoint.read(f"{key}.bias"))
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        """The full output: partial base plus LoRA, reduced once over the layer's group."""
         partial = nn.functional.linear(x, self.weight)
         self.add_lora(x, partial, batch)
         all_reduce(partial, self.group)

@@ -1,4 +1,4 @@
-"""Dense decoder (Llama and Qwen3 families) sharded for TP with DP attention (DESIGN.md §2).
+"""Dense decoder (Llama and Qwen3 families) sharded for TP with DP attention (docs/design.md §2).
 
 Per layer: each attention group runs norm → QKV → attention → o_proj on its own tokens
 (o_proj reduces inside the attention-TP group only); the groups' hidden states are then
@@ -18,22 +18,39 @@ from torch import nn
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, all_reduce
 from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear
+from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
 from node_agent.engine.sharding import (
+    EXPERT_KINDS,
     MODULE_KINDS,
+    ModuleKey,
     ShardGroup,
-    effective_shard,
-    kv_heads_on_rank,
+    attention_heads,
     local_experts,
     module_layout,
     vocab_span,
 )
 from node_agent.engine.topology import Topology
 
-# Embedding and LM head work on one attention group's tokens, so they shard like attention.
-VOCAB_GROUP = ShardGroup.ATTN_TP
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every module of one rank is built from."""
+
+    cfg: ModelConfig
+    topology: Topology
+    rank: int
+    groups: ProcessGroups
+    capacity: LoraCapacity
+    dtype: torch.dtype
+    device: torch.device
+
+    def lora_linear(self, kind_name: str, bias: bool) -> LoraLinear:
+        """The LoRA layer of module kind `kind_name`, built with its kind's group and layout."""
+        kind = MODULE_KINDS[kind_name]
+        layout = module_layout(self.cfg, self.topology, self.rank, kind_name)
+        return LAYER_CLASSES[kind.style](layout, self.groups.get(kind.group), self.capacity, bias, self.dtype, self.device)
 
 
 @dataclass
@@ -59,12 +76,15 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
+    """RMS normalisation with a learned weight, as transformers computes it."""
+
     def __init__(self, width: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised `x` in its own dtype."""
         # Normalise in fp32 and cast back before the weight, as transformers does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -90,6 +110,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The RoPE partner of each feature: (-second half, first half)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -102,18 +123,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class VocabParallelEmbedding(nn.Module):
     """Rows of the (padded) vocabulary split over the attention-TP group."""
 
-    def __init__(self, cfg: ModelConfig, topology: Topology, rank: int, groups: ProcessGroups, dtype, device) -> None:
+    def __init__(self, setup: RankSetup) -> None:
         super().__init__()
-        shard = effective_shard(topology, rank, VOCAB_GROUP)
-        self.span = vocab_span(cfg.vocab_size, shard)
+        cfg = setup.cfg
+        self.span = vocab_span(cfg, setup.topology, setup.rank)
         self.vocab_size = cfg.vocab_size
-        self.group = groups.get(VOCAB_GROUP)
-        self.weight = nn.Parameter(torch.zeros(self.span.width, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.group = setup.groups.get(MODULE_KINDS["vocab"].group)
+        self.weight = nn.Parameter(
+            torch.zeros(self.span.width, cfg.hidden_size, dtype=setup.dtype, device=setup.device), requires_grad=False
+        )
 
     def load(self, checkpoint: Checkpoint, key: str) -> None:
+        """Read this rank's rows of the embedding (or LM head) `key`."""
         self.weight.copy_(checkpoint.read(key, rows=self.span))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings of `tokens`: each rank looks up its rows, a sum over the group assembles them."""
         local = tokens - self.span.start
         mine = (local >= 0) & (local < self.span.width)
         out = F.embedding(local.clamp(0, self.span.width - 1), self.weight) * mine[:, None].to(self.weight.dtype)
@@ -126,18 +151,31 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device) -> None:
+    """This rank's heads of one attention group: qkv_proj → attention → o_proj (reduced in the group)."""
+
+    def __init__(self, setup: RankSetup) -> None:
         super().__init__()
-        self.qkv_proj = _lora_linear(cfg, topology, rank, groups, capacity, "qkv_proj", cfg.attention_bias, dtype, device)
-        self.o_proj = _lora_linear(cfg, topology, rank, groups, capacity, "o_proj", False, dtype, device)
-        shard = self.qkv_proj.layout.shard
+        cfg = setup.cfg
+        self.qkv_proj = setup.lora_linear("qkv_proj", cfg.attention_bias)
+        self.o_proj = setup.lora_linear("o_proj", False)
+        heads = attention_heads(cfg, setup.topology, setup.rank)
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_heads // shard.size
-        self.num_kv_heads = kv_heads_on_rank(cfg, shard).width
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.num_heads = heads.q.width
+        self.num_kv_heads = heads.kv.width
+        # Qwen3 normalises each query and key head.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, setup.dtype, setup.device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, setup.dtype, setup.device) if cfg.qk_norm else None
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read this rank's slices of the attention weights under `prefix` (`model.layers.N.self_attn`)."""
+        self.qkv_proj.load_base(checkpoint, prefix)
+        self.o_proj.load_base(checkpoint, prefix)
+        for name, norm in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
+            if norm is not None:
+                norm.weight.copy_(checkpoint.read(f"{prefix}.{name}.weight"))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention of this group's sequences (causal, each on its own), o_proj reduced in the group."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x, ctx.attn_lora)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -145,7 +183,7 @@ class Attention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
@@ -158,22 +196,26 @@ class Attention(nn.Module):
             ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)
             out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
             start = end
-        return self.o_proj(out.reshape(tokens, q_width), ctx.attn_lora)
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, q_width), ctx.attn_lora)
+        return result
 
 
 class MLP(nn.Module):
     """Gated MLP, TP over all ranks; `prefix` names the module kinds ("" dense, "shared_expert.")."""
 
-    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device, prefix: str = "") -> None:
+    def __init__(self, setup: RankSetup, prefix: str = "") -> None:
         super().__init__()
-        self.gate_up_proj = _lora_linear(cfg, topology, rank, groups, capacity, f"{prefix}gate_up_proj", cfg.mlp_bias, dtype, device)
-        self.down_proj = _lora_linear(cfg, topology, rank, groups, capacity, f"{prefix}down_proj", cfg.mlp_bias, dtype, device)
+        self.gate_up_proj = setup.lora_linear(f"{prefix}gate_up_proj", setup.cfg.mlp_bias)
+        self.down_proj = setup.lora_linear(f"{prefix}down_proj", setup.cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """The MLP of every token, reduced over the full group by down_proj."""
         gate, up = self.gate_up_proj(x, batch).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch)
+        result: torch.Tensor = self.down_proj(F.silu(gate) * up, batch)
+        return result
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read this rank's slices of the MLP weights under `prefix`."""
         self.gate_up_proj.load_base(checkpoint, prefix)
         self.down_proj.load_base(checkpoint, prefix)
 
@@ -181,61 +223,89 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """The expert block of a layer: this rank's experts, then one reduction over the full group."""
 
-    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device) -> None:
+    def __init__(self, setup: RankSetup) -> None:
         super().__init__()
-        experts = local_experts(cfg, topology, rank)
-        moe_group = groups.get(ShardGroup.MOE_TP)
-        projections = [
-            ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, moe_group, capacity, dtype, device)
-            for kind in ("experts.gate_up_proj", "experts.down_proj")
-        ]
-        self.block = SparseMoeBlock(cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.hidden_size,
-                                    *projections, dtype, device)
-        self.full_group = groups.get(ShardGroup.FULL_TP)
-        self.shared_expert = self.shared_expert_gate = None
-        if cfg.moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, topology, rank, groups, capacity, dtype, device, prefix="shared_expert.")
-            self.shared_expert_gate = _lora_linear(cfg, topology, rank, groups, capacity, "shared_expert_gate", False, dtype, device)
+        cfg, moe = setup.cfg, setup.cfg.experts()
+        experts = local_experts(cfg, setup.topology, setup.rank)
+        gate_up, down = (
+            ExpertLoraLinear(module_layout(cfg, setup.topology, setup.rank, kind), experts,
+                             setup.groups.get(MODULE_KINDS[kind].group), setup.capacity, setup.dtype, setup.device)
+            for kind in EXPERT_KINDS
+        )
+        self.block = SparseMoeBlock(moe.num_experts, moe.top_k, moe.norm_topk_prob, cfg.hidden_size, gate_up, down,
+                                    setup.dtype, setup.device)
+        self.full_group = setup.groups.get(ShardGroup.FULL_TP)
+        self.shared_expert = SharedExpert(setup) if moe.shared_expert_intermediate_size else None
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """Routed experts (one reduction over the full group) plus the shared expert, if any."""
         out = all_reduce(self.block(x, batch), self.full_group)
         if self.shared_expert is not None:
-            # The shared expert reduces inside its own down_proj (a full-TP row layer).
-            out = out + torch.sigmoid(self.shared_expert_gate(x, batch)) * self.shared_expert(x, batch)
+            out = out + self.shared_expert(x, batch)
         return out
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read the router, this rank's experts and the shared expert under `prefix` (`model.layers.N.mlp`)."""
         self.block.router.copy_(checkpoint.read(f"{prefix}.gate.weight"))
         self.block.gate_up.load_base(checkpoint, f"{prefix}.experts")
         self.block.down.load_base(checkpoint, f"{prefix}.experts")
         if self.shared_expert is not None:
-            self.shared_expert.load_base(checkpoint, f"{prefix}.shared_expert")
-            self.shared_expert_gate.load_base(checkpoint, prefix)
+            self.shared_expert.load_base(checkpoint, prefix)
 
     def slot_views(self) -> dict[tuple[str, int], ExpertSlotView]:
         """One pool-facing view per (expert kind, global expert id) held here."""
         views = {}
-        for kind, module in (("experts.gate_up_proj", self.block.gate_up), ("experts.down_proj", self.block.down)):
+        for kind, module in zip(EXPERT_KINDS, (self.block.gate_up, self.block.down), strict=True):
             for local, expert in enumerate(range(module.experts.start, module.experts.stop)):
                 views[(kind, expert)] = ExpertSlotView(module, local)
         return views
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, topology, rank, groups, capacity, dtype, device, sparse: bool) -> None:
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: a full-TP MLP scaled per token by its replicated gate."""
+
+    def __init__(self, setup: RankSetup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, topology, rank, groups, capacity, dtype, device)
-        mlp_class = MoE if sparse else MLP
-        self.mlp = mlp_class(cfg, topology, rank, groups, capacity, dtype, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.full_group = groups.get(ShardGroup.FULL_TP)
-        self.dp_size = topology.dp_size
+        self.mlp = MLP(setup, prefix="shared_expert.")
+        self.gate = setup.lora_linear("shared_expert_gate", False)
+
+    def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """sigmoid(gate(x)) · mlp(x); the MLP reduces inside its own down_proj (a full-TP row layer)."""
+        gate: torch.Tensor = self.gate(x, batch)
+        expert: torch.Tensor = self.mlp(x, batch)
+        return torch.sigmoid(gate) * expert
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read the shared expert and its gate under `prefix` (`model.layers.N.mlp`)."""
+        self.mlp.load_base(checkpoint, f"{prefix}.shared_expert")
+        self.gate.load_base(checkpoint, prefix)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer: attention per group, then the MLP or expert block over all ranks."""
+
+    def __init__(self, setup: RankSetup, sparse: bool) -> None:
+        super().__init__()
+        cfg = setup.cfg
+        self.self_attn = Attention(setup)
+        self.mlp: MLP | MoE = MoE(setup) if sparse else MLP(setup)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
+        self.full_group = setup.groups.get(ShardGroup.FULL_TP)
+        self.dp_size = setup.topology.dp_size
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read this rank's slices of the layer's weights under `prefix` (`model.layers.N`)."""
+        self.input_layernorm.weight.copy_(checkpoint.read(f"{prefix}.input_layernorm.weight"))
+        self.post_attention_layernorm.weight.copy_(checkpoint.read(f"{prefix}.post_attention_layernorm.weight"))
+        self.self_attn.load_base(checkpoint, f"{prefix}.self_attn")
+        self.mlp.load_base(checkpoint, f"{prefix}.mlp")
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention on this group's rows, the MLP on every group's rows, this group's rows kept."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
         mlp_in = self._gather_groups(self.post_attention_layernorm(hidden), ctx)
-        mlp_out = self.mlp(mlp_in, ctx.mlp_lora)
+        mlp_out: torch.Tensor = self.mlp(mlp_in, ctx.mlp_lora)
         return hidden + mlp_out[ctx.group_offset : ctx.group_offset + hidden.shape[0]]
 
     def _gather_groups(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -252,28 +322,27 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The whole model on one rank."""
 
+    inv_freq: torch.Tensor  # a registered buffer
+
     def __init__(self, cfg: ModelConfig, topology: Topology, rank: int, groups: ProcessGroups,
                  capacity: LoraCapacity, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg, topology, rank, groups, dtype, device)
-        self.lm_head = (
-            self.embed_tokens if cfg.tie_word_embeddings
-            else VocabParallelEmbedding(cfg, topology, rank, groups, dtype, device)
-        )
+        setup = RankSetup(cfg, topology, rank, groups, capacity, dtype, device)
+        self.embed_tokens = VocabParallelEmbedding(setup)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup)
         sparse = cfg.moe.sparse_layers if cfg.moe else frozenset()
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, topology, rank, groups, capacity, dtype, device, index in sparse)
-            for index in range(cfg.num_layers)
-        )
+        layers = [DecoderLayer(setup, index in sparse) for index in range(cfg.num_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.decoder_layers = layers  # the same modules, typed (ModuleList items are plain Modules)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
-    def lora_modules(self) -> dict[tuple, LoraLinear | ExpertSlotView]:
+    def lora_modules(self) -> dict[ModuleKey, LoraSlots]:
         """Every LoRA target the pool fills: (layer, kind) for dense modules, (layer, kind,
         global expert id) for each expert held on this rank."""
-        found: dict[tuple, LoraLinear | ExpertSlotView] = {}
-        for index, layer in enumerate(self.layers):
+        found: dict[ModuleKey, LoraSlots] = {}
+        for index, layer in enumerate(self.decoder_layers):
             for module in layer.modules():
                 if isinstance(module, LoraLinear):
                     found[(index, module.layout.kind.name)] = module
@@ -288,16 +357,8 @@ class CausalLM(nn.Module):
         if not self.cfg.tie_word_embeddings:
             self.lm_head.load(checkpoint, "lm_head.weight")
         self.norm.weight.copy_(checkpoint.read("model.norm.weight"))
-        for index, layer in enumerate(self.layers):
-            prefix = f"model.layers.{index}"
-            layer.input_layernorm.weight.copy_(checkpoint.read(f"{prefix}.input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(checkpoint.read(f"{prefix}.post_attention_layernorm.weight"))
-            layer.self_attn.qkv_proj.load_base(checkpoint, f"{prefix}.self_attn")
-            layer.self_attn.o_proj.load_base(checkpoint, f"{prefix}.self_attn")
-            if layer.self_attn.q_norm is not None:
-                layer.self_attn.q_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.q_norm.weight"))
-                layer.self_attn.k_norm.weight.copy_(checkpoint.read(f"{prefix}.self_attn.k_norm.weight"))
-            layer.mlp.load_base(checkpoint, f"{prefix}.mlp")
+        for index, layer in enumerate(self.decoder_layers):
+            layer.load_base(checkpoint, f"model.layers.{index}")
 
     def rope_tables(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..len-1 of each sequence, concatenated."""
@@ -313,12 +374,6 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Logits [T_group, vocab] for this rank's attention group (float32)."""
         hidden = self.embed_tokens.embed(tokens)
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             hidden = layer(hidden, ctx)
         return self.lm_head.logits(self.norm(hidden)).float()
-
-
-def _lora_linear(cfg, topology, rank, groups, capacity, kind_name, bias, dtype, device) -> LoraLinear:
-    kind = MODULE_KINDS[kind_name]
-    layout = module_layout(cfg, topology, rank, kind_name)
-    return LAYER_CLASSES[kind.style](layout, groups.get(kind.group), capacity, bias, dtype, device)

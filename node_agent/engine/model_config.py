@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE"}
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
@@ -27,7 +28,8 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
 
     @classmethod
-    def from_dict(cls, raw: dict, num_layers: int) -> MoEConfig | None:
+    def from_dict(cls, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+        """The routed experts of a parsed `config.json`, or None for a model without them."""
         # transformers 5 writes num_local_experts; checkpoints made with transformers 4 say num_experts.
         experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
         if experts == 0:
@@ -53,7 +55,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
@@ -62,11 +64,14 @@ class ModelConfig:
 
     @property
     def q_size(self) -> int:
+        """Output features of q_proj (never assumed equal to hidden_size)."""
         return self.num_heads * self.head_dim
 
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def experts(self) -> MoEConfig:
+        """The routed-expert config; asking a dense model for it is a programming error."""
+        if self.moe is None:
+            raise ModelConfigError(f"model_type {self.model_type!r} has no routed experts")
+        return self.moe
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -81,7 +86,7 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from the parsed `config.json`, refusing what the engine does not implement."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
@@ -118,7 +123,7 @@ class ModelConfig:
         )
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """RoPE theta and scaling from either the transformers-5 or the transformers-4 layout."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))

@@ -1,4 +1,4 @@
-"""Routed experts with expert parallelism and expert LoRA (Qwen3-MoE; DESIGN.md §2, §3).
+"""Routed experts with expert parallelism and expert LoRA (Qwen3-MoE; docs/design.md §2, §3).
 
 A rank holds only its expert-parallel group's experts (`sharding.local_experts`), each split over
 the MoE-TP group like a dense MLP. LoRA buffers are indexed by *local* expert id; a token routed
@@ -15,8 +15,8 @@ from torch import nn
 
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.lora_layers import LoraCapacity, SliceWeights, add_lora
-from node_agent.engine.sharding import ModuleLayout, ParallelStyle, Span, lora_layout
+from node_agent.engine.lora_layers import LoraCapacity, SliceWeights, add_lora, fill_slot
+from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, Span, lora_fully_sharded, lora_layout
 
 
 class ExpertLoraLinear(nn.Module):
@@ -30,16 +30,15 @@ class ExpertLoraLinear(nn.Module):
         self.group = group
         self.style = layout.kind.style
         self.lora = lora_layout(layout, capacity.max_rank, capacity.fully_sharded)
-        self.gathers_shrink = capacity.fully_sharded and layout.shard.size > 1
+        self.gathers_shrink = lora_fully_sharded(layout.shard, capacity.fully_sharded)
         count = experts.width
-        if self.style is ParallelStyle.COLUMN:
-            shape = (layout.local_out_width, layout.in_features)
-        else:
-            shape = (layout.slices[0].out.width, layout.slices[0].inp.width)
-        self.weight = nn.Parameter(torch.empty(count, *shape, dtype=dtype, device=device), requires_grad=False)
-        zeros = lambda *size: torch.zeros(*size, dtype=dtype, device=device)  # noqa: E731
-        self.a_stacks = [zeros(capacity.slots, count, s.a_rank.width, s.a_in.width) for s in self.lora]
-        self.b_stacks = [zeros(capacity.slots, count, s.b_out.width, s.b_rank.width) for s in self.lora]
+        self.weight = nn.Parameter(torch.empty(count, *layout.base_shape, dtype=dtype, device=device), requires_grad=False)
+        self.a_stacks = [
+            torch.zeros(capacity.slots, count, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
+        ]
+        self.b_stacks = [
+            torch.zeros(capacity.slots, count, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora
+        ]
         self.scales = torch.zeros(len(self.lora), capacity.slots, count, dtype=torch.float32, device=device)
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
@@ -53,16 +52,9 @@ class ExpertLoraLinear(nn.Module):
                 self.weight[local].copy_(checkpoint.read(f"{prefix}.{expert}.{only.peft_module}.weight", cols=only.inp))
 
     def set_expert_slot(self, slot: int, local: int, weights: list[SliceWeights | None]) -> None:
-        for index, part in enumerate(weights):
-            a, b = self.a_stacks[index][slot, local], self.b_stacks[index][slot, local]
-            if part is None:
-                a.zero_()
-                b.zero_()
-                self.scales[index, slot, local] = 0.0
-            else:
-                a.copy_(part.a)
-                b.copy_(part.b)
-                self.scales[index, slot, local] = part.scale
+        """Write one adapter's slices of local expert `local` into `slot` (untargeted: zero)."""
+        fill_slot([a[slot, local] for a in self.a_stacks], [b[slot, local] for b in self.b_stacks],
+                  self.scales[:, slot, local], weights)
 
     def forward(self, x: torch.Tensor, local: int, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output of local expert `local` for its routed tokens `x` (unreduced)."""
@@ -80,16 +72,20 @@ class ExpertSlotView:
         self.local = local
 
     def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
+        """Write one adapter's slices of this expert into `slot`."""
         self.module.set_expert_slot(slot, self.local, weights)
 
     def clear_slot(self, slot: int) -> None:
+        """Zero this expert's part of `slot`."""
         self.module.set_expert_slot(slot, self.local, [None] * len(self.module.lora))
 
-    def lora_slices(self):
+    def lora_slices(self) -> tuple[LoraSliceLayout, ...]:
+        """The A/B slices one slot of this expert holds."""
         return self.module.lora
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
-        return [(list(a.shape[2:]), list(b.shape[2:])) for a, b in zip(self.module.a_stacks, self.module.b_stacks)]
+        """Per slice: the (A, B) shape of this expert's buffers in one slot."""
+        return [(list(a.shape[2:]), list(b.shape[2:])) for a, b in zip(self.module.a_stacks, self.module.b_stacks, strict=True)]
 
 
 class SparseMoeBlock(nn.Module):
@@ -113,6 +109,7 @@ class SparseMoeBlock(nn.Module):
         return ids, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
+        """Route `x` and return this rank's partial expert output (reduced by the caller)."""
         ids, weights = self.route(x)
         return self.experts_forward(x, ids, weights, batch)
 

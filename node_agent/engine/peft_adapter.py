@@ -9,22 +9,28 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from node_agent.engine.lora_layers import SliceWeights
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.sharding import (
+    EXPERT_KINDS,
     MODULE_KINDS,
     PEFT_TO_KIND,
     SHARED_EXPERT_KINDS,
     LoraSliceLayout,
-    Span,
+    ModuleKey,
+    ModuleLayout,
     model_kinds,
+    unsharded_layout,
 )
 
 CONFIG_FILE = "adapter_config.json"
@@ -37,6 +43,9 @@ _MODULE = re.compile(
 # PEFT `target_parameters` LoRA on the fused 3-D expert weights: nested wrappers add `.base_layer`.
 _FUSED_EXPERTS = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
 FUSED_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# safetensors element types a LoRA weight may have; the header's limit is safetensors' own.
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_HEADER_BYTES = 100_000_000
 
 
 class AdapterLoadError(ValueError):
@@ -66,9 +75,18 @@ class ModuleAdapter:
     b_col_stride: int = 1
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> ModuleKey:
         """The engine's key of the module this slice fills (see CausalLM.lora_modules)."""
         return (self.layer, self.kind) if self.expert is None else (self.layer, self.kind, self.expert)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's data lies in the safetensors file, from its header."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
 
 
 @dataclass(frozen=True)
@@ -78,6 +96,8 @@ class AdapterSpec:
     path: Path
     modules: tuple[ModuleAdapter, ...]
     max_module_rank: int
+    tensors: Mapping[str, TensorEntry]  # the parsed safetensors header, read once
+    file_size: int  # of the weights file when its header was read
 
 
 def read_adapter_spec(path: Path, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
@@ -86,19 +106,19 @@ def read_adapter_spec(path: Path, cfg: ModelConfig, max_lora_rank: int) -> Adapt
     config = _read_config(path)
     _refuse_unsupported_features(config)
     weights = _weights_file(path)
-    header = _read_header(weights)
-    modules = _match_modules(config, header, cfg, max_lora_rank)
-    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules))
+    tensors, file_size = _read_header(weights)
+    modules = _Matcher(config, tensors, cfg, max_lora_rank).modules()
+    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, file_size)
 
 
-def _read_config(path: Path) -> dict:
+def _read_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise AdapterLoadError(f"adapter directory {path} does not exist")
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterLoadError(f"{CONFIG_FILE} not found in {path}")
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise AdapterLoadError(f"{CONFIG_FILE} in {path} is not valid JSON: {error}") from error
     if not isinstance(config, dict):
@@ -106,7 +126,7 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _refuse_unsupported_features(config: dict) -> None:
+def _refuse_unsupported_features(config: dict[str, Any]) -> None:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise AdapterLoadError(f"peft_type {peft_type} is not supported (LORA only)")
@@ -144,79 +164,175 @@ def _weights_file(path: Path) -> Path:
     raise AdapterLoadError(f"{WEIGHTS_FILE} not found in {path}")
 
 
-def _read_header(weights: Path) -> dict[str, list[int]]:
-    """Tensor shapes from the safetensors header; a bad or short file is refused here."""
+def _corrupt(reason: str) -> AdapterLoadError:
+    return AdapterLoadError(f"{WEIGHTS_FILE} is corrupt or truncated: {reason}")
+
+
+def _read_header(weights: Path) -> tuple[dict[str, TensorEntry], int]:
+    """The safetensors header (8-byte little-endian length, then JSON), checked as safetensors does.
+
+    Returns every tensor's entry and the file size. A bad or short file is refused here.
+    """
     try:
-        with safe_open(str(weights), framework="pt") as handle:
-            return {key: list(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    except Exception as error:  # safetensors raises its own error types
-        raise AdapterLoadError(f"{WEIGHTS_FILE} is corrupt or truncated: {error}") from error
+        with weights.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise _corrupt(f"the file has {len(prefix)} bytes, fewer than the 8-byte header length")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(_MAX_HEADER_BYTES, size - 8):
+                raise _corrupt(f"header length {length} does not fit the {size}-byte file")
+            raw = json.loads(handle.read(length))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise _corrupt(f"the header is not valid JSON ({error})") from error
+    except OSError as error:
+        raise AdapterLoadError(f"{WEIGHTS_FILE} cannot be read: {error}") from error
+    if not isinstance(raw, dict):
+        raise _corrupt("the header is not a JSON object")
+    data_start = 8 + length
+    tensors = {key: _tensor_entry(key, value, data_start) for key, value in raw.items() if key != "__metadata__"}
+    # The tensors must tile the data section exactly, in offset order, as safetensors requires.
+    end = data_start
+    for entry in sorted(tensors.values(), key=lambda e: e.start):
+        if entry.start != end:
+            raise _corrupt("tensor data offsets leave gaps or overlap")
+        end += math.prod(entry.shape) * entry.dtype.itemsize
+    if end != size:
+        raise _corrupt(f"the header describes {end} bytes, the file has {size}")
+    return tensors, size
 
 
-def _match_modules(config: dict, header: dict[str, list[int]], cfg: ModelConfig, max_lora_rank: int) -> list[ModuleAdapter]:
-    _check_target_names(config, cfg)
-    pairs: dict[str, dict[str, str]] = {}
-    for key in header:
-        match = _KEY.match(key)
+def _tensor_entry(key: str, value: object, data_start: int) -> TensorEntry:
+    """One header entry, validated: a float dtype, a shape, offsets that match the shape."""
+    if not isinstance(value, dict):
+        raise _corrupt(f"header entry {key!r} is not an object")
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise _corrupt(f"tensor {key!r} has no valid shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise _corrupt(f"tensor {key!r} has no valid data_offsets")
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterLoadError(
+            f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype!r}; LoRA weights must be one of {', '.join(_FLOAT_DTYPES)}"
+        )
+    torch_dtype = _FLOAT_DTYPES[dtype]
+    if offsets[1] - offsets[0] != math.prod(shape) * torch_dtype.itemsize or offsets[0] < 0:
+        raise _corrupt(f"tensor {key!r}: data_offsets {offsets} do not match shape {shape} of {dtype}")
+    return TensorEntry(torch_dtype, tuple(shape), data_start + offsets[0])
+
+
+@dataclass(frozen=True)
+class _Matcher:
+    """Matches the header's tensors to the base model's modules, with the shapes the layouts give."""
+
+    config: dict[str, Any]
+    tensors: Mapping[str, TensorEntry]
+    cfg: ModelConfig
+    max_lora_rank: int
+
+    def modules(self) -> list[ModuleAdapter]:
+        """Every targeted module slice of the adapter, validated; refuses anything else."""
+        self._check_target_names()
+        pairs: dict[str, dict[str, str]] = {}
+        for key in self.tensors:
+            match = _KEY.match(key)
+            if not match:
+                raise AdapterLoadError(f"{WEIGHTS_FILE} has tensor {key!r}, which is not a LoRA A/B weight the engine can serve")
+            pairs.setdefault(match["module"], {})[match["ab"]] = key
+        if not pairs:
+            raise AdapterLoadError(f"{WEIGHTS_FILE} has no LoRA tensors")
+        full = {kind: unsharded_layout(self.cfg, kind) for kind in model_kinds(self.cfg)}
+        modules = []
+        for module_name, keys in sorted(pairs.items()):
+            if set(keys) != {"A", "B"}:
+                missing = "lora_B" if "A" in keys else "lora_A"
+                raise AdapterLoadError(f"module {module_name} has no {missing} tensor in {WEIGHTS_FILE}")
+            fused = _FUSED_EXPERTS.match(module_name)
+            if fused:
+                modules.extend(self._fused_experts(module_name, int(fused["layer"]), keys["A"], keys["B"], full))
+            else:
+                modules.append(self._module(module_name, keys["A"], keys["B"], full))
+        return modules
+
+    def _check_target_names(self) -> None:
+        targets = self.config.get("target_modules")
+        if isinstance(targets, list):
+            kinds = model_kinds(self.cfg)
+            names = {name for (_, name), (kind, _) in PEFT_TO_KIND.items() if kind in kinds}
+            unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
+            if unknown:
+                raise AdapterLoadError(
+                    f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
+                    f"(it has {', '.join(sorted(names))})"
+                )
+
+    def _module(self, module_name: str, a_key: str, b_key: str, full: Mapping[str, ModuleLayout]) -> ModuleAdapter:
+        match = _MODULE.match(module_name)
         if not match:
-            raise AdapterLoadError(f"{WEIGHTS_FILE} has tensor {key!r}, which is not a LoRA A/B weight the engine can serve")
-        pairs.setdefault(match["module"], {})[match["ab"]] = key
-    if not pairs:
-        raise AdapterLoadError(f"{WEIGHTS_FILE} has no LoRA tensors")
-    modules = []
-    for module_name, keys in sorted(pairs.items()):
-        if set(keys) != {"A", "B"}:
-            missing = "lora_B" if "A" in keys else "lora_A"
-            raise AdapterLoadError(f"module {module_name} has no {missing} tensor in {WEIGHTS_FILE}")
-        if _FUSED_EXPERTS.match(module_name):
-            modules.extend(_fused_expert_adapters(module_name, keys["A"], keys["B"], header, config, cfg, max_lora_rank))
-        else:
-            modules.append(_module_adapter(module_name, keys["A"], keys["B"], header, config, cfg, max_lora_rank))
-    return modules
-
-
-def _check_target_names(config: dict, cfg: ModelConfig) -> None:
-    targets = config.get("target_modules")
-    if isinstance(targets, list):
-        kinds = model_kinds(cfg)
-        names = {name for (_, name), (kind, _) in PEFT_TO_KIND.items() if kind in kinds}
-        unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
-        if unknown:
+            raise AdapterLoadError(f"base model does not have module {module_name}")
+        layer, name = int(match["layer"]), match["name"]
+        expert = int(match["expert"]) if match["expert"] is not None else None
+        parent = "mlp.experts" if expert is not None else match["parent"]
+        if not _module_exists(self.cfg, layer, parent, name, expert):
+            raise AdapterLoadError(f"base model does not have module {module_name}")
+        kind_name, slice_index = PEFT_TO_KIND[(parent, name)]
+        expected = full[kind_name].slices[slice_index]
+        out_features, in_features = expected.out.width, expected.inp.width
+        a_shape, b_shape = self.tensors[a_key].shape, self.tensors[b_key].shape
+        rank = a_shape[0] if len(a_shape) == 2 else -1
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_features or b_shape[0] != out_features or b_shape[1] != rank:
             raise AdapterLoadError(
-                f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
-                f"(it has {', '.join(sorted(names))})"
+                f"{module_name}: lora_A {list(a_shape)} / lora_B {list(b_shape)} does not fit the base model "
+                f"(expected [r, {in_features}] / [{out_features}, r]); is this adapter for another base model?"
             )
+        scale = self._checked_scale(module_name, rank)
+        return ModuleAdapter(layer, kind_name, slice_index, a_key, b_key, rank, scale, expert)
 
+    def _fused_experts(self, module_name: str, layer: int, a_key: str, b_key: str,
+                       full: Mapping[str, ModuleLayout]) -> list[ModuleAdapter]:
+        """Split PEFT's `target_parameters` LoRA on the 3-D expert weights into per-expert slices.
 
-def _module_adapter(module_name, a_key, b_key, header, config, cfg: ModelConfig, max_lora_rank) -> ModuleAdapter:
-    match = _MODULE.match(module_name)
-    layer = int(match["layer"]) if match else -1
-    expert = int(match["expert"]) if match and match["expert"] is not None else None
-    parent = "mlp.experts" if expert is not None else (match["parent"] if match else "")
-    if not match or not _module_exists(cfg, layer, parent, match["name"], expert):
-        raise AdapterLoadError(f"base model does not have module {module_name}")
-    kind_name, slice_index = PEFT_TO_KIND[(parent, match["name"])]
-    out_features, in_features = expected_shape(cfg, match["name"], experts=expert is not None,
-                                               shared=parent == "mlp.shared_expert")
-    a_shape, b_shape = header[a_key], header[b_key]
-    rank = a_shape[0] if len(a_shape) == 2 else -1
-    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_features or b_shape[0] != out_features or b_shape[1] != rank:
-        raise AdapterLoadError(
-            f"{module_name}: lora_A {a_shape} / lora_B {b_shape} does not fit the base model "
-            f"(expected [r, {in_features}] / [{out_features}, r]); is this adapter for another base model?"
-        )
-    if rank > max_lora_rank:
-        raise AdapterLoadError(f"{module_name}: rank {rank} exceeds max_lora_rank {max_lora_rank}")
-    configured_rank, alpha = _rank_and_alpha(config, module_name)
-    if configured_rank != rank:
-        raise AdapterLoadError(
-            f"{module_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it"
-        )
-    return ModuleAdapter(layer, kind_name, slice_index, a_key, b_key, rank, _scale(config, alpha, rank), expert)
+        Which parameter a pair adapts is told by its shapes (in → out of each expert kind's
+        unsharded layout: gate_up hidden → 2·I, down I → hidden; they can never coincide).
+        """
+        if not _is_sparse(self.cfg, layer):
+            raise AdapterLoadError(f"base model does not have module {module_name} (layer {layer} has no experts)")
+        experts = self.cfg.experts().num_experts
+        a_shape, b_shape = self.tensors[a_key].shape, self.tensors[b_key].shape
+        fits = len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] % experts == 0 and a_shape[0] == b_shape[1]
+        by_shape = {(full[kind].in_features, full[kind].local_out_width): kind for kind in EXPERT_KINDS}
+        kind = by_shape.get((a_shape[1], b_shape[0])) if fits else None
+        if kind is None:
+            expected = " or ".join(
+                f"[r*{experts}, {full[k].in_features}] / [{full[k].local_out_width}, r*{experts}] for {k.split('.', 1)[1]}"
+                for k in EXPERT_KINDS
+            )
+            raise AdapterLoadError(
+                f"{module_name}: lora_A {list(a_shape)} / lora_B {list(b_shape)} does not fit the base model's experts "
+                f"(expected {expected}); is this adapter for another base model?"
+            )
+        rank = a_shape[0] // experts
+        scale = self._checked_scale(f"{module_name.split('.base_layer', 1)[0]}.{kind.split('.', 1)[1]}", rank)
+        # Each slice's rows in the fused B are at its offset in the kind's fused output.
+        row_offsets, offset = [], 0
+        for part in full[kind].slices:
+            row_offsets.append(offset)
+            offset += part.out.width
+        return [
+            ModuleAdapter(layer, kind, index, a_key, b_key, rank, scale, expert, a_row_offset=expert * rank,
+                          b_row_offset=row_offset, b_col_start=expert, b_col_stride=experts)
+            for expert in range(experts)
+            for index, row_offset in enumerate(row_offsets)
+        ]
 
-
-def _scale(config: dict, alpha: float, rank: int) -> float:
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    def _checked_scale(self, module_name: str, rank: int) -> float:
+        """The module's scale, after refusing a rank above the engine's or one the config disagrees with."""
+        if rank > self.max_lora_rank:
+            raise AdapterLoadError(f"{module_name}: rank {rank} exceeds max_lora_rank {self.max_lora_rank}")
+        configured_rank, alpha = _rank_and_alpha(self.config, module_name)
+        if configured_rank != rank:
+            raise AdapterLoadError(f"{module_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it")
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
 
 
 def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert: int | None) -> bool:
@@ -228,8 +344,8 @@ def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert:
         return False
     if parent == "self_attn":
         return True
-    if parent == "mlp.experts":
-        return _is_sparse(cfg, layer) and expert < cfg.moe.num_experts
+    if expert is not None:
+        return _is_sparse(cfg, layer) and expert < cfg.experts().num_experts
     return _is_sparse(cfg, layer) == (kind in SHARED_EXPERT_KINDS)
 
 
@@ -237,46 +353,7 @@ def _is_sparse(cfg: ModelConfig, layer: int) -> bool:
     return cfg.moe is not None and layer in cfg.moe.sparse_layers
 
 
-def _fused_expert_adapters(module_name, a_key, b_key, header, config, cfg: ModelConfig, max_lora_rank) -> list[ModuleAdapter]:
-    """Split PEFT's `target_parameters` LoRA on the 3-D expert weights into per-expert slices.
-
-    Which parameter a pair adapts is told by its shapes: gate_up_proj maps hidden → 2·I,
-    down_proj I → hidden, and the two can never coincide (that would need hidden = I = 2·I).
-    """
-    layer = int(_FUSED_EXPERTS.match(module_name)["layer"])
-    if not _is_sparse(cfg, layer):
-        raise AdapterLoadError(f"base model does not have module {module_name} (layer {layer} has no experts)")
-    experts, hidden, inter = cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size
-    a_shape, b_shape = header[a_key], header[b_key]
-    fits = len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] % experts == 0 and a_shape[0] == b_shape[1]
-    projection = {(hidden, 2 * inter): "gate_up_proj", (inter, hidden): "down_proj"}.get(
-        (a_shape[1], b_shape[0]) if fits else None
-    )
-    if projection is None:
-        raise AdapterLoadError(
-            f"{module_name}: lora_A {a_shape} / lora_B {b_shape} does not fit the base model's experts "
-            f"(expected [r*{experts}, {hidden}] / [{2 * inter}, r*{experts}] for gate_up_proj or "
-            f"[r*{experts}, {inter}] / [{hidden}, r*{experts}] for down_proj); is this adapter for another base model?"
-        )
-    rank = a_shape[0] // experts
-    parameter_name = f"{module_name.split('.base_layer')[0]}.{projection}"
-    if rank > max_lora_rank:
-        raise AdapterLoadError(f"{parameter_name}: rank {rank} exceeds max_lora_rank {max_lora_rank}")
-    configured_rank, alpha = _rank_and_alpha(config, parameter_name)
-    if configured_rank != rank:
-        raise AdapterLoadError(f"{parameter_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it")
-    scale = _scale(config, alpha, rank)
-    kind = f"experts.{projection}"
-    slices = [(0, 0), (1, inter)] if projection == "gate_up_proj" else [(0, 0)]
-    return [
-        ModuleAdapter(layer, kind, index, a_key, b_key, rank, scale, expert, a_row_offset=expert * rank,
-                      b_row_offset=row_offset, b_col_start=expert, b_col_stride=experts)
-        for expert in range(experts)
-        for index, row_offset in slices
-    ]
-
-
-def _rank_and_alpha(config: dict, module_name: str) -> tuple[int, float]:
+def _rank_and_alpha(config: dict[str, Any], module_name: str) -> tuple[int, float]:
     """r and alpha of one module, with rank_pattern / alpha_pattern applied as PEFT does."""
     rank = config.get("rank_pattern") or {}
     alpha = config.get("alpha_pattern") or {}
@@ -285,7 +362,7 @@ def _rank_and_alpha(config: dict, module_name: str) -> tuple[int, float]:
     )
 
 
-def _pattern_key(patterns: dict, module_name: str) -> str:
+def _pattern_key(patterns: dict[str, Any], module_name: str) -> str:
     # PEFT's rule: the first pattern that matches a dotted suffix of the module name wins.
     for pattern in patterns:
         if re.match(rf"(.*\.)?({pattern})$", module_name):
@@ -293,78 +370,123 @@ def _pattern_key(patterns: dict, module_name: str) -> str:
     return module_name
 
 
-def expected_shape(cfg: ModelConfig, peft_module: str, experts: bool = False, shared: bool = False) -> tuple[int, int]:
-    """(out, in) features of an unsharded PEFT target module (of one expert) in the base model."""
-    if peft_module == "shared_expert_gate":
-        return 1, cfg.hidden_size
-    if experts or shared:
-        inter = cfg.moe.shared_expert_intermediate_size if shared else cfg.moe.intermediate_size
-        return {"gate_proj": (inter, cfg.hidden_size), "up_proj": (inter, cfg.hidden_size),
-                "down_proj": (cfg.hidden_size, inter)}[peft_module]
-    return {
-        "q_proj": (cfg.q_size, cfg.hidden_size),
-        "k_proj": (cfg.kv_size, cfg.hidden_size),
-        "v_proj": (cfg.kv_size, cfg.hidden_size),
-        "o_proj": (cfg.hidden_size, cfg.q_size),
-        "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
-        "up_proj": (cfg.intermediate_size, cfg.hidden_size),
-        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
-    }[peft_module]
-
-
 @dataclass
 class AdapterShard:
     """This rank's part of one adapter, ready to be copied into LoRA slots."""
 
-    weights: dict[tuple, list[SliceWeights | None]]  # keyed like CausalLM.lora_modules()
+    weights: dict[ModuleKey, list[SliceWeights | None]]  # keyed like CausalLM.lora_modules()
     nbytes: int
 
 
 def read_adapter_shard(
     spec: AdapterSpec,
-    lora_layouts: dict[tuple, tuple[LoraSliceLayout, ...]],
+    lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]],
     dtype: torch.dtype,
 ) -> AdapterShard:
-    """Read this rank's slices of every module (per `lora_layouts`), padded to max rank."""
-    weights: dict[tuple, list[SliceWeights | None]] = {}
-    nbytes = 0
-    try:
-        handle = safe_open(str(spec.path / WEIGHTS_FILE), framework="pt")
-    except Exception as error:
-        raise AdapterLoadError(f"{WEIGHTS_FILE} is corrupt or truncated: {error}") from error
-    for module in spec.modules:
-        layouts = lora_layouts.get(module.key)
-        if layouts is None:
-            if module.expert is None:
-                raise AdapterLoadError(f"engine has no module for {module.a_key}")
-            continue  # an expert held by another expert-parallel group
-        layout = layouts[module.slice_index]
-        a = _read_padded(handle, module.a_key, rows=layout.a_rank, cols=layout.a_in, real_rows=module.rank,
-                         row_offset=module.a_row_offset)
-        b = _read_padded(handle, module.b_key, rows=layout.b_out, cols=layout.b_rank, real_cols=module.rank,
-                         row_offset=module.b_row_offset, col_start=module.b_col_start, col_stride=module.b_col_stride)
-        for tensor, key in ((a, module.a_key), (b, module.b_key)):
+    """Read this rank's slices of every module (per `lora_layouts`), padded to max rank.
+
+    The whole shard is one zeroed buffer of `dtype`; every slice's A and B are views of it, and
+    the file's bytes are read straight into them (through a one-tensor staging buffer only where
+    the file's dtype or column order differs), so memory grows by the shard and little else.
+    """
+    held = [(module, layouts[module.slice_index]) for module in spec.modules if (layouts := _layouts_of(module, lora_layouts))]
+    sizes = [(lay.a_rank.width * lay.a_in.width, lay.b_out.width * lay.b_rank.width) for _, lay in held]
+    shard = _ShardBuffer(sum(a + b for a, b in sizes), dtype)
+    weights: dict[ModuleKey, list[SliceWeights | None]] = {}
+    offset = 0
+    with (spec.path / WEIGHTS_FILE).open("rb", buffering=0) as handle:
+        if os.fstat(handle.fileno()).st_size != spec.file_size:
+            raise _corrupt("the file changed while it was being read")
+        fd = handle.fileno()
+        for (module, lay), (a_size, b_size) in zip(held, sizes, strict=True):
+            # A: the real rank's rows only (padding stays zero); B: the real rank's columns only.
+            a = _Block(spec.tensors[module.a_key], first_row=module.a_row_offset + lay.a_rank.start,
+                       rows=min(lay.a_rank.stop, module.rank) - lay.a_rank.start, first_col=lay.a_in.start,
+                       cols=lay.a_in.width)
+            b = _Block(spec.tensors[module.b_key], first_row=module.b_row_offset + lay.b_out.start, rows=lay.b_out.width,
+                       first_col=module.b_col_start + lay.b_rank.start * module.b_col_stride,
+                       cols=min(lay.b_rank.stop, module.rank) - lay.b_rank.start, col_stride=module.b_col_stride)
+            a_view = shard.read(fd, a, offset, (lay.a_rank.width, lay.a_in.width))
+            b_view = shard.read(fd, b, offset + a_size, (lay.b_out.width, lay.b_rank.width))
+            offset += a_size + b_size
+            parts = weights.setdefault(module.key, [None] * len(MODULE_KINDS[module.kind].peft_modules))
+            parts[module.slice_index] = SliceWeights(a_view, b_view, module.scale)
+    _refuse_non_finite(shard.flat, held, weights)
+    return AdapterShard(weights, shard.flat.numel() * shard.flat.element_size())
+
+
+def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]) -> (
+        tuple[LoraSliceLayout, ...] | None):
+    """The rank's layouts of a module; None for an expert held by another expert-parallel group."""
+    layouts = lora_layouts.get(module.key)
+    if layouts is None and module.expert is None:
+        raise AdapterLoadError(f"engine has no module for {module.a_key}")
+    return layouts
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Which part of a 2-D file tensor to read: `rows` rows from `first_row`, `cols` columns
+    `first_col, first_col + col_stride, ...`. It lands in the top-left corner of its destination."""
+
+    entry: TensorEntry
+    first_row: int
+    rows: int
+    first_col: int
+    cols: int
+    col_stride: int = 1
+
+
+class _ShardBuffer:
+    """One rank's shard of one adapter: a zeroed buffer of the engine's dtype that file bytes are read into."""
+
+    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        # A bytearray is zeroed (rank padding) and gives the file reads a buffer to write into.
+        self.raw = bytearray(numel * dtype.itemsize)
+        self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
+
+    def read(self, fd: int, block: _Block, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+        """The [rows, cols] view at element `offset`, with `block` of the file read into its corner."""
+        view = self.flat[offset : offset + shape[0] * shape[1]].view(shape)
+        if block.rows <= 0 or block.cols <= 0:
+            return view
+        entry = block.entry
+        width = entry.shape[1]
+        start = entry.start + block.first_row * width * entry.dtype.itemsize
+        if entry.dtype == self.dtype and block.first_col == 0 and block.cols == width == shape[1] and block.col_stride == 1:
+            # Whole rows, already in place: the bytes go straight into the shard.
+            begin = offset * self.dtype.itemsize
+            _pread(fd, memoryview(self.raw)[begin : begin + block.rows * width * entry.dtype.itemsize], start)
+            return view
+        staged = bytearray(block.rows * width * entry.dtype.itemsize)
+        _pread(fd, memoryview(staged), start)
+        rows = torch.frombuffer(staged, dtype=entry.dtype).view(block.rows, width)
+        stop = block.first_col + (block.cols - 1) * block.col_stride + 1
+        view[: block.rows, : block.cols].copy_(rows[:, block.first_col : stop : block.col_stride])
+        return view
+
+
+def _pread(fd: int, target: memoryview, offset: int) -> None:
+    """Fill `target` with the file's bytes at `offset`."""
+    if os.preadv(fd, [target], offset) != target.nbytes:
+        raise _corrupt("the file ended early")
+
+
+def _refuse_non_finite(flat: torch.Tensor, held: list[tuple[ModuleAdapter, LoraSliceLayout]],
+                       weights: Mapping[ModuleKey, list[SliceWeights | None]]) -> None:
+    """Refuse NaN/Inf anywhere in the shard, naming the first tensor that has one.
+
+    One fp32 sum over the whole buffer (a fraction of the cost of an elementwise check) is
+    non-finite if some value is, or, never for real weights, if the sum overflows; only then is
+    each tensor checked, to name it.
+    """
+    if math.isfinite(float(flat.sum(dtype=torch.float32))):
+        return
+    for module, _ in held:
+        part = weights[module.key][module.slice_index]
+        if part is None:
+            continue
+        for tensor, key in ((part.a, module.a_key), (part.b, module.b_key)):
             if not torch.isfinite(tensor).all():
                 raise AdapterLoadError(f"tensor {key} has non-finite values (NaN or Inf)")
-        slices = weights.setdefault(module.key, [None] * len(MODULE_KINDS[module.kind].peft_modules))
-        slices[module.slice_index] = SliceWeights(a.to(dtype), b.to(dtype), module.scale)
-        nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
-    return AdapterShard(weights, nbytes)
-
-
-def _read_padded(handle, key: str, rows: Span, cols: Span, real_rows: int | None = None, real_cols: int | None = None,
-                 row_offset: int = 0, col_start: int = 0, col_stride: int = 1) -> torch.Tensor:
-    """Read rows×cols of a 2-D tensor, zero-filling the part beyond its real rank.
-
-    Logical row i is file row `row_offset + i`; logical column j is file column
-    `col_start + j·col_stride` (how PEFT packs experts into one B).
-    """
-    out = torch.zeros(rows.width, cols.width, dtype=torch.float32)
-    row_stop = min(rows.stop, real_rows) if real_rows is not None else rows.stop
-    col_stop = min(cols.stop, real_cols) if real_cols is not None else cols.stop
-    if row_stop > rows.start and col_stop > cols.start:
-        first = col_start + cols.start * col_stride
-        last = col_start + (col_stop - 1) * col_stride
-        part = handle.get_slice(key)[row_offset + rows.start : row_offset + row_stop, first : last + 1]
-        out[: row_stop - rows.start, : col_stop - cols.start] = part[:, ::col_stride].float()
-    return out

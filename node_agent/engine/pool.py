@@ -1,4 +1,4 @@
-"""The per-rank LoRA pool (DESIGN.md §4): host store of loaded adapters, device slots, LRU.
+"""The per-rank LoRA pool (docs/design.md §4): host store of loaded adapters, device slots, LRU.
 
 Every decision depends only on the order of operations every rank receives (a logical clock,
 slot indices, names as given), never on wall time or hash order, so all ranks of an engine make
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.engine.lora_layers import LoraLinear
+from node_agent.engine.lora_layers import LoraSlots
 from node_agent.engine.peft_adapter import AdapterShard
+from node_agent.engine.sharding import ModuleKey
 
 
 class PoolError(RuntimeError):
@@ -19,6 +20,8 @@ class PoolError(RuntimeError):
 
 @dataclass
 class PooledAdapter:
+    """One loaded adapter: this rank's shard, whether it is pinned, when a batch last used it."""
+
     shard: AdapterShard
     pinned: bool
     last_used: int = 0
@@ -27,7 +30,7 @@ class PooledAdapter:
 class LoraPool:
     """Host store (up to `max_loaded`) and `num_slots` device slots in every LoRA layer."""
 
-    def __init__(self, modules: dict[tuple[int, str], LoraLinear], num_slots: int, max_loaded: int) -> None:
+    def __init__(self, modules: dict[ModuleKey, LoraSlots], num_slots: int, max_loaded: int) -> None:
         self.modules = modules
         self.max_loaded = max_loaded
         self.adapters: dict[str, PooledAdapter] = {}
@@ -65,7 +68,7 @@ class LoraPool:
         if unknown:
             raise PoolError(f"adapter {unknown[0]!r} is not loaded")
         missing = [n for n in wanted if n not in self.slots]
-        available = sum(1 for i, held in enumerate(self.slots) if self._usable(i, set(wanted)))
+        available = sum(1 for i in range(len(self.slots)) if self._usable(i, set(wanted)))
         if len(missing) > available:
             pinned = sum(1 for held in self.slots if held and self.adapters[held].pinned)
             raise PoolError(
@@ -80,6 +83,7 @@ class LoraPool:
         return {name: self.slots.index(name) for name in wanted}
 
     def resident(self) -> dict[int, str]:
+        """Slot -> name of the adapter it holds, for occupied slots."""
         return {i: name for i, name in enumerate(self.slots) if name is not None}
 
     def _usable(self, slot: int, in_batch: set[str]) -> bool:
@@ -88,13 +92,15 @@ class LoraPool:
 
     def _free_or_evictable(self, in_batch: set[str]) -> int | None:
         """An empty slot (lowest first), else the least recently used evictable one."""
+        held_by: dict[int, str] = {}
         for i, held in enumerate(self.slots):
             if held is None:
                 return i
-        candidates = [i for i in range(len(self.slots)) if self._usable(i, in_batch)]
+            held_by[i] = held
+        candidates = [i for i in held_by if self._usable(i, in_batch)]
         if not candidates:
             return None
-        return min(candidates, key=lambda i: (self.adapters[self.slots[i]].last_used, i))
+        return min(candidates, key=lambda i: (self.adapters[held_by[i]].last_used, i))
 
     def _make_resident(self, name: str, in_batch: set[str]) -> None:
         slot = self._free_or_evictable(in_batch)

@@ -1,8 +1,10 @@
-"""Which group shards each module, and which slice of each tensor a rank holds (DESIGN.md §3).
+"""Which group shards each module, and which slice of each tensor a rank holds (docs/design.md §3).
 
-This module is the single answer to "how is this module split on this rank". Base-weight
-loading, LoRA buffer allocation and LoRA weight slicing all read the layouts built here, so a
-buffer width can never disagree with the width that slicing produces.
+This module is the single answer to "how is this module split on this rank": the group of every
+split (`MODULE_KINDS`), the one function that turns a group into a rank's size and index
+(`effective_shard`), and every per-rank size derived from them. Base-weight loading, LoRA buffer
+allocation, LoRA weight slicing and the adapter loader's shape checks all read the layouts built
+here, so a buffer width can never disagree with the width that slicing produces.
 """
 
 from __future__ import annotations
@@ -15,29 +17,34 @@ from node_agent.engine.topology import Topology, TopologyError
 
 
 class ShardGroup(Enum):
-    """The process group a module's base layer is built with."""
+    """The group a split is made over: for a linear module, the group its base layer is built with."""
 
     FULL_TP = "tp"
     ATTN_TP = "attn_tp"
     MOE_TP = "moe_tp"
+    EP = "ep"  # the routed experts themselves, split over the expert-parallel groups
     REPLICATED = "replicated"
 
 
 class ParallelStyle(Enum):
+    """What a kind splits over its group."""
+
     COLUMN = "column"  # output features split; input whole
     ROW = "row"  # input features split; partial outputs reduced over the group
     REPLICATED = "replicated"
+    VOCAB = "vocab"  # rows of the (padded) vocabulary; no LoRA
+    EXPERTS = "experts"  # the routed experts of a layer; no LoRA of its own
 
 
 @dataclass(frozen=True)
 class ModuleKind:
-    """One kind of linear module of the engine, and the PEFT module names fused into it."""
+    """One kind of split module of the engine, and the PEFT module names fused into it."""
 
     name: str
     group: ShardGroup
     style: ParallelStyle
-    peft_modules: tuple[str, ...]  # one per output slice, in fused order
-    parent: str  # "self_attn" or "mlp": where PEFT's module path puts it
+    peft_modules: tuple[str, ...]  # one per output slice, in fused order; () for kinds without LoRA
+    parent: str  # where PEFT's module path puts it: "self_attn", "mlp", "mlp.experts", ...
 
 
 MODULE_KINDS: dict[str, ModuleKind] = {
@@ -56,6 +63,10 @@ MODULE_KINDS: dict[str, ModuleKind] = {
                    "mlp.shared_expert"),
         ModuleKind("shared_expert.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_expert"),
         ModuleKind("shared_expert_gate", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("shared_expert_gate",), "mlp"),
+        # Embedding and LM head work on one attention group's tokens, so they shard like attention.
+        ModuleKind("vocab", ShardGroup.ATTN_TP, ParallelStyle.VOCAB, (), "model"),
+        # Which routed experts a rank holds at all (each one then split by the expert kinds above).
+        ModuleKind("experts", ShardGroup.EP, ParallelStyle.EXPERTS, (), "mlp"),
     )
 }
 DENSE_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -70,10 +81,14 @@ PEFT_TO_KIND: dict[tuple[str, str], tuple[str, int]] = {
     for index, peft in enumerate(kind.peft_modules)
 }
 
+# The engine's key of one LoRA target: (layer, kind) for a dense module, (layer, kind, global
+# expert id) for one routed expert's projection.
+ModuleKey = tuple[int, str] | tuple[int, str, int]
+
 
 @dataclass(frozen=True)
 class Shard:
-    """A module's effective TP group on one rank: its size and this rank's index in it."""
+    """A split's effective group on one rank: its size and this rank's index in it."""
 
     group: ShardGroup
     size: int
@@ -81,15 +96,31 @@ class Shard:
 
 
 def effective_shard(topology: Topology, rank: int, group: ShardGroup) -> Shard:
-    """The one rule for which group shards a module (DESIGN.md §3), used everywhere."""
+    """The one rule for a group's size and a rank's index in it (docs/design.md §2-§3)."""
     coords = topology.coords(rank)
     if group is ShardGroup.ATTN_TP:
         return Shard(group, topology.attn_tp_size, coords.attn_tp_rank)
     if group is ShardGroup.MOE_TP:
         return Shard(group, topology.moe_tp_size, coords.moe_tp_rank)
+    if group is ShardGroup.EP:
+        return Shard(group, topology.ep_size, coords.ep_rank)
     if group is ShardGroup.FULL_TP:
         return Shard(group, topology.tp_size, rank)
     return Shard(group, 1, 0)
+
+
+def kind_shard(topology: Topology, rank: int, kind_name: str) -> Shard:
+    """The shard of module kind `kind_name` on `rank`: its table group through `effective_shard`."""
+    return effective_shard(topology, rank, MODULE_KINDS[kind_name].group)
+
+
+def lora_fully_sharded(shard: Shard, fully_sharded: bool) -> bool:
+    """Whether a module's LoRA runs in fully-sharded mode: only on a group wider than one rank.
+
+    This also decides the extra collective on the shrink output (all-gather for column layers,
+    all-reduce for row layers), which must exist only then (docs/design.md §3, invariant 2).
+    """
+    return fully_sharded and shard.size > 1
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,7 @@ class Span:
 
     @property
     def stop(self) -> int:
+        """One past the last index."""
         return self.start + self.width
 
 
@@ -139,18 +171,29 @@ class ModuleLayout:
         """Columns of this rank's base output (column-parallel: sum of slice widths)."""
         return sum(s.out.width for s in self.slices)
 
+    @property
+    def base_shape(self) -> tuple[int, int]:
+        """(out, in) of this rank's base weight: fused slices stacked on the output dim."""
+        if self.kind.style is ParallelStyle.ROW:
+            (only,) = self.slices
+            return only.out.width, only.inp.width
+        return self.local_out_width, self.in_features
+
 
 def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: str) -> ModuleLayout:
     """Build the layout of module `kind_name` on global rank `rank`."""
     kind = MODULE_KINDS[kind_name]
-    shard = effective_shard(topology, rank, kind.group)
+    shard = kind_shard(topology, rank, kind_name)
     if kind.name == "qkv_proj":
         return ModuleLayout(kind, shard, cfg.hidden_size, _qkv_slices(cfg, shard))
     if kind.name == "o_proj":
         inp = even_span(cfg.q_size, shard, "num_attention_heads * head_dim")
         return ModuleLayout(kind, shard, cfg.q_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
     if kind.style is ParallelStyle.REPLICATED:  # shared_expert_gate
-        return ModuleLayout(kind, shard, cfg.hidden_size, (SliceLayout(kind.peft_modules[0], Span(0, 1), Span(0, cfg.hidden_size)),))
+        gate = SliceLayout(kind.peft_modules[0], Span(0, 1), Span(0, cfg.hidden_size))
+        return ModuleLayout(kind, shard, cfg.hidden_size, (gate,))
+    if kind.style not in (ParallelStyle.COLUMN, ParallelStyle.ROW):
+        raise ValueError(f"module kind {kind_name} has no linear layout")
     intermediate, what = _intermediate(cfg, kind.name)
     if kind.style is ParallelStyle.COLUMN:  # gate_up_proj, experts.gate_up_proj
         out = even_span(intermediate, shard, what)
@@ -160,51 +203,76 @@ def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: st
     return ModuleLayout(kind, shard, intermediate, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
 
 
+def unsharded_layout(cfg: ModelConfig, kind_name: str) -> ModuleLayout:
+    """The layout of `kind_name` on a group of one: the full shapes PEFT stores for the module."""
+    return module_layout(cfg, Topology(1), 0, kind_name)
+
+
 def _intermediate(cfg: ModelConfig, kind_name: str) -> tuple[int, str]:
     """The intermediate width an MLP-like module kind splits, and its config name for errors."""
     if kind_name in EXPERT_KINDS:
-        return cfg.moe.intermediate_size, "moe_intermediate_size"
+        return cfg.experts().intermediate_size, "moe_intermediate_size"
     if kind_name in SHARED_EXPERT_KINDS:
-        return cfg.moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
+        return cfg.experts().shared_expert_intermediate_size, "shared_expert_intermediate_size"
     return cfg.intermediate_size, "intermediate_size"
 
 
 def local_experts(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
     """The routed experts (global ids) a rank holds: its expert-parallel group's share."""
-    ep_rank = topology.coords(rank).ep_rank
-    return even_span(cfg.moe.num_experts, Shard(ShardGroup.MOE_TP, topology.ep_size, ep_rank), "num_experts")
+    return even_span(cfg.experts().num_experts, kind_shard(topology, rank, "experts"), "num_experts")
+
+
+def vocab_span(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
+    """A rank's rows of the vocabulary, padded so every rank holds the same number of rows.
+
+    The last rank's span may reach past `vocab_size`; those rows are zero padding.
+    """
+    shard = kind_shard(topology, rank, "vocab")
+    per_rank = -(-cfg.vocab_size // shard.size)
+    return Span(shard.rank * per_rank, per_rank)
 
 
 def model_kinds(cfg: ModelConfig) -> tuple[str, ...]:
-    """The module kinds a model has: dense ones, plus the expert ones for an MoE model."""
+    """The LoRA module kinds a model has: dense ones, plus the expert ones for an MoE model."""
     if not cfg.moe:
         return DENSE_KINDS
     return DENSE_KINDS + EXPERT_KINDS + (SHARED_EXPERT_KINDS if cfg.moe.shared_expert_intermediate_size else ())
 
 
-def kv_heads_on_rank(cfg: ModelConfig, shard: Shard) -> Span:
-    """The KV heads (head indices, unreplicated) a rank of the attention group holds.
+@dataclass(frozen=True)
+class AttentionHeads:
+    """The heads (indices) a rank's attention shard computes; KV heads are unreplicated indices."""
+
+    q: Span
+    kv: Span
+
+
+def attention_heads(cfg: ModelConfig, topology: Topology, rank: int) -> AttentionHeads:
+    """This rank's query and KV heads in its attention-TP group."""
+    return _heads(cfg, kind_shard(topology, rank, "qkv_proj"))
+
+
+def _heads(cfg: ModelConfig, shard: Shard) -> AttentionHeads:
+    """Query heads split evenly; KV heads too, unless fewer than ranks.
 
     With fewer KV heads than ranks, each head is replicated over size / num_kv_heads ranks and a
-    rank holds head `rank // replicas`; otherwise heads are split evenly.
+    rank holds head `rank // replicas`.
     """
-    if shard.size > cfg.num_kv_heads:
-        if shard.size % cfg.num_kv_heads:
-            raise TopologyError(
-                f"attention TP size {shard.size} is not a multiple of num_key_value_heads {cfg.num_kv_heads}"
-            )
-        replicas = shard.size // cfg.num_kv_heads
-        return Span(shard.rank // replicas, 1)
-    return even_span(cfg.num_kv_heads, shard, "num_key_value_heads")
+    q = even_span(cfg.num_heads, shard, "num_attention_heads")
+    if shard.size <= cfg.num_kv_heads:
+        return AttentionHeads(q, even_span(cfg.num_kv_heads, shard, "num_key_value_heads"))
+    if shard.size % cfg.num_kv_heads:
+        raise TopologyError(f"attention TP size {shard.size} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
+    replicas = shard.size // cfg.num_kv_heads
+    return AttentionHeads(q, Span(shard.rank // replicas, 1))
 
 
 def _qkv_slices(cfg: ModelConfig, shard: Shard) -> tuple[SliceLayout, ...]:
     full_in = Span(0, cfg.hidden_size)
-    heads = even_span(cfg.num_heads, shard, "num_attention_heads")
-    kv = kv_heads_on_rank(cfg, shard)
-    q = Span(heads.start * cfg.head_dim, heads.width * cfg.head_dim)
+    heads = _heads(cfg, shard)
+    q = Span(heads.q.start * cfg.head_dim, heads.q.width * cfg.head_dim)
     # Offsets are in the unreplicated k/v projections, as PEFT stores them.
-    k = Span(kv.start * cfg.head_dim, kv.width * cfg.head_dim)
+    k = Span(heads.kv.start * cfg.head_dim, heads.kv.width * cfg.head_dim)
     return (SliceLayout("q_proj", q, full_in), SliceLayout("k_proj", k, full_in), SliceLayout("v_proj", k, full_in))
 
 
@@ -223,7 +291,7 @@ class LoraSliceLayout:
 
 
 def lora_layout(layout: ModuleLayout, max_rank: int, fully_sharded: bool) -> tuple[LoraSliceLayout, ...]:
-    """LoRA A/B slices of a module on a rank, for both LoRA modes (DESIGN.md §3 table).
+    """LoRA A/B slices of a module on a rank, for both LoRA modes (docs/design.md §3 table).
 
     Column-parallel: A whole (default) or split on the rank dim (fully sharded); B rows follow
     the base output shard. Row-parallel: A columns follow the base input shard; B whole
@@ -231,7 +299,7 @@ def lora_layout(layout: ModuleLayout, max_rank: int, fully_sharded: bool) -> tup
     """
     shard = layout.shard
     whole_rank = Span(0, max_rank)
-    sharded = fully_sharded and shard.size > 1
+    sharded = lora_fully_sharded(shard, fully_sharded)
     result = []
     for s in layout.slices:
         if layout.kind.style is ParallelStyle.COLUMN:
@@ -243,15 +311,6 @@ def lora_layout(layout: ModuleLayout, max_rank: int, fully_sharded: bool) -> tup
         else:
             result.append(LoraSliceLayout(s.peft_module, whole_rank, s.inp, s.out, whole_rank))
     return tuple(result)
-
-
-def vocab_span(vocab_size: int, shard: Shard) -> Span:
-    """A rank's rows of the vocabulary, padded so every rank holds the same number of rows.
-
-    The last rank's span may reach past `vocab_size`; those rows are zero padding.
-    """
-    per_rank = -(-vocab_size // shard.size)
-    return Span(shard.rank * per_rank, per_rank)
 
 
 def validate_topology(cfg: ModelConfig, topology: Topology, max_rank: int) -> None:

@@ -1,4 +1,4 @@
-"""Engine topology: how `tp_size` ranks split into DP-attention groups (DESIGN.md §2).
+"""Engine topology: how `tp_size` ranks split into DP-attention groups (docs/design.md §2).
 
 All rank arithmetic lives here so that no other module derives a group or a rank by hand.
 """

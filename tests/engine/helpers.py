@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import reference as R
+from tests import support as R
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -159,9 +159,10 @@ def compare(got: Any, want: list[torch.Tensor], seqs: list[Seq], *, atol: float 
     mismatch with its max abs diff (so one failure report shows the whole picture)."""
     out = Mismatches()
     if not isinstance(got, (list, tuple)) or len(got) != len(want):
-        out.lines.append(f"engine returned {type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}, want list of {len(want)}")
+        length = len(got) if hasattr(got, "__len__") else "?"
+        out.lines.append(f"engine returned {type(got).__name__} of length {length}, want list of {len(want)}")
         return out
-    for i, (g, w, s) in enumerate(zip(got, want, seqs)):
+    for i, (g, w, s) in enumerate(zip(got, want, seqs, strict=True)):
         if not isinstance(g, torch.Tensor):
             out.lines.append(f"{s.label(i)}: got {type(g).__name__}, want torch.Tensor")
             continue

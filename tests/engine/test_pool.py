@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import read_adapter_shard, read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
 from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, module_layout
 from node_agent.engine.topology import Topology
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
 SHAPE = SyntheticModel(num_layers=1)
 MAX_RANK = 8

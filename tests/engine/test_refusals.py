@@ -1,4 +1,4 @@
-"""Adapters the engine must refuse (issue 2, DESIGN.md §6), on one tp=2 engine.
+"""Adapters the engine must refuse (issue 2, docs/design.md §6), on one tp=2 engine.
 
 Each refusal raises AdapterLoadError with one line naming the problem (a key phrase per case,
 tests/reference.py BAD_ADAPTERS). Afterwards the engine is unchanged and still serving: the
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests import reference as R
+from tests import support as R
 from tests.engine.helpers import Seq, compare, draw_tokens, engine_api
 
 MODEL = "llama"  # untied (modules_to_save=["lm_head"] is meaningful), kv=2, multi-file checkpoint

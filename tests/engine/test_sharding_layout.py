@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec
 from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, ParallelStyle, module_layout
 from node_agent.engine.topology import Topology
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
 MAX_RANK = 8
 ADAPTER_RANK = 3  # below max rank and not divisible by tp: exercises padding
@@ -96,7 +96,7 @@ def _assert_rebuilds(peft_module, parts, full, topology):
 @pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (4, 2), (8, 1)])
 def test_qkv_width_with_kv_head_replication(model_and_adapter, tp, dp):
     """Per-rank qkv B width is q/attn_tp + 2·head_dim when KV heads are fewer than attn_tp."""
-    shape, cfg, _ = model_and_adapter
+    _, cfg, _ = model_and_adapter
     topology = Topology(tp, dp)
     for rank in range(tp):
         layer = build_layers(cfg, topology, rank)[(0, "qkv_proj")]

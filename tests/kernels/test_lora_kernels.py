@@ -1,4 +1,4 @@
-"""Triton shrink/expand against the torch reference (DESIGN.md §5).
+"""Triton shrink/expand against the torch reference (docs/design.md §5).
 
 On the CPU the kernels run under TRITON_INTERPRET=1 (see conftest.py); with a GPU the same cases
 also run compiled. Shapes are small because the interpreter executes programs one by one, but
@@ -26,6 +26,7 @@ from node_agent.engine.kernels.batch import LoraBatch
 
 # Tolerance of an fp32 result, and of a result rounded into a 16-bit `out` (half an ulp).
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+CPU = torch.device("cpu")
 OUT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}
 
 
@@ -62,7 +63,7 @@ def make_problem(
     dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype = torch.float32,
     slot_ranks: dict[int, int] | None = None,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     seed: int = 0,
 ) -> Problem:
     """Random problem; `slot_ranks` gives adapters a rank below `rank`, zero-padded as the pool does."""
@@ -73,7 +74,7 @@ def make_problem(
     a_stacks = [torch.randn(num_slots, rank, in_features, generator=gen) / in_features**0.5 for _ in widths]
     b_stacks = [torch.randn(num_slots, width, rank, generator=gen) / rank**0.5 for width in widths]
     for slot, true_rank in (slot_ranks or {}).items():
-        for a, b in zip(a_stacks, b_stacks):
+        for a, b in zip(a_stacks, b_stacks, strict=True):
             a[slot, true_rank:] = 0
             b[slot, :, true_rank:] = 0
     scales = torch.rand(len(widths), num_slots, generator=gen) + 0.5
@@ -156,7 +157,7 @@ def test_ranks_below_max_are_zero_padded(device: torch.device) -> None:
         rows = slots == slot
         deltas = [
             problem.x[rows] @ a[slot, :true_rank].t() @ b[slot, :, :true_rank].t() * problem.scales[index, slot]
-            for index, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks))
+            for index, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks, strict=True))
         ]
         torch.testing.assert_close(out[rows], base[rows] + torch.cat(deltas, dim=1), **FP32_TOL)
 
@@ -320,7 +321,7 @@ def _compile_for_hopper(fn: Callable[..., None], args: tuple[Any, ...], kwargs: 
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
-    for index, (name, value) in enumerate(zip(names, args)):
+    for index, (name, value) in enumerate(zip(names, args, strict=False)):
         kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
         signature[name] = kind
         if kind == "constexpr":

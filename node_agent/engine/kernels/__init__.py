@@ -1,4 +1,4 @@
-"""Multi-LoRA shrink/expand kernels (DESIGN.md §5).
+"""Multi-LoRA shrink/expand kernels (docs/design.md §5, docs/kernels.md).
 
 The interface is deliberately narrow: a `LoraBatch` describing which slot each token uses,
 `shrink` (x · Aᵀ per token's slot) and `expand` (add y · Bᵀ · scale into the output), each over

@@ -24,6 +24,7 @@ class LoraBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the batch."""
         return int(self.token_slots.shape[0])
 
     @classmethod
@@ -51,8 +52,3 @@ class LoraBatch:
             max_seg_len=int(lens.max()),
             active_slots=active,
         )
-
-    @classmethod
-    def empty(cls, device: torch.device | str = "cpu") -> LoraBatch:
-        """A batch of zero tokens."""
-        return cls.from_token_slots(torch.zeros(0, dtype=torch.int32, device=device))

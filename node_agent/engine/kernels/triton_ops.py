@@ -1,4 +1,4 @@
-"""Triton shrink/expand kernels for multi-adapter batches (DESIGN.md §5; docs/kernels.md).
+"""Triton shrink/expand kernels for multi-adapter batches (docs/design.md §5; docs/kernels.md).
 
 Same semantics as `torch_ops`, which stays the oracle. One launch per call covers every segment
 and every output slice: the slices' stacks are described by a small int64 table (element offset
@@ -10,6 +10,10 @@ The kernel functions below are plain Python and are wrapped by `triton.jit` lazi
 interpreter mode (`TRITON_INTERPRET`). That lets the CPU tests switch the interpreter on per
 test without caring whether this module was imported earlier in the process.
 """
+
+# The kernel functions are triton DSL: their pointer and size arguments have no Python type, only
+# the constexprs are annotated, so this module allows partly annotated definitions.
+# mypy: disallow-incomplete-defs=False
 
 import functools
 import logging
@@ -251,8 +255,7 @@ def _inner_contiguous(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     for stack in stacks:
         if stack.stride(-1) != 1:
             log.debug("LoRA stack %s has a strided last dim; copying it for the kernel", tuple(stack.shape))
-            stack = stack.contiguous()
-        fixed.append(stack)
+        fixed.append(stack if stack.stride(-1) == 1 else stack.contiguous())
     return fixed
 
 
