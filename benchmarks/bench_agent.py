@@ -25,11 +25,11 @@ import grpc
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from node_agent.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 
 SHAPE = BENCHMARK_MODEL
 RANK = 16

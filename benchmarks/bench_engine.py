@@ -19,8 +19,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
-from node_agent.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 
 SHAPE = BENCHMARK_MODEL
 RANK = 16

@@ -2,7 +2,7 @@
 LoraAdapters on a fleet of 4 node agents (tp=2, dp=2 on the CPU, tiny generated model), printed
 side by side from one run.
 
-Everything is real: the control plane (lorafleet_operator.localcluster), `lorafleet-agent serve`
+Everything is real: the control plane (lorafleet_dev.controlplane), `lorafleet-agent serve`
 processes, the `lorafleet-operator` process. "Ready" is read from the API server (every
 adapter's status.phase == Ready, i.e. every rank of every agent holds it), polled every
 0.2 s, so figures are rounded up by up to that much.
@@ -22,11 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafleet_operator.localagents import AgentSpec, start_agents
-from lorafleet_operator.localcluster import REPO_ROOT, ControlPlane, find_bin_dir, free_port
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+from lorafleet_dev.agents import AgentSpec, start_agents
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.controlplane import ControlPlane, find_bin_dir
+from lorafleet_dev.processes import free_port
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 
 log = logging.getLogger("bench_operator")
+CHECKOUT = Checkout.at(Path(__file__).resolve().parents[1])
 SHAPE = SyntheticModel()
 AGENTS = 4
 
@@ -71,11 +74,11 @@ def main() -> None:
         adapters = root / "adapters"
         paths = {f"a{i:03d}": write_adapter(adapters / f"a{i:03d}", SHAPE, rank=8, seed=i)
                  for i in range(max(args.sizes))}
-        cluster = ControlPlane.start(find_bin_dir())
+        cluster = ControlPlane.start(find_bin_dir(CHECKOUT))
         agents = []
         operator = None
         try:
-            cluster.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "deploy" / "crds"))
+            cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                             "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
             spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name="tiny",

@@ -62,15 +62,23 @@ if [ "$(cat "$local_venv/.shared" 2>/dev/null)" != "$venv" ]; then
     echo "import site; site.addsitedir('$(site_packages "$venv")')" > "$(site_packages "$local_venv")/lorafleet-shared.pth"
     echo "$venv" > "$local_venv/.shared"
 fi
-# Re-link whenever pyproject.toml changes (package layout, console scripts).
-stamp="$local_venv/.editable-$(sha256sum < "$repo_root/pyproject.toml" | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
+# Editable installs of the project and of its development tooling (devtools/, a distribution of
+# its own so the product never ships it), each re-linked whenever its pyproject.toml changes
+# (package layout, console scripts). --no-deps: the shared environment holds what they need.
+link_editable() {  # <name> <source dir>
+    local stamp
+    stamp="$local_venv/.editable-$1.$(sha256sum < "$2/pyproject.toml" | cut -c1-16)"
+    if [ -f "$stamp" ]; then
+        return 0
+    fi
     # setuptools is chatty about editable installs: keep its output unless the install fails.
-    "$local_venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$repo_root" \
-        > "$local_venv/install.log" 2>&1 || { cat "$local_venv/install.log" >&2; exit 1; }
-    rm -f "$local_venv"/.editable-*
+    "$local_venv/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$2" \
+        > "$local_venv/install-$1.log" 2>&1 || { cat "$local_venv/install-$1.log" >&2; exit 1; }
+    rm -f "$local_venv/.editable-$1."*
     touch "$stamp"
-fi
+}
+link_editable lorafleet "$repo_root"
+link_editable lorafleet-dev "$repo_root/devtools"
 
 # Environments of older pins take ~5 GB each: drop those no checkout has used for a week.
 touch "$venv/.last-used"

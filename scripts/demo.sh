@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 . scripts/bootstrap.sh
 # kube-apiserver, etcd, kubectl (and helm) built from Go modules; cached after the first run.
 bash scripts/build-kube.sh
-exec python -m lorafleet_operator.demo "$@"
+# The demo (development tooling, devtools/) reads the examples and CRDs from this checkout.
+exec python -m lorafleet_dev.demo --repo "$PWD" "$@"

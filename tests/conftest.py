@@ -8,7 +8,7 @@ per session instead of starting its own.
 * ``kube_cluster`` (session): one etcd + kube-apiserver + kube-controller-manager for the whole
   session (a ``tests.kube.harness.ControlPlane``), every process stopped at the end.
 * ``kube_namespace`` (function): a fresh namespace per test, deleted afterwards (no waiting).
-* ``lorafleet_crds`` (session): deploy/crds applied for real and Established.
+* ``lorafleet_crds`` (session): the chart's CRDs applied for real and Established.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube.harness import REPO_ROOT, ControlPlane, HarnessError, find_bin_dir
+from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError, find_bin_dir
 
 CRD_NAMES = ("lorafleets.lorafleet.dev", "loraadapters.lorafleet.dev")
 
@@ -27,7 +27,7 @@ CRD_NAMES = ("lorafleets.lorafleet.dev", "loraadapters.lorafleet.dev")
 def kube_bin_dir() -> Path:
     """The directory holding etcd, kube-apiserver, kube-controller-manager, kubectl and helm."""
     try:
-        return find_bin_dir()
+        return find_bin_dir(CHECKOUT)
     except HarnessError as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -54,8 +54,8 @@ def kube_namespace(kube_cluster: ControlPlane) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def lorafleet_crds(kube_cluster: ControlPlane) -> tuple[str, ...]:
-    """deploy/crds applied for real (once per session) and Established; returns their names."""
-    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "deploy" / "crds"))
+    """The chart's CRDs applied for real (once per session) and Established; returns their names."""
+    kube_cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
     kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                          *(f"crd/{name}" for name in CRD_NAMES))
     return CRD_NAMES

@@ -2,12 +2,13 @@
 
 Each agent is one engine (``--tp`` rank processes) serving gRPC on 127.0.0.1. It runs in its own
 process group, so a "crash" (:meth:`AgentProcess.kill`) takes its rank processes with it, and
-with PR_SET_PDEATHSIG, so nothing outlives the process that started it. Readiness is the
+gets SIGTERM when its parent dies, so nothing outlives the process that started it. Readiness is the
 standard gRPC health check, the same the chart's probes use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lorafleet_operator.localcluster import die_with_parent, free_port
+from lorafleet_dev.processes import free_port, log_tail, popen_dying_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class AgentSpec:
     extra_args: tuple[str, ...] = ()
 
     def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
+        """The ``lorafleet-agent serve`` command line for an agent on ``127.0.0.1:port``."""
         argv = ["lorafleet-agent", "--log-level", "INFO", "serve",
                 "--model", str(self.model_dir), "--tp", str(self.tp), "--dp", str(self.dp),
                 "--listen", f"127.0.0.1:{port}", "--base-model-name", self.base_model_name,
@@ -65,21 +67,20 @@ class AgentProcess:
 
     @property
     def endpoint(self) -> str:
+        """``host:port`` of the agent's gRPC server."""
         return f"127.0.0.1:{self.port}"
 
     @property
     def log_path(self) -> Path:
+        """Where the agent's (and its ranks') output goes."""
         return self.log_dir / f"{self.name}.log"
 
     def start(self) -> AgentProcess:
         """Start the process (same port every time) without waiting for it."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            self.popen = subprocess.Popen(
-                self.spec.argv(self.port, self.metrics_port), stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child
-            )
+        self.popen = popen_dying_with_parent(
+            self.spec.argv(self.port, self.metrics_port), self.log_path, new_session=True
+        )
         self.starts += 1
         log.info("started agent %s (pid %d) on %s", self.name, self.popen.pid, self.endpoint)
         return self
@@ -123,16 +124,12 @@ class AgentProcess:
         except ProcessLookupError:
             pass
         # Rank processes share the group; make sure none lingers holding the port or memory.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        """The last lines of the agent's log."""
+        return log_tail(self.log_path, lines)
 
 
 def start_agents(names: Sequence[str], spec: AgentSpec, log_dir: Path,

@@ -1,65 +1,47 @@
 """A real Kubernetes control plane (etcd + kube-apiserver + kube-controller-manager) on loopback.
 
-Used by the local demo (``python -m lorafleet_operator.demo``) and by the tests (through
-``tests/kube/harness.py``, which re-exports it); it lives in the product so the demo never
-imports from ``tests/``.
-
-The binaries come from ``scripts/build-kube.sh`` (built from Go modules, cached by version). This
-module starts them as child processes with their own CA, serving certificate, service-account
-keys and an admin identity, and offers helpers the tests use: the real ``kubectl``/``helm``
-binaries against the cluster, namespaces, and agent Pods whose status this harness writes the way
-a kubelet would (there is no kubelet and no scheduler: node agents run as local processes on
-127.0.0.1, and their Pod objects only describe them).
+Used by the demo (``python -m lorafleet_dev.demo``), the tests (through ``tests/kube/harness.py``)
+and the operator benchmark. The binaries come from ``scripts/build-kube.sh`` (built from Go
+modules, cached by version; :func:`find_bin_dir`). :class:`ControlPlane` starts them as child
+processes with their own CA, serving certificate, service-account keys and an admin identity
+(:mod:`lorafleet_dev.pki`), and offers the real ``kubectl``/``helm`` binaries against the
+cluster, namespaces, and agent Pods (:mod:`lorafleet_dev.kubelet`: there is no kubelet and no
+scheduler; node agents run as local processes on 127.0.0.1 and their Pod objects only describe
+them).
 
 Typical use (``tests/conftest.py`` wraps it in a session fixture)::
 
-    with ControlPlane.start(find_bin_dir()) as cluster:
+    with ControlPlane.start(find_bin_dir(Checkout.at(repo))) as cluster:
         cluster.kubectl("get", "namespaces")
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import datetime as dt
-import ipaddress
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.kubelet import StandInKubelet
+from lorafleet_dev.pki import ControlPlanePki, make_control_plane_pki
+from lorafleet_dev.processes import ChildProcess, HarnessError, free_port
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUILD_SCRIPT = REPO_ROOT / "scripts" / "build-kube.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
-
-#: The node name written into agent Pods. No Node object exists and no node controller runs,
-#: so nothing marks these pods NotReady or garbage-collects them as orphans.
-LOCAL_NODE = "lorafleet-local"
 ADMIN_USER = "lorafleet-admin"
-
-
-class HarnessError(RuntimeError):
-    """The control plane could not be built, found, started or used."""
 
 
 class KubectlError(HarnessError):
@@ -73,14 +55,11 @@ class KubectlError(HarnessError):
         super().__init__(f"kubectl {' '.join(args)} exited {returncode}:\n{stderr or stdout}")
 
 
-# --------------------------------------------------------------------------------------------
-# Finding the binaries
-
-
-def find_bin_dir() -> Path:
+def find_bin_dir(checkout: Checkout) -> Path:
     """Return the cached bin dir with all control-plane binaries, without building anything.
 
-    ``LORAFLEET_KUBE_BIN_DIR`` overrides the location. Building takes 10-20 minutes cold, far
+    ``LORAFLEET_KUBE_BIN_DIR`` overrides the location; otherwise the checkout's
+    ``scripts/build-kube.sh`` (which alone knows the versions, hence the cache path) names it. Building takes 10-20 minutes cold, far
     longer than a test should wait, so a missing build is an error telling what to run.
     """
     override = os.environ.get("LORAFLEET_KUBE_BIN_DIR")
@@ -88,7 +67,7 @@ def find_bin_dir() -> Path:
         bin_dir = Path(override)
     else:
         proc = subprocess.run(
-            ["bash", str(BUILD_SCRIPT), "--print-bin-dir", "--no-build"],
+            ["bash", str(checkout.build_kube_script), "--print-bin-dir", "--no-build"],
             capture_output=True, text=True, check=False,
         )
         if proc.returncode != 0:
@@ -105,238 +84,8 @@ def find_bin_dir() -> Path:
     return bin_dir
 
 
-# --------------------------------------------------------------------------------------------
-# Certificates and keys
-
-
-@dataclass(frozen=True)
-class _Pki:
-    """Paths of the PKI files one cluster uses (all under its work dir)."""
-
-    ca_cert: Path
-    serving_cert: Path
-    serving_key: Path
-    controller_manager_cert: Path
-    controller_manager_key: Path
-    sa_key: Path
-    sa_pub: Path
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    path.chmod(0o600)
-
-
-def _issue(
-    ca_key: ec.EllipticCurvePrivateKey,
-    ca_name: x509.Name,
-    subject: x509.Name,
-    public_key: Any,
-    *,
-    is_ca: bool = False,
-    server: bool = False,
-    client: bool = False,
-) -> x509.Certificate:
-    """Sign a certificate valid for one day (a test cluster never lives longer)."""
-    now = dt.datetime.now(dt.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca_name)
-        .public_key(public_key)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))  # tolerate small clock skew
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
-    )
-    if is_ca:
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        ).add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-    else:
-        usages = ([ExtendedKeyUsageOID.SERVER_AUTH] if server else []) + (
-            [ExtendedKeyUsageOID.CLIENT_AUTH] if client else []
-        )
-        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True, key_encipherment=False, key_cert_sign=False,
-                crl_sign=False, content_commitment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.DNSName("kubernetes.default.svc"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-    return builder.sign(ca_key, hashes.SHA256())
-
-
-def make_pki(directory: Path) -> _Pki:
-    """Create a CA, the API server's serving cert, a client cert and the SA signing key pair."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pem = serialization.Encoding.PEM
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lorafleet-test-ca")])
-    ca_cert = _issue(ca_key, ca_name, ca_name, ca_key.public_key(), is_ca=True)
-
-    pki = _Pki(
-        ca_cert=directory / "ca.crt",
-        serving_cert=directory / "apiserver.crt",
-        serving_key=directory / "apiserver.key",
-        controller_manager_cert=directory / "controller-manager.crt",
-        controller_manager_key=directory / "controller-manager.key",
-        sa_key=directory / "sa.key",
-        sa_pub=directory / "sa.pub",
-    )
-    pki.ca_cert.write_bytes(ca_cert.public_bytes(pem))
-
-    serving_key = ec.generate_private_key(ec.SECP256R1())
-    serving = _issue(
-        ca_key, ca_name,
-        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
-        serving_key.public_key(), server=True,
-    )
-    pki.serving_cert.write_bytes(serving.public_bytes(pem))
-    _write_key(pki.serving_key, serving_key)
-
-    # The controller manager authenticates with a client cert. It is put in system:masters
-    # because, without --use-service-account-credentials, its controllers all act as itself.
-    cm_key = ec.generate_private_key(ec.SECP256R1())
-    cm = _issue(
-        ca_key, ca_name,
-        x509.Name([
-            x509.NameAttribute(NameOID.COMMON_NAME, "system:kube-controller-manager"),
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
-        ]),
-        cm_key.public_key(), client=True,
-    )
-    pki.controller_manager_cert.write_bytes(cm.public_bytes(pem))
-    _write_key(pki.controller_manager_key, cm_key)
-
-    # RSA for service-account tokens: accepted by every consumer of these JWTs (RS256).
-    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    _write_key(pki.sa_key, sa_key)
-    pki.sa_pub.write_bytes(
-        sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
-    return pki
-
-
-# --------------------------------------------------------------------------------------------
-# Processes
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (start-up retries cover the race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """In the child (preexec_fn): SIGTERM when the parent dies, so no server outlives a crash."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 @dataclass
-class _Proc:
-    """One child process with its log file."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    argv: list[str]
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after grace_s; always reaps the child."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not exit on SIGTERM; killing it", self.name)
-                self.popen.kill()
-                self.popen.wait()
-
-
-def _spawn(name: str, argv: Sequence[str], log_dir: Path) -> _Proc:
-    """Start one server, its output appended to <log_dir>/<name>.log.
-
-    The child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG): start
-    clusters from the main thread (as pytest fixtures do), not from a short-lived worker thread.
-    """
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("ab") as out:
-        popen = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,  # noqa: PLW1509 - no threads touch this child
-        )
-    log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
-    return _Proc(name, popen, log_path, list(argv))
-
-
-def _wait_until(
-    what: str, probe: Any, proc: _Proc, timeout_s: float, interval_s: float = 0.2
-) -> None:
-    """Poll probe() until it returns True; fail early if proc exits, with its log tail."""
-    deadline = time.monotonic() + timeout_s
-    last_error = ""
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise HarnessError(
-                f"{proc.name} exited with {proc.popen.returncode} while waiting for {what}:\n"
-                f"{proc.log_tail()}"
-            )
-        try:
-            if probe():
-                return
-        except (OSError, urllib.error.URLError, ValueError) as exc:
-            last_error = str(exc)
-        time.sleep(interval_s)
-    raise HarnessError(
-        f"timed out after {timeout_s:.0f}s waiting for {what} ({last_error}):\n{proc.log_tail()}"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The control plane
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclass
-class ControlPlane:
+class ControlPlane(StandInKubelet):
     """A running etcd + kube-apiserver (+ kube-controller-manager) and helpers to use them."""
 
     bin_dir: Path
@@ -346,7 +95,7 @@ class ControlPlane:
     ca_file: Path
     kubeconfig: Path
     with_controller_manager: bool
-    _procs: list[_Proc] = field(default_factory=list, repr=False)
+    _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _keep_work_dir: bool = field(default=False, repr=False)
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -402,7 +151,7 @@ class ControlPlane:
         )
 
     def _boot(self, ready_timeout_s: float) -> None:
-        pki = make_pki(self.work_dir / "pki")
+        pki = make_control_plane_pki(self.work_dir / "pki")
         logs = self.work_dir / "logs"
         logs.mkdir()
         etcd_url = self._start_etcd(ready_timeout_s, logs)
@@ -414,7 +163,7 @@ class ControlPlane:
     def _start_etcd(self, timeout_s: float, logs: Path) -> str:
         client = f"http://127.0.0.1:{free_port()}"
         peer = f"http://127.0.0.1:{free_port()}"
-        proc = _spawn("etcd", [
+        proc = ChildProcess.spawn("etcd", [
             str(self.bin_dir / "etcd"),
             "--name=lorafleet",
             f"--data-dir={self.work_dir / 'etcd'}",
@@ -434,10 +183,10 @@ class ControlPlane:
             with urllib.request.urlopen(f"{client}/health", timeout=2) as resp:
                 return bool(json.load(resp).get("health") == "true")
 
-        _wait_until("etcd /health", healthy, proc, timeout_s)
+        proc.wait_until("etcd /health", healthy, timeout_s)
         return client
 
-    def _start_apiserver(self, pki: _Pki, etcd_url: str, timeout_s: float, logs: Path) -> None:
+    def _start_apiserver(self, pki: ControlPlanePki, etcd_url: str, timeout_s: float, logs: Path) -> None:
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
         tokens = self.work_dir / "tokens.csv"
@@ -468,23 +217,23 @@ class ControlPlane:
         if not self.with_controller_manager:
             # Pods would wait for a "default" ServiceAccount that only a controller creates.
             argv.append("--disable-admission-plugins=ServiceAccount")
-        proc = _spawn("kube-apiserver", argv, logs)
+        proc = ChildProcess.spawn("kube-apiserver", argv, logs)
         self._procs.append(proc)
         self._write_kubeconfig()
-        _wait_until("kube-apiserver /readyz", self._apiserver_ready, proc, timeout_s, 0.5)
+        proc.wait_until("kube-apiserver /readyz", self._apiserver_ready, timeout_s, 0.5)
 
     def _apiserver_ready(self) -> bool:
         status, _ = self.request("GET", "/readyz")
         return status == 200
 
-    def _start_controller_manager(self, pki: _Pki, timeout_s: float, logs: Path) -> None:
+    def _start_controller_manager(self, pki: ControlPlanePki, timeout_s: float, logs: Path) -> None:
         kubeconfig = self.work_dir / "controller-manager.kubeconfig"
         self._write_kubeconfig_file(
             kubeconfig, "kube-controller-manager",
             {"client-certificate": str(pki.controller_manager_cert),
              "client-key": str(pki.controller_manager_key)},
         )
-        proc = _spawn("kube-controller-manager", [
+        proc = ChildProcess.spawn("kube-controller-manager", [
             str(self.bin_dir / "kube-controller-manager"),
             f"--kubeconfig={kubeconfig}",
             # No HTTPS endpoint of its own: nothing scrapes it, and it would need another port.
@@ -510,8 +259,8 @@ class ControlPlane:
             )
             return status == 200
 
-        _wait_until("the controller manager to create ServiceAccount default/default",
-                    default_sa_exists, proc, timeout_s, 0.5)
+        proc.wait_until("the controller manager to create ServiceAccount default/default",
+                        default_sa_exists, timeout_s, 0.5)
 
     def stop(self) -> None:
         """Stop every process (newest first) and remove the work dir unless kept for a failure."""
@@ -531,10 +280,10 @@ class ControlPlane:
         old = self._procs[index]
         old.stop()
         time.sleep(downtime_s)
-        new = _spawn(old.name, old.argv, old.log_path.parent)
+        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent)
         self._procs[index] = new
-        _wait_until("kube-apiserver /readyz after restart", self._apiserver_ready, new,
-                    ready_timeout_s, 0.5)
+        new.wait_until("kube-apiserver /readyz after restart", self._apiserver_ready,
+                       ready_timeout_s, 0.5)
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -687,114 +436,3 @@ class ControlPlane:
         """Delete a namespace; the controller manager empties and removes it."""
         self.kubectl("delete", "namespace", name, "--ignore-not-found",
                      f"--wait={'true' if wait else 'false'}")
-
-    # ---- agent pods, with status written the way a kubelet would ----------------------------
-
-    def create_agent_pod(
-        self,
-        namespace: str,
-        name: str,
-        port: int,
-        *,
-        labels: dict[str, str] | None = None,
-        ready: bool = True,
-        ip: str = "127.0.0.1",
-        port_name: str = "grpc",
-    ) -> dict[str, Any]:
-        """Create a Pod describing a node agent listening on ``ip:port`` and mark it Running.
-
-        The pod is bound to LOCAL_NODE (no scheduler) and has terminationGracePeriodSeconds 0,
-        so deleting it removes it at once (no kubelet would ever confirm a graceful deletion).
-        Returns the Pod as the API server stores it after the status write.
-        """
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": name,
-                "namespace": namespace,
-                "labels": {"app.kubernetes.io/name": "lorafleet-agent", **(labels or {})},
-            },
-            "spec": {
-                "nodeName": LOCAL_NODE,
-                "terminationGracePeriodSeconds": 0,
-                "automountServiceAccountToken": False,
-                "containers": [{
-                    "name": "agent",
-                    "image": "lorafleet-agent:local",
-                    "command": ["lorafleet-agent", "serve"],
-                    "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
-                }],
-            },
-        }
-        self.kubectl("create", "-f", "-", input=json.dumps(pod))
-        return self.write_pod_status(namespace, name, ready=ready, ip=ip)
-
-    def write_pod_status(
-        self,
-        namespace: str,
-        name: str,
-        *,
-        ready: bool = True,
-        ip: str = "127.0.0.1",
-        restart_count: int = 0,
-        phase: str = "Running",
-    ) -> dict[str, Any]:
-        """Write a pod's status through the status subresource, as a kubelet does.
-
-        ``restart_count`` > 0 with a fresh start time models a container restart (an agent
-        process that came back, having lost its in-memory adapters).
-        """
-        now = _now()
-        ready_s = "True" if ready else "False"
-        pod = self.kubectl_json("get", "pod", name, "-n", namespace)
-        containers = pod["spec"]["containers"]
-        status = {
-            "phase": phase,
-            "hostIP": ip,
-            "hostIPs": [{"ip": ip}],
-            "podIP": ip,
-            "podIPs": [{"ip": ip}],
-            "startTime": pod.get("status", {}).get("startTime", now),
-            "conditions": [
-                {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
-                {"type": "Initialized", "status": "True", "lastTransitionTime": now},
-                {"type": "ContainersReady", "status": ready_s, "lastTransitionTime": now},
-                {"type": "Ready", "status": ready_s, "lastTransitionTime": now},
-            ],
-            "containerStatuses": [
-                {
-                    "name": c["name"],
-                    "image": c["image"],
-                    "imageID": "",
-                    "containerID": f"lorafleet-local://{namespace}/{name}/{c['name']}/"
-                                   f"{restart_count}",
-                    "ready": ready,
-                    "started": phase == "Running",
-                    "restartCount": restart_count,
-                    "state": ({"running": {"startedAt": now}} if phase == "Running" else
-                              {"waiting": {"reason": "ContainerCreating"}}),
-                }
-                for c in containers
-            ],
-        }
-        out = self.kubectl(
-            "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": status}), "-o", "json",
-        )
-        return dict(json.loads(out.stdout))
-
-    def delete_pod(self, namespace: str, name: str) -> None:
-        """Delete a pod immediately (grace period 0), as when an agent pod goes away."""
-        self.kubectl("delete", "pod", name, "-n", namespace, "--grace-period=0", "--force",
-                     "--ignore-not-found")
-
-
-@contextlib.contextmanager
-def running_control_plane(**kwargs: Any) -> Iterator[ControlPlane]:
-    """Find the built binaries, start a cluster, and stop it on exit."""
-    cluster = ControlPlane.start(find_bin_dir(), **kwargs)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()

@@ -2,8 +2,8 @@
 
 One command brings up everything on this machine and tears it down again:
 
-1. a real control plane (etcd, kube-apiserver, kube-controller-manager; :mod:`localcluster`)
-   with the lorafleet CRDs;
+1. a real control plane (etcd, kube-apiserver, kube-controller-manager;
+   :mod:`lorafleet_dev.controlplane`) with the lorafleet CRDs (the chart's ``crds/``);
 2. a tiny random Llama model and two PEFT adapters, generated under a temporary directory;
 3. two node agents (``lorafleet-agent serve``, tp=2 and dp=2 on the CPU) and their Pod objects;
 4. the operator (``lorafleet-operator``, as a separate process, as in a cluster);
@@ -14,6 +14,9 @@ One command brings up everything on this machine and tears it down again:
 
 Everything stops on exit, on Ctrl-C and on SIGTERM. ``--keep-running`` leaves it up until Ctrl-C
 (with a KUBECONFIG to try ``kubectl`` against).
+
+The repository (examples, CRDs, the kube build script) is ``--repo``, by default the checkout
+holding the current directory.
 """
 
 from __future__ import annotations
@@ -34,14 +37,14 @@ from pathlib import Path
 import grpc
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
-from lorafleet_operator.localagents import AgentProcess, AgentSpec, start_agents
-from lorafleet_operator.localcluster import REPO_ROOT, ControlPlane, find_bin_dir, free_port
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+from lorafleet_dev.agents import AgentProcess, AgentSpec, start_agents
+from lorafleet_dev.checkout import Checkout, CheckoutError
+from lorafleet_dev.controlplane import ControlPlane, find_bin_dir
+from lorafleet_dev.processes import free_port
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 
 log = logging.getLogger("lorafleet.demo")
 
-EXAMPLES = REPO_ROOT / "deploy" / "examples"
-CRDS = REPO_ROOT / "deploy" / "crds"
 #: The adapter root the examples (and the chart) use; the demo substitutes its own.
 EXAMPLE_ADAPTER_ROOT = "/var/lib/lorafleet/adapters"
 BASE_MODEL = "tiny-llama"
@@ -54,12 +57,12 @@ def _raise_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
 
 
-def write_files(root: Path) -> tuple[Path, Path]:
+def write_files(checkout: Checkout, root: Path) -> tuple[Path, Path]:
     """The tiny model and one adapter per example LoraAdapter; returns (model, adapter root)."""
     shape = SyntheticModel()
     model = write_model(root / "model", shape)
     adapters = root / "adapters"
-    for seed, manifest in enumerate(sorted(EXAMPLES.glob("loraadapter-*.yaml")), start=1):
+    for seed, manifest in enumerate(sorted(checkout.examples.glob("loraadapter-*.yaml")), start=1):
         for line in manifest.read_text().splitlines():
             if line.strip().startswith("uri: file://"):
                 name = line.strip().rsplit("/", 1)[-1]
@@ -67,10 +70,10 @@ def write_files(root: Path) -> tuple[Path, Path]:
     return model, adapters
 
 
-def example_manifests(adapter_root: Path) -> str:
+def example_manifests(checkout: Checkout, adapter_root: Path) -> str:
     """deploy/examples/*.yaml as one stream, file:// paths pointed at the demo's adapters."""
     docs = [p.read_text().replace(EXAMPLE_ADAPTER_ROOT, str(adapter_root))
-            for p in sorted(EXAMPLES.glob("*.yaml"))]
+            for p in sorted(checkout.examples.glob("*.yaml"))]
     return "\n---\n".join(docs)
 
 
@@ -117,16 +120,17 @@ def generate(agent: AgentProcess, adapter: str) -> list[int]:
         return [reply.token_id for reply in stub.Generate(request, timeout=60)]
 
 
-def run(work: Path, keep_running: bool) -> int:
+def run(checkout: Checkout, work: Path, keep_running: bool) -> int:
+    """Bring everything up under ``work``, show it working, and stop it all again."""
     with ExitStack() as stack:
         log.info("starting the control plane (etcd, kube-apiserver, kube-controller-manager)")
-        cluster = ControlPlane.start(find_bin_dir())
+        cluster = ControlPlane.start(find_bin_dir(checkout))
         stack.callback(cluster.stop)
-        cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
+        cluster.kubectl("apply", "--server-side", "-f", str(checkout.crds))
         cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                         "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
 
-        model, adapters = write_files(work)
+        model, adapters = write_files(checkout, work)
         log.info("wrote a tiny random model and adapters %s under %s",
                  sorted(p.name for p in adapters.iterdir()), work)
         spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name=BASE_MODEL)
@@ -142,7 +146,7 @@ def run(work: Path, keep_running: bool) -> int:
         log.info("applying deploy/examples/ (adapter root %s -> %s)", EXAMPLE_ADAPTER_ROOT,
                  adapters)
         started = time.monotonic()
-        log.info(cluster.apply(example_manifests(adapters), NAMESPACE).rstrip())
+        log.info(cluster.apply(example_manifests(checkout, adapters), NAMESPACE).rstrip())
         wait_ready(cluster, 300, operator_log)
         log.info("every LoraAdapter Ready after %.1fs", time.monotonic() - started)
 
@@ -162,17 +166,24 @@ def run(work: Path, keep_running: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lorafleet_operator.demo",
-                                     description=__doc__.splitlines()[0])
+    """``python -m lorafleet_dev.demo [--repo PATH] [--keep-running]``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lorafleet_dev.demo",
+                                     description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=None,
+                        help="the lorafleet checkout (default: the one holding the current directory)")
     parser.add_argument("--keep-running", action="store_true",
                         help="leave everything up until Ctrl-C")
     args = parser.parse_args(argv)
+    try:
+        checkout = Checkout.at(args.repo) if args.repo else Checkout.find(Path.cwd())
+    except CheckoutError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    logging.getLogger("lorafleet_operator").setLevel(logging.WARNING)
+    logging.getLogger("lorafleet_dev").setLevel(logging.WARNING)
     _raise_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
     try:
-        return run(work, args.keep_running)
+        return run(checkout, work, args.keep_running)
     except KeyboardInterrupt:
         log.info("interrupted; stopped everything")
         return 130

@@ -1,6 +1,9 @@
 """Random models and adapters in the on-disk formats the engine serves (no hub, no transformers).
 
-Used by the local demo and the benchmarks; tests use real transformers + PEFT instead.
+For the demo, the benchmarks and the tests that need files of the right shape rather than a
+numeric reference. The numeric tests build theirs with transformers + PEFT instead
+(``tests/support/models.py``), so that PEFT itself wrote what the engine must match; both use
+the PEFT file-format facts below.
 """
 
 from __future__ import annotations
@@ -8,9 +11,38 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+#: The files of a PEFT LoRA adapter directory.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: PEFT's prefix of every adapter weight key (the adapter name itself is stripped).
+PEFT_PREFIX = "base_model.model."
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+#: Every LoRA-targetable projection of a dense Llama-family layer.
+ALL_MODULES = ATTN_MODULES + MLP_MODULES
+
+
+def lora_key(layer: int, module: str, which: str) -> str:
+    """The safetensors key PEFT writes for a dense layer's module, e.g. lora_key(0, "q_proj", "A")."""
+    sub = "self_attn" if module in ATTN_MODULES else "mlp"
+    return f"{PEFT_PREFIX}model.layers.{layer}.{sub}.{module}.lora_{which}.weight"
+
+
+def write_adapter_config(adapter_dir: Path, config: dict[str, Any]) -> None:
+    """Write ``adapter_config.json`` as PEFT does (sorted keys)."""
+    (adapter_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def write_adapter_weights(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``adapter_model.safetensors`` as PEFT does (contiguous tensors, format "pt")."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter_dir / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
 
 
 @dataclass(frozen=True)
@@ -26,7 +58,8 @@ class SyntheticModel:
     vocab_size: int = 256
     model_type: str = "llama"
 
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
+        """The model's ``config.json`` (Hugging Face keys)."""
         return {
             "architectures": ["LlamaForCausalLM" if self.model_type == "llama" else "Qwen3ForCausalLM"],
             "model_type": self.model_type,
@@ -63,7 +96,10 @@ def write_model(out_dir: Path, shape: SyntheticModel, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    rand = lambda *size: torch.randn(*size, generator=generator) * 0.05  # noqa: E731
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator) * 0.05
+
     tensors = {
         "model.embed_tokens.weight": rand(shape.vocab_size, shape.hidden_size),
         "lm_head.weight": rand(shape.vocab_size, shape.hidden_size),
@@ -84,7 +120,7 @@ def write_model(out_dir: Path, shape: SyntheticModel, seed: int = 0) -> Path:
 
 
 def write_adapter(out_dir: Path, shape: SyntheticModel, rank: int = 8, alpha: float = 16.0, seed: int = 0,
-                  targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) -> Path:
+                  targets: tuple[str, ...] = ALL_MODULES) -> Path:
     """Write a PEFT-format LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -92,13 +128,14 @@ def write_adapter(out_dir: Path, shape: SyntheticModel, rank: int = 8, alpha: fl
     tensors = {}
     for layer in range(shape.num_layers):
         for module, (out, inp) in shape.module_shapes().items():
-            if module.split(".")[-1] not in targets:
+            name = module.split(".")[-1]
+            if name not in targets:
                 continue
-            key = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.05
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-              "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM"}
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+            tensors[lora_key(layer, name, "A")] = torch.randn(rank, inp, generator=generator) * 0.05
+            tensors[lora_key(layer, name, "B")] = torch.randn(out, rank, generator=generator) * 0.05
+    write_adapter_weights(out_dir, tensors)
+    write_adapter_config(out_dir, {
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+        "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM",
+    })
     return out_dir

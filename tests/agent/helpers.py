@@ -19,7 +19,7 @@ import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 
 SHAPE = SyntheticModel()  # hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256
 ADAPTER_RANK = 8

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_dev.pki import Authority
 from node_agent.auth import TlsFiles
 from node_agent.server import AgentServer, ServerOptions, create_server
-from tests.agent.certs import Authority
 from tests.agent.helpers import rpc_error
 
 TOKEN = "0123456789abcdef-token"

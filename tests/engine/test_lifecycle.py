@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology, TopologyError
-from node_agent.synthetic import SyntheticModel, write_adapter, write_model
 
 SHAPE = SyntheticModel()
 

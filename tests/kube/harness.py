@@ -1,20 +1,16 @@
-"""The control-plane test harness: re-exports :mod:`lorafleet_operator.localcluster`.
+"""What the control-plane tests use: the local control plane (:mod:`lorafleet_dev.controlplane`)
+and the checkout under test, whose chart, CRDs, examples and kube build script they read.
 
-The runner itself is product code (the local demo starts the same control plane); tests keep
-importing it from here. See docs/kube-test-harness.md.
+See docs/kube-test-harness.md.
 """
 
-from lorafleet_operator.localcluster import (  # noqa: F401 - re-exported for the tests
-    ADMIN_USER,
-    BINARIES,
-    BUILD_SCRIPT,
-    LOCAL_NODE,
-    REPO_ROOT,
-    ControlPlane,
-    HarnessError,
-    KubectlError,
-    find_bin_dir,
-    free_port,
-    make_pki,
-    running_control_plane,
-)
+from pathlib import Path
+
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.controlplane import ControlPlane, KubectlError, find_bin_dir
+from lorafleet_dev.processes import HarnessError, free_port
+
+#: The repository these tests belong to.
+CHECKOUT = Checkout.at(Path(__file__).resolve().parents[2])
+
+__all__ = ["CHECKOUT", "ControlPlane", "HarnessError", "KubectlError", "find_bin_dir", "free_port"]

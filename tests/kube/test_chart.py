@@ -1,4 +1,4 @@
-"""The Helm chart: lint, render, server-side dry run, CRD copies, and the operator's RBAC.
+"""The Helm chart: lint, render, server-side dry run, and the operator's RBAC.
 
 The chart's RBAC is checked against the real authorizer (``kubectl auth can-i`` impersonating
 the operator's ServiceAccount), both for what it must allow and for what it must not.
@@ -6,27 +6,14 @@ the operator's ServiceAccount), both for what it must allow and for what it must
 
 from __future__ import annotations
 
-import filecmp
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.kube.harness import REPO_ROOT, ControlPlane
+from tests.kube.harness import CHECKOUT, ControlPlane
 
-CHART = REPO_ROOT / "deploy" / "helm" / "lorafleet"
-SOURCE_CRDS = REPO_ROOT / "deploy" / "crds"
-
-
-def test_chart_crds_equal_source_crds() -> None:
-    """deploy/crds is the source of truth; the chart's copy must be byte-identical."""
-    source = sorted(p.name for p in SOURCE_CRDS.glob("*.yaml"))
-    copied = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
-    assert source == copied, "run scripts/sync-chart-crds.sh"
-    match, mismatch, errors = filecmp.cmpfiles(SOURCE_CRDS, CHART / "crds", source,
-                                               shallow=False)
-    assert (mismatch, errors) == ([], []), "run scripts/sync-chart-crds.sh"
-    assert sorted(match) == source
+CHART = CHECKOUT.chart
 
 
 def test_helm_lint(kube_cluster: ControlPlane) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kube.harness import REPO_ROOT, ControlPlane, KubectlError
+from tests.kube.harness import CHECKOUT, ControlPlane, KubectlError
 
 pytestmark = pytest.mark.usefixtures("lorafleet_crds")
 
@@ -312,7 +312,7 @@ def test_bad_fleet_is_refused(
 
 
 def test_examples_apply_strictly(kube_cluster: ControlPlane, kube_namespace: str) -> None:
-    examples = REPO_ROOT / "deploy" / "examples"
+    examples = CHECKOUT.examples
     kube_cluster.kubectl("apply", "--validate=strict", "-n", kube_namespace, "-f", str(examples))
     docs = [d for f in sorted(examples.glob("*.yaml"))
             for d in yaml.safe_load_all(Path(f).read_text()) if d]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kube.harness import ControlPlane, HarnessError, KubectlError, find_bin_dir
+from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError, KubectlError, find_bin_dir
 
 
 def test_server_version_is_stamped(kube_cluster: ControlPlane) -> None:
@@ -142,12 +142,12 @@ def test_missing_binaries_fail_with_instructions(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("LORAFLEET_KUBE_BIN_DIR", str(tmp_path))
-    with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
-        find_bin_dir()
+    with pytest.raises(HarnessError, match=r"run scripts/build-kube\.sh"):
+        find_bin_dir(CHECKOUT)
     monkeypatch.delenv("LORAFLEET_KUBE_BIN_DIR")
     monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path))
-    with pytest.raises(HarnessError, match="run scripts/build-kube.sh"):
-        find_bin_dir()
+    with pytest.raises(HarnessError, match=r"run scripts/build-kube\.sh"):
+        find_bin_dir(CHECKOUT)
 
 
 def test_restart_apiserver_keeps_objects(kube_bin_dir: Path) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
-from lorafleet_operator.localagents import AgentProcess
-from node_agent.synthetic import SyntheticModel, write_adapter
+from lorafleet_dev.agents import AgentProcess
+from lorafleet_dev.synthetic import ADAPTER_WEIGHTS, SyntheticModel, write_adapter
 from tests.kube.harness import ControlPlane
 
 SHAPE = SyntheticModel()
@@ -26,7 +26,7 @@ def make_adapter(root: Path, name: str, *, rank: int = 4, seed: int = 0) -> Path
 def corrupt_adapter(root: Path, name: str) -> Path:
     """A PEFT directory whose weights file is not safetensors at all."""
     path = make_adapter(root, name)
-    (path / "adapter_model.safetensors").write_bytes(b"\x00garbage, not safetensors" * 8)
+    (path / ADAPTER_WEIGHTS).write_bytes(b"\x00garbage, not safetensors" * 8)
     return path
 
 

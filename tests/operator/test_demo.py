@@ -8,12 +8,13 @@ from pathlib import Path
 
 import yaml
 
-from lorafleet_operator.demo import BASE_MODEL, EXAMPLE_ADAPTER_ROOT, example_manifests, write_files
+from lorafleet_dev.demo import BASE_MODEL, EXAMPLE_ADAPTER_ROOT, example_manifests, write_files
+from tests.kube.harness import CHECKOUT
 
 
 def test_examples_point_at_the_demo_adapters(tmp_path: Path) -> None:
-    _, adapters = write_files(tmp_path)
-    docs = [d for d in yaml.safe_load_all(example_manifests(adapters)) if d]
+    _, adapters = write_files(CHECKOUT, tmp_path)
+    docs = [d for d in yaml.safe_load_all(example_manifests(CHECKOUT, adapters)) if d]
     las = [d for d in docs if d["kind"] == "LoraAdapter"]
     assert len(las) >= 2 and any(d["kind"] == "LoraFleet" for d in docs)
     for la in las:

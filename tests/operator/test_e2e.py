@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 import pytest
 
-from lorafleet_operator.localagents import AgentProcess, AgentSpec, start_agents
-from node_agent.synthetic import write_model
+from lorafleet_dev.agents import AgentProcess, AgentSpec, start_agents
+from lorafleet_dev.synthetic import write_model
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,

@@ -1,0 +1,136 @@
+"""Local servers as child processes: free ports, death with the parent, logs, waiting for ready.
+
+Shared by the control plane (etcd, kube-apiserver, kube-controller-manager) and the local node
+agents, so every server started for the demo or a test is stopped the same way and none
+outlives the process that started it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+log = logging.getLogger(__name__)
+
+
+class HarnessError(RuntimeError):
+    """A local server (or the binaries it needs) could not be found, started or used."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (start-up retries cover the race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def popen_dying_with_parent(
+    argv: Sequence[str], log_path: Path, *, new_session: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with its output appended to ``log_path``; it gets SIGTERM when we die.
+
+    The child starts as ``python -m lorafleet_dev.processes <our pid> argv...``, which sets
+    PR_SET_PDEATHSIG and execs ``argv`` (the setting survives exec, and the pid stays the
+    same). That is done in a fresh interpreter rather than in a ``preexec_fn``, which is unsafe
+    while the parent runs threads (gRPC's, for one). The signal fires when the *thread* that
+    started the child ends: start servers from the main thread (as pytest fixtures and the demo
+    do). ``new_session`` puts the child in a process group of its own, so one signal reaches its
+    children too.
+    """
+    launcher = [sys.executable, "-m", __name__, str(os.getpid())]
+    with log_path.open("ab") as out:
+        return subprocess.Popen(
+            [*launcher, *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+        )
+
+
+def _exec_dying_with(parent_pid: int, argv: list[str]) -> NoReturn:
+    """Ask for SIGTERM when ``parent_pid`` dies, then become ``argv``."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died before prctl: then nobody would ever send the signal.
+    if os.getppid() != parent_pid:
+        sys.exit(f"parent {parent_pid} exited before {argv[0]} started")
+    os.execvp(argv[0], argv)
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log file ("" if it does not exist yet)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class ChildProcess:
+    """One server process with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    argv: list[str]
+
+    @classmethod
+    def spawn(cls, name: str, argv: Sequence[str], log_dir: Path) -> ChildProcess:
+        """Start one server, its output appended to ``<log_dir>/<name>.log``."""
+        log_path = log_dir / f"{name}.log"
+        popen = popen_dying_with_parent(argv, log_path)
+        log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
+        return cls(name, popen, log_path, list(argv))
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of this server's log."""
+        return log_tail(self.log_path, lines)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after grace_s; always reaps the child."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit on SIGTERM; killing it", self.name)
+                self.popen.kill()
+                self.popen.wait()
+
+    def wait_until(self, what: str, probe: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> None:
+        """Poll probe() until it returns True; fail early if the process exits, with its log tail."""
+        deadline = time.monotonic() + timeout_s
+        last_error = ""
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise HarnessError(
+                    f"{self.name} exited with {self.popen.returncode} while waiting for {what}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                if probe():
+                    return
+            except (OSError, urllib.error.URLError, ValueError) as exc:
+                last_error = str(exc)
+            time.sleep(interval_s)
+        raise HarnessError(
+            f"timed out after {timeout_s:.0f}s waiting for {what} ({last_error}):\n{self.log_tail()}"
+        )
+
+
+if __name__ == "__main__":
+    _exec_dying_with(int(sys.argv[1]), sys.argv[2:])
