@@ -1,8 +1,9 @@
-"""Node agent benchmarks (issue 3), printed side by side from one run on one engine (tp=2, dp=2):
+"""Node agent benchmarks, printed side by side from one run on one engine (tp=2, dp=2):
 
 (a) loading one adapter: over gRPC (LoadAdapter on a loopback server) vs the same load
     in-process, both through the agent (`Agent.load`: source checks, sha256, per-rank results)
-    and straight into the engine (`Engine.load_adapter`);
+    and straight into the engine (`Engine.load_adapter`); beside them, one `describe` fan-out to
+    every rank (what each load cost on top before load replies carried the ranks' holdings);
 (b) Forward throughput for a batch of 8 sequences x 32 tokens that all use 1 adapter vs 8
     distinct adapters, over gRPC and in-process.
 
@@ -14,6 +15,7 @@ CPU timings on a shared machine are noisy: read the ratios, not the absolute fig
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import statistics
 import tempfile
@@ -55,42 +57,44 @@ def time_once(function: Callable[[], object]) -> float:
 
 
 def bench_load(agent: Agent, stub: agent_pb2_grpc.NodeAgentStub, adapter: Path, repeats: int) -> None:
-    samples: dict[str, list[float]] = {"engine": [], "agent": [], "grpc": []}
+    samples: dict[str, list[float]] = {"engine": [], "agent": [], "grpc": [], "describe": []}
     uri = adapter.as_uri()
-    for _ in range(repeats):  # interleaved, so that machine noise hits all three alike
-        name = fresh("e")
-        samples["engine"].append(time_once(lambda: agent.engine.load_adapter(name, adapter)))
-        agent.engine.unload_adapter(name)
-        name = fresh("a")
-        samples["agent"].append(time_once(lambda: agent.load(name, uri)))
-        agent.unload(name)
-        name = fresh("g")
-        samples["grpc"].append(time_once(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source_uri=uri), timeout=300)))
-        stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=300)
+    for _ in range(repeats):  # interleaved, so that machine noise hits all of them alike
+        engine_name, agent_name, grpc_name = fresh("e"), fresh("a"), fresh("g")
+        samples["engine"].append(time_once(functools.partial(agent.engine.load_adapter, engine_name, adapter)))
+        agent.engine.unload_adapter(engine_name)
+        samples["agent"].append(time_once(functools.partial(agent.load, agent_name, uri)))
+        agent.unload(agent_name)
+        request = pb.LoadAdapterRequest(name=grpc_name, source_uri=uri)
+        samples["grpc"].append(time_once(functools.partial(stub.LoadAdapter, request, timeout=300)))
+        stub.UnloadAdapter(pb.UnloadAdapterRequest(name=grpc_name), timeout=300)
+        samples["describe"].append(time_once(agent.engine.describe))
     size = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     engine = statistics.median(samples["engine"])
     print(f"\n(a) adapter load on tp=2 dp=2, rank {RANK}, {SHAPE.num_layers} layers x 7 modules, file {size:.2f} MiB, "
           f"{repeats} repeats (median, range)")
     print(f"{'Engine.load_adapter (in-process)':<40}{spread(samples['engine'])}")
-    for key, label in (("agent", "Agent.load (in-process)"), ("grpc", "LoadAdapter over gRPC")):
+    for key, label in (("agent", "Agent.load (in-process)"), ("grpc", "LoadAdapter over gRPC"), ("describe", "one describe fan-out")):
         ratio = statistics.median(samples[key]) / engine
         print(f"{label:<40}{spread(samples[key])}   {ratio:.2f}x the engine load")
 
 
 def bench_forward(agent: Agent, stub: agent_pb2_grpc.NodeAgentStub, adapters: list[Path], repeats: int) -> None:
     names = [fresh("f") for _ in adapters]
-    for name, path in zip(names, adapters):
+    for name, path in zip(names, adapters, strict=True):
         agent.load(name, path.as_uri())
     tokens = [[(7 * i + j) % SHAPE.vocab_size for j in range(TOKENS)] for i in range(BATCH)]
     batches = {"1 adapter": [names[0]] * BATCH, "8 adapters": names[:BATCH]}
     samples: dict[tuple[str, str], list[float]] = {}
     for label, used in batches.items():
-        sequences = list(zip(tokens, used))
+        sequences = list(zip(tokens, used, strict=True))
         request = pb.ForwardRequest(sequences=[pb.Sequence(token_ids=t, adapter=a) for t, a in sequences])
         agent.forward(sequences)  # warm up: make the adapters resident
+        in_process = functools.partial(agent.forward, sequences)
+        over_grpc = functools.partial(stub.Forward, request, timeout=300)
         for _ in range(repeats):
-            samples.setdefault((label, "in-process"), []).append(time_once(lambda: agent.forward(sequences)))
-            samples.setdefault((label, "gRPC"), []).append(time_once(lambda: stub.Forward(request, timeout=300)))
+            samples.setdefault((label, "in-process"), []).append(time_once(in_process))
+            samples.setdefault((label, "gRPC"), []).append(time_once(over_grpc))
     print(f"\n(b) Forward, tp=2 dp=2, {BATCH} sequences x {TOKENS} tokens, vocab {SHAPE.vocab_size} "
           f"({BATCH * TOKENS * SHAPE.vocab_size * 4 / 2**20:.0f} MiB of logits), {repeats} repeats")
     print(f"{'batch':<14}{'path':<12}{'latency (median, range)':>32}{'tokens/s':>12}")
