@@ -193,8 +193,9 @@ class Engine:
 
     def describe(self) -> list[DescribeReply]:
         """Every rank's buffer shapes, device slots and adapters (rank order)."""
-        replies = self._broadcast(Describe(), DescribeReply)
-        self._record(replies)
+        with self._lock:
+            replies = self._broadcast(Describe(), DescribeReply)
+            self._record(replies)
         merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
         if not merged.ok:
             raise EngineError(merged.error)
@@ -260,6 +261,7 @@ class Engine:
         return replies
 
     def _record(self, replies: Sequence[ControlReply | DescribeReply]) -> None:
+        # Called under the command lock, right after the command: holdings never go back in time.
         for reply in replies:
             self._holds[reply.rank] = reply.holds
 
