@@ -23,10 +23,10 @@ import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
+from lorafleet_dev.pki import Authority
 from node_agent import errors
 from node_agent.errors import SourceRefused, SourceUnavailable
 from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, resolve_source
-from tests.agent.certs import Authority
 from tests.agent.helpers import make_adapter, rpc_error, wait_until
 
 SECRET = "s3cr3t-pa55"
@@ -239,7 +239,8 @@ def test_credentials_in_urls_are_refused_and_never_repeated(tmp_path, served, ca
     with misbehaving(served) as http:
         port = http.server_address[1]
         for uri in (f"http://user:{SECRET}@127.0.0.1:{port}/files/ad", f"https://{SECRET}@example.invalid/ad",
-                    f"file://user:{SECRET}@localhost/adapters/ad"):
+                    f"file://user:{SECRET}@localhost/adapters/ad", f"http://user:{SECRET}?#x@127.0.0.1:{port}/files/ad",
+                    f"s3://key:{SECRET}@bucket/ad"):
             with pytest.raises(SourceRefused, match="credentials in source URIs are refused") as refused:
                 resolve_source(uri, None, policy(tmp_path, adapter_roots=(tmp_path,)))
             assert refused.value.reason == "credentials" and SECRET not in str(refused.value)
@@ -251,6 +252,21 @@ def test_credentials_in_urls_are_refused_and_never_repeated(tmp_path, served, ca
             resolve_source(http.url("files", "ad") + f"?X-Signature={SECRET}", None, policy(tmp_path))
         assert SECRET not in str(queried.value)
     assert SECRET not in caplog.text
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("file:///adapters/ad", "file:///adapters/ad"),
+    ("file:adapters/ad", "file:adapters/ad"),
+    ("http://host/a@b/ad", "http://host/a@b/ad"),  # an '@' in the path is no userinfo
+    (f"http://user:{SECRET}@host/ad", "http://***@host/ad"),
+    (f"http://user:{SECRET}?#@host/ad", "http://***@host/ad"),
+    (f"https://host/ad?X-Signature={SECRET}", "https://host/ad?<redacted>"),
+    (f"https://host/ad#{SECRET}", "https://host/ad?<redacted>"),
+])
+def test_uris_are_redacted_for_messages_and_logs(uri, shown):
+    from node_agent.sources import redact_uri
+
+    assert redact_uri(uri) == shown
 
 
 # -- the cache directory -----------------------------------------------------------------------------
