@@ -57,8 +57,9 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
     previous = dict(body.get("status") or {})
     async with rt.lock(namespace, name):
         if not previous.get("conditions"):
-            await rt.kube.patch_adapter_status(namespace, name, initial_status(generation))
-            previous = {**previous, **initial_status(generation)}
+            first = initial_status(generation)
+            await rt.kube.patch_adapter_status(namespace, name, first)
+            previous = {**previous, **first}
         try:
             view = await fleet_view(rt, namespace, spec["fleetRef"]["name"])
             results = await load_everywhere(rt, view, body)
