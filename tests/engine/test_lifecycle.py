@@ -77,6 +77,8 @@ def test_every_rank_makes_the_same_slot_decisions(model_dir, tmp_path):
             result = engine.load_adapter(name, adapters[name])
             assert [r.holds[-1] for r in result.ranks] == [name] * 4, "each rank says what it holds afterwards"
         assert engine.holding("b").already_loaded and engine.holding("b").ok
+        missing = engine.holding("zzz")
+        assert not missing.ok and missing.error == " | ".join(f"rank {rank} does not hold 'zzz'" for rank in range(4))
         for batch in (["a"], ["b", None], ["c"], [None], ["b"], ["p", "c"], [None, "a", "p"]):
             engine.forward([SequenceInput([1, 2, 3 + i], adapter) for i, adapter in enumerate(batch)])
             resident = [dict(reply.resident) for reply in engine.describe()]
