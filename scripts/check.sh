@@ -10,4 +10,5 @@ ruff check .
 echo "check: mypy" >&2
 mypy
 echo "check: import-linter" >&2
-lint-imports
+# Through the checkout's interpreter, which sees the editable install's package mapping.
+python -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
