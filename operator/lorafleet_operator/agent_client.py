@@ -9,8 +9,10 @@ status code that :mod:`failures` classifies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,13 +36,74 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
 )
 
 
-class AgentError(Exception):
-    """A failed call to an agent: its gRPC status code and the agent's message."""
+#: Trailing-metadata key with which an agent marks an error as its own answer (the value is
+#: the error's reason, e.g. ``download_failed``); a transport failure or a deadline has none.
+REASON_KEY = "lorafleet-reason"
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+
+class AgentError(Exception):
+    """A failed call to an agent: its gRPC status code and the agent's message.
+
+    ``reason`` is the agent's own mark (:data:`REASON_KEY`), "" when the call ended without
+    one. ``alone`` (loads only): no other load was in flight on that agent during this one.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "",
+                 alone: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.alone = alone
+
+
+def _reason(err: grpc.aio.AioRpcError) -> str:
+    for key, value in err.trailing_metadata() or ():
+        if key == REASON_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
+
+
+class LoadGate:
+    """The loads in flight on one agent. A load enters shared (any number at once) or
+    exclusive (alone: it waits until no load runs, and none starts while it runs or waits).
+    Each load learns which other loads overlapped it, so a death can be attributed."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._running: dict[int, tuple[str, set[str]]] = {}
+        self._exclusive = False
+        self._exclusive_waiting = 0
+        self._tokens = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def enter(self, name: str, *, exclusive: bool) -> AsyncIterator[set[str]]:
+        """Run one load of ``name``; yields the names of the loads that overlap it (filled
+        in while it runs)."""
+        async with self._cond:
+            if exclusive:
+                self._exclusive_waiting += 1
+                try:
+                    await self._cond.wait_for(lambda: not self._running and not self._exclusive)
+                finally:
+                    self._exclusive_waiting -= 1
+                self._exclusive = True
+            else:
+                await self._cond.wait_for(
+                    lambda: not self._exclusive and not self._exclusive_waiting)
+            overlap = {other for other, _ in self._running.values()}
+            for _, others in self._running.values():
+                others.add(name)
+            token = next(self._tokens)
+            self._running[token] = (name, overlap)
+        try:
+            yield overlap
+        finally:
+            async with self._cond:
+                del self._running[token]
+                if exclusive:
+                    self._exclusive = False
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -110,6 +173,7 @@ class AgentClients:
         self._settings = settings
         self._channels: dict[tuple[str, Credentials], grpc.aio.Channel] = {}
         self._per_agent: dict[str, asyncio.Semaphore] = {}
+        self._loads: dict[str, LoadGate] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
 
     def _channel(self, endpoint: str, creds: Credentials) -> grpc.aio.Channel:
@@ -145,7 +209,8 @@ class AgentClients:
                 result = await invoke(stub, metadata, deadline_s)
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method=method, code=err.code().name).inc()
-                raise AgentError(err.code(), err.details() or err.code().name) from None
+                raise AgentError(err.code(), err.details() or err.code().name,
+                                 reason=_reason(err)) from None
         metrics.AGENT_CALLS.labels(method=method, code="OK").inc()
         return result
 
@@ -163,13 +228,22 @@ class AgentClients:
         )
 
     async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,
-                   sha256: str, pinned: bool, replace: bool) -> ControlReply:
+                   sha256: str, pinned: bool, replace: bool,
+                   exclusive: bool = False) -> ControlReply:
+        """LoadAdapter; ``exclusive``: with no other load in flight on this agent. A failure
+        says whether the load was alone there (``AgentError.alone``)."""
         request = agent_pb2.LoadAdapterRequest(name=name, source_uri=source_uri, sha256=sha256,
                                                pinned=pinned, replace=replace)
-        reply = await self._call(
-            endpoint, creds, "LoadAdapter",
-            lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
-            self._settings.load_deadline_s)
+        gate = self._loads.setdefault(endpoint, LoadGate())
+        async with gate.enter(name, exclusive=exclusive) as overlap:
+            try:
+                reply = await self._call(
+                    endpoint, creds, "LoadAdapter",
+                    lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
+                    self._settings.load_deadline_s)
+            except AgentError as err:
+                err.alone = not overlap
+                raise
         return _control_reply(reply)
 
     async def unload(self, endpoint: str, creds: Credentials, name: str) -> ControlReply:

@@ -50,6 +50,9 @@ class Settings:
     #: Deletion gives up on unreachable (but still Ready) agents after this many retries;
     #: the drift check unloads the orphan later, when the agent answers again.
     delete_retries: int = 5
+    #: Agent processes that may die or hang during loads of one adapter generation before
+    #: the generation is Failed (LoadCrashedAgent) and sent to no agent until the spec changes.
+    load_crash_budget: int = 2
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -86,6 +89,7 @@ ENV_VARS = {
     "per_agent_concurrency": "LORAFLEET_PER_AGENT_CONCURRENCY",
     "total_concurrency": "LORAFLEET_TOTAL_CONCURRENCY",
     "delete_retries": "LORAFLEET_DELETE_RETRIES",
+    "load_crash_budget": "LORAFLEET_LOAD_CRASH_BUDGET",
 }
 
 

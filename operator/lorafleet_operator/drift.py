@@ -36,6 +36,7 @@ from lorafleet_operator.reconcile import (
     FleetView,
     Target,
     ask_each,
+    condemned,
     error_result,
     failure_key,
     fleet_view,
@@ -137,6 +138,9 @@ async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: 
         rt.failures.clear(key)
         return AgentResult(target.agent.name, AgentState.LOADED,
                            min(len(entry.ranks), target.ranks_total), target.ranks_total)
+    verdict = condemned(rt, body)
+    if verdict:  # its loads crashed agents: sent to none until the spec changes
+        return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
     failure = rt.failures.waiting(key)
     if failure is not None:  # a permanent failure of this generation here is backing off
         old = previous.get(target.agent.name)
@@ -165,7 +169,7 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
             _agent_result(rt, view, t, registries.get(t.agent.name), body, previous)
             for t in targets)))
         status = build_status(results, generation=int(meta.get("generation", 0)),
-                              previous=stored)
+                              previous=stored, crashed=condemned(rt, body))
         await publish_status(rt, body, status)
     return str(status["phase"])
 

@@ -9,6 +9,10 @@ Every decision about what failed how, and whether and when to try again, is made
   the drift check retries a permanent failure of one adapter generation on one agent after
   ``failed_retry_s · 2^(attempts-1)`` (capped): slowly, never in a hot loop;
 * **deletion** — how long an unreachable agent may hold up a finalizer;
+* **crashes during loads** — a load that was in flight when its agent died or hung counts
+  against that adapter generation (:class:`CrashBook`); after ``load_crash_budget`` such agent
+  deaths the generation is condemned: Failed (``LoadCrashedAgent``), sent to no agent until the
+  spec changes;
 * **handler outcomes** — the one place that raises ``kopf.TemporaryError`` /
   ``kopf.PermanentError`` (:func:`kopf_retries`, around every handler).
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,8 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator.agent_client import AgentError, ControlReply
 from lorafleet_operator.config import Settings
-from lorafleet_operator.status import AgentResult, AgentState, Phase
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase
 
 #: gRPC codes that say "try again later": the agent or one of its ranks is down or busy.
 TRANSIENT_CODES = frozenset({
@@ -143,6 +148,144 @@ class SlowRetries:
             self.clear(key)
 
 
+#: Codes with which a load can end without the agent having answered it: its process died
+#: (connection reset or closed: UNAVAILABLE) or hung (the operator's deadline fired).
+UNANSWERED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Reasons an agent gives (trailing metadata ``lorafleet-reason``) when its engine stopped
+#: serving under the call: the agent is about to exit, as if it had died during the load.
+ENGINE_DIED_REASONS = frozenset({"engine_unavailable"})
+
+
+def died_under(err: AgentError) -> bool:
+    """Whether a failed load may be the agent dying or hanging under it (a crash candidate):
+    the call ended without an answer of the agent's own (no ``lorafleet-reason``; a transport
+    error or the operator's deadline), or the agent said its engine stopped serving. An error
+    the agent answered with its own reason (a download timeout, too many downloads) is not."""
+    if err.reason:
+        return err.reason in ENGINE_DIED_REASONS
+    return err.code in UNANSWERED_CODES
+
+
+#: (adapter uid, generation): what a crash counts against.
+AdapterGeneration = tuple[str, int]
+#: (pod uid, container restarts): one life of an agent process; a restart starts a new one.
+Incarnation = tuple[str, int]
+
+
+def incarnation(pod: AgentPod) -> Incarnation:
+    return (pod.uid, pod.restarts)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A load of one generation on one agent life that ended without the agent's answer."""
+
+    incarnation: Incarnation
+    #: No other load was in flight on that agent during this one: a death is this load's.
+    alone: bool
+    message: str
+
+
+@dataclass
+class CrashBook:
+    """Which adapter generations were being loaded when their agent died or hung.
+
+    A load that ended without the agent's answer (:func:`died_under`) makes that (generation,
+    agent) a *suspect*. The next look at the fleet (:meth:`observe`) settles it: the same pod
+    with more container restarts means the agent died during (or right after) the load — a
+    **crash**; the pod gone or re-created drops the suspect; a later answered load on the same
+    agent life clears it (the failure was the network: a stall or a partition). A crash counts
+    against the generation only when that load was alone on the agent; one with company is
+    *ambiguous* and makes the generation's next loads run alone on their agent (exclusive), so
+    the next death is attributed exactly. ``budget`` counted crashes (distinct agent lives)
+    condemn the generation (:meth:`verdict`). A success on an agent clears the suspicion
+    there. A new generation is a new key: a spec change is tried again.
+    """
+
+    budget: int
+    suspects: dict[AdapterGeneration, dict[str, Suspect]] = field(default_factory=dict)
+    crashes: dict[AdapterGeneration, dict[tuple[str, Incarnation], str]] = \
+        field(default_factory=dict)
+    ambiguous: set[AdapterGeneration] = field(default_factory=set)
+
+    def suspect(self, key: AdapterGeneration, pod: str, life: Incarnation, *, alone: bool,
+                message: str) -> None:
+        self._forget_older(key)
+        self.suspects.setdefault(key, {})[pod] = Suspect(life, alone, message)
+
+    def answered(self, key: AdapterGeneration, pod: str, *, loaded: bool) -> None:
+        """The agent answered a load of this generation (success, refusal or its own error):
+        whatever was suspected of it there was not a death; a success also lifts isolation."""
+        self.suspects.get(key, {}).pop(pod, None)
+        if loaded:
+            self.ambiguous.discard(key)
+
+    def observe(self, pods: Iterable[AgentPod]) -> None:
+        """Settle suspects against the fleet's pods as they are now."""
+        now = {p.name: p for p in pods}
+        for key, by_pod in self.suspects.items():
+            for name, suspect in list(by_pod.items()):
+                pod = now.get(name)
+                if pod is None:
+                    continue  # not in this look (another fleet, or gone): settled elsewhere
+                uid, restarts = suspect.incarnation
+                if pod.uid != uid:
+                    del by_pod[name]  # a new pod, not a restart: nothing to count
+                elif pod.restarts > restarts:
+                    del by_pod[name]
+                    if suspect.alone:
+                        self.crashes.setdefault(key, {})[(name, suspect.incarnation)] = \
+                            suspect.message
+                    else:
+                        self.ambiguous.add(key)
+
+    def isolate(self, key: AdapterGeneration) -> bool:
+        """Whether this generation's loads must run with no other load on their agent."""
+        return key in self.ambiguous or bool(self.suspects.get(key)) or bool(
+            self.crashes.get(key))
+
+    def verdict(self, key: AdapterGeneration) -> str:
+        """Why this generation is sent to no agent any more ("" while it may be)."""
+        crashes = self.crashes.get(key, {})
+        if len(crashes) < self.budget:
+            return ""
+        agents = sorted({pod for pod, _ in crashes})
+        what = "; ".join(f"{pod} (restart {life[1]}): {message}"
+                         for (pod, life), message in sorted(crashes.items()))
+        return (f"generation {key[1]} was being loaded when {len(crashes)} agent processes "
+                f"died or hung ({', '.join(agents)}; the crash budget is {self.budget}): "
+                f"{what}; not sent to any agent until the spec changes")
+
+    def forget(self, uid: str) -> None:
+        """Forget a deleted adapter."""
+        for book in (self.suspects, self.crashes):
+            for key in [k for k in book if k[0] == uid]:
+                del book[key]
+        self.ambiguous = {k for k in self.ambiguous if k[0] != uid}
+
+    def _forget_older(self, key: AdapterGeneration) -> None:
+        """A newer generation replaces what was known of older ones."""
+        for book in (self.suspects, self.crashes):
+            for old in [k for k in book if k[0] == key[0] and k[1] < key[1]]:
+                del book[old]
+        self.ambiguous = {k for k in self.ambiguous if not (k[0] == key[0] and k[1] < key[1])}
+
+
+def crash_verdict(book: CrashBook, key: AdapterGeneration,
+                  status: Mapping[str, Any] | None) -> str:
+    """Why this generation is condemned: this process's own count, or — across operator
+    restarts — a stored Ready condition of this generation with reason ``LoadCrashedAgent``
+    (the status is the durable record). "" when it may be loaded."""
+    verdict = book.verdict(key)
+    if verdict:
+        return verdict
+    for cond in (status or {}).get("conditions") or []:
+        if (cond.get("type") == "Ready" and cond.get("reason") == LOAD_CRASHED_AGENT
+                and int(cond.get("observedGeneration", -1)) == key[1]):
+            return str(cond.get("message") or "its loads crashed agents")
+    return ""
+
+
 class Transient(Exception):
     """A handler's work is incomplete for a reason that may pass: retry with back-off."""
 
@@ -151,10 +294,14 @@ class Permanent(Exception):
     """A handler's work failed and asking again will not help until the spec changes."""
 
 
-def check_load(results: Sequence[AgentResult], phase: str, message: str) -> None:
-    """After a load and its status write: retry soon while an agent was unreachable; stop when
-    nothing holds the adapter and an agent refused it (phase Failed); else done (Degraded
+def check_load(results: Sequence[AgentResult], phase: str, message: str, *,
+               condemned: bool = False) -> None:
+    """After a load and its status write: stop when the generation is condemned (its loads
+    crashed agents: nothing will be sent) or when nothing holds the adapter and an agent
+    refused it (phase Failed); retry soon while an agent was unreachable; else done (Degraded
     stays as it is until something changes; the drift check retries refusals slowly)."""
+    if condemned:
+        raise Permanent(message)
     if any(r.state is AgentState.UNREACHABLE for r in results):
         raise Transient(message)
     if phase == Phase.FAILED:

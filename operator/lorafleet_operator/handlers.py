@@ -20,7 +20,14 @@ from lorafleet_operator import metrics, names
 from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, GROUP, VERSION
 from lorafleet_operator.failures import Transient, check_load, delete_waits, kopf_retries
 from lorafleet_operator.publish import post_event, publish_status
-from lorafleet_operator.reconcile import FleetProblem, fleet_view, load_everywhere, unload_everywhere, unload_message
+from lorafleet_operator.reconcile import (
+    FleetProblem,
+    condemned,
+    fleet_view,
+    load_everywhere,
+    unload_everywhere,
+    unload_message,
+)
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import Phase, build_status, initial_status
 
@@ -63,8 +70,11 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
         try:
             view = await fleet_view(rt, namespace, spec["fleetRef"]["name"])
             results = await load_everywhere(rt, view, body)
-            status = build_status(results, generation=generation, previous=previous)
+            crashed = condemned(rt, {**body, "status": previous})
+            status = build_status(results, generation=generation, previous=previous,
+                                  crashed=crashed)
         except FleetProblem as problem:
+            crashed = ""
             results = []
             status = build_status([], generation=generation, previous=previous,
                                   pending_reason=problem.reason, pending_message=problem.message)
@@ -76,7 +86,7 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
              "in %.2fs%s", namespace, name, generation, trigger, status["phase"],
              status["agentsSummary"], status["ranksSummary"], elapsed,
              f": {status['message']}" if status["message"] else "")
-    check_load(results, status["phase"], status["message"])
+    check_load(results, status["phase"], status["message"], condemned=bool(crashed))
 
 
 @kopf.on.create(GROUP, VERSION, ADAPTERS)
@@ -136,6 +146,7 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
     rt.failures.clear_adapter(meta.get("uid", ""))
+    rt.crashes.forget(meta.get("uid", ""))
     rt.locks.pop((namespace, name), None)
     log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
              len(outcomes) - len(failures), len(outcomes), elapsed)

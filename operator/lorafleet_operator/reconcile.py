@@ -20,7 +20,16 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_common.merge import merge_failure_first
 from lorafleet_operator import names
 from lorafleet_operator.agent_client import AgentError, AgentInfo, ControlReply, Credentials
-from lorafleet_operator.failures import AgentFailure, FailureKey, agent_state, failure_message
+from lorafleet_operator.failures import (
+    AdapterGeneration,
+    AgentFailure,
+    FailureKey,
+    agent_state,
+    crash_verdict,
+    died_under,
+    failure_message,
+    incarnation,
+)
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
@@ -136,6 +145,7 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
     spec = fleet.get("spec") or {}
     pods = await rt.kube.list_pods(namespace, selector_string(spec.get("selector") or {}))
     agents = agents_of(spec, pods)
+    rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
     creds = await credentials(rt, namespace, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
     return FleetView(namespace, tuple(agents), infos, creds)
@@ -154,20 +164,43 @@ def error_result(target: Target, failure: AgentFailure) -> AgentResult:
                        failure_message(failure, "the agent refused the adapter"))
 
 
+def generation_key(body: Mapping[str, Any]) -> AdapterGeneration:
+    """What a crash during a load counts against: this adapter generation."""
+    meta = body["metadata"]
+    return (meta.get("uid", ""), int(meta.get("generation", 0)))
+
+
+def condemned(rt: Runtime, body: Mapping[str, Any]) -> str:
+    """Why this adapter generation is sent to no agent ("" while it may be loaded)."""
+    return crash_verdict(rt.crashes, generation_key(body), body.get("status"))
+
+
 async def load_on(rt: Runtime, view: FleetView, target: Target,
                   body: Mapping[str, Any]) -> AgentResult:
-    """LoadAdapter on one target (replace=True: the spec is the truth for managed names)."""
+    """LoadAdapter on one target (replace=True: the spec is the truth for managed names),
+    unless the generation is condemned; the outcome is booked in the crash book."""
+    verdict = condemned(rt, body)
+    if verdict:
+        return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
     if target.error is not None:
         return error_result(target, target.error)
     spec, meta = body["spec"], body["metadata"]
+    key, pod = generation_key(body), target.agent.name
     try:
         reply = await rt.agents.load(
             target.agent.endpoint, view.creds,
             name=names.agent_name(meta["namespace"], meta["name"]),
             source_uri=spec["source"]["uri"], sha256=spec["source"].get("sha256", ""),
-            pinned=bool(spec.get("pinned", False)), replace=True)
+            pinned=bool(spec.get("pinned", False)), replace=True,
+            exclusive=rt.crashes.isolate(key))
     except AgentError as err:
+        if died_under(err):
+            rt.crashes.suspect(key, pod, incarnation(target.agent), alone=err.alone,
+                               message=err.message)
+        else:
+            rt.crashes.answered(key, pod, loaded=False)
         return error_result(target, err)
+    rt.crashes.answered(key, pod, loaded=reply.success)
     return loaded_result(target, reply) if reply.success else error_result(target, reply)
 
 

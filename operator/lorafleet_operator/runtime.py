@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
-from lorafleet_operator.failures import SlowRetries
+from lorafleet_operator.failures import CrashBook, SlowRetries
 from lorafleet_operator.kube import Kube
 
 
@@ -26,6 +26,8 @@ class Runtime:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     #: Permanent load failures per (adapter uid, generation, pod), and when to try again.
     failures: SlowRetries = field(init=False)
+    #: Loads in flight when their agent died or hung, per adapter generation.
+    crashes: CrashBook = field(init=False)
     #: (pod uid, restarts, endpoint) -> the agent's Describe.
     describe_cache: dict[tuple[str, int, str], AgentInfo] = field(default_factory=dict)
     #: (namespace, fleet) -> set to run that fleet's drift check now instead of at its interval.
@@ -35,6 +37,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.failures = SlowRetries(self.settings)
+        self.crashes = CrashBook(self.settings.load_crash_budget)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """The adapter's lock, made on first use."""

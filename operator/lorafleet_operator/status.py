@@ -21,6 +21,8 @@ from lorafleet_common.merge import merge_failure_first
 #: cut, not refused.
 MAX_MESSAGE = 32768
 MAX_AGENT_MESSAGE = 8192
+#: The Ready condition's reason for a generation whose loads crashed agents (failures.CrashBook).
+LOAD_CRASHED_AGENT = "LoadCrashedAgent"
 
 
 class Phase(enum.StrEnum):
@@ -95,10 +97,12 @@ def merged_message(results: Sequence[AgentResult]) -> str:
 
 
 def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending_reason: str,
-                     pending_message: str) -> tuple[str, str, str]:
+                     pending_message: str, crashed: str) -> tuple[str, str, str]:
     """(status, reason, message) of the Ready condition."""
     loaded = sum(r.ok for r in results)
     failing = [r.pod for r in results if not r.ok]
+    if crashed and phase in (Phase.FAILED, Phase.DEGRADED):
+        return "False", LOAD_CRASHED_AGENT, crashed
     if phase is Phase.READY:
         return "True", "AllAgentsLoaded", f"{loaded}/{len(results)} agents hold the adapter on every rank"
     if phase is Phase.PENDING:
@@ -143,18 +147,21 @@ def build_status(
     deleting: bool = False,
     pending_reason: str = "NoTargetAgents",
     pending_message: str = "no ready agent of the fleet serves this base model",
+    crashed: str = "",
     now: str | None = None,
 ) -> dict[str, Any]:
     """The whole ``status`` of a LoraAdapter for these per-agent results.
 
-    ``previous`` is the status as stored (for lastTransitionTime). The result is a complete
-    status, written with a merge patch; list fields are replaced whole.
+    ``previous`` is the status as stored (for lastTransitionTime). ``crashed``: why this
+    generation is sent to no agent (its loads crashed agents); the Ready condition then says
+    ``LoadCrashedAgent`` with it. The result is a complete status, written with a merge
+    patch; list fields are replaced whole.
     """
     now = now or now_rfc3339()
     old_conditions = list((previous or {}).get("conditions") or [])
     ordered = sorted(results, key=lambda r: r.pod)
     phase = phase_of(ordered, deleting=deleting)
-    ready = _ready_condition(phase, ordered, pending_reason, pending_message)
+    ready = _ready_condition(phase, ordered, pending_reason, pending_message, crashed)
     degraded = _degraded_condition(ordered)
     agents_ready = sum(r.ok for r in ordered)
     ranks_loaded = sum(r.ranks_loaded for r in ordered)

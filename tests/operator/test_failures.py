@@ -1,30 +1,37 @@
 """The failure and retry policy (lorafleet_operator.failures) as plain decisions: which failures
 are transient, the back-off delays, the deletion budget, the drift check's slow retries, what a
-load's outcome means for the handler — and the settings it reads, from the environment."""
+load's outcome means for the handler, the crash budget of loads during which agents died — and
+the settings it reads, from the environment. Also the agent client's load gate (isolated loads)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from lorafleet_operator.agent_client import AgentError, ControlReply
+from lorafleet_operator.agent_client import AgentError, ControlReply, LoadGate
 from lorafleet_operator.config import ENV_VARS, Settings
 from lorafleet_operator.failures import (
     KUBE_API_ERRORS,
+    CrashBook,
     Permanent,
     SlowRetries,
     Transient,
     agent_state,
     backoff,
     check_load,
+    crash_verdict,
     delete_waits,
+    died_under,
     failed_delay,
     is_transient,
     transient_delay,
 )
-from lorafleet_operator.status import AgentResult, AgentState, Phase
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, build_status
 
 REFUSED = ControlReply(success=False, error_message="sha256 mismatch", ranks_ok=0,
                        ranks_reported=2)
@@ -153,3 +160,135 @@ def test_settings_from_the_environment_default_to_the_fields_defaults() -> None:
     assert Settings.from_env({"LORAFLEET_LEASE_NAMESPACE": "ops"}).namespaces == ("ops",)
     # Every setting has its variable (docs/operator.md lists them).
     assert set(ENV_VARS) == set(Settings.__dataclass_fields__)
+
+
+def test_check_load_stops_for_a_condemned_generation_even_with_agents_down() -> None:
+    with pytest.raises(Permanent, match="crashed"):
+        check_load([UNREACHABLE], Phase.LOADING, "its loads crashed agents", condemned=True)
+
+
+@pytest.mark.parametrize(("err", "crash_candidate"), [
+    # No answer of the agent's own: its process died under the call, or the deadline fired.
+    (AgentError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
+    (AgentError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
+    # The agent answered with its own reason: its engine stopped serving (it is exiting) ...
+    (AgentError(grpc.StatusCode.UNAVAILABLE, "engine is not serving",
+                reason="engine_unavailable"), True),
+    # ... or a download timed out / too many downloads: retryable, never a crash.
+    (AgentError(grpc.StatusCode.UNAVAILABLE, "did not finish within the 600-s download deadline",
+                reason="download_failed"), False),
+    (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "8 downloads", reason="too_many_downloads"),
+     False),
+    (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no reason"), False),
+    (AgentError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), False),
+])
+def test_which_failed_loads_may_be_the_agent_dying(err: AgentError,
+                                                   crash_candidate: bool) -> None:
+    assert died_under(err) is crash_candidate
+
+
+def pod(name: str, restarts: int = 0, uid: str = "") -> AgentPod:
+    return AgentPod(name=name, namespace="ns", uid=uid or f"uid-{name}", labels={}, ready=True,
+                    endpoint="127.0.0.1:1", restarts=restarts)
+
+
+GEN1, GEN2 = ("adapter", 1), ("adapter", 2)
+
+
+def test_two_agent_deaths_during_lone_loads_condemn_the_generation() -> None:
+    book = CrashBook(budget=2)
+    book.suspect(GEN1, "agent-0", ("uid-agent-0", 0), alone=True, message="Socket closed")
+    book.suspect(GEN1, "agent-1", ("uid-agent-1", 0), alone=True, message="Deadline Exceeded")
+    assert book.isolate(GEN1) and not book.verdict(GEN1)
+    book.observe([pod("agent-0"), pod("agent-1")])  # not restarted (yet): nothing settled
+    assert not book.verdict(GEN1) and len(book.suspects[GEN1]) == 2
+    book.observe([pod("agent-0", restarts=1), pod("agent-1")])
+    assert not book.verdict(GEN1)  # one death: within the budget, tried again (alone)
+    book.observe([pod("agent-0", restarts=1), pod("agent-1", restarts=1)])
+    verdict = book.verdict(GEN1)
+    assert "agent-0" in verdict and "agent-1" in verdict and "Socket closed" in verdict
+    assert "until the spec changes" in verdict
+    assert not book.verdict(GEN2) and not book.isolate(GEN2)  # a spec change tries again
+    # The same agent dying twice (two lives) counts twice: a one-agent fleet is protected too.
+    one = CrashBook(budget=2)
+    for life in range(2):
+        one.suspect(GEN1, "agent-0", ("uid-agent-0", life), alone=True, message="reset")
+        one.observe([pod("agent-0", restarts=life + 1)])
+    assert one.verdict(GEN1)
+
+
+def test_network_faults_and_answers_are_not_crashes() -> None:
+    book = CrashBook(budget=1)
+    # A stall or a partition: the load timed out, the agent never restarted, and a later
+    # load on the same life was answered.
+    book.suspect(GEN1, "agent-0", ("uid-agent-0", 0), alone=True, message="Deadline Exceeded")
+    book.observe([pod("agent-0")])
+    book.answered(GEN1, "agent-0", loaded=True)
+    book.observe([pod("agent-0", restarts=1)])  # a later, unrelated restart
+    assert not book.verdict(GEN1) and not book.isolate(GEN1)
+    # A re-created pod (new uid) is not a restart of the one that was loading.
+    book.suspect(GEN1, "agent-1", ("uid-agent-1", 0), alone=True, message="reset")
+    book.observe([pod("agent-1", uid="new-uid", restarts=0)])
+    book.observe([pod("agent-1", uid="new-uid", restarts=3)])
+    assert not book.verdict(GEN1)
+
+
+def test_a_death_with_other_loads_in_flight_isolates_instead_of_counting() -> None:
+    book = CrashBook(budget=1)
+    for key in (GEN1, ("good", 1)):  # both were loading when agent-0 died
+        book.suspect(key, "agent-0", ("uid-agent-0", 0), alone=False, message="reset")
+    book.observe([pod("agent-0", restarts=1)])
+    assert not book.verdict(GEN1) and not book.verdict(("good", 1))
+    assert book.isolate(GEN1) and book.isolate(("good", 1))  # next loads run alone
+    book.answered(("good", 1), "agent-0", loaded=True)  # alone it loads: not the culprit
+    assert not book.isolate(("good", 1))
+    book.suspect(GEN1, "agent-0", ("uid-agent-0", 1), alone=True, message="reset")
+    book.observe([pod("agent-0", restarts=2)])
+    assert book.verdict(GEN1)
+    book.forget("adapter")
+    assert not book.verdict(GEN1) and not book.isolate(GEN1)
+
+
+def test_the_verdict_survives_an_operator_restart_in_the_status() -> None:
+    book = CrashBook(budget=2)
+    results = [AgentResult("agent-0", AgentState.FAILED, 0, 2, "crashed")]
+    stored = build_status(results, generation=1, crashed="generation 1 crashed agent-0")
+    ready = stored["conditions"][0]
+    assert (stored["phase"], ready["reason"]) == ("Failed", LOAD_CRASHED_AGENT)
+    assert crash_verdict(book, GEN1, stored) == "generation 1 crashed agent-0"
+    assert crash_verdict(book, GEN2, stored) == ""  # written for generation 1 only
+    assert crash_verdict(book, GEN1, build_status(results, generation=1)) == ""
+
+
+def test_an_exclusive_load_runs_alone_and_loads_learn_their_overlap() -> None:
+    async def scenario() -> list[str]:
+        gate, events = LoadGate(), []
+        a_started, release_a = asyncio.Event(), asyncio.Event()
+
+        async def load(name: str, exclusive: bool, hold: asyncio.Event | None = None) -> set[str]:
+            async with gate.enter(name, exclusive=exclusive) as overlap:
+                events.append(f"start {name}")
+                if hold is not None:
+                    a_started.set()
+                    await hold.wait()
+                else:
+                    await asyncio.sleep(0)
+                events.append(f"end {name}")
+            return set(overlap)
+
+        first = asyncio.create_task(load("a", False, release_a))
+        await a_started.wait()
+        suspect = asyncio.create_task(load("suspect", True))
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(load("b", False))  # waits behind the exclusive one
+        await asyncio.sleep(0.01)
+        assert events == ["start a"]
+        release_a.set()
+        overlaps = await asyncio.gather(first, suspect, late)
+        assert overlaps == [set(), set(), set()]
+        both = [asyncio.create_task(load(n, False)) for n in ("x", "y")]
+        assert await asyncio.gather(*both) == [{"y"}, {"x"}]
+        return events
+
+    events = asyncio.run(scenario())
+    assert events[:6] == ["start a", "end a", "start suspect", "end suspect", "start b", "end b"]
