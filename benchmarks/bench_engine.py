@@ -1,7 +1,9 @@
 """Engine benchmarks (issue 2), each printed side by side from one run:
 
-(a) loading one adapter on a tp=4 engine vs reading the same file once in one process, and each
-    rank's peak memory growth during the load vs the bytes of its shard;
+(a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks), and what one rank's
+    loader does for it (validate, read the shard; one process), vs reading the same file once;
+    each rank's peak RSS growth during the engine's first load, and the loader's own peak
+    allocation for one rank's shard (tracemalloc, one process), vs that shard;
 (b) a forward with 8 distinct adapters in the batch vs the same forward with no adapter, on a
     generated model of hidden size 1024 with 4 layers.
 
@@ -15,12 +17,17 @@ import argparse
 import statistics
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.peft_adapter import read_adapter_shard, read_adapter_spec
+from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
 SHAPE = BENCHMARK_MODEL
 RANK = 16
@@ -36,24 +43,60 @@ def timed(function, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict[ModuleKey, tuple[LoraSliceLayout, ...]]:
+    """Every LoRA module's slices on `rank`, as the rank's model allocates them."""
+    return {
+        (layer, kind): lora_layout(module_layout(cfg, topology, rank, kind), RANK, topology.fully_sharded_loras)
+        for layer in range(cfg.num_layers)
+        for kind in model_kinds(cfg)
+    }
+
+
+def read_rank_shard(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
+    """What one rank's loader does for a load: validate the adapter, read its shard; its bytes."""
+    return read_adapter_shard(read_adapter_spec(adapter, cfg, RANK), layouts, torch.float32).nbytes
+
+
+def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> tuple[int, int]:
+    """(traced peak bytes, shard bytes) of one rank's loader, in this process.
+
+    The loader allocates through Python (tracemalloc sees it), so this counts exactly what a
+    load allocates, whatever memory the rank's heap happens to have free already.
+    """
+    tracemalloc.start()
+    shard = read_rank_shard(adapter, cfg, layouts)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return peak, shard
+
+
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     file_bytes = (adapter / "adapter_model.safetensors").stat().st_size
     read_once = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats)
+    cfg = ModelConfig.from_dir(model)
+    layouts = rank_layouts(cfg, Topology(4, 1), 0)
+    loader_once = timed(lambda: read_rank_shard(adapter, cfg, layouts), repeats)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
-        samples, replies = [], []
+        # Memory from the engine's first load: later loads reuse the heap the unloads freed.
+        first = engine.load_adapter("bench", adapter).ranks
+        engine.unload_adapter("bench")
+        samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            replies = engine.load_adapter("bench", adapter)
+            engine.load_adapter("bench", adapter)
             samples.append(time.perf_counter() - start)
             engine.unload_adapter("bench")
         load_tp4 = statistics.median(samples)
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
-    print(f"{'LoadAdapter on tp=4 (all ranks)':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
+    print(f"{'one rank loader (1 process)':<34}{loader_once * 1e3:>10.1f} ms   ratio {loader_once / read_once:.2f}x")
+    print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}")
-    for reply in replies:
-        shard, growth = reply.payload["shard_bytes"], reply.payload["peak_rss_growth_bytes"]
+    for reply in first:
+        shard, growth = reply.shard_bytes, reply.peak_rss_growth_bytes
         print(f"{reply.rank:<6}{shard / 2**20:>12.2f}{growth / 2**20:>22.2f}{growth / shard:>16.2f}{shard / file_bytes:>14.2f}")
+    peak, shard = loader_peak(adapter, cfg, layouts)
+    print(f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>10.2f} MiB   {peak / shard:.2f}x its shard ({shard / 2**20:.2f} MiB)")
 
 
 def bench_forward(root: Path, model: Path, repeats: int) -> None:

@@ -25,13 +25,16 @@ from node_agent.engine.sharding import (
     EXPERT_KINDS,
     MODULE_KINDS,
     ModuleKey,
-    ShardGroup,
     attention_heads,
     local_experts,
     module_layout,
     vocab_span,
 )
 from node_agent.engine.topology import Topology
+
+# The MLP side of every layer (dense MLP, the expert block's one reduction, the DP-attention
+# gather before it) runs over the dense MLP's group.
+MLP_GROUP = MODULE_KINDS["down_proj"].group
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ class MoE(nn.Module):
         )
         self.block = SparseMoeBlock(moe.num_experts, moe.top_k, moe.norm_topk_prob, cfg.hidden_size, gate_up, down,
                                     setup.dtype, setup.device)
-        self.full_group = setup.groups.get(ShardGroup.FULL_TP)
+        self.full_group = setup.groups.get(MLP_GROUP)
         self.shared_expert = SharedExpert(setup) if moe.shared_expert_intermediate_size else None
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
@@ -291,7 +294,7 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | MoE = MoE(setup) if sparse else MLP(setup)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
-        self.full_group = setup.groups.get(ShardGroup.FULL_TP)
+        self.full_group = setup.groups.get(MLP_GROUP)
         self.dp_size = setup.topology.dp_size
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,9 +80,8 @@ class ModuleAdapter:
         return (self.layer, self.kind) if self.expert is None else (self.layer, self.kind, self.expert)
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor's data lies in the safetensors file, from its header."""
+class TensorEntry(NamedTuple):
+    """Where one tensor's data lies in the safetensors file, from its header (a tuple: cheap to build)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -207,16 +206,16 @@ def _tensor_entry(key: str, value: object, data_start: int) -> TensorEntry:
     if not isinstance(value, dict):
         raise _corrupt(f"header entry {key!r} is not an object")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+    if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
         raise _corrupt(f"tensor {key!r} has no valid shape")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not isinstance(offsets, list) or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
         raise _corrupt(f"tensor {key!r} has no valid data_offsets")
-    if dtype not in _FLOAT_DTYPES:
+    torch_dtype = _FLOAT_DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if torch_dtype is None:
         raise AdapterLoadError(
             f"{WEIGHTS_FILE}: tensor {key!r} has dtype {dtype!r}; LoRA weights must be one of {', '.join(_FLOAT_DTYPES)}"
         )
-    torch_dtype = _FLOAT_DTYPES[dtype]
-    if offsets[1] - offsets[0] != math.prod(shape) * torch_dtype.itemsize or offsets[0] < 0:
+    if offsets[0] < 0 or offsets[1] - offsets[0] != math.prod(shape) * torch_dtype.itemsize:
         raise _corrupt(f"tensor {key!r}: data_offsets {offsets} do not match shape {shape} of {dtype}")
     return TensorEntry(torch_dtype, tuple(shape), data_start + offsets[0])
 
@@ -424,8 +423,7 @@ def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[Lo
     return layouts
 
 
-@dataclass(frozen=True)
-class _Block:
+class _Block(NamedTuple):
     """Which part of a 2-D file tensor to read: `rows` rows from `first_row`, `cols` columns
     `first_col, first_col + col_stride, ...`. It lands in the top-left corner of its destination."""
 
@@ -444,6 +442,7 @@ class _ShardBuffer:
         self.dtype = dtype
         # A bytearray is zeroed (rank padding) and gives the file reads a buffer to write into.
         self.raw = bytearray(numel * dtype.itemsize)
+        self.bytes = memoryview(self.raw)
         self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
 
     def read(self, fd: int, block: _Block, offset: int, shape: tuple[int, int]) -> torch.Tensor:
@@ -457,7 +456,7 @@ class _ShardBuffer:
         if entry.dtype == self.dtype and block.first_col == 0 and block.cols == width == shape[1] and block.col_stride == 1:
             # Whole rows, already in place: the bytes go straight into the shard.
             begin = offset * self.dtype.itemsize
-            _pread(fd, memoryview(self.raw)[begin : begin + block.rows * width * entry.dtype.itemsize], start)
+            _pread(fd, self.bytes[begin : begin + block.rows * width * entry.dtype.itemsize], start)
             return view
         staged = bytearray(block.rows * width * entry.dtype.itemsize)
         _pread(fd, memoryview(staged), start)
