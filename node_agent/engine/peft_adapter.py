@@ -397,7 +397,9 @@ def read_adapter_shard(
         if os.fstat(handle.fileno()).st_size != spec.file_size:
             raise _corrupt("the file changed while it was being read")
         fd = handle.fileno()
-        for (module, lay), (a_size, b_size) in zip(held, sizes, strict=True):
+        # One split makes every slice's flat view at once (far cheaper than slicing per slice).
+        pieces = torch.split(shard.flat, [size for pair in sizes for size in pair]) if held else ()
+        for index, ((module, lay), (a_size, b_size)) in enumerate(zip(held, sizes, strict=True)):
             # A: the real rank's rows only (padding stays zero); B: the real rank's columns only.
             a = _Block(spec.tensors[module.a_key], first_row=module.a_row_offset + lay.a_rank.start,
                        rows=min(lay.a_rank.stop, module.rank) - lay.a_rank.start, first_col=lay.a_in.start,
@@ -405,8 +407,8 @@ def read_adapter_shard(
             b = _Block(spec.tensors[module.b_key], first_row=module.b_row_offset + lay.b_out.start, rows=lay.b_out.width,
                        first_col=module.b_col_start + lay.b_rank.start * module.b_col_stride,
                        cols=min(lay.b_rank.stop, module.rank) - lay.b_rank.start, col_stride=module.b_col_stride)
-            a_view = shard.read(fd, a, offset, (lay.a_rank.width, lay.a_in.width))
-            b_view = shard.read(fd, b, offset + a_size, (lay.b_out.width, lay.b_rank.width))
+            a_view = shard.read(fd, a, pieces[2 * index], offset, (lay.a_rank.width, lay.a_in.width))
+            b_view = shard.read(fd, b, pieces[2 * index + 1], offset + a_size, (lay.b_out.width, lay.b_rank.width))
             offset += a_size + b_size
             parts = weights.setdefault(module.key, [None] * len(MODULE_KINDS[module.kind].peft_modules))
             parts[module.slice_index] = SliceWeights(a_view, b_view, module.scale)
@@ -445,9 +447,9 @@ class _ShardBuffer:
         self.bytes = memoryview(self.raw)
         self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
 
-    def read(self, fd: int, block: _Block, offset: int, shape: tuple[int, int]) -> torch.Tensor:
-        """The [rows, cols] view at element `offset`, with `block` of the file read into its corner."""
-        view = self.flat[offset : offset + shape[0] * shape[1]].view(shape)
+    def read(self, fd: int, block: _Block, piece: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+        """`piece` (the flat view at element `offset`) as [rows, cols], with `block` of the file read into its corner."""
+        view = piece.view(shape)
         if block.rows <= 0 or block.cols <= 0:
             return view
         entry = block.entry
