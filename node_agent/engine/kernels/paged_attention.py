@@ -1,0 +1,127 @@
+"""Attention over the paged KV cache (docs/serving.md): torch paths and the decode dispatch.
+
+Shapes, for one attention group's step on one rank:
+
+* `q`: `[T, num_heads, head_dim]`, the step's new tokens, sequence after sequence;
+* `key_cache`, `value_cache`: one layer of `PagedKVCache`, `[num_blocks, block_size,
+  num_kv_heads, head_dim]`, already holding the new tokens' K and V (write, then attend);
+* `block_tables`: int32 `[num_seqs, max_blocks]`, a sequence's blocks in token order, padded
+  with any valid block id (padding is never read unmasked);
+* `context_lens`: per sequence, its tokens in the cache including this step's.
+
+GQA: query head `h` reads KV head `h // (num_heads // num_kv_heads)`, as transformers'
+`repeat_kv` does. Prefill runs on the torch path everywhere for now; decode goes to the triton
+kernel on CUDA (`dispatch.use_triton`, the same rule as shrink/expand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from node_agent.engine.kernels import dispatch
+
+
+def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
+    if q.dim() != 3 or q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, heads, {key_cache.shape[3]}] with heads a multiple of "
+                         f"the {key_cache.shape[2]} KV heads")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+
+
+def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens held in `blocks` of one layer's cache, `[length, kv_heads, head_dim]`."""
+    block_size = cache.shape[1]
+    used = blocks[: -(-length // block_size)].to(torch.int64)
+    return cache[used].flatten(0, 1)[:length]
+
+
+def prefill(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix and themselves.
+
+    Sequence `i` owns the next `query_lens[i]` rows of `q`; they are its last tokens, at
+    positions `context_lens[i] - query_lens[i] ...`, and each attends to every token up to its
+    own position (so a chunk of a chunked prefill sees all earlier chunks). Returns `q`'s shape.
+    """
+    _check(q, key_cache, value_cache, block_tables)
+    if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0]:
+        raise ValueError(f"query_lens {list(query_lens)} must cover q's {q.shape[0]} rows, one per context length")
+    out = torch.empty_like(q)
+    start = 0
+    for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if not 0 <= new <= total:
+            raise ValueError(f"sequence {index}: {new} new tokens but a context of {total}")
+        if new == 0:
+            continue
+        k = gather_kv(key_cache, block_tables[index], total)
+        v = gather_kv(value_cache, block_tables[index], total)
+        # Bottom-right aligned causal mask: query r sits at position total - new + r. (SDPA's
+        # is_causal aligns top-left, which is only right when nothing is cached.)
+        positions = torch.arange(total - new, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
+        rows = q[start : start + new].transpose(0, 1).float()
+        attended = F.scaled_dot_product_attention(
+            rows, k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start : start + new] = attended.transpose(0, 1).to(q.dtype)
+        start += new
+    return out
+
+
+def decode_torch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence (`q` `[num_seqs, heads, head_dim]`) over its whole context.
+
+    Batched over sequences: every context is gathered to the longest one and the rest masked.
+    Each context length must be at least 1 (the token itself). Computes in fp32.
+    """
+    _check(q, key_cache, value_cache, block_tables)
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return torch.empty_like(q)
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    longest = int(context_lens.max())
+    tables = block_tables[:, : -(-longest // block_size)].to(torch.int64)
+    k = key_cache[tables].flatten(1, 2).float()  # [S, L, kv_heads, D]
+    v = value_cache[tables].flatten(1, 2).float()
+    grouped = q.reshape(num_seqs, kv_heads, num_heads // kv_heads, head_dim).float()
+    scores = torch.einsum("shgd,sthd->shgt", grouped, k) * scale
+    past_end = torch.arange(k.shape[1], device=q.device)[None, :] >= context_lens.to(q.device)[:, None]
+    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
+    attended = torch.einsum("shgt,sthd->shgd", scores.softmax(dim=-1), v)
+    return attended.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`decode_torch`'s result: the triton kernel on CUDA, the torch path elsewhere."""
+    if dispatch.use_triton(q):
+        from node_agent.engine.kernels import paged_attention_triton
+
+        return paged_attention_triton.decode(q, key_cache, value_cache, block_tables, context_lens, scale)
+    return decode_torch(q, key_cache, value_cache, block_tables, context_lens, scale)
