@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from node_agent.engine import (
     Engine,
     EngineConfig,
     EngineError,
+    FileDigests,
     RankLoadError,
     RankUnloadError,
     SequenceInput,
@@ -52,6 +54,8 @@ from node_agent.values import DEFAULT_NEW_TOKENS, AdapterStatus, Description, Ge
 
 log = logging.getLogger(__name__)
 
+DEFAULT_ENGINE_HANG_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -63,6 +67,9 @@ class AgentConfig:
     drain_timeout_s: float = 30.0  # how long unload/replace wait for running requests
     max_new_tokens: int = 1024  # the most a Generate may ask for
     max_request_tokens: int = 16384  # tokens in one Forward batch or one Generate sequence
+    # an engine command running longer than this makes health NOT_SERVING until it completes
+    # (well under the engine's call timeout, 300 s, after which the engine counts as dead)
+    engine_hang_timeout_s: float = DEFAULT_ENGINE_HANG_TIMEOUT_S
 
 
 class Agent:
@@ -120,6 +127,21 @@ class Agent:
         if self.alive:
             return ""
         return self.engine.failure or "a rank process exited"
+
+    def hang(self) -> str:
+        """Why the engine counts as hung ("" while it does not): the command the ranks are
+        carrying out has run longer than `engine_hang_timeout_s`. Asks nothing of the ranks."""
+        running = self.engine.running
+        if running is None:
+            return ""
+        elapsed = time.monotonic() - running.started
+        limit = self.config.engine_hang_timeout_s
+        if elapsed < limit:
+            return ""
+        what = running.command
+        if running.adapter is not None:
+            what += f" of adapter {_public_of(running.adapter)!r} (engine name {running.adapter!r})"
+        return f"the engine's {what} has been running for {elapsed:.1f} s, over the {limit:g}-s --engine-hang-timeout-s"
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -180,28 +202,32 @@ class Agent:
                 if current is not None and _unchanged(current, source_uri, expected, pinned):
                     return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
                 source = resolve_source(source_uri, expected, self.config.sources)
-                if current is not None and current.source.content == source.content and current.pinned == pinned:
-                    source.discard()
-                    self.registry.update(replace(current, source=replace(current.source, uri=source_uri)))
-                    return call.result(self._holding(current))
-                if current is not None and not replace_existing:
-                    source.discard()
-                    raise AdapterConflict(_conflict_message(current, source.content.weights_sha256, pinned))
-                return call.result(self._load_version(name, source, pinned))
+                with _discarded_on_failure(source):
+                    if current is not None and current.source.content == source.content and current.pinned == pinned:
+                        source.discard()
+                        self.registry.update(replace(current, source=replace(current.source, uri=source_uri)))
+                        return call.result(self._holding(current))
+                    if current is not None and not replace_existing:
+                        raise AdapterConflict(_conflict_message(current, source.content.weights_sha256, pinned))
+                result = self._load_version(name, source, pinned)
+                if _read_other_bytes(result, source):
+                    return call.result(result, "digest_mismatch")
+                return call.result(result)
 
     def _load_version(self, name: str, source: ResolvedSource, pinned: bool) -> ControlResult:
-        """Load a new version under a fresh engine name; publish it; retire the one it replaces."""
+        """Load a new version under a fresh engine name; publish it; retire the one it replaces.
+        Every rank must have read exactly the bytes the source verified (their digests)."""
         engine_name = self.registry.new_engine_name(name)
+        verified = FileDigests(source.content.weights_sha256, source.content.config_sha256)
         try:
-            result = self.engine.load_adapter(engine_name, source.path, pinned)
-        except RankLoadError as error:  # refused somewhere; the engine rolled the others back
+            with _discarded_on_failure(source):  # every failure, expected or not: no snapshot stays behind
+                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=verified)
+        except RankLoadError as error:  # refused somewhere (or read other bytes); the engine rolled the others back
             source.discard()
             return self._public(error.result)
         except AdapterLoadError as error:
-            source.discard()
             raise InvalidRequest(str(error)) from None
         except EngineError as error:
-            source.discard()
             raise self._engine_error(error) from None
         previous = self.registry.publish(AdapterEntry(name, engine_name, source, pinned))
         self.metrics.loaded_adapters.set(len(self.registry.entries()))
@@ -342,6 +368,27 @@ class Agent:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _discarded_on_failure(source: ResolvedSource) -> Iterator[None]:
+    """Remove the source's private copy if the block fails in any way (it then owns nothing)."""
+    try:
+        yield
+    except BaseException:
+        source.discard()
+        raise
+
+
+def _read_other_bytes(result: ControlResult, source: ResolvedSource) -> list[int]:
+    """The ranks of a load that read other bytes than the source verified."""
+    verified = FileDigests(source.content.weights_sha256, source.content.config_sha256)
+    return [reply.rank for reply in result.ranks if reply.digests is not None and reply.digests != verified]
+
+
+def _public_of(engine_name: str) -> str:
+    """The public name inside an engine name (`<name>.<generation>`, registry.new_engine_name)."""
+    return engine_name.rsplit(".", 1)[0]
 
 
 def _unchanged(entry: AdapterEntry, uri: str, sha256: str | None, pinned: bool) -> bool:

@@ -14,6 +14,7 @@ from types import TracebackType
 from node_agent.engine import ControlResult
 from node_agent.errors import AgentError
 from node_agent.metrics import AgentMetrics
+from node_agent.sources import redact_uri
 
 call_log = logging.getLogger("lorafleet.agent.calls")
 
@@ -21,17 +22,20 @@ call_log = logging.getLogger("lorafleet.agent.calls")
 class ControlCall:
     """Times one LoadAdapter/UnloadAdapter; records its metric, failure reason and log line."""
 
-    def __init__(self, metrics: AgentMetrics, operation: str, adapter: str, **fields: object) -> None:
-        self.metrics, self.operation, self.adapter, self.fields = metrics, operation, adapter, fields
+    def __init__(self, metrics: AgentMetrics, operation: str, adapter: str, source: str | None = None) -> None:
+        self.metrics, self.operation, self.adapter = metrics, operation, adapter
+        # A source URI is logged redacted: never its userinfo or query (they may hold secrets).
+        self.fields = {} if source is None else {"source": redact_uri(source)}
         self.outcome = "ok"
         self.error = ""
         self.already_loaded = False
         self.started = 0.0
 
-    def result(self, result: ControlResult) -> ControlResult:
-        """Record the ranks' answer (a refusal by the ranks is outcome "rank_failed"); returns it."""
+    def result(self, result: ControlResult, reason: str = "rank_failed") -> ControlResult:
+        """Record the ranks' answer (a refusal by the ranks is outcome `reason`, "rank_failed"
+        unless the caller knows better); returns it."""
         if not result.ok:
-            self.outcome, self.error = "rank_failed", result.error
+            self.outcome, self.error = reason, result.error
         self.already_loaded = result.already_loaded
         return result
 

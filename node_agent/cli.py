@@ -14,11 +14,18 @@ import signal
 import sys
 from pathlib import Path
 
-from node_agent.agent import Agent, AgentConfig
+from node_agent.agent import DEFAULT_ENGINE_HANG_TIMEOUT_S, Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
 from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
 from node_agent.errors import InvalidRequest
-from node_agent.server import ServerOptions, create_server
+from node_agent.server import (
+    DEFAULT_EXIT_LINGER_S,
+    DEFAULT_MAX_CONTROL_CALLS,
+    DEFAULT_MAX_INFERENCE_CALLS,
+    DEFAULT_RESERVED_WORKERS,
+    ServerOptions,
+    create_server,
+)
 from node_agent.sources import (
     DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
     DEFAULT_DOWNLOAD_RATE_WINDOW_S,
@@ -137,6 +144,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})")
     parser.add_argument("--max-concurrent-downloads", type=int, default=DEFAULT_MAX_CONCURRENT_DOWNLOADS, metavar="N",
                         help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})")
+    parser.add_argument("--max-control-calls", type=int, default=DEFAULT_MAX_CONTROL_CALLS, metavar="N",
+                        help="LoadAdapter/UnloadAdapter calls at once; more are refused with RESOURCE_EXHAUSTED "
+                        f"(default {DEFAULT_MAX_CONTROL_CALLS})")
+    parser.add_argument("--max-inference-calls", type=int, default=DEFAULT_MAX_INFERENCE_CALLS, metavar="N",
+                        help="Forward calls and Generate streams at once; more are refused with RESOURCE_EXHAUSTED "
+                        f"(default {DEFAULT_MAX_INFERENCE_CALLS})")
+    parser.add_argument("--reserved-workers", type=int, default=DEFAULT_RESERVED_WORKERS, metavar="N",
+                        help="gRPC threads beyond both budgets, for health, Describe, ListAdapters and reflection "
+                        f"(default {DEFAULT_RESERVED_WORKERS})")
+    parser.add_argument("--engine-hang-timeout-s", type=float, default=DEFAULT_ENGINE_HANG_TIMEOUT_S, metavar="S",
+                        help="an engine command running longer makes health NOT_SERVING until it completes "
+                        f"(default {DEFAULT_ENGINE_HANG_TIMEOUT_S:g})")
+    parser.add_argument("--exit-linger-s", type=float, default=DEFAULT_EXIT_LINGER_S, metavar="S",
+                        help="after a rank died, keep answering Describe this long before exiting "
+                        f"(default {DEFAULT_EXIT_LINGER_S:g})")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -153,7 +175,15 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     except ValueError as error:
         raise UsageError(str(error)) from error
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port)
+    for flag, value in (("--max-control-calls", args.max_control_calls), ("--max-inference-calls", args.max_inference_calls),
+                        ("--reserved-workers", args.reserved_workers)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    if args.exit_linger_s < 0:
+        raise UsageError("--exit-linger-s must be 0 or more")
+    return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port,
+                         max_control_calls=args.max_control_calls, max_inference_calls=args.max_inference_calls,
+                         reserved_workers=args.reserved_workers, exit_linger_s=args.exit_linger_s)
 
 
 def agent_config(args: argparse.Namespace) -> AgentConfig:
@@ -166,10 +196,12 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         raise UsageError("--download-min-bytes-per-s must be 0 or more")
     if args.max_concurrent_downloads < 1:
         raise UsageError("--max-concurrent-downloads must be at least 1")
+    if not args.engine_hang_timeout_s > 0:
+        raise UsageError("--engine-hang-timeout-s must be positive")
     sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir,
                            download_timeout_s=args.download_timeout_s, download_min_bytes_per_s=args.download_min_bytes_per_s,
                            max_concurrent_downloads=args.max_concurrent_downloads)
-    return AgentConfig(base_model_name=args.base_model_name or "", sources=sources)
+    return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -182,6 +214,8 @@ def run_serve(args: argparse.Namespace) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.request_stop())
         died = server.wait()
+        if died:
+            server.linger(options.exit_linger_s)  # Describe shows which rank died; SIGTERM cuts it short
         server.stop()
         if died:
             # Exit non-zero so Kubernetes restarts the pod: a rank cannot be restarted alone.

@@ -40,7 +40,10 @@ def description(d: Description) -> pb.DescribeResponse:
 
 def _rank_results(result: ControlResult) -> list[pb.RankResult]:
     return [
-        pb.RankResult(rank=o.rank, attn_dp_rank=o.attn_dp_rank, attn_tp_rank=o.attn_tp_rank, success=o.ok, error_message=o.error)
+        pb.RankResult(
+            rank=o.rank, attn_dp_rank=o.attn_dp_rank, attn_tp_rank=o.attn_tp_rank, success=o.ok, error_message=o.error,
+            weights_sha256=o.digests.weights_sha256 if o.digests else "", config_sha256=o.digests.config_sha256 if o.digests else "",
+        )
         for o in result.ranks
     ]
 

@@ -54,6 +54,19 @@ class TooManyDownloads(AgentError):
     reason = "too_many_downloads"
 
 
+class TooManyCalls(AgentError):
+    """As many calls of one class (control, inference) run as the server's budget for it allows;
+    refused at once, never queued (`--max-control-calls`, `--max-inference-calls`); retry later."""
+
+    reason = "too_many_calls"
+
+
+class ShuttingDown(AgentError):
+    """The agent is stopping: it takes no new loads, unloads or inference (Describe still answers)."""
+
+    reason = "shutting_down"
+
+
 class AdapterNotFound(AgentError):
     """No routable adapter has this name (never loaded, failed to load, or being unloaded)."""
 

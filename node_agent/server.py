@@ -4,9 +4,17 @@ The servicer is thin (message -> `Agent` call -> message); `AgentError`s become 
 one table, `STATUS_CODES`. `create_server()` builds and binds a server without starting it;
 `AgentServer.start()` / `wait()` / `stop()` run it, so tests and the CLI share one path.
 
-Health: SERVING while every rank is alive. A watcher polls the engine; when a rank dies it
-turns health NOT_SERVING and ends `wait()`, after which `lorafleet-agent serve` exits non-zero
-so Kubernetes restarts the pod. Calls fail fast with UNAVAILABLE from then on.
+Budgets: health, Describe and ListAdapters never queue behind control or inference calls. The
+thread pool has room for `max_control_calls` control calls (LoadAdapter, UnloadAdapter),
+`max_inference_calls` inference calls (Forward, Generate streams) and `reserved_workers` more
+for everything else; a control or inference call beyond its budget is refused at once with
+RESOURCE_EXHAUSTED (`TooManyCalls`), so neither class can take the others' threads.
+
+Health: SERVING while every rank is alive and no engine command has run longer than the agent's
+`engine_hang_timeout_s` (a hung engine is NOT_SERVING until the command completes). A watcher
+polls the engine; when a rank dies it turns health NOT_SERVING and ends `wait()`, after which
+`lorafleet-agent serve` keeps answering Describe for `exit_linger_s`, then exits non-zero so
+Kubernetes restarts the pod. Calls fail fast with UNAVAILABLE from then on.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,9 +46,11 @@ from node_agent.errors import (
     EngineUnavailable,
     InvalidRequest,
     RequestAborted,
+    ShuttingDown,
     SourceNotFound,
     SourceRefused,
     SourceUnavailable,
+    TooManyCalls,
     TooManyDownloads,
 )
 from node_agent.metrics import MetricsEndpoint
@@ -57,6 +69,8 @@ STATUS_CODES: dict[type[AgentError], grpc.StatusCode] = {
     SourceNotFound: grpc.StatusCode.NOT_FOUND,
     SourceUnavailable: grpc.StatusCode.UNAVAILABLE,
     TooManyDownloads: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooManyCalls: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterConflict: grpc.StatusCode.FAILED_PRECONDITION,
     CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -76,63 +90,139 @@ def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
 
 
-def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Map errors of a unary method to status codes."""
+class CallBudget:
+    """At most `limit` calls of one class at once; one more is refused at once, never queued."""
 
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except Exception as error:
-            _abort(context, error)
+    def __init__(self, what: str, limit: int, flag: str) -> None:
+        if limit < 1:
+            raise ValueError(f"{flag} must be at least 1, got {limit}")
+        self.what, self.limit, self.flag = what, limit, flag
+        self.running = 0
+        self._idle = threading.Condition()
 
-    return wrapper
+    def acquire(self) -> None:
+        """Take a place, or raise `TooManyCalls` at once (no waiting)."""
+        with self._idle:
+            if self.running >= self.limit:
+                raise TooManyCalls(
+                    f"too many concurrent {self.what} calls: {self.running} running, the limit is {self.limit} "
+                    f"({self.flag}); retry later"
+                )
+            self.running += 1
+
+    def release(self) -> None:
+        with self._idle:
+            self.running -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until no call of this class runs, or `deadline` (time.monotonic()) passes."""
+        with self._idle:
+            while self.running:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+            return True
 
 
-def _streaming(method: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-    """Map errors of a server-streaming method to status codes, at any point of the stream."""
+M = TypeVar("M", bound=Callable[..., Any])
 
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from method(self, request, context)
-        except Exception as error:
-            _abort(context, error)
 
-    return wrapper
+def _unary(budget: str | None = None) -> Callable[[M], M]:
+    """Map errors of a unary method to status codes; with `budget` ("control", "inference"),
+    the call must first be admitted by the servicer's budget of that class."""
+
+    def decorate(method: M) -> M:
+        @functools.wraps(method)
+        def wrapper(self: NodeAgentServicer, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                with self.admitted(budget, method.__name__):
+                    return method(self, request, context)
+            except Exception as error:
+                _abort(context, error)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _streaming(budget: str) -> Callable[[M], M]:
+    """Map errors of a server-streaming method to status codes, at any point of the stream; the
+    stream holds a place of `budget` until it ends."""
+
+    def decorate(method: M) -> M:
+        @functools.wraps(method)
+        def wrapper(self: NodeAgentServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                with self.admitted(budget, method.__name__):
+                    yield from method(self, request, context)
+            except Exception as error:
+                _abort(context, error)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
-    """`lorafleet.v1.NodeAgent` over an `Agent`."""
+    """`lorafleet.v1.NodeAgent` over an `Agent`, with a budget for control and for inference calls."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget) -> None:
         self.agent = agent
+        self.budgets = {"control": control, "inference": inference}
+        self.closing = threading.Event()  # set by AgentServer.stop(): only Describe, ListAdapters, health
 
-    @_unary
+    @contextmanager
+    def admitted(self, budget: str | None, method: str) -> Iterator[None]:
+        if budget is None:
+            yield
+            return
+        places = self.budgets[budget]
+        try:
+            if self.closing.is_set():
+                raise ShuttingDown(f"the agent is shutting down: {method} is refused (Describe still answers)")
+            places.acquire()
+        except (ShuttingDown, TooManyCalls) as refusal:  # counted here: the agent never saw the call
+            operation = {"LoadAdapter": "load", "UnloadAdapter": "unload"}.get(method, method.lower())
+            self.agent.metrics.failures.labels(operation, refusal.reason).inc()
+            raise
+        try:
+            yield
+        finally:
+            places.release()
+
+    @_unary()
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
         return convert.description(self.agent.describe())
 
-    @_unary
+    @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
         result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace)
         return convert.load_response(result)
 
-    @_unary
+    @_unary("control")
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
         return convert.unload_response(self.agent.unload(request.name))
 
-    @_unary
+    @_unary()
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
         return convert.list_response(self.agent.list_adapters())
 
-    @_unary
+    @_unary("inference")
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardResponse:
         return convert.forward_response(self.agent.forward(convert.forward_sequences(request)))
 
-    @_streaming
+    @_streaming("inference")
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         for token in self.agent.generate(convert.generate_params(request), cancelled=lambda: not context.is_active()):
             yield convert.generated(token)
+
+
+DEFAULT_MAX_CONTROL_CALLS = 16
+DEFAULT_MAX_INFERENCE_CALLS = 32
+DEFAULT_RESERVED_WORKERS = 8
+DEFAULT_EXIT_LINGER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -143,29 +233,44 @@ class ServerOptions:
     auth_token: str | None = None
     tls: TlsFiles | None = None
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
-    max_workers: int = 32  # concurrent calls; a Generate stream holds one for its duration
+    max_control_calls: int = DEFAULT_MAX_CONTROL_CALLS  # LoadAdapter + UnloadAdapter at once
+    max_inference_calls: int = DEFAULT_MAX_INFERENCE_CALLS  # Forward + Generate at once (a stream holds one)
+    reserved_workers: int = DEFAULT_RESERVED_WORKERS  # threads beyond both budgets: health, Describe, ListAdapters, reflection
     health_poll_s: float = 0.25
-    stop_grace_s: float = 10.0
+    stop_grace_s: float = 10.0  # how long stop() waits for running control and inference calls
+    exit_linger_s: float = DEFAULT_EXIT_LINGER_S  # `serve`: Describe answers this long after the engine died
+
+    @property
+    def max_workers(self) -> int:
+        """The server's thread pool: both budgets and the reserve."""
+        return self.max_control_calls + self.max_inference_calls + self.reserved_workers
 
 
 class AgentServer:
     """A bound gRPC server over one agent, with its health watcher and metrics endpoint."""
 
     def __init__(
-        self, agent: Agent, server: grpc.Server, health_servicer: health.HealthServicer, port: int, options: ServerOptions
+        self, agent: Agent, server: grpc.Server, health_servicer: health.HealthServicer, port: int, options: ServerOptions,
+        servicer: NodeAgentServicer,
     ) -> None:
         self.agent = agent
         self.server = server
         self.health = health_servicer
         self.port = port
         self.options = options
+        self.servicer = servicer
         self._metrics: MetricsEndpoint | None = None
         self._done = threading.Event()
+        self._stop_requested = threading.Event()
         self._engine_died = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._health_lock = threading.Lock()
+        self._serving: bool | None = None
+        self._stopping = False
+        self.not_serving_reason = ""  # why health is NOT_SERVING ("" while SERVING)
 
     def start(self) -> None:
-        self._set_health(self.agent.alive)
+        self._set_health(self.agent.alive, "" if self.agent.alive else self.agent.failure())
         self.server.start()
         if self.options.metrics_port is not None:
             self._metrics = MetricsEndpoint(self.agent.metrics, self.options.metrics_port)
@@ -184,14 +289,27 @@ class AgentServer:
         return self._engine_died.is_set()
 
     def request_stop(self) -> None:
-        """Make `wait()` return (safe from a signal handler: sets an event, nothing else)."""
+        """Make `wait()` (and `linger()`) return (safe from a signal handler: sets events, nothing else)."""
+        self._stop_requested.set()
         self._done.set()
 
+    def linger(self, seconds: float) -> None:
+        """Keep serving (Describe answers, health says NOT_SERVING) for `seconds` or until
+        `request_stop()`: after the engine died, so that an operator can see which rank."""
+        self._stop_requested.wait(seconds)
+
     def stop(self, grace: float | None = None) -> None:
-        """Stop serving: health NOT_SERVING, running calls get `grace` seconds, then cancelled."""
+        """Stop serving: health NOT_SERVING and new control and inference calls refused
+        (UNAVAILABLE) at once, running ones get `grace` seconds, then the server stops and
+        cancels what is left. Describe, ListAdapters and health answer until then."""
         self._done.set()
+        self._set_health(False, "the agent is shutting down", stopping=True)
+        self.servicer.closing.set()
+        deadline = time.monotonic() + (self.options.stop_grace_s if grace is None else grace)
+        for budget in self.servicer.budgets.values():
+            budget.wait_idle(deadline)
         self.health.enter_graceful_shutdown()
-        self.server.stop(self.options.stop_grace_s if grace is None else grace).wait()
+        self.server.stop(0).wait()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -206,16 +324,30 @@ class AgentServer:
     def _watch(self) -> None:
         while not self._done.wait(self.options.health_poll_s):
             if not self.agent.alive:
-                log.error("engine is not serving (%s): health NOT_SERVING, calls fail with UNAVAILABLE", self.agent.failure())
-                self._set_health(False)
+                failure = self.agent.failure()
+                log.error("engine is not serving (%s): health NOT_SERVING, calls fail with UNAVAILABLE", failure)
+                self._set_health(False, failure)
                 self._engine_died.set()
                 self._done.set()
                 return
+            hang = self.agent.hang()
+            if hang and self._serving:
+                log.error("engine hangs: %s; health NOT_SERVING until the command completes", hang)
+                self._set_health(False, hang)
+            elif not hang and self._serving is False:
+                log.warning("engine command completed: health SERVING again")
+                self._set_health(True, "")
 
-    def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in HEALTH_SERVICES:
-            self.health.set(service, status)
+    def _set_health(self, serving: bool, reason: str, stopping: bool = False) -> None:
+        with self._health_lock:
+            if stopping:
+                self._stopping = True
+            elif self._stopping:
+                return  # once stopping, health stays NOT_SERVING
+            self._serving, self.not_serving_reason = serving, reason
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in HEALTH_SERVICES:
+                self.health.set(service, status)
 
 
 def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> AgentServer:
@@ -227,7 +359,12 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
         # Without this, Linux lets a second server bind the same port and steal half the calls.
         options=[("grpc.so_reuseport", 0)],
     )
-    agent_pb2_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), server)
+    servicer = NodeAgentServicer(
+        agent,
+        control=CallBudget("control", options.max_control_calls, "--max-control-calls"),
+        inference=CallBudget("inference", options.max_inference_calls, "--max-inference-calls"),
+    )
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     # Non-blocking Watch: probe streams do not hold worker threads.
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -241,4 +378,4 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
         raise OSError(f"cannot listen on {options.listen}: {error}") from error
     if not port:
         raise OSError(f"cannot listen on {options.listen}")
-    return AgentServer(agent, server, health_servicer, port, options)
+    return AgentServer(agent, server, health_servicer, port, options, servicer)

@@ -11,6 +11,7 @@ from node_agent.engine.engine import (
     EngineError,
     RankLoadError,
     RankUnloadError,
+    RunningCommand,
     SequenceInput,
 )
 from node_agent.engine.peft_adapter import AdapterLoadError
@@ -18,6 +19,7 @@ from node_agent.engine.protocol import (
     ControlReply,
     ControlResult,
     DescribeReply,
+    FileDigests,
     ModuleShape,
     RankReply,
     SliceShape,
@@ -32,10 +34,12 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineError",
+    "FileDigests",
     "ModuleShape",
     "RankLoadError",
     "RankReply",
     "RankUnloadError",
+    "RunningCommand",
     "SequenceInput",
     "SliceShape",
     "Topology",

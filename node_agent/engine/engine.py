@@ -35,12 +35,14 @@ from node_agent.engine.protocol import (
     ControlResult,
     Describe,
     DescribeReply,
+    FileDigests,
     Forward,
     ForwardReply,
     Load,
     RankReply,
     Shutdown,
     Unload,
+    digest_mismatches,
     merge_control,
     rolled_back,
 )
@@ -87,7 +89,20 @@ class EngineConfig:
     master_port: int = 0  # 0: pick a free loopback port
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 300.0
-    fault_fail_load_on_rank: int | None = None  # test-only fault hook
+    fault_fail_load_on_rank: int | None = None  # test-only fault hook: this rank refuses every load
+    # test-only fault hook: this rank sleeps `fault_stall_load_s` at the start of every load,
+    # before it reads any adapter byte (a hung load, and a window to change the files under it)
+    fault_stall_load_on_rank: int | None = None
+    fault_stall_load_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunningCommand:
+    """The command the ranks are carrying out now: its kind, the adapter it names, since when."""
+
+    command: str  # "load", "unload", "forward", "describe"
+    adapter: str | None  # the engine name of a load's or unload's adapter
+    started: float  # time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -115,6 +130,7 @@ class Engine:
         self._processes: list[SpawnProcess] = []
         self._conns: list[Connection] = []
         self._holds: list[tuple[str, ...]] = [() for _ in range(config.topology.tp_size)]  # as each rank last said
+        self._running: RunningCommand | None = None  # read without the lock (health)
         self._start()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -135,6 +151,8 @@ class Engine:
             master_port=config.master_port or _free_port(),
             timeout_s=config.startup_timeout_s,
             fault_fail_load_on_rank=config.fault_fail_load_on_rank,
+            fault_stall_load_on_rank=config.fault_stall_load_on_rank,
+            fault_stall_load_s=config.fault_stall_load_s,
         )
         context = mp.get_context("spawn")
         for rank in range(config.topology.tp_size):
@@ -185,6 +203,12 @@ class Engine:
         return self.failure is None and bool(self._processes) and all(p.is_alive() for p in self._processes)
 
     @property
+    def running(self) -> RunningCommand | None:
+        """The command the ranks are carrying out now (None between commands); no lock taken,
+        so health can ask while a command hangs."""
+        return self._running
+
+    @property
     def pids(self) -> list[int]:
         """The rank processes' ids, in rank order (empty once closed)."""
         return [p.pid for p in self._processes if p.pid is not None]
@@ -201,13 +225,16 @@ class Engine:
             raise EngineError(merged.error)
         return replies
 
-    def load_adapter(self, name: str, path: Path, pinned: bool = False) -> ControlResult:
+    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None) -> ControlResult:
         """Load on every rank, or on none: a failure anywhere is rolled back everywhere
-        (`RankLoadError` then carries every rank's answer)."""
+        (`RankLoadError` then carries every rank's answer). With `expected` (the digests the
+        caller verified), a rank that read other bytes counts as a failed rank."""
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
             result = merge_control(self._control(Load(name, str(path), pinned)))
+            if expected is not None:
+                result = digest_mismatches(result, expected)
             if not result.ok:
                 if any(reply.ok for reply in result.ranks):
                     result = self._roll_back(name, result)
@@ -269,7 +296,7 @@ class Engine:
         # Unload is sent to every rank (commands must reach all ranks in the same order); ranks
         # that never loaded the adapter answer "not loaded".
         after = self._control(Unload(name))
-        stuck = [reply.rank for reply, later in zip(result.ranks, after, strict=True) if reply.ok and not later.ok]
+        stuck = [later.rank for later in after if name in later.holds]
         if stuck:
             self._fail(f"rollback of {name!r} failed on ranks {stuck}")
         return rolled_back(result, after)
@@ -281,13 +308,20 @@ class Engine:
         with self._lock:
             if self.failure:
                 raise EngineError(f"engine is not serving: {self.failure}")
+            if not self._conns:
+                raise EngineError("engine is not serving: it was closed")
             what = type(command).__name__.lower()
-            for rank, conn in enumerate(self._conns):
-                try:
-                    conn.send(command)
-                except (BrokenPipeError, OSError) as error:
-                    self._fail(f"rank {rank} is gone ({error})")
-            replies = self._collect(self.config.call_timeout_s, what)
+            adapter = command.name if isinstance(command, (Load, Unload)) else None
+            self._running = RunningCommand(what, adapter, time.monotonic())
+            try:
+                for rank, conn in enumerate(self._conns):
+                    try:
+                        conn.send(command)
+                    except (BrokenPipeError, OSError) as error:
+                        self._fail(f"rank {rank} is gone ({error})")
+                replies = self._collect(self.config.call_timeout_s, what)
+            finally:
+                self._running = None
         typed = [reply for reply in replies if isinstance(reply, kind)]
         if len(typed) != len(replies):  # a rank runs other code than this driver
             self._fail(f"a rank answered {what} with something other than a {kind.__name__}")

@@ -61,6 +61,14 @@ Command = Describe | Load | Unload | Forward | Shutdown
 
 
 @dataclass(frozen=True)
+class FileDigests:
+    """The sha256 (hex) of an adapter's two files: what a rank read, or what the agent verified."""
+
+    weights_sha256: str
+    config_sha256: str
+
+
+@dataclass(frozen=True)
 class RankReply:
     """One rank's answer: who answered and whether it succeeded (startup and shutdown replies)."""
 
@@ -78,6 +86,8 @@ class ControlReply(RankReply):
     holds: tuple[str, ...] = ()
     shard_bytes: int = 0  # a load: the size of this rank's shard of the adapter
     peak_rss_growth_bytes: int = 0  # a load: how much this rank's peak memory grew while loading
+    # a successful load: the sha256 of the adapter files' bytes this rank read (None otherwise)
+    digests: FileDigests | None = None
 
 
 @dataclass(frozen=True)
@@ -136,15 +146,40 @@ def merge_control(replies: Sequence[ControlReply], already_loaded: bool = False)
     return ControlResult(merged.ok, merged.error, merged.reply.holds, tuple(replies), already_loaded)
 
 
+def digest_mismatches(result: ControlResult, expected: FileDigests) -> ControlResult:
+    """`result` with every rank that succeeded but read other bytes than `expected` turned into a
+    failure naming what it read (the load is then rolled back like any other refusal)."""
+    ranks = tuple(
+        replace(reply, ok=False, error=_mismatch(reply, expected))
+        if reply.ok and reply.digests != expected else reply
+        for reply in result.ranks
+    )
+    return merge_control(ranks) if ranks != result.ranks else result
+
+
+def _mismatch(reply: ControlReply, expected: FileDigests) -> str:
+    read = reply.digests or FileDigests("(none reported)", "(none reported)")
+    wrong = [
+        f"{what} has sha256 {got}, the agent verified {want}"
+        for what, got, want in (("adapter_model.safetensors", read.weights_sha256, expected.weights_sha256),
+                                ("adapter_config.json", read.config_sha256, expected.config_sha256))
+        if got != want
+    ]
+    return f"rank {reply.rank} read other bytes than the agent verified: {'; '.join(wrong)}"
+
+
 def rolled_back(result: ControlResult, after: Sequence[ControlReply]) -> ControlResult:
     """A failed load as the ranks end up once the driver unloaded it again from every rank
-    (`after`: their replies to that unload): the ranks that had loaded it are reported as failed
-    with a note, so that counting successful ranks gives the truth (none holds it); `error` keeps
-    only the ranks' own failures."""
+    (`after`: their replies to that unload; every rank's holdings are those after it): the ranks
+    that had loaded it are reported as failed with a note, so that counting successful ranks
+    gives the truth (none holds it); `error` keeps only the ranks' own failures."""
     failed = ", ".join(str(r.rank) for r in result.ranks if not r.ok)
     note = f"loaded, then rolled back because the load failed on rank {failed}"
     ranks = tuple(
-        reply if not reply.ok else replace(reply, ok=False, error=note, holds=later.holds)
+        replace(reply, holds=later.holds) if not reply.ok else replace(reply, ok=False, error=note, holds=later.holds)
         for reply, later in zip(result.ranks, after, strict=True)
     )
-    return replace(result, ranks=ranks)
+    # A rank that failed after loading (it read other bytes) held the adapter until the rollback:
+    # every rank's holdings are those after it.
+    first_failed = next(reply for reply in result.ranks if not reply.ok)
+    return replace(result, ranks=ranks, holds=ranks[result.ranks.index(first_failed)].holds)

@@ -92,6 +92,7 @@ class AdapterHTTPServer(http.server.ThreadingHTTPServer):
     /to-ftp/<p>     a redirect to ftp://127.0.0.1/<p>
     /moved/<p>      a redirect to /files/<p>
     /fail/<p>       HTTP 500
+    /hold/<p>       waits for `release` (bounded: 120 s), counted in `holding`, then serves the file
     """
 
     daemon_threads = True
@@ -105,6 +106,8 @@ class AdapterHTTPServer(http.server.ThreadingHTTPServer):
         self.active: dict[str, int] = {}
         self.concurrent_peak: dict[str, int] = {}
         self.requests: list[str] = []
+        self.release = threading.Event()
+        self.holding = 0
 
     def url(self, kind: str, relative: str) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/{kind}/{relative}"
@@ -131,6 +134,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if not path.is_file() or ".." in relative:
             self.send_error(404)
+            return
+        if kind == "hold":
+            with self.server.lock:
+                self.server.holding += 1
+            try:
+                self.server.release.wait(120)
+            finally:
+                with self.server.lock:
+                    self.server.holding -= 1
+            self._send(path, content_length=True)
             return
         if kind == "gate":
             with self._counted(str(Path(relative).parent)):

@@ -121,6 +121,35 @@ def test_serve_exits_non_zero_when_a_rank_dies(tmp_path):
             process.kill()
 
 
+def test_serve_keeps_answering_describe_after_a_rank_died_until_it_exits(tmp_path):
+    """Describe answers from what the agent knows (the dead rank alive=false) while `serve`
+    lingers after the engine's death; SIGTERM ends the linger, and the exit is still non-zero."""
+    model = make_model(tmp_path / "model", tokenizer=False)
+    process, port = start_serve(tmp_path, "--model", str(model), "--tp", "2", "--dp", "2", "--exit-linger-s", "120")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        pids = rank_pids(process.pid)
+        assert len(pids) == 2, pids
+        os.kill(pids[1], signal.SIGKILL)
+        wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+        time.sleep(1.5)  # well past the moment the watcher saw the death (it polls every 0.25 s)
+        for _ in range(3):
+            ranks = stub.Describe(pb.DescribeRequest(), timeout=10).ranks
+            assert [(r.rank, r.alive) for r in ranks] == [(0, True), (1, False)]
+        error = rpc_error(lambda: stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and "engine is not serving" in error.details()
+        assert process.poll() is None, "serve lingers"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 1
+        assert "exiting so the pod restarts" in (tmp_path / "agent.log").read_text()
+    finally:
+        channel.close()
+        if process.poll() is None:
+            process.kill()
+
+
 def test_serve_stops_cleanly_on_sigterm(tmp_path):
     model = make_model(tmp_path / "model", tokenizer=False)
     process, _port = start_serve(tmp_path, "--model", str(model))

@@ -139,18 +139,22 @@ class UnloadAdapterResponse(_message.Message):
     def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
 
 class RankResult(_message.Message):
-    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "success", "error_message")
+    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "success", "error_message", "weights_sha256", "config_sha256")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ATTN_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ATTN_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
     rank: int
     attn_dp_rank: int
     attn_tp_rank: int
     success: bool
     error_message: str
-    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error_message: _Optional[str] = ...) -> None: ...
+    weights_sha256: str
+    config_sha256: str
+    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error_message: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., config_sha256: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
     __slots__ = ()
