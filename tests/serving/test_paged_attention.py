@@ -9,6 +9,7 @@ ragged lengths.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,7 +267,7 @@ def test_decode_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | Non
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
 def test_triton_decode_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter never compiles: the bf16 launch of an 8B-like shape (head_dim 128, GQA 4)
-    compiles for sm_90 (no GPU needed), fits shared memory and uses tensor cores."""
+    compiles for sm_90 (no GPU needed), fits shared memory, uses tensor cores and vector loads."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launches: list[tuple[tuple[object, ...], dict[str, object]]] = []
 
@@ -283,3 +284,6 @@ def test_triton_decode_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> N
     ptx, shared = _compile_for_hopper(paged_attention_triton._paged_decode_kernel, args, kwargs)
     assert shared <= 227 * 1024
     assert "mma" in ptx
+    # K/V rows move as 16-byte loads; the only narrow load left is the context length (a scalar).
+    assert re.search(r"ld\.global(?:\.\w+)*\.v4", ptx)
+    assert len(re.findall(r"ld\.global\.(?:b16|b32|f32|u16)\b", ptx)) <= 2
