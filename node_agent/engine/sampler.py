@@ -3,7 +3,7 @@
 One function, `sample`, run identically on every rank of an attention group (they hold the same
 logits), so every rank appends the same token without a broadcast. Per sequence:
 
-* temperature 0: greedy, the first maximum on ties;
+* temperature 0 (below `GREEDY_BELOW`): greedy, the first maximum on ties;
 * otherwise the logits are divided by the temperature and filtered, in transformers' order, by
   top-k, then top-p (on the top-k distribution renormalised), then min-p; the token is then
   drawn from what is left by an exponential race (argmax of `p / E`, `E ~ Exp(1)`), which
@@ -31,6 +31,9 @@ import torch
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 _SEED_LIMIT = 2**64
+# Temperatures below this are greedy: the limit is argmax anyway, and dividing by a vanishing
+# temperature would overflow fp32 (vLLM uses the same cut-off).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: argmax, no randomness."""
-        return self.temperature == 0
+        """Temperature (about) 0: argmax, no randomness."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_int(value: object) -> bool:
@@ -88,6 +91,12 @@ class SequenceSampling:
     params: SamplingParams
     seed: int
     index: int
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.seed) and 0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"SequenceSampling.seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not (_is_int(self.index) and self.index >= 0):
+            raise ValueError(f"SequenceSampling.index must be an integer ≥ 0, got {self.index!r}")
 
 
 class FinishReason(enum.Enum):

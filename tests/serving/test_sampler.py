@@ -96,8 +96,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
 def test_temperature_towards_zero_is_greedy() -> None:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(40, 30, generator=gen) * 3
-    rows = [SequenceSampling(SamplingParams(temperature=1e-3), seed, 0) for seed in range(40)]
-    assert [t.token_id for t in sample(logits, rows)] == logits.argmax(dim=-1).tolist()
+    expected = logits.argmax(dim=-1).tolist()
+    # 1e-3 is sampled (a near one-hot distribution), 1e-30 takes the greedy path (no overflow).
+    assert not SamplingParams(temperature=1e-3).greedy and SamplingParams(temperature=1e-30).greedy
+    for temperature in (1e-3, 1e-30):
+        rows = [SequenceSampling(SamplingParams(temperature=temperature), seed, 0) for seed in range(40)]
+        assert [t.token_id for t in sample(logits, rows)] == expected
 
 
 def test_seeded_tokens_do_not_depend_on_batch_companions_or_order() -> None:
@@ -189,6 +193,13 @@ def test_invalid_params_name_the_field(field: str, value: object) -> None:
     kwargs: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("field", "value"), [("seed", -1), ("seed", 2**64), ("index", -1)])
+def test_invalid_rows_name_the_field(field: str, value: int) -> None:
+    kwargs: dict[str, Any] = {"seed": 0, "index": 0, field: value}
+    with pytest.raises(ValueError, match=rf"SequenceSampling\.{field} must be"):
+        SequenceSampling(SamplingParams(), **kwargs)
 
 
 def test_logits_must_match_the_rows() -> None:
