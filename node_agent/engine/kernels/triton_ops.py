@@ -13,7 +13,6 @@ test without caring whether this module was imported earlier in the process.
 
 # The kernel functions are triton DSL: their pointer and size arguments have no Python type, only
 # the constexprs are annotated, so this module allows partly annotated definitions.
-# mypy: disallow-incomplete-defs=False
 
 import functools
 import logging
