@@ -36,11 +36,13 @@ if [ ! -f "$venv/.complete" ]; then
     mkdir -p "$cache_root"
     "$python_bin" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip setuptools wheel
-    # Install the pinned dependencies (not the project) so the environment is clone-independent.
+    # Install the pinned dependencies (not the project) so the environment is clone-independent:
+    # the common and operator ones, the node agent's (extra `agent`) and the tests' (extra `test`).
     deps=$("$venv/bin/python" - "$repo_root/pyproject.toml" <<'PY'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+extras = project["optional-dependencies"]
+print("\n".join(project["dependencies"] + extras["agent"] + extras["test"]))
 PY
 )
     echo "$deps" > "$venv/requirements.txt"
