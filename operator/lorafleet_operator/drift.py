@@ -29,6 +29,7 @@ import kopf
 from lorafleet_operator import metrics, names
 from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
+from lorafleet_operator.failures import KUBE_API_ERRORS, drift_delay, kube_reason, retry_after
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
 from lorafleet_operator.reconcile import (
@@ -270,11 +271,22 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
     rt: Runtime = memo["runtime"]
     namespace: str = body["metadata"]["namespace"]  # LoraFleet is a namespaced kind
     poke = rt.poke(namespace, name)
+    api_failures = 0  # consecutive checks that failed on the Kubernetes API
     while not stopped:
         poke.clear()
+        wait_at_least = 0.0
         try:
             await check_fleet(rt, namespace, body)
+            api_failures = 0
+        except KUBE_API_ERRORS as err:  # the API server is down or busy: back off (policy)
+            api_failures += 1
+            wait_at_least = retry_after(err)
+            log.warning("drift check of lorafleet %s/%s failed: Kubernetes API: %s; next in "
+                        "%.1fs", namespace, name, kube_reason(err),
+                        drift_delay(rt.settings, api_failures, wait_at_least))
         except Exception:
             log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace,
                           name, rt.settings.drift_interval_s)
-        await _sleep(stopped, poke, rt.settings.drift_interval_s)
+        delay = drift_delay(rt.settings, api_failures, wait_at_least)
+        # While the API fails, a poke (a pod event) does not cut the back-off short.
+        await _sleep(stopped, poke if not api_failures else asyncio.Event(), delay)

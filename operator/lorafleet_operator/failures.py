@@ -7,7 +7,9 @@ Every decision about what failed how, and whether and when to try again, is made
   agent answered and refused: the same request would be refused again);
 * **back-off** — kopf retries transient failures after ``transient_retry_s · 2^retry`` (capped);
   the drift check retries a permanent failure of one adapter generation on one agent after
-  ``failed_retry_s · 2^(attempts-1)`` (capped): slowly, never in a hot loop;
+  ``failed_retry_s · 2^(attempts-1)`` (capped): slowly, never in a hot loop; a drift check that
+  failed on the Kubernetes API waits longer each time (:func:`drift_delay`); kopf's own API
+  requests retry endlessly with a capped doubling (:func:`kopf_api_backoffs`);
 * **deletion** — how long an unreachable agent may hold up a finalizer;
 * **crashes during loads** — a load that was in flight when its agent died or hung counts
   against that adapter generation (:class:`CrashBook`); after ``load_crash_budget`` such agent
@@ -23,8 +25,9 @@ API error escaping); it never builds kopf's errors or computes a delay itself.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +89,46 @@ def transient_delay(settings: Settings, retry: int) -> float:
 def failed_delay(settings: Settings, attempts: int) -> float:
     """The drift check's delay after the ``attempts``-th permanent failure (1 = the first)."""
     return backoff(settings.failed_retry_s, settings.failed_retry_max_s, attempts - 1)
+
+
+def retry_after(err: BaseException) -> float:
+    """The server's Retry-After (seconds) on a Kubernetes API error (429), 0 without one."""
+    headers = getattr(err, "headers", None) if isinstance(err, ApiException) else None
+    try:
+        return max(float((headers or {}).get("Retry-After") or 0), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def drift_delay(settings: Settings, api_failures: int, retry_after_s: float = 0.0) -> float:
+    """The wait before a fleet's next drift check: the interval; after ``api_failures``
+    consecutive checks that failed on the Kubernetes API, the interval doubled per failure up
+    to ``max(interval, transient_retry_max_s)``, and never less than the server's Retry-After."""
+    interval = settings.drift_interval_s
+    if api_failures <= 0:
+        return interval
+    longest = max(interval, settings.transient_retry_max_s)
+    return max(backoff(interval, longest, api_failures - 1), retry_after_s)
+
+
+@dataclass(frozen=True)
+class EndlessBackoff:
+    """kopf's retries of its own API requests (watches, its patches, events): doubling from
+    ``first_s`` to ``max_s``, never giving up. kopf's default gives up after 9 attempts
+    (about a minute), and a watch that gives up on a 5xx ends the whole operator: an API
+    server or etcd outage longer than that would crash it. Iterable again for every request
+    (kopf iterates it per request); not Sized, so kopf counts attempts without a total."""
+
+    first_s: float
+    max_s: float
+
+    def __iter__(self) -> Iterator[float]:
+        return (backoff(self.first_s, self.max_s, n) for n in itertools.count())
+
+
+def kopf_api_backoffs(settings: Settings) -> EndlessBackoff:
+    """The back-off kopf uses for its own failed API requests (set at startup)."""
+    return EndlessBackoff(settings.transient_retry_s, settings.transient_retry_max_s)
 
 
 def delete_waits(settings: Settings, retry: int, failures: Iterable[AgentFailure]) -> bool:
@@ -192,9 +235,11 @@ class CrashBook:
 
     A load that ended without the agent's answer (:func:`died_under`) makes that (generation,
     agent) a *suspect*. The next look at the fleet (:meth:`observe`) settles it: the same pod
-    with more container restarts means the agent died during (or right after) the load — a
-    **crash**; the pod gone or re-created drops the suspect; a later answered load on the same
-    agent life clears it (the failure was the network: a stall or a partition). A crash counts
+    not Ready (its container exited or its probe failed: dead or hung; a network fault between
+    the operator and the agent leaves the kubelet's probe alone) or with more container
+    restarts means the agent died or hung during the load — a **crash**; a re-created pod
+    (new uid) drops the suspect; a later answered load on the same agent life clears it (the
+    failure was the network: a stall or a partition). A crash counts
     against the generation only when that load was alone on the agent; one with company is
     *ambiguous* and makes the generation's next loads run alone on their agent (exclusive), so
     the next death is attributed exactly. ``budget`` counted crashes (distinct agent lives)
@@ -221,7 +266,7 @@ class CrashBook:
             self.ambiguous.discard(key)
 
     def observe(self, pods: Iterable[AgentPod]) -> None:
-        """Settle suspects against the fleet's pods as they are now."""
+        """Settle suspects against the fleet's pods as they are now (:class:`CrashBook`)."""
         now = {p.name: p for p in pods}
         for key, by_pod in self.suspects.items():
             for name, suspect in list(by_pod.items()):
@@ -231,7 +276,7 @@ class CrashBook:
                 uid, restarts = suspect.incarnation
                 if pod.uid != uid:
                     del by_pod[name]  # a new pod, not a restart: nothing to count
-                elif pod.restarts > restarts:
+                elif pod.restarts > restarts or not pod.ready:
                     del by_pod[name]
                     if suspect.alone:
                         self.crashes.setdefault(key, {})[(name, suspect.incarnation)] = \
@@ -311,7 +356,8 @@ def check_load(results: Sequence[AgentResult], phase: str, message: str, *,
 Handler = Callable[..., Awaitable[None]]
 
 
-def _kube_reason(err: BaseException) -> str:
+def kube_reason(err: BaseException) -> str:
+    """A Kubernetes API error in a few words (status and reason), for one log line."""
     return f"{err.status} {err.reason}" if isinstance(err, ApiException) else repr(err)
 
 
@@ -327,7 +373,7 @@ def kopf_retries(handler: Handler) -> Handler:
         except Transient as err:
             raise kopf.TemporaryError(str(err), delay=transient_delay(settings, retry)) from err
         except KUBE_API_ERRORS as err:
-            raise kopf.TemporaryError(f"Kubernetes API: {_kube_reason(err)}",
+            raise kopf.TemporaryError(f"Kubernetes API: {kube_reason(err)}",
                                       delay=transient_delay(settings, retry)) from err
         except Permanent as err:
             raise kopf.PermanentError(str(err)) from err

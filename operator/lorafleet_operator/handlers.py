@@ -18,7 +18,7 @@ import kopf
 
 from lorafleet_operator import metrics, names
 from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, GROUP, VERSION
-from lorafleet_operator.failures import Transient, check_load, delete_waits, kopf_retries
+from lorafleet_operator.failures import Transient, check_load, delete_waits, kopf_api_backoffs, kopf_retries
 from lorafleet_operator.publish import post_event, publish_status
 from lorafleet_operator.reconcile import (
     FleetProblem,
@@ -35,9 +35,12 @@ log = logging.getLogger("lorafleet.operator")
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """kopf settings: our own finalizer and annotation names, no cluster-wide scans (the
-    chart's RBAC is namespaced), Events only when we post them."""
+    chart's RBAC is namespaced), Events only when we post them, and the policy's endless
+    back-off for kopf's own failed API requests (its default gives up after ~1 minute, and a
+    watch that gives up stops the operator)."""
+    settings.networking.error_backoffs = kopf_api_backoffs(_runtime(memo).settings)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX)

@@ -26,8 +26,11 @@ from lorafleet_operator.failures import (
     crash_verdict,
     delete_waits,
     died_under,
+    drift_delay,
     failed_delay,
     is_transient,
+    kopf_api_backoffs,
+    retry_after,
     transient_delay,
 )
 from lorafleet_operator.fleet import AgentPod
@@ -187,8 +190,8 @@ def test_which_failed_loads_may_be_the_agent_dying(err: AgentError,
     assert died_under(err) is crash_candidate
 
 
-def pod(name: str, restarts: int = 0, uid: str = "") -> AgentPod:
-    return AgentPod(name=name, namespace="ns", uid=uid or f"uid-{name}", labels={}, ready=True,
+def pod(name: str, restarts: int = 0, uid: str = "", ready: bool = True) -> AgentPod:
+    return AgentPod(name=name, namespace="ns", uid=uid or f"uid-{name}", labels={}, ready=ready,
                     endpoint="127.0.0.1:1", restarts=restarts)
 
 
@@ -204,7 +207,7 @@ def test_two_agent_deaths_during_lone_loads_condemn_the_generation() -> None:
     assert not book.verdict(GEN1) and len(book.suspects[GEN1]) == 2
     book.observe([pod("agent-0", restarts=1), pod("agent-1")])
     assert not book.verdict(GEN1)  # one death: within the budget, tried again (alone)
-    book.observe([pod("agent-0", restarts=1), pod("agent-1", restarts=1)])
+    book.observe([pod("agent-0", restarts=1), pod("agent-1", ready=False)])  # dead or hung
     verdict = book.verdict(GEN1)
     assert "agent-0" in verdict and "agent-1" in verdict and "Socket closed" in verdict
     assert "until the spec changes" in verdict
@@ -292,3 +295,24 @@ def test_an_exclusive_load_runs_alone_and_loads_learn_their_overlap() -> None:
 
     events = asyncio.run(scenario())
     assert events[:6] == ["start a", "end a", "start suspect", "end suspect", "start b", "end b"]
+
+
+def test_drift_checks_back_off_while_the_kubernetes_api_fails() -> None:
+    settings = Settings(drift_interval_s=30.0, transient_retry_max_s=60.0)
+    assert [drift_delay(settings, n) for n in range(4)] == [30, 30, 60, 60]
+    fast = Settings(drift_interval_s=1.0, transient_retry_max_s=2.0)
+    assert [drift_delay(fast, n) for n in range(4)] == [1, 1, 2, 2]
+    assert drift_delay(fast, 1, retry_after_s=7.0) == 7  # the server's Retry-After wins
+    throttled = ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "3"}
+    assert retry_after(throttled) == 3.0
+    assert retry_after(ApiException(status=500, reason="x")) == 0.0
+    assert retry_after(urllib3.exceptions.ProtocolError("reset")) == 0.0
+
+
+def test_kopfs_own_api_requests_retry_without_giving_up() -> None:
+    backoffs = kopf_api_backoffs(SETTINGS)
+    first = [b for _, b in zip(range(8), backoffs, strict=False)]
+    assert first == [2, 4, 8, 16, 32, 60, 60, 60]
+    assert [b for _, b in zip(range(3), backoffs, strict=False)] == [2, 4, 8]  # fresh per request
+    assert not hasattr(backoffs, "__len__")  # kopf then counts attempts without a last one
