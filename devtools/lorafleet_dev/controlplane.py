@@ -285,6 +285,19 @@ class ControlPlane(StandInKubelet):
         new.wait_until("kube-apiserver /readyz after restart", self._apiserver_ready,
                        ready_timeout_s, 0.5)
 
+    def restart_etcd(self, downtime_s: float = 0.0, ready_timeout_s: float = 120.0) -> None:
+        """Stop etcd, wait ``downtime_s``, start it again on the same ports and data dir, and
+        wait until kube-apiserver is ready again (a fault for operator tests: the API server
+        answers errors meanwhile, its watches restart). The data survives."""
+        index = next(i for i, p in enumerate(self._procs) if p.name == "etcd")
+        old = self._procs[index]
+        old.stop()
+        time.sleep(downtime_s)
+        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent)
+        self._procs[index] = new
+        new.wait_until("kube-apiserver /readyz after the etcd restart", self._apiserver_ready,
+                       ready_timeout_s, 0.5)
+
     def __enter__(self) -> ControlPlane:
         return self
 

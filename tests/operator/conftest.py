@@ -7,6 +7,7 @@ Prometheus metrics are what tests read to see what it did (e.g. how many LoadAda
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -33,6 +34,22 @@ FAST_ENV = {
     "LORAFLEET_LOAD_DEADLINE_SECONDS": "60",
     "LORAFLEET_DELETE_RETRIES": "2",
 }
+
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "lorafleet"
+
+
+def service_account_kubeconfig(cluster: ControlPlane, ns: str, sa: str, path: Path) -> Path:
+    """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
+    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": cluster.server,
+                                               "certificate-authority": str(cluster.ca_file)}}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
+        "current-context": "c"}))
+    return path
 
 
 @dataclass

@@ -9,7 +9,6 @@ adapters up to rank 8 only, agent-0 up to 16: a rank-16 adapter makes exactly on
 
 from __future__ import annotations
 
-import json
 import secrets
 import signal
 from collections.abc import Iterator
@@ -38,7 +37,13 @@ from tests.operator.agents import (
     registry,
     status,
 )
-from tests.operator.conftest import OperatorProcess, start_operator, wait_for
+from tests.operator.conftest import (
+    CHART,
+    OperatorProcess,
+    service_account_kubeconfig,
+    start_operator,
+    wait_for,
+)
 
 TOKENS = [1, 5, 9, 42]
 
@@ -334,22 +339,6 @@ def test_fifty_adapters_applied_at_once(
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=180s")
     for agent in fleet:
         assert registry(agent, ns) == {}
-
-
-CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "lorafleet"
-
-
-def service_account_kubeconfig(cluster: ControlPlane, ns: str, sa: str, path: Path) -> Path:
-    """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
-    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": cluster.server,
-                                               "certificate-authority": str(cluster.ca_file)}}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
-        "current-context": "c"}))
-    return path
 
 
 def test_operator_under_the_charts_service_account_with_agent_auth(

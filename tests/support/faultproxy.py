@@ -20,6 +20,9 @@ Modes (one at a time, for every connection, current and new):
 * ``reset()`` — every open connection is closed with a TCP RST on both sides, and new ones are
   reset as soon as they are accepted, until another mode is chosen.
 
+``retarget(port)`` sends new connections to another upstream (open ones stay where they are;
+``reset()`` first to move everything), e.g. to a server that answers errors for a while.
+
 Plain threads and sockets, no dependencies; ``accepted`` and ``forwarded`` count connections and
 bytes so a test can see that traffic really went through the proxy.
 """
@@ -164,6 +167,11 @@ class FaultProxy:
             self._lock.notify_all()
         for conn in doomed:
             conn.close(rst=True)
+
+    def retarget(self, upstream_port: int, upstream_host: str = "127.0.0.1") -> None:
+        """New connections go to ``upstream_host:upstream_port`` from now on."""
+        with self._lock:
+            self.upstream = (upstream_host, upstream_port)
 
     @property
     def open_connections(self) -> int:

@@ -116,3 +116,26 @@ def test_reset_closes_open_and_new_connections_with_rst(proxy: FaultProxy) -> No
     assert proxy.mode is Mode.PASS
     with connect(proxy) as sock:
         assert echo(sock, b"after") == b"after"
+
+
+def test_retarget_sends_new_connections_elsewhere(proxy: FaultProxy) -> None:
+    other = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Shout)
+    other.daemon_threads = True
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with connect(proxy) as old:
+            assert echo(old, b"first") == b"first"  # accepted and connected upstream
+            proxy.retarget(other.server_address[1])
+            assert echo(old, b"still") == b"still"  # open connections stay
+            with connect(proxy) as new:
+                assert echo(new, b"moved") == b"MOVED"
+    finally:
+        other.shutdown()
+        other.server_close()
+
+
+class _Shout(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := self.request.recv(65536):
+                self.request.sendall(data.upper())
