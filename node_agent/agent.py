@@ -32,7 +32,6 @@ from node_agent.engine import (
     Engine,
     EngineConfig,
     EngineError,
-    FileDigests,
     RankLoadError,
     RankUnloadError,
     SequenceInput,
@@ -218,10 +217,9 @@ class Agent:
         """Load a new version under a fresh engine name; publish it; retire the one it replaces.
         Every rank must have read exactly the bytes the source verified (their digests)."""
         engine_name = self.registry.new_engine_name(name)
-        verified = FileDigests(source.content.weights_sha256, source.content.config_sha256)
         try:
             with _discarded_on_failure(source):  # every failure, expected or not: no snapshot stays behind
-                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=verified)
+                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=source.content)
         except RankLoadError as error:  # refused somewhere (or read other bytes); the engine rolled the others back
             source.discard()
             return self._public(error.result)
@@ -382,8 +380,7 @@ def _discarded_on_failure(source: ResolvedSource) -> Iterator[None]:
 
 def _read_other_bytes(result: ControlResult, source: ResolvedSource) -> list[int]:
     """The ranks of a load that read other bytes than the source verified."""
-    verified = FileDigests(source.content.weights_sha256, source.content.config_sha256)
-    return [reply.rank for reply in result.ranks if reply.digests is not None and reply.digests != verified]
+    return [reply.rank for reply in result.ranks if reply.digests is not None and reply.digests != source.content]
 
 
 def _public_of(engine_name: str) -> str:

@@ -56,6 +56,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
+from node_agent.engine import FileDigests
 from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
 
 log = logging.getLogger(__name__)
@@ -103,12 +104,9 @@ class SourcePolicy:
             raise ValueError(f"SourcePolicy.download_min_bytes_per_s must be >= 0, got {self.download_min_bytes_per_s!r}")
 
 
-@dataclass(frozen=True)
-class Content:
-    """What identifies an adapter's content: the digests of its two files."""
-
-    weights_sha256: str
-    config_sha256: str
+# What identifies an adapter's content: the digests of its two files, in the engine's own record
+# of them, so what a source verified compares directly with what each rank reports it read.
+Content = FileDigests
 
 
 @dataclass(frozen=True)
@@ -476,6 +474,8 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 class _TrackedHTTPConnection(HTTPConnection):
+    """A connection that hands its socket to the watchdog once connected."""
+
     def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._watchdog = watchdog
@@ -485,32 +485,24 @@ class _TrackedHTTPConnection(HTTPConnection):
         self._watchdog.track(self.sock)
 
 
-class _TrackedHTTPSConnection(HTTPSConnection):
-    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._watchdog = watchdog
-
-    def connect(self) -> None:
-        super().connect()
-        self._watchdog.track(self.sock)
+class _TrackedHTTPSConnection(_TrackedHTTPConnection, HTTPSConnection):
+    """The same over TLS: in this order `super()` above is HTTPSConnection, so the watchdog
+    tracks the TLS socket, after the handshake (wrapping detaches the plain socket)."""
 
 
-class _HTTPHandler(urllib.request.HTTPHandler):
+class _TrackedHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """http and https through tracked connections; being both, it replaces both default handlers."""
+
     def __init__(self, watchdog: _Watchdog) -> None:
         super().__init__()
-        self._factory = functools.partial(_TrackedHTTPConnection, watchdog=watchdog)
+        self._http = functools.partial(_TrackedHTTPConnection, watchdog=watchdog)
+        self._https = functools.partial(_TrackedHTTPSConnection, watchdog=watchdog)
 
     def http_open(self, req: urllib.request.Request) -> HTTPResponse:
-        return self.do_open(self._factory, req)
-
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, watchdog: _Watchdog) -> None:
-        super().__init__()
-        self._factory = functools.partial(_TrackedHTTPSConnection, watchdog=watchdog)
+        return self.do_open(self._http, req)
 
     def https_open(self, req: urllib.request.Request) -> HTTPResponse:
-        return self.do_open(self._factory, req)
+        return self.do_open(self._https, req)
 
 
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
@@ -564,7 +556,7 @@ def _download(uri: str, shown: str, extra: str, policy: SourcePolicy) -> Resolve
         base = uri.rstrip("/")
         try:
             with _Watchdog(policy) as watchdog:
-                opener = urllib.request.build_opener(_HTTPHandler(watchdog), _HTTPSHandler(watchdog), _HttpOnlyRedirects)
+                opener = urllib.request.build_opener(_TrackedHandler(watchdog), _HttpOnlyRedirects)
                 fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s)
                 config_sha = fetch(f"{base}/{ADAPTER_CONFIG}", target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 weights_sha = fetch(f"{base}/{ADAPTER_WEIGHTS}", target / ADAPTER_WEIGHTS, policy.max_download_bytes)
