@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from node_agent.engine.kernels import dispatch
 
 
-def _check(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+def check_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+    """The shapes above, for every path (torch prefill and decode, the triton decode)."""
     if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
     if q.dim() != 3 or q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
@@ -56,7 +57,7 @@ def prefill(
     positions `context_lens[i] - query_lens[i] ...`, and each attends to every token up to its
     own position (so a chunk of a chunked prefill sees all earlier chunks). Returns `q`'s shape.
     """
-    _check(q, key_cache, value_cache, block_tables)
+    check_inputs(q, key_cache, value_cache, block_tables)
     if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0]:
         raise ValueError(f"query_lens {list(query_lens)} must cover q's {q.shape[0]} rows, one per context length")
     out = torch.empty_like(q)
@@ -94,7 +95,7 @@ def decode_torch(
     Batched over sequences: every context is gathered to the longest one and the rest masked.
     Each context length must be at least 1 (the token itself). Computes in fp32.
     """
-    _check(q, key_cache, value_cache, block_tables)
+    check_inputs(q, key_cache, value_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)

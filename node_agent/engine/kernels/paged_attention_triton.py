@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from node_agent.engine.kernels import paged_attention
+
 _LOG2E = 1.4426950408889634
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # Row max and sum through `tl.reduce` with triton's own combine functions, not `tl.max` /
@@ -145,12 +147,9 @@ def decode(
 ) -> torch.Tensor:
     """See `paged_attention.decode_torch`. `block_n` (tests, tuning): context tokens per tile, a
     power of two ≥ 16. Accumulates in fp32 and rounds once into `q`'s dtype."""
-    if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
-        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
+    paged_attention.check_inputs(q, key_cache, value_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     page_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if head_dim != key_cache.shape[3] or num_heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(key_cache.shape)}")
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
                          f"must have one row per sequence ({num_seqs})")
