@@ -1,11 +1,25 @@
-"""The Helm chart: lint, render, server-side dry run, and the operator's RBAC.
+"""The Helm chart: lint, refusals, render, server-side dry run, and the operator's RBAC.
 
-The chart's RBAC is checked against the real authorizer (``kubectl auth can-i`` impersonating
-the operator's ServiceAccount), both for what it must allow and for what it must not.
+Everything goes through the real helm binary (scripts/build-kube.sh). The chart's RBAC is
+checked against the real authorizer (``kubectl auth can-i`` impersonating the operator's
+ServiceAccount), both for what it must allow and for what it must not. The chart's own
+programs (files/*.py: the model download, the uninstall cleanup) run here for real, against a
+loopback HTTP server and the test control plane.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import http.server
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +30,18 @@ from tests.kube.harness import CHECKOUT, ControlPlane
 CHART = CHECKOUT.chart
 
 
-def test_helm_lint(kube_cluster: ControlPlane) -> None:
-    out = kube_cluster.helm("lint", "--strict", str(CHART))
+#: The default install refuses without a model source; most renders name a PVC.
+MODEL = "agent.model.pvc.claimName=models"
+
+
+@pytest.mark.parametrize("values", ["", *sorted(p.name for p in (CHART / "ci").glob("*.yaml"))])
+def test_helm_lint_strict(kube_cluster: ControlPlane, values: str) -> None:
+    """Clean with the defaults too: helm lint runs the templates' `fail` refusals (the missing
+    model source) as INFO lines, which `helm install/template` turn into errors."""
+    extra = ["-f", str(CHART / "ci" / values)] if values else []
+    out = kube_cluster.helm("lint", "--strict", str(CHART), *extra)
     assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
 
 
 def render(cluster: ControlPlane, namespace: str, *sets: str) -> str:
@@ -28,17 +51,27 @@ def render(cluster: ControlPlane, namespace: str, *sets: str) -> str:
     return cluster.helm(*args).stdout
 
 
+def render_docs(cluster: ControlPlane, *sets: str) -> dict[tuple[str, str], Any]:
+    return {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all(render(cluster, "lf-ns", *sets)) if d}
+
+
 def kinds(manifest: str) -> list[tuple[str, str]]:
     return [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(manifest) if d]
 
 
+SHA = "0123456789abcdef" * 4
+
 VARIANTS = [
-    pytest.param((), id="defaults"),
-    pytest.param(("fleet.authTokenSecret=agent-token", "fleet.tlsSecret=agent-tls",
+    pytest.param((MODEL,), id="defaults"),
+    pytest.param(("auth.existingSecret=agent-token", "tls.enabled=true", "tls.secretName=agent-tls",
                   "agent.gpus=0", "agent.device=cpu", "agent.tpSize=2", "agent.dpSize=2",
-                  "operator.replicas=2", "image.tag=dev"), id="auth-tls-cpu"),
+                  "operator.replicas=2", "image.tag=dev", "agent.model.hostPath.path=/srv/models"),
+                 id="auth-tls-cpu"),
     pytest.param(("agent.enabled=false", "fleet.create=false", "serviceAccount.name=op"),
                  id="operator-only"),
+    pytest.param(("networkPolicy.enabled=true", "agent.model.download.url=https://m.example/m.tgz",
+                  f"agent.model.download.sha256={SHA}", "auth.enabled=false"), id="download-netpol"),
 ]
 
 
@@ -63,13 +96,14 @@ def test_helm_template_applies_with_server_dry_run(
 
 
 def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d
-            for d in yaml.safe_load_all(render(kube_cluster, "lf-ns", "agent.gpus=2")) if d}
+    docs = render_docs(kube_cluster, MODEL, "agent.gpus=2", "agent.tpSize=2")
     sts: dict[str, Any] = docs[("StatefulSet", "lf-lorafleet-agent")]
     pod = sts["spec"]["template"]
     agent = pod["spec"]["containers"][0]
     assert agent["command"] == ["lorafleet-agent", "serve"]
-    assert agent["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
+    assert agent["image"] == "ghcr.io/lorafleet/lorafleet-agent:0.1.0"
+    assert agent["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+                              {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert agent[probe]["grpc"] == {"port": 50051}
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -83,6 +117,7 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     op = docs[("Deployment", "lf-lorafleet-operator")]["spec"]["template"]["spec"]
     assert op["serviceAccountName"] == "lf-lorafleet-operator"
     assert op["containers"][0]["command"] == ["lorafleet-operator"]
+    assert op["containers"][0]["image"] == "ghcr.io/lorafleet/lorafleet-operator:0.1.0"
 
 
 def test_values_are_all_documented() -> None:
@@ -170,7 +205,7 @@ def test_operator_rbac_is_enough_and_no_broader(
 
 
 def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> None:
-    manifest = render(kube_cluster, "lf-system", "operator.watchNamespaces={team-a,team-b}")
+    manifest = render(kube_cluster, "lf-system", MODEL, "operator.watchNamespaces={team-a,team-b}")
     roles = [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"])
              for d in yaml.safe_load_all(manifest) if d and d["kind"] in ("Role", "RoleBinding")]
     assert ("Role", "team-a", "lf-lorafleet-operator") in roles
@@ -191,12 +226,12 @@ def test_agent_args_parse_with_the_agents_own_parser(
     values say (the chart follows node_agent/cli.py, not guesses)."""
     from node_agent.cli import build_parser
 
-    docs = {(d["kind"], d["metadata"]["name"]): d
-            for d in yaml.safe_load_all(render(kube_cluster, "lf-ns", *sets)) if d}
+    docs = render_docs(kube_cluster, *sets)
     agent = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]
     container = agent["containers"][0]
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert args.listen == "0.0.0.0:50051"
+    assert args.metrics_port == 9090
     assert args.base_model_name == "tiny-llama"
     assert str(args.model) == "/models/base"
     assert [str(r) for r in args.adapter_root] == ["/var/lib/lorafleet/adapters"]
@@ -209,5 +244,431 @@ def test_agent_args_parse_with_the_agents_own_parser(
             "/var/run/lorafleet/tls/tls.crt", "/var/run/lorafleet/tls/tls.key",
             "/var/run/lorafleet/tls/ca.crt")
     else:
-        assert (args.tp, args.dp, args.device, args.max_lora_rank) == (1, 1, "cuda", 16)
-        assert args.auth_token_file is None and args.tls_cert is None
+        assert (args.tp, args.dp, args.ep, args.device, args.max_lora_rank) == (1, 1, 1, "cuda", 16)
+        # Auth is on by default, TLS off.
+        assert str(args.auth_token_file) == "/var/run/lorafleet/auth/token"
+        assert args.tls_cert is None
+
+
+# ---- refusals: values.schema.json and templates/_validate.tpl --------------------------------
+
+REFUSALS = [
+    # JSON Schema: types, ranges, known names.
+    (("agent.replicas=-3",), "at '/agent/replicas': minimum: got -3, want 1"),
+    (("agent.replicas=0",), "at '/agent/replicas': minimum: got 0, want 1"),
+    (("operator.replicas=0",), "at '/operator/replicas': minimum: got 0, want 1"),
+    (("agent.device=tpu",), "at '/agent/device': value must be one of 'cuda', 'cpu'"),
+    (("agent.grpcPort=70000",), "at '/agent/grpcPort': maximum: got 70,000, want 65,535"),
+    (("agent.metricsPort=0",), "at '/agent/metricsPort': minimum: got 0, want 1"),
+    (("operator.metricsPort=65536",), "at '/operator/metricsPort': maximum: got 65,536, want 65,535"),
+    (("agent.tpSize=0",), "at '/agent/tpSize': minimum: got 0, want 1"),
+    (("agent.tpSize=two",), "at '/agent/tpSize': got string, want integer"),
+    (("agent.gpus=-1",), "at '/agent/gpus': minimum: got -1, want 0"),
+    (("agent.tpyo=1",), "at '/agent': additional properties 'tpyo' not allowed"),
+    (("operator.logLevel=LOUD",), "at '/operator/logLevel': value must be one of"),
+    (("agent.model.download.url=ftp://m.example/m.tgz",), "at '/agent/model/download/url'"),
+    (("agent.model.download.url=https://m.example/m.tgz", "agent.model.download.sha256=ABC"),
+     "at '/agent/model/download/sha256'"),
+    # Cross-field rules (fail in a template helper).
+    (("agent.tpSize=3", "agent.gpus=3", "agent.dpSize=2"),
+     "agent.tpSize (3) must be divisible by agent.dpSize (2)"),
+    (("agent.tpSize=4", "agent.gpus=4", "agent.epSize=3"),
+     "agent.tpSize (4) must be divisible by agent.epSize (3)"),
+    (("agent.tpSize=2",), "agent.gpus (1) must equal agent.tpSize (2) with agent.device=cuda"),
+    (("agent.gpus=0",), "agent.gpus (0) must equal agent.tpSize (1) with agent.device=cuda"),
+    (("agent.device=cpu",), "agent.gpus (1) must be 0 with agent.device=cpu"),
+    (("agent.metricsPort=50051",), "agent.grpcPort and agent.metricsPort must differ (both 50051)"),
+    (("agent.startupTimeoutSeconds=600",),
+     "agent.startupTimeoutSeconds (600) is over 300, the engine's own start-up timeout"),
+    (("agent.model.hostPath.path=/srv/models",),
+     "the agents' model has more than one source (agent.model.pvc.claimName, agent.model.hostPath.path)"),
+    (("agent.model.pvc.subPath=../up",), "agent.model.pvc.subPath (../up) must be a relative path"),
+    (("tls.enabled=true",), "tls.enabled=true needs tls.secretName"),
+]
+
+DOWNLOAD_REFUSALS = [
+    (("agent.model.download.url=https://m.example/m.tgz",),
+     "agent.model.download.sha256 is required with agent.model.download.url"),
+    (("agent.model.download.url=http://m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
+     "agent.model.download.url is plaintext http://: use https://, or set agent.model.download.allowHttp=true"),
+    (("agent.model.download.url=https://user:pw@m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
+     "without credentials, query or fragment"),
+    (("agent.model.download.url=https://m.example/m.tgz?sig=x", f"agent.model.download.sha256={SHA}"),
+     "without credentials, query or fragment"),
+]
+
+
+def refusal(cluster: ControlPlane, *sets: str) -> str:
+    args = ["template", "lf", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    proc = cluster.helm(*args, check=False)
+    assert proc.returncode != 0, f"helm rendered {sets}"
+    return proc.stderr
+
+
+@pytest.mark.parametrize(("sets", "message"), REFUSALS,
+                         ids=[",".join(s) for s, _ in REFUSALS])
+def test_inconsistent_values_are_refused(
+    kube_cluster: ControlPlane, sets: tuple[str, ...], message: str
+) -> None:
+    assert message in refusal(kube_cluster, MODEL, *sets)
+
+
+@pytest.mark.parametrize(("sets", "message"), DOWNLOAD_REFUSALS,
+                         ids=[",".join(s) for s, _ in DOWNLOAD_REFUSALS])
+def test_bad_model_downloads_are_refused(
+    kube_cluster: ControlPlane, sets: tuple[str, ...], message: str
+) -> None:
+    assert message in refusal(kube_cluster, *sets)
+
+
+def test_the_default_install_refuses_without_a_model_source(kube_cluster: ControlPlane) -> None:
+    err = refusal(kube_cluster)
+    for value in ("agent.model.pvc.claimName", "agent.model.hostPath.path", "agent.model.download.url",
+                  "agent.model.download.sha256", "docs/deploy.md"):
+        assert value in err
+    # Without agents there is no model to provision.
+    render(kube_cluster, "lf-ns", "agent.enabled=false")
+
+
+# ---- the agents' pod: security, probes, auth, metrics, disruption, network ------------------
+
+def agent_pod(docs: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]
+    return spec
+
+
+def all_pod_specs(docs: dict[tuple[str, str], Any]) -> dict[str, dict[str, Any]]:
+    specs = {}
+    for (kind, name), d in docs.items():
+        if kind == "Pod":
+            specs[name] = d["spec"]
+        elif kind in ("StatefulSet", "Deployment", "Job"):
+            specs[name] = d["spec"]["template"]["spec"]
+    return specs
+
+
+def test_every_pod_runs_non_root_read_only_without_privileges(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, "agent.model.download.url=https://m.example/m.tgz",
+                       f"agent.model.download.sha256={SHA}")
+    specs = all_pod_specs(docs)
+    assert set(specs) == {"lf-lorafleet-agent", "lf-lorafleet-operator", "lf-lorafleet-uninstall",
+                          "lf-lorafleet-test-agents"}
+    for name, spec in specs.items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] == 65532, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}, (name, c["name"])
+    pod = agent_pod(docs)
+    assert pod["automountServiceAccountToken"] is False
+    agent = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    # Where the agent writes: emptyDirs, each with a size limit; the rest is read-only.
+    for path, name in (("/tmp", "tmp"), ("/var/cache/lorafleet", "cache"), ("/dev/shm", "dshm")):
+        assert mounts[path]["name"] == name and not mounts[path].get("readOnly")
+        assert "sizeLimit" in volumes[name]["emptyDir"]
+    for path in ("/models/base", "/var/lib/lorafleet/adapters", "/var/run/lorafleet/auth"):
+        assert mounts[path]["readOnly"] is True, path
+    env = {e["name"]: e["value"] for e in agent["env"]}
+    assert env["HOME"] == "/tmp" and env["TRITON_CACHE_DIR"].startswith("/tmp/")
+
+
+def test_startup_probe_allows_the_engines_start_up_budget(kube_cluster: ControlPlane) -> None:
+    for budget in (300, 120):
+        agent = agent_pod(render_docs(kube_cluster, MODEL, f"agent.startupTimeoutSeconds={budget}"))["containers"][0]
+        probe = agent["startupProbe"]
+        assert probe["grpc"] == {"port": 50051}
+        allowed = probe["periodSeconds"] * probe["failureThreshold"]
+        assert budget + 60 <= allowed < budget + 70, (budget, allowed)
+        assert agent["livenessProbe"]["grpc"] == agent["readinessProbe"]["grpc"] == {"port": 50051}
+    # kubelet's gRPC probes speak no TLS: under TLS the probes check the port.
+    tls = agent_pod(render_docs(kube_cluster, MODEL, "tls.enabled=true", "tls.secretName=t"))["containers"][0]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert tls[probe] == {**tls[probe], "tcpSocket": {"port": "grpc"}} and "grpc" not in tls[probe]
+
+
+def test_auth_is_on_by_default_with_a_generated_secret(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, MODEL)
+    secret = docs[("Secret", "lf-lorafleet-agent-token")]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    assert render_docs(kube_cluster, MODEL)[("Secret", "lf-lorafleet-agent-token")]["data"] != secret["data"]
+    pod = agent_pod(docs)
+    vol = next(v for v in pod["volumes"] if v["name"] == "auth")
+    assert vol["secret"]["secretName"] == "lf-lorafleet-agent-token"
+    assert vol["secret"]["items"] == [{"key": "token", "path": "token"}]
+    assert "--auth-token-file=/var/run/lorafleet/auth/token" in pod["containers"][0]["args"]
+    fleet = docs[("LoraFleet", "default")]["spec"]
+    assert fleet["auth"] == {"tokenSecretRef": {"name": "lf-lorafleet-agent-token", "key": "token"}}
+    assert "tls" not in fleet
+
+    docs = render_docs(kube_cluster, MODEL, "auth.existingSecret=mine", "auth.secretKey=bearer",
+                       "tls.enabled=true", "tls.secretName=agent-tls", "tls.serverName=agents.lf")
+    assert not [k for k in docs if k[0] == "Secret"]
+    fleet = docs[("LoraFleet", "default")]["spec"]
+    assert fleet["auth"] == {"tokenSecretRef": {"name": "mine", "key": "bearer"}}
+    assert fleet["tls"] == {"secretRef": {"name": "agent-tls"}, "serverName": "agents.lf"}
+    pod = agent_pod(docs)
+    vol = next(v for v in pod["volumes"] if v["name"] == "auth")
+    assert (vol["secret"]["secretName"], vol["secret"]["items"]) == ("mine", [{"key": "bearer", "path": "token"}])
+
+    docs = render_docs(kube_cluster, MODEL, "auth.enabled=false")
+    assert not [k for k in docs if k[0] == "Secret"]
+    assert "auth" not in docs[("LoraFleet", "default")]["spec"]
+    assert not [a for a in agent_pod(docs)["containers"][0]["args"] if "auth" in a]
+
+
+def test_auth_token_is_kept_across_upgrades(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """A real install and upgrade (no workloads): `lookup` keeps the generated token."""
+    ns = kube_namespace
+    light = ["--set", "agent.enabled=false", "--set", "operator.enabled=false"]
+
+    def token() -> str:
+        data = kube_cluster.kubectl_json("get", "secret", "lf-lorafleet-agent-token", "-n", ns)["data"]
+        return str(data["token"])
+
+    kube_cluster.helm("install", "lf", str(CHART), "-n", ns, *light)
+    try:
+        first = token()
+        kube_cluster.helm("upgrade", "lf", str(CHART), "-n", ns, *light, "--set", "fleet.name=other")
+        assert token() == first
+        fleet = kube_cluster.kubectl_json("get", "lorafleet", "other", "-n", ns)["spec"]
+        assert fleet["auth"]["tokenSecretRef"]["name"] == "lf-lorafleet-agent-token"
+    finally:
+        kube_cluster.helm("uninstall", "lf", "-n", ns, "--no-hooks")
+
+
+def test_metrics_port_is_served_and_exposed(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, MODEL, "agent.metricsPort=9400")
+    agent = agent_pod(docs)["containers"][0]
+    assert "--metrics-port=9400" in agent["args"]
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in agent["ports"]
+    svc = docs[("Service", "lf-lorafleet-agent")]["spec"]["ports"]
+    assert {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"} in svc
+    assert not [k for k in docs if k[0] == "ServiceMonitor"]
+    sm = render_docs(kube_cluster, MODEL, "metrics.serviceMonitor.enabled=true",
+                     "metrics.serviceMonitor.labels.release=prom")[("ServiceMonitor", "lf-lorafleet-agent")]
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["selector"]["matchLabels"] == docs[("Service", "lf-lorafleet-agent")]["spec"]["selector"]
+
+
+def test_pod_disruption_budget(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, MODEL)
+    pdb = docs[("PodDisruptionBudget", "lf-lorafleet-agent")]["spec"]
+    labels = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["metadata"]["labels"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"]["matchLabels"].items() <= labels.items()
+    assert ("PodDisruptionBudget", "lf-lorafleet-agent") not in render_docs(
+        kube_cluster, MODEL, "agent.podDisruptionBudget.enabled=false")
+
+
+def test_network_policy_admits_the_operator_and_labelled_clients(kube_cluster: ControlPlane) -> None:
+    assert not [k for k in render_docs(kube_cluster, MODEL) if k[0] == "NetworkPolicy"]
+    docs = render_docs(kube_cluster, MODEL, "networkPolicy.enabled=true")
+    np = docs[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]
+    agent_labels = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["metadata"]["labels"]
+    operator_labels = docs[("Deployment", "lf-lorafleet-operator")]["spec"]["template"]["metadata"]["labels"]
+    assert np["podSelector"]["matchLabels"].items() <= agent_labels.items()
+    assert np["policyTypes"] == ["Ingress"]
+    (rule,) = np["ingress"]
+    assert {p["port"] for p in rule["ports"]} == {"grpc", "metrics"}
+    peers = [p["podSelector"]["matchLabels"] for p in rule["from"]]
+    assert peers[0].items() <= operator_labels.items()
+    assert peers[1] == {"lorafleet.dev/client": "true"}
+    # The helm test pod is such a client.
+    test_pod = docs[("Pod", "lf-lorafleet-test-agents")]
+    assert test_pod["metadata"]["labels"]["lorafleet.dev/client"] == "true"
+    np = render_docs(kube_cluster, MODEL, "networkPolicy.enabled=true",
+                     "networkPolicy.clientNamespaceSelector.matchLabels.team=a",
+                     "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+                     )[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]
+    assert np["ingress"][0]["from"][1]["namespaceSelector"] == {"matchLabels": {"team": "a"}}
+    assert np["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+
+
+# ---- the model: PVC, hostPath, download ---------------------------------------------------
+
+def test_model_from_a_pvc_subpath(kube_cluster: ControlPlane) -> None:
+    pod = agent_pod(render_docs(kube_cluster, MODEL, "agent.model.pvc.subPath=llama/v1"))
+    vol = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models/base", "readOnly": True, "subPath": "llama/v1"}
+    assert "initContainers" not in pod
+
+
+def test_model_from_a_host_path(kube_cluster: ControlPlane) -> None:
+    pod = agent_pod(render_docs(kube_cluster, "agent.model.hostPath.path=/srv/models/llama"))
+    vol = next(v for v in pod["volumes"] if v["name"] == "model")
+    assert vol["hostPath"] == {"path": "/srv/models/llama", "type": "Directory"}
+
+
+def test_model_downloaded_by_an_init_container(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, "agent.model.download.url=https://m.example/llama.tar.gz",
+                       f"agent.model.download.sha256={SHA}", "image.agent.tag=dev")
+    pod = agent_pod(docs)
+    (init,) = pod["initContainers"]
+    assert init["image"] == pod["containers"][0]["image"] == "ghcr.io/lorafleet/lorafleet-agent:dev"
+    assert init["command"] == ["python", "/etc/lorafleet/scripts/fetch-model.py"]
+    env = {e["name"]: e["value"] for e in init["env"]}
+    assert env == {"MODEL_URL": "https://m.example/llama.tar.gz", "MODEL_SHA256": SHA,
+                   "MODEL_DIR": "/models/base", "MODEL_ALLOW_HTTP": "0", "MODEL_TIMEOUT_S": "3600"}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["model"]["emptyDir"] == {"sizeLimit": "64Gi"}
+    assert vols["scripts"]["configMap"]["name"] == "lf-lorafleet-scripts"
+    assert {"name": "model", "mountPath": "/models/base"} in init["volumeMounts"]
+    scripts = docs[("ConfigMap", "lf-lorafleet-scripts")]["data"]
+    assert scripts["fetch-model.py"] == (CHART / "files" / "fetch-model.py").read_text().rstrip("\n")
+
+
+def serve_directory(root: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def fetch_model(url: str, sha: str, model_dir: Path, allow_http: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MODEL_URL": url, "MODEL_SHA256": sha, "MODEL_DIR": str(model_dir),
+           "MODEL_ALLOW_HTTP": "1" if allow_http else "0", "MODEL_TIMEOUT_S": "30"}
+    return subprocess.run([sys.executable, str(CHART / "files" / "fetch-model.py")], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def make_archive(path: Path, files: dict[str, bytes], top: str = "", link: str = "") -> str:
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"{top}{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if link:
+            info = tarfile.TarInfo(f"{top}{link}")
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_fetch_model_checks_and_unpacks(tmp_path: Path) -> None:
+    """The init container's program, run here against a loopback HTTP server."""
+    served = tmp_path / "srv"
+    served.mkdir()
+    files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\0" * 4096}
+    good = make_archive(served / "m.tar.gz", files, top="tiny-llama/")
+    linked = make_archive(served / "link.tgz", files, link="evil")
+    server, base = serve_directory(served)
+    try:
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "stale").write_text("left by an interrupted attempt")
+        proc = fetch_model(f"{base}/m.tar.gz", good, model)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.name for p in model.iterdir()) == [".lorafleet-model-sha256", "config.json",
+                                                             "model.safetensors"]
+        assert (model / "model.safetensors").read_bytes() == files["model.safetensors"]
+        again = fetch_model(f"{base}/m.tar.gz", good, model)
+        assert again.returncode == 0 and "already in" in again.stdout
+
+        for url, sha, allow, message in (
+            (f"{base}/m.tar.gz", "0" * 64, True, "sha256 mismatch: the archive has " + good),
+            (f"{base}/m.tar.gz", good, False, "the scheme must be https (agent.model.download.allowHttp=true"),
+            (f"{base}/link.tgz", linked, True, "the archive's 'evil' is not a regular file or directory"),
+            (f"{base}/missing.tgz", good, True, "download failed: HTTP Error 404"),
+            (base.replace("http://", "http://u:secret@") + "/m.tar.gz", good, True, "credentials in a URL"),
+            (f"{base}/m.tar.gz?x=1", good, True, "a query or fragment is refused"),
+        ):
+            target = tmp_path / f"t{abs(hash(url + sha))}"
+            target.mkdir()
+            proc = fetch_model(url, sha, target, allow)
+            assert proc.returncode == 1, (url, proc.stdout)
+            assert message in proc.stderr, proc.stderr
+            assert "secret" not in proc.stderr
+            assert not (target / ".lorafleet-model-sha256").exists()
+    finally:
+        server.shutdown()
+
+
+# ---- helm test, NOTES, uninstall ------------------------------------------------------------
+
+def test_helm_test_pod_checks_every_agent(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, MODEL, "agent.replicas=3")
+    pod = docs[("Pod", "lf-lorafleet-test-agents")]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["command"] == ["python", "/etc/lorafleet/scripts/helm-test.py"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["AGENT_SERVICE"] == "lf-lorafleet-agent.lf-ns.svc"
+    assert (env["GRPC_PORT"], env["REPLICAS"], env["TOKEN_FILE"]) == ("50051", "3", "/var/run/lorafleet/auth/token")
+    assert "helm-test.py" in docs[("ConfigMap", "lf-lorafleet-scripts")]["data"]
+    assert ("Pod", "lf-lorafleet-test-agents") not in render_docs(kube_cluster, "agent.enabled=false")
+
+
+def test_notes_tell_how_to_use_the_release(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    out = kube_cluster.helm("install", "lf", str(CHART), "-n", kube_namespace, "--dry-run=server",
+                            "--set", MODEL).stdout
+    notes = out.split("NOTES:", 1)[1]
+    for text in (f"kubectl -n {kube_namespace} get la -w", f"helm -n {kube_namespace} test lf",
+                 "port-forward pod/lf-lorafleet-agent-0 50051:grpc", "spec:\n    baseModel: tiny-llama",
+                 "get secret lf-lorafleet-agent-token", "pre-delete hook"):
+        assert text in notes, text
+
+
+def test_uninstall_hook_is_rendered_with_its_rbac(kube_cluster: ControlPlane) -> None:
+    docs = render_docs(kube_cluster, MODEL, "uninstall.timeoutSeconds=90")
+    hooks = {k: d for k, d in docs.items() if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "pre-delete"}
+    assert set(hooks) == {("ServiceAccount", "lf-lorafleet-uninstall"), ("Role", "lf-lorafleet-uninstall"),
+                          ("RoleBinding", "lf-lorafleet-uninstall"), ("Job", "lf-lorafleet-uninstall")}
+    weights = {k[0]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for k, d in hooks.items()}
+    assert weights["Job"] > max(w for kind, w in weights.items() if kind != "Job")
+    role = hooks[("Role", "lf-lorafleet-uninstall")]
+    assert role["rules"] == [{"apiGroups": ["lorafleet.dev"], "resources": ["loraadapters", "lorafleets"],
+                              "verbs": ["get", "list", "delete", "patch"]}]
+    job = hooks[("Job", "lf-lorafleet-uninstall")]["spec"]["template"]["spec"]
+    assert job["serviceAccountName"] == "lf-lorafleet-uninstall"
+    (c,) = job["containers"]
+    assert c["image"] == "ghcr.io/lorafleet/lorafleet-operator:0.1.0"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env == {"NAMESPACE": "lf-ns", "FLEET": "default", "FINALIZER": "lorafleet.dev/unload", "TIMEOUT_S": "90"}
+    # No operator, or no fleet of the chart's: nothing to wait for.
+    for sets in (("operator.enabled=false",), ("fleet.create=false",), ("uninstall.cleanup=false",)):
+        assert ("Job", "lf-lorafleet-uninstall") not in render_docs(kube_cluster, MODEL, *sets)
+
+
+def test_uninstall_cleanup_leaves_nothing_held_by_the_finalizer(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """The hook's program against the real API server with no operator running (the worst
+    case: nobody releases the finalizers): after its timeout it removes the operator's
+    finalizer, and everything of the fleet is gone; other fleets' adapters are untouched."""
+    ns = kube_namespace
+    fin = ["lorafleet.dev/unload"]
+    fleet = {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet",
+             "metadata": {"name": "default", "finalizers": fin},
+             "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}}}
+
+    def adapter(name: str, fleet_name: str) -> dict[str, Any]:
+        return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
+                "metadata": {"name": name, "finalizers": fin},
+                "spec": {"baseModel": "tiny-llama", "fleetRef": {"name": fleet_name},
+                         "source": {"uri": f"file:///var/lib/lorafleet/adapters/{name}"}}}
+
+    objs = [fleet, adapter("a1", "default"), adapter("a2", "default"), adapter("other", "elsewhere")]
+    kube_cluster.apply("\n---\n".join(yaml.safe_dump(o) for o in objs), ns)
+    env = {**os.environ, "KUBECONFIG": str(kube_cluster.kubeconfig), "NAMESPACE": ns, "FLEET": "default",
+           "FINALIZER": "lorafleet.dev/unload", "TIMEOUT_S": "2"}
+    proc = subprocess.run([sys.executable, str(CHART / "files" / "uninstall-cleanup.py")], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "removed finalizer lorafleet.dev/unload from loraadapters/a1" in proc.stdout
+    assert "removed finalizer lorafleet.dev/unload from lorafleets/default" in proc.stdout
+    left = kube_cluster.kubectl("get", "loraadapters,lorafleets", "-n", ns, "-o", "name").stdout.split()
+    assert left == ["loraadapter.lorafleet.dev/other"]
+    kube_cluster.kubectl("patch", "la", "other", "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')

@@ -47,9 +47,46 @@ app.kubernetes.io/name: lorafleet-agent
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{/* The image both console scripts run from. */}}
-{{- define "lorafleet.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{/* The operator image (Containerfile target `operator`). */}}
+{{- define "lorafleet.operatorImage" -}}
+{{- $tag := .Values.image.operator.tag | default .Values.image.tag | default .Chart.AppVersion -}}
+{{- printf "%s:%s" .Values.image.operator.repository $tag -}}
+{{- end -}}
+
+{{/* The node-agent image (Containerfile target `agent`); also runs the model download and
+     the `helm test` pod. */}}
+{{- define "lorafleet.agentImage" -}}
+{{- $tag := .Values.image.agent.tag | default .Values.image.tag | default .Chart.AppVersion -}}
+{{- printf "%s:%s" .Values.image.agent.repository $tag -}}
+{{- end -}}
+
+{{/* The bearer-token Secret: the user's, or the one the chart creates. */}}
+{{- define "lorafleet.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-agent-token" (include "lorafleet.fullname" .)) -}}
+{{- end -}}
+
+{{/* Seconds the agents' start-up probe allows: the engine's start-up budget plus 60 s for
+     the interpreter's imports and binding the port, so that the engine's own time-out (and its
+     message in the log) comes first. */}}
+{{- define "lorafleet.startupProbeSeconds" -}}
+{{- add (int .Values.agent.startupTimeoutSeconds) 60 -}}
+{{- end -}}
+
+{{/* Pod and container security contexts of every pod the chart runs (the images' user). */}}
+{{- define "lorafleet.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "lorafleet.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
 {{- end -}}
 
 {{/* The operator's ServiceAccount name. */}}

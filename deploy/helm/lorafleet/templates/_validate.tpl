@@ -1,0 +1,61 @@
+{{/*
+Cross-field rules that values.schema.json cannot express (JSON Schema checks each value on its
+own: types, ranges, known devices, ports). Each refusal names the values to change; the tests
+in tests/kube/test_chart.py run every one through the real helm binary.
+*/}}
+{{- define "lorafleet.validate" -}}
+{{- $a := .Values.agent -}}
+{{- if $a.enabled -}}
+{{- $tp := int $a.tpSize -}}
+{{- $dp := int $a.dpSize -}}
+{{- $ep := int $a.epSize -}}
+{{- if ne (mod $tp $dp) 0 -}}
+{{- fail (printf "agent.tpSize (%d) must be divisible by agent.dpSize (%d)" $tp $dp) -}}
+{{- end -}}
+{{- if ne (mod $tp $ep) 0 -}}
+{{- fail (printf "agent.tpSize (%d) must be divisible by agent.epSize (%d)" $tp $ep) -}}
+{{- end -}}
+{{- if and (eq $a.device "cuda") (ne (int $a.gpus) $tp) -}}
+{{- fail (printf "agent.gpus (%d) must equal agent.tpSize (%d) with agent.device=cuda: every rank needs its own GPU" (int $a.gpus) $tp) -}}
+{{- end -}}
+{{- if and (eq $a.device "cpu") (ne (int $a.gpus) 0) -}}
+{{- fail (printf "agent.gpus (%d) must be 0 with agent.device=cpu: the ranks would not use them" (int $a.gpus)) -}}
+{{- end -}}
+{{- if eq (int $a.grpcPort) (int $a.metricsPort) -}}
+{{- fail (printf "agent.grpcPort and agent.metricsPort must differ (both %d)" (int $a.grpcPort)) -}}
+{{- end -}}
+{{- if gt (int $a.startupTimeoutSeconds) 300 -}}
+{{- fail (printf "agent.startupTimeoutSeconds (%d) is over 300, the engine's own start-up timeout, which lorafleet-agent serve has no flag to raise yet; the engine would give up first (docs/deploy.md, Start-up)" (int $a.startupTimeoutSeconds)) -}}
+{{- end -}}
+{{- $m := $a.model -}}
+{{- $sources := list -}}
+{{- if $m.pvc.claimName }}{{ $sources = append $sources "agent.model.pvc.claimName" }}{{ end -}}
+{{- if $m.hostPath.path }}{{ $sources = append $sources "agent.model.hostPath.path" }}{{ end -}}
+{{- if $m.download.url }}{{ $sources = append $sources "agent.model.download.url" }}{{ end -}}
+{{- if eq (len $sources) 0 -}}
+{{- fail "no model source for the agents: set one of agent.model.pvc.claimName (a PVC holding the model directory; agent.model.pvc.subPath for a sub-directory), agent.model.hostPath.path (a directory on every agent node), or agent.model.download.url with agent.model.download.sha256 (an https tar archive of the model directory); see docs/deploy.md, Model" -}}
+{{- end -}}
+{{- if gt (len $sources) 1 -}}
+{{- fail (printf "the agents' model has more than one source (%s): set exactly one" (join ", " $sources)) -}}
+{{- end -}}
+{{- with $m.pvc.subPath -}}
+{{- if or (hasPrefix "/" .) (regexMatch "(^|/)[.][.](/|$)" .) -}}
+{{- fail (printf "agent.model.pvc.subPath (%s) must be a relative path inside the claim, without '..'" .) -}}
+{{- end -}}
+{{- end -}}
+{{- if $m.download.url -}}
+{{- if not (regexMatch "^[0-9a-f]{64}$" ($m.download.sha256 | toString)) -}}
+{{- fail (printf "agent.model.download.sha256 is required with agent.model.download.url: the archive's sha256 as 64 lowercase hex digits (got %q)" ($m.download.sha256 | toString)) -}}
+{{- end -}}
+{{- if and (hasPrefix "http://" $m.download.url) (not $m.download.allowHttp) -}}
+{{- fail "agent.model.download.url is plaintext http://: use https://, or set agent.model.download.allowHttp=true (the sha256 still checks the content)" -}}
+{{- end -}}
+{{- if not (regexMatch "^https?://[^/@?#]+/[^?#]*$" $m.download.url) -}}
+{{- fail "agent.model.download.url must be http(s)://HOST/PATH without credentials, query or fragment (credentials belong in no URL)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
+{{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt (docs/deploy.md, TLS)" -}}
+{{- end -}}
+{{- end -}}
