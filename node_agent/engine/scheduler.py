@@ -1,0 +1,452 @@
+"""The scheduler (docs/serving.md): what every DP-attention group computes at each step.
+
+One per engine, in the driver process, pure Python. It owns the waiting queue, the running
+sequences and one `BlockAllocator` per DP group, and every decision: admission, placement,
+chunking, preemption. The ranks only receive the result (`ScheduledStep`), so they cannot
+disagree, and the same submissions and step outcomes always give the same steps (queues and
+dicts in insertion order, sets used only for membership, seeds from one seeded generator).
+
+A step, in order:
+
+1. LoRA slots: the pinned adapters, then the adapters of running sequences oldest first, up to
+   `max_loras_per_batch`. A running sequence whose adapter does not fit (possible only after
+   more adapters were pinned) sits the step out, keeping its blocks.
+2. Decodes (one pending token), oldest first; then running prefills, oldest first, in chunks cut
+   to the token budget and to the blocks of their group. A sequence that finds no block frees
+   one by preempting its group's youngest sequence (by recompute: blocks freed, back to the
+   front of the queue with its generated tokens as part of its prompt), itself if it is the
+   youngest.
+3. Admission, FCFS: while the sequence limit and token budget allow, a waiting request whose
+   adapter fits the slots starts on the group with the most free blocks (a preempted one on its
+   own group) if that group can hold its whole prompt; a request that does not fit the blocks
+   stops admission, so nothing passes a preempted sequence into the group it just left. One
+   whose adapter does not fit waits and lets others pass, until it has waited
+   `max_slot_wait_steps` steps: from then on nothing that holds a slot (an unpinned adapter) is
+   admitted before it, so the running adapters drain and it gets one.
+
+Not thread-safe: the driver's step loop calls it, cancellations included.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from node_agent.engine.kv_cache import BlockAllocator
+from node_agent.engine.sampler import FinishReason, SamplingParams, SequenceSampling, finish_reason
+
+
+class SchedulerError(Exception):
+    """A request or step outcome the scheduler refuses (duplicate id, too long for the cache, ...)."""
+
+
+class QueueFull(SchedulerError):
+    """`max_waiting` requests already wait; the caller should retry later (RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes and limits of one engine's scheduler. Token and sequence limits are per step, over
+    all DP groups together (every rank's MLP runs on every group's tokens); blocks are per group."""
+
+    num_blocks: int  # per DP group: the minimum the ranks report
+    block_size: int
+    dp_size: int = 1
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_loras_per_batch: int = 4
+    max_waiting: int = 1024
+    max_slot_wait_steps: int = 32
+    prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "dp_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_loras_per_batch", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise SchedulerError(f"SchedulerConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_slot_wait_steps < 0:
+            raise SchedulerError(f"SchedulerConfig.max_slot_wait_steps must be at least 0, got {self.max_slot_wait_steps}")
+        # Every running sequence's decode then fits in every step, so decodes never stall.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise SchedulerError(
+                f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens of KV one DP group holds."""
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: `adapter` is the adapter's engine name (None: the base model)."""
+
+    seq_id: int
+    adapter: str | None
+    prompt: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise SchedulerError(f"SequenceRequest.prompt of sequence {self.seq_id} must hold at least one token")
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's work in a step: what its group's ranks compute and where its KV goes."""
+
+    seq_id: int
+    adapter: str | None
+    token_ids: tuple[int, ...]  # the tokens this step computes
+    position: int  # of token_ids[0]: the tokens already in the cache
+    slots: tuple[int, ...]  # the slot of each new token, for PagedKVCache.write
+    block_table: tuple[int, ...]
+    sampling: SequenceSampling | None  # set when the chunk ends the sequence's tokens: sample the next one
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step draws this sequence's next token."""
+        return self.sampling is not None
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the sequence attends to in this step, its new ones included."""
+        return self.position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """Every DP group's work in one step (an empty tuple for an idle group, which still joins
+    every collective with zero tokens) and the sequences the step preempted."""
+
+    index: int
+    groups: tuple[tuple[ScheduledSequence, ...], ...]
+    preempted: tuple[int, ...]
+
+    @property
+    def sequences(self) -> tuple[ScheduledSequence, ...]:
+        """Every group's entries, group by group."""
+        return tuple(entry for group in self.groups for entry in group)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens over all groups (at most `max_num_batched_tokens`)."""
+        return sum(len(entry.token_ids) for entry in self.sequences)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The distinct adapters the step runs, in order of first appearance (for `pool.prepare`)."""
+        return tuple(dict.fromkeys(entry.adapter for entry in self.sequences if entry.adapter is not None))
+
+
+@dataclass(frozen=True)
+class FinishedSequence:
+    """A sequence that ended in a step: why, and every token it generated."""
+
+    seq_id: int
+    reason: FinishReason
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class _Sequence:
+    """The scheduler's view of one live sequence. Its tokens in the cache are its allocator's
+    `num_tokens` while it runs; none while it waits."""
+
+    request: SequenceRequest
+    seed: int
+    tokens: list[int]  # the prompt, then every generated token
+    since: int  # the first step it waited for (submission or preemption)
+    group: int | None = None  # chosen at its first admission, kept for its life
+
+    @property
+    def seq_id(self) -> int:
+        return self.request.seq_id
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.request.prompt)
+
+
+@dataclass
+class _Plan:
+    """A step being built: the token budget left and each scheduled sequence's chunk."""
+
+    budget: int
+    chunks: dict[int, tuple[_Sequence, int, list[int]]] = field(default_factory=dict)  # id → (seq, position, slots)
+    preempted: list[int] = field(default_factory=list)
+
+    def add(self, seq: _Sequence, position: int, slots: list[int]) -> None:
+        self.chunks[seq.seq_id] = (seq, position, slots)
+        self.budget -= len(slots)
+
+    def drop(self, seq_id: int) -> None:
+        """Take a preempted sequence's chunk back out of the step."""
+        chunk = self.chunks.pop(seq_id, None)
+        if chunk is not None:
+            self.budget += len(chunk[2])
+
+
+class Scheduler:
+    """Continuous batching over the DP groups of one engine (the module docstring has the policy)."""
+
+    def __init__(self, config: SchedulerConfig, *, seed: int = 0) -> None:
+        self.config = config
+        self._allocators = [
+            BlockAllocator(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+            for _ in range(config.dp_size)
+        ]
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}  # admission order: oldest first
+        self._live: dict[int, _Sequence] = {}  # waiting and running, by id
+        self._pinned: frozenset[str] = frozenset()
+        self._seeds = random.Random(seed)  # seeds of unseeded requests, in submission order
+        self._step = 0
+        self._in_flight: ScheduledStep | None = None
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (preempted ones included)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV blocks."""
+        return len(self._running)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self._live)
+
+    def free_blocks(self) -> tuple[int, ...]:
+        """Each DP group's free blocks (unreferenced cached blocks count as free)."""
+        return tuple(alloc.num_free_blocks for alloc in self._allocators)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def set_pinned(self, adapters: Iterable[str]) -> None:
+        """The engine names of the pinned adapters: they hold LoRA slots whatever a step runs."""
+        self._pinned = frozenset(adapters)
+
+    def submit(self, request: SequenceRequest) -> None:
+        """Queue a request for admission at a coming step.
+
+        Raises QueueFull beyond `max_waiting` waiting requests, and SchedulerError for an id that
+        is live or a request that could not fit one group's KV cache even alone.
+        """
+        if request.seq_id in self._live:
+            raise SchedulerError(f"sequence {request.seq_id} is already submitted")
+        # The last generated token is never written, so a sequence holds at most this many.
+        worst = len(request.prompt) + request.params.max_tokens - 1
+        if worst > self.config.group_tokens:
+            raise SchedulerError(
+                f"sequence {request.seq_id} may need {worst} tokens of KV cache ({len(request.prompt)} prompt + "
+                f"{request.params.max_tokens} max tokens - 1) but a DP group holds {self.config.group_tokens} "
+                f"({self.config.num_blocks} blocks of {self.config.block_size})"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting {self.config.max_waiting}); retry later")
+        seed = request.params.seed if request.params.seed is not None else self._seeds.getrandbits(64)
+        seq = _Sequence(request, seed, list(request.prompt), since=self._step + 1)
+        self._waiting.append(seq)
+        self._live[request.seq_id] = seq
+
+    def cancel(self, seq_id: int) -> bool:
+        """Drop a sequence now, waiting or running, and free its blocks; False if it is not live.
+
+        Safe while a step is in flight: its blocks are not handed out before the next step, and
+        `on_step_done` ignores the sequence.
+        """
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            return False
+        if seq_id in self._running:
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+        return True
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """Decide the next step. One step at a time: `on_step_done` must report the previous one."""
+        if self._in_flight is not None:
+            raise SchedulerError(f"step {self._in_flight.index} is still in flight: report it with on_step_done first")
+        self._step += 1
+        plan = _Plan(self.config.max_num_batched_tokens)
+        held, stalled = self._slots()
+        runnable = [seq for seq in self._running.values() if seq.seq_id not in stalled]
+        decodes = [seq for seq in runnable if self._pending(seq) == 1]
+        prefills = [seq for seq in runnable if self._pending(seq) > 1]
+        for seq in decodes + prefills:
+            if seq.seq_id in self._running:  # not preempted by an older sequence meanwhile
+                self._schedule_running(plan, seq)
+        self._admit(plan, held)
+        step = self._build(plan)
+        self._in_flight = step
+        return step
+
+    def on_step_done(self, step: ScheduledStep, tokens: Mapping[int, int]) -> list[FinishedSequence]:
+        """Advance the step's sequences: their KV is written, and `tokens` holds the token drawn
+        for each sequence that sampled. Returns the sequences that finished (stop token or
+        `max_tokens`, by `sampler.finish_reason`), whose blocks are freed.
+
+        A sequence cancelled while the step ran is skipped (its token, if given, is ignored).
+        """
+        if self._in_flight is None or step.index != self._in_flight.index:
+            raise SchedulerError(f"step {step.index} is not the step in flight")
+        sampled = {entry.seq_id for entry in step.sequences if entry.samples}
+        unexpected = sorted(set(tokens) - sampled)
+        missing = sorted(seq_id for seq_id in sampled - set(tokens) if seq_id in self._running)
+        if unexpected or missing:
+            raise SchedulerError(f"step {step.index}: tokens for sequences that did not sample {unexpected}, "
+                                 f"none for sequences that did {missing}")
+        self._in_flight = None
+        finished: list[FinishedSequence] = []
+        for entry in step.sequences:
+            seq = self._running.get(entry.seq_id)
+            if seq is None:
+                continue
+            self._allocator(seq).mark_written(seq.seq_id)
+            if entry.sampling is None:
+                continue
+            token = tokens[entry.seq_id]
+            seq.tokens.append(token)
+            reason = finish_reason(seq.request.params, token, seq.generated)
+            if reason is not None:
+                self._release(seq)
+                del self._live[seq.seq_id]
+                finished.append(FinishedSequence(seq.seq_id, reason, tuple(seq.tokens[len(seq.request.prompt):])))
+        return finished
+
+    # -- running sequences -----------------------------------------------------------------------
+
+    def _slots(self) -> tuple[set[str], set[int]]:
+        """The adapters holding LoRA slots this step (pinned, then running oldest first), and
+        the running sequences whose adapter found no slot."""
+        held = set(self._pinned)
+        stalled: set[int] = set()
+        for seq in self._running.values():
+            if self._fits(held, seq.request.adapter):
+                self._hold(held, seq.request.adapter)
+            else:
+                stalled.add(seq.seq_id)
+        return held, stalled
+
+    def _fits(self, held: set[str], adapter: str | None) -> bool:
+        return adapter is None or adapter in held or len(held) < self.config.max_loras_per_batch
+
+    @staticmethod
+    def _hold(held: set[str], adapter: str | None) -> None:
+        if adapter is not None:
+            held.add(adapter)
+
+    def _schedule_running(self, plan: _Plan, seq: _Sequence) -> None:
+        """The next chunk of a running sequence: its pending tokens, cut to the budget and to
+        its group's blocks (preempting the group's youngest when not one token fits)."""
+        if plan.budget == 0:
+            return
+        while self._room(seq) == 0:
+            victim = next(other for other in reversed(self._running.values()) if other.group == seq.group)
+            self._preempt(plan, victim)
+            if victim is seq:
+                return
+        alloc = self._allocator(seq)
+        position = alloc.num_tokens(seq.seq_id)
+        count = min(self._pending(seq), plan.budget, self._room(seq))
+        slots = alloc.append(seq.seq_id, seq.tokens[position : position + count])
+        assert slots is not None  # cut to the room just measured
+        plan.add(seq, position, slots)
+
+    def _room(self, seq: _Sequence) -> int:
+        """Tokens the sequence can append now: the rest of its last block and the free blocks."""
+        alloc = self._allocator(seq)
+        blocks = len(alloc.block_table(seq.seq_id)) + alloc.num_free_blocks
+        return blocks * alloc.block_size - alloc.num_tokens(seq.seq_id)
+
+    def _preempt(self, plan: _Plan, seq: _Sequence) -> None:
+        """Recompute later: free the blocks, keep the tokens (generated ones become prompt), and
+        queue it first, so it is the next admitted."""
+        self._release(seq)
+        plan.drop(seq.seq_id)
+        plan.preempted.append(seq.seq_id)
+        seq.since = self._step + 1
+        self._waiting.appendleft(seq)
+
+    def _release(self, seq: _Sequence) -> None:
+        self._allocator(seq).free(seq.seq_id)
+        del self._running[seq.seq_id]
+
+    def _pending(self, seq: _Sequence) -> int:
+        """Tokens of a running sequence that have no KV yet (1 for a decode)."""
+        return len(seq.tokens) - self._allocator(seq).num_tokens(seq.seq_id)
+
+    def _allocator(self, seq: _Sequence) -> BlockAllocator:
+        assert seq.group is not None  # only sequences admitted once have a group
+        return self._allocators[seq.group]
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _admit(self, plan: _Plan, held: set[str]) -> None:
+        """Start waiting sequences, FCFS, within the limits (the module docstring has the rules)."""
+        slot_aged = False  # an aged request waits for a slot: nothing that holds one passes it
+        for seq in list(self._waiting):
+            if len(self._running) >= self.config.max_num_seqs or plan.budget == 0:
+                return
+            adapter = seq.request.adapter
+            if slot_aged and adapter is not None and adapter not in self._pinned:
+                continue
+            if not self._fits(held, adapter):
+                slot_aged = slot_aged or self._step - seq.since >= self.config.max_slot_wait_steps
+                continue
+            group = seq.group if seq.group is not None else self._place()
+            # Room for the whole prompt, though it may be computed in chunks (cache hits only
+            # lower the need). Admission runs only while budget is left, so every running prefill
+            # has had its whole prompt appended by now, unless blocks or a slot held it back.
+            if math.ceil(len(seq.tokens) / self.config.block_size) > self._allocators[group].num_free_blocks:
+                return
+            self._hold(held, adapter)
+            self._start(plan, seq, group)
+
+    def _place(self) -> int:
+        """The group with the most free blocks, the lower one on ties."""
+        free = self.free_blocks()
+        return max(range(len(free)), key=lambda group: (free[group], -group))
+
+    def _start(self, plan: _Plan, seq: _Sequence, group: int) -> None:
+        """Admit a sequence on `group`: claim its cached prefix and schedule its first chunk."""
+        self._waiting.remove(seq)
+        seq.group = group
+        alloc = self._allocators[group]
+        cached = alloc.add(seq.seq_id, seq.request.adapter, seq.tokens)
+        self._running[seq.seq_id] = seq
+        slots = alloc.append(seq.seq_id, seq.tokens[cached : cached + min(len(seq.tokens) - cached, plan.budget)])
+        assert slots is not None  # the group had free blocks for the whole prompt
+        plan.add(seq, cached, slots)
+
+    # -- the step's description ------------------------------------------------------------------
+
+    def _build(self, plan: _Plan) -> ScheduledStep:
+        groups: list[list[ScheduledSequence]] = [[] for _ in range(self.config.dp_size)]
+        for seq, position, slots in plan.chunks.values():
+            assert seq.group is not None  # scheduled sequences run
+            end = position + len(slots)
+            sampling = SequenceSampling(seq.request.params, seq.seed, seq.generated) if end == len(seq.tokens) else None
+            groups[seq.group].append(ScheduledSequence(
+                seq_id=seq.seq_id,
+                adapter=seq.request.adapter,
+                token_ids=tuple(seq.tokens[position:end]),
+                position=position,
+                slots=tuple(slots),
+                block_table=self._allocators[seq.group].block_table(seq.seq_id),
+                sampling=sampling,
+            ))
+        return ScheduledStep(self._step, tuple(tuple(group) for group in groups), tuple(plan.preempted))
