@@ -14,7 +14,13 @@ from node_agent.engine.engine import (
     RunningCommand,
     SequenceInput,
 )
-from node_agent.engine.peft_adapter import AdapterLoadError
+from node_agent.engine.peft_adapter import (
+    MAX_CONFIG_BYTES,
+    AdapterConfig,
+    AdapterLoadError,
+    read_adapter_config,
+    validate_adapter,
+)
 from node_agent.engine.protocol import (
     ControlReply,
     ControlResult,
@@ -27,6 +33,8 @@ from node_agent.engine.protocol import (
 from node_agent.engine.topology import Topology, TopologyError
 
 __all__ = [
+    "MAX_CONFIG_BYTES",
+    "AdapterConfig",
     "AdapterLoadError",
     "ControlReply",
     "ControlResult",
@@ -44,4 +52,6 @@ __all__ = [
     "SliceShape",
     "Topology",
     "TopologyError",
+    "read_adapter_config",
+    "validate_adapter",
 ]

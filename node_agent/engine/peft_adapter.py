@@ -12,11 +12,14 @@ import math
 import os
 import re
 import struct
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
+import jsonschema
+import re2
 import torch
 
 from node_agent.engine.lora_layers import SliceWeights
@@ -36,12 +39,14 @@ from node_agent.engine.sharding import (
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# Matched with fullmatch, ASCII only: a key with a newline or a non-ASCII digit names no module.
+_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight", re.ASCII)
 _MODULE = re.compile(
-    r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.shared_expert|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)$"
+    r"model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.shared_expert|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)",
+    re.ASCII,
 )
 # PEFT `target_parameters` LoRA on the fused 3-D expert weights: nested wrappers add `.base_layer`.
-_FUSED_EXPERTS = re.compile(r"^model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*$")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts(?:\.base_layer)*", re.ASCII)
 FUSED_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # safetensors element types a LoRA weight may have; the header's limit is safetensors' own.
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -103,38 +108,233 @@ class AdapterSpec:
 def read_adapter_spec(path: Path, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
     """Validate config and tensor headers against the base model; read no tensor data."""
     path = Path(path)
-    config = _read_config(path)
-    _refuse_unsupported_features(config)
+    config = read_adapter_config(path)
     weights = _weights_file(path)
     tensors, file_size = _read_header(weights)
     modules = _Matcher(config, tensors, cfg, max_lora_rank).modules()
     return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, file_size)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def validate_adapter(path: Path, model_dir: Path, max_lora_rank: int) -> AdapterSpec:
+    """Everything `read_adapter_spec` checks (config, header, every module and its patterns),
+    for the base model in `model_dir`, in the caller's process: what the agent can run on its
+    snapshot before the engine's command lock. Reads no tensor data."""
+    return read_adapter_spec(path, ModelConfig.from_dir(model_dir), max_lora_rank)
+
+
+# --- adapter_config.json -------------------------------------------------------------------------
+
+MAX_CONFIG_BYTES = 1 << 20  # the agent's sources apply the same cap (node_agent.engine.MAX_CONFIG_BYTES)
+MAX_JSON_DEPTH = 64  # PEFT's configs nest 3 deep; json.loads recurses, so deeper is refused before parsing
+MAX_PATTERNS = 1024  # keys per rank_pattern / alpha_pattern: each is matched against every module name
+MAX_PATTERN_CHARS = 1024
+
+_PATTERN_KEYS = {"type": "string", "maxLength": MAX_PATTERN_CHARS}
+_FLAG = {"type": ["boolean", "null"]}
+_NAMES = {"type": ["array", "null"], "items": {"type": "string"}}
+
+# The fields the engine reads (and those it refuses), declared; other PEFT fields are free.
+ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "PEFT LoRA adapter_config.json, as the lorafleet engine serves it",
+    "type": "object",
+    "required": ["r", "lora_alpha"],
+    "properties": {
+        "peft_type": {"type": ["string", "null"]},
+        "r": {"type": "integer", "minimum": 1},
+        "lora_alpha": {"type": "number", "exclusiveMinimum": 0},
+        "use_rslora": _FLAG,
+        "use_dora": _FLAG,
+        "fan_in_fan_out": _FLAG,
+        "lora_bias": _FLAG,
+        "bias": {"type": ["string", "null"]},
+        "modules_to_save": _NAMES,
+        "target_modules": {"type": ["string", "array", "null"], "maxLength": MAX_PATTERN_CHARS, "items": {"type": "string"}},
+        "target_parameters": _NAMES,
+        "rank_pattern": {
+            "type": ["object", "null"], "maxProperties": MAX_PATTERNS, "propertyNames": _PATTERN_KEYS,
+            "additionalProperties": {"type": "integer", "minimum": 1},
+        },
+        "alpha_pattern": {
+            "type": ["object", "null"], "maxProperties": MAX_PATTERNS, "propertyNames": _PATTERN_KEYS,
+            "additionalProperties": {"type": "number", "exclusiveMinimum": 0},
+        },
+    },
+}
+_CONFIG_VALIDATOR = jsonschema.Draft202012Validator(ADAPTER_CONFIG_SCHEMA)
+# "all-linear" is PEFT's shorthand, expanded against the model (saved adapters list the names).
+_ALL_LINEAR = "all-linear"
+
+
+class _Regex(Protocol):
+    """A compiled RE2 pattern (google-re2 ships no type information)."""
+
+    def match(self, text: str) -> object | None: ...
+
+    def fullmatch(self, text: str) -> object | None: ...
+
+
+@dataclass(frozen=True)
+class ModulePattern:
+    """One `rank_pattern` / `alpha_pattern` entry: PEFT's key, compiled for RE2, and its value."""
+
+    key: str
+    regex: _Regex
+    value: float
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A validated `adapter_config.json`: the fields the engine uses, patterns compiled for RE2."""
+
+    path: Path
+    raw: Mapping[str, Any]
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | None  # list form (PEFT: exact name or dotted suffix)
+    target_regex: _Regex | None  # string form (PEFT: re.fullmatch against the module name)
+    target_parameters: tuple[str, ...]
+    rank_pattern: tuple[ModulePattern, ...]
+    alpha_pattern: tuple[ModulePattern, ...]
+
+    def rank_and_alpha(self, module_name: str) -> tuple[int, float]:
+        """r and alpha of one module, with rank_pattern / alpha_pattern applied as PEFT does."""
+        rank = _pattern_value(self.rank_pattern, module_name)
+        alpha = _pattern_value(self.alpha_pattern, module_name)
+        return int(rank) if rank is not None else self.r, alpha if alpha is not None else self.lora_alpha
+
+    def targets(self, module_name: str) -> bool:
+        """Whether a string `target_modules` selects the module (a list is checked by name, elsewhere)."""
+        return self.target_regex is None or self.target_regex.fullmatch(module_name) is not None
+
+
+def _pattern_value(patterns: tuple[ModulePattern, ...], module_name: str) -> float | None:
+    # PEFT's rule (get_pattern_key): the first key, in the config's order, whose
+    # `(.*\.)?(key)$` matches the module name from its start wins.
+    for pattern in patterns:
+        if pattern.regex.match(module_name) is not None:
+            return pattern.value
+    return None
+
+
+def read_adapter_config(path: Path) -> AdapterConfig:
+    """Read and validate `adapter_config.json` of an adapter directory; pure, no engine, no model.
+
+    Refuses (AdapterLoadError, naming the field) a config over MAX_CONFIG_BYTES, nested deeper than
+    MAX_JSON_DEPTH, not JSON, with NaN/Infinity, not matching ADAPTER_CONFIG_SCHEMA, asking for a
+    feature the engine does not serve, or with a pattern RE2 cannot run. Every pattern is compiled
+    here, for RE2 (linear-time matching); matching them costs linear time in the module names.
+    """
+    path = Path(path)
+    raw = _parse_config(path)
+    _refuse_non_finite_numbers(raw, ())
+    error = jsonschema.exceptions.best_match(_CONFIG_VALIDATOR.iter_errors(raw))
+    if error is not None:
+        message = error.message if len(error.message) <= 200 else (
+            f"{_shorten(repr(error.instance), 60)} fails {error.validator} {_shorten(repr(error.validator_value), 60)}")
+        raise AdapterLoadError(f"{CONFIG_FILE}: {_field(error.absolute_path)}: {_shorten(message)}")
+    _refuse_unsupported_features(raw)
+    targets = raw.get("target_modules")
+    return AdapterConfig(
+        path=path,
+        raw=raw,
+        r=int(raw["r"]),
+        lora_alpha=float(raw["lora_alpha"]),
+        use_rslora=bool(raw.get("use_rslora")),
+        target_modules=tuple(targets) if isinstance(targets, list) else None,
+        target_regex=_compile("target_modules", targets, targets) if isinstance(targets, str) and targets != _ALL_LINEAR
+        else None,
+        target_parameters=tuple(raw.get("target_parameters") or ()),
+        rank_pattern=_patterns(raw, "rank_pattern"),
+        alpha_pattern=_patterns(raw, "alpha_pattern"),
+    )
+
+
+def _parse_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise AdapterLoadError(f"adapter directory {path} does not exist")
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterLoadError(f"{CONFIG_FILE} not found in {path}")
     try:
-        config = json.loads(config_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterLoadError(f"{CONFIG_FILE} in {path} is not valid JSON: {error}") from error
+        with config_path.open("rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise AdapterLoadError(f"{CONFIG_FILE} in {path} cannot be read: {error}") from error
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterLoadError(f"{CONFIG_FILE} in {path} is over the {MAX_CONFIG_BYTES}-byte cap")
+    try:
+        text = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads decodes bytes
+        if _nesting_depth(text) > MAX_JSON_DEPTH:
+            raise AdapterLoadError(f"{CONFIG_FILE} in {path} nests more than {MAX_JSON_DEPTH} levels deep (refused before parsing)")
+        config = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, or an integer of over 4300 digits
+        if isinstance(error, AdapterLoadError):
+            raise
+        raise AdapterLoadError(f"{CONFIG_FILE} in {path} is not valid JSON: {_shorten(str(error))}") from error
     if not isinstance(config, dict):
         raise AdapterLoadError(f"{CONFIG_FILE} in {path} is not a JSON object")
     return config
 
 
+# A JSON string (escapes included) and a run of characters that are not brackets, for RE2 (linear time).
+_JSON_STRING = re2.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = re2.compile(r"[^\[\]{}]+")
+
+
+def _nesting_depth(text: str) -> int:
+    """How deep arrays and objects nest in a JSON text, by one linear scan (strings skipped);
+    the scan stops, returning MAX_JSON_DEPTH + 1, once that depth is reached."""
+    brackets: str = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
+    depth = deepest = 0
+    for char in brackets:
+        depth += 1 if char in "[{" else -1
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                return deepest  # enough to refuse: the rest is not scanned
+    return deepest
+
+
+def _refuse_non_finite_numbers(value: object, where: tuple[str | int, ...]) -> None:
+    """Python's json reads NaN, Infinity and 1e999 as floats: refuse them anywhere, naming the field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise AdapterLoadError(f"{CONFIG_FILE}: {_field(where)} is {value}; numbers must be finite")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**1000:
+        raise AdapterLoadError(f"{CONFIG_FILE}: {_field(where)} is too large a number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_non_finite_numbers(item, (*where, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_non_finite_numbers(item, (*where, index))
+
+
+def _field(where: Any) -> str:
+    """A JSON path as `name['key'][0]`; the document itself is `(top level)`."""
+    parts = list(where)
+    if not parts:
+        return "(top level)"
+    head, rest = parts[0], parts[1:]
+    return _shorten(str(head) + "".join(f"[{part!r}]" for part in rest))
+
+
+def _shorten(text: str, limit: int = 300) -> str:
+    """One line, at most `limit` characters (a message quotes the offending value)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _refuse_unsupported_features(config: dict[str, Any]) -> None:
-    peft_type = str(config.get("peft_type", "LORA")).upper()
+    peft_type = str(config.get("peft_type") or "LORA").upper()
     if peft_type != "LORA":
         raise AdapterLoadError(f"peft_type {peft_type} is not supported (LORA only)")
     if config.get("use_dora"):
         raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
     if config.get("modules_to_save"):
-        raise AdapterLoadError(f"modules_to_save is not supported (adapter sets {config['modules_to_save']})")
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise AdapterLoadError(f"modules_to_save is not supported (adapter sets {_shorten(str(config['modules_to_save']))})")
+    if (config.get("bias") or "none") != "none" or config.get("lora_bias"):
         raise AdapterLoadError("LoRA bias is not supported (adapter config sets bias/lora_bias)")
     if config.get("fan_in_fan_out"):
         raise AdapterLoadError("fan_in_fan_out adapters (Conv1D models) are not supported")
@@ -143,12 +343,49 @@ def _refuse_unsupported_features(config: dict[str, Any]) -> None:
     unknown = sorted(t for t in config.get("target_parameters") or [] if t.rsplit(".", 1)[-1] not in fused_names)
     if unknown:
         raise AdapterLoadError(
-            f"target_parameters {', '.join(unknown)} are not supported (supported: {', '.join(FUSED_PARAMETERS)})"
+            _shorten(f"target_parameters {', '.join(unknown)} are not supported (supported: {', '.join(FUSED_PARAMETERS)})")
         )
-    for field in ("r", "lora_alpha"):
-        value = config.get(field)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise AdapterLoadError(f"{CONFIG_FILE}: {field} must be a positive number, got {value!r}")
+
+
+def _patterns(config: Mapping[str, Any], field: str) -> tuple[ModulePattern, ...]:
+    """A rank_pattern / alpha_pattern, in the config's order, each key compiled as PEFT wraps it."""
+    return tuple(
+        ModulePattern(key, _compile(field, key, rf"(.*\.)?({key})$"), float(value))
+        for key, value in (config.get(field) or {}).items()
+    )
+
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is reported in the AdapterLoadError, not on stderr
+# Both engines accept these, with different meanings: Python reads `{,n}` as a repetition and
+# `[[:digit:]]` as a set of characters, RE2 as a literal and as a POSIX class.
+_AMBIGUOUS = re.compile(r"\{,\d*\}|\[:")
+
+
+def _compile(field: str, key: str, pattern: str) -> _Regex:
+    """`pattern` (PEFT's form of `key`) for RE2, refused unless Python's re, PEFT's engine, reads it alike."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Possible nested set": `[:` is refused below anyway
+            re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as error:
+        raise AdapterLoadError(
+            f"{CONFIG_FILE}: {field} {_shorten(repr(key), 120)} is not a valid regular expression ({_shorten(str(error), 120)})"
+        ) from None
+    if _AMBIGUOUS.search(key):
+        raise AdapterLoadError(
+            f"{CONFIG_FILE}: {field} {_shorten(repr(key), 120)} is refused: `{{,n}}` and `[:` mean different things "
+            "in Python's re and in RE2, the engine's linear-time matcher"
+        )
+    try:
+        regex: _Regex = re2.compile(pattern, options=_RE2_OPTIONS)
+    except re2.error as error:
+        reason = error.args[0].decode(errors="replace") if error.args and isinstance(error.args[0], bytes) else str(error)
+        raise AdapterLoadError(
+            f"{CONFIG_FILE}: {field} {_shorten(repr(key), 120)} is not supported by RE2, the engine's linear-time "
+            f"matcher (no backreferences, lookaround, possessive or atomic groups): {_shorten(reason, 120)}"
+        ) from None
+    return regex
 
 
 def _weights_file(path: Path) -> Path:
@@ -182,9 +419,14 @@ def _read_header(weights: Path) -> tuple[dict[str, TensorEntry], int]:
             (length,) = struct.unpack("<Q", prefix)
             if length > min(_MAX_HEADER_BYTES, size - 8):
                 raise _corrupt(f"header length {length} does not fit the {size}-byte file")
-            raw = json.loads(handle.read(length))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise _corrupt(f"the header is not valid JSON ({error})") from error
+            text = handle.read(length).decode()
+        if _nesting_depth(text) > MAX_JSON_DEPTH:
+            raise _corrupt(f"the header nests more than {MAX_JSON_DEPTH} levels deep (refused before parsing)")
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError, or an integer of over 4300 digits
+        if isinstance(error, AdapterLoadError):
+            raise
+        raise _corrupt(f"the header is not valid JSON ({_shorten(str(error))})") from error
     except OSError as error:
         raise AdapterLoadError(f"{WEIGHTS_FILE} cannot be read: {error}") from error
     if not isinstance(raw, dict):
@@ -225,7 +467,7 @@ def _tensor_entry(key: str, value: object, data_start: int) -> TensorEntry:
 class _Matcher:
     """Matches the header's tensors to the base model's modules, with the shapes the layouts give."""
 
-    config: dict[str, Any]
+    config: AdapterConfig
     tensors: Mapping[str, TensorEntry]
     cfg: ModelConfig
     max_lora_rank: int
@@ -235,41 +477,58 @@ class _Matcher:
         self._check_target_names()
         pairs: dict[str, dict[str, str]] = {}
         for key in self.tensors:
-            match = _KEY.match(key)
+            match = _KEY.fullmatch(key)
             if not match:
                 raise AdapterLoadError(f"{WEIGHTS_FILE} has tensor {key!r}, which is not a LoRA A/B weight the engine can serve")
             pairs.setdefault(match["module"], {})[match["ab"]] = key
         if not pairs:
             raise AdapterLoadError(f"{WEIGHTS_FILE} has no LoRA tensors")
+        _refuse_same_module_twice(pairs)
         full = {kind: unsharded_layout(self.cfg, kind) for kind in model_kinds(self.cfg)}
         modules = []
         for module_name, keys in sorted(pairs.items()):
             if set(keys) != {"A", "B"}:
                 missing = "lora_B" if "A" in keys else "lora_A"
                 raise AdapterLoadError(f"module {module_name} has no {missing} tensor in {WEIGHTS_FILE}")
-            fused = _FUSED_EXPERTS.match(module_name)
+            fused = _FUSED_EXPERTS.fullmatch(module_name)
             if fused:
+                _refuse_non_canonical(module_name, fused["layer"])
                 modules.extend(self._fused_experts(module_name, int(fused["layer"]), keys["A"], keys["B"], full))
             else:
                 modules.append(self._module(module_name, keys["A"], keys["B"], full))
+        # Two forms of one module (per-expert and fused, or two fused pairs of one parameter).
+        seen: dict[tuple[ModuleKey, int], ModuleAdapter] = {}
+        for module in modules:
+            first = seen.setdefault((module.key, module.slice_index), module)
+            if first is not module:
+                raise AdapterLoadError(
+                    f"{WEIGHTS_FILE} gives one module twice: {first.a_key} and {module.a_key} both adapt "
+                    f"{_describe(module)}; which copy to serve is ambiguous"
+                )
         return modules
 
     def _check_target_names(self) -> None:
-        targets = self.config.get("target_modules")
-        if isinstance(targets, list):
+        targets = self.config.target_modules
+        if targets is not None:
             kinds = model_kinds(self.cfg)
             names = {name for (_, name), (kind, _) in PEFT_TO_KIND.items() if kind in kinds}
             unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
             if unknown:
-                raise AdapterLoadError(
+                raise AdapterLoadError(_shorten(
                     f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
-                    f"(it has {', '.join(sorted(names))})"
-                )
+                    f"(it has {', '.join(sorted(names))})", 600,
+                ))
 
     def _module(self, module_name: str, a_key: str, b_key: str, full: Mapping[str, ModuleLayout]) -> ModuleAdapter:
-        match = _MODULE.match(module_name)
+        match = _MODULE.fullmatch(module_name)
         if not match:
             raise AdapterLoadError(f"base model does not have module {module_name}")
+        _refuse_non_canonical(module_name, match["layer"], match["expert"])
+        if not self.config.targets(module_name):
+            raise AdapterLoadError(
+                f"module {module_name} has LoRA tensors, but target_modules {_shorten(repr(self.config.raw['target_modules']), 120)} "
+                "does not select it (PEFT would not apply them)"
+            )
         layer, name = int(match["layer"]), match["name"]
         expert = int(match["expert"]) if match["expert"] is not None else None
         parent = "mlp.experts" if expert is not None else match["parent"]
@@ -329,10 +588,42 @@ class _Matcher:
         """The module's scale, after refusing a rank above the engine's or one the config disagrees with."""
         if rank > self.max_lora_rank:
             raise AdapterLoadError(f"{module_name}: rank {rank} exceeds max_lora_rank {self.max_lora_rank}")
-        configured_rank, alpha = _rank_and_alpha(self.config, module_name)
+        configured_rank, alpha = self.config.rank_and_alpha(module_name)
         if configured_rank != rank:
             raise AdapterLoadError(f"{module_name}: tensors have rank {rank} but {CONFIG_FILE} gives r={configured_rank} for it")
-        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+        return alpha / math.sqrt(rank) if self.config.use_rslora else alpha / rank
+
+
+def _refuse_same_module_twice(pairs: Mapping[str, Mapping[str, str]]) -> None:
+    """Refuse two module names that are one module once their indices are read as integers
+    (`layers.1` and `layers.01`): the model has one of them, and which copy is served would be undefined."""
+    seen: dict[tuple[object, ...], str] = {}
+    for module_name, keys in sorted(pairs.items()):
+        match = _MODULE.fullmatch(module_name)
+        if not match:
+            continue
+        expert = None if match["expert"] is None else int(match["expert"])
+        parent = "mlp.experts" if expert is not None else match["parent"]
+        identity = (int(match["layer"]), parent, expert, match["name"])
+        key = keys.get("A") or keys["B"]
+        first = seen.setdefault(identity, key)
+        if first != key:
+            raise AdapterLoadError(
+                f"{WEIGHTS_FILE} gives one module twice: {first} and {key} both name layer {identity[0]}'s "
+                f"{parent}{'' if expert is None else f'.{expert}'}.{match['name']}; which copy to serve is ambiguous"
+            )
+
+
+def _refuse_non_canonical(module_name: str, *indices: str | None) -> None:
+    """`layers.01` is no module of the model (PEFT would not apply it): indices are written as the model writes them."""
+    for index in indices:
+        if index is not None and str(int(index)) != index:
+            raise AdapterLoadError(f"base model does not have module {module_name} (index {index} is not written as an integer)")
+
+
+def _describe(module: ModuleAdapter) -> str:
+    expert = "" if module.expert is None else f" expert {module.expert}"
+    return f"layer {module.layer}'s {module.kind}{expert} (slice {module.slice_index})"
 
 
 def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert: int | None) -> bool:
@@ -351,23 +642,6 @@ def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert:
 
 def _is_sparse(cfg: ModelConfig, layer: int) -> bool:
     return cfg.moe is not None and layer in cfg.moe.sparse_layers
-
-
-def _rank_and_alpha(config: dict[str, Any], module_name: str) -> tuple[int, float]:
-    """r and alpha of one module, with rank_pattern / alpha_pattern applied as PEFT does."""
-    rank = config.get("rank_pattern") or {}
-    alpha = config.get("alpha_pattern") or {}
-    return int(rank.get(_pattern_key(rank, module_name), config["r"])), float(
-        alpha.get(_pattern_key(alpha, module_name), config["lora_alpha"])
-    )
-
-
-def _pattern_key(patterns: dict[str, Any], module_name: str) -> str:
-    # PEFT's rule: the first pattern that matches a dotted suffix of the module name wins.
-    for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", module_name):
-            return pattern
-    return module_name
 
 
 @dataclass
