@@ -17,6 +17,8 @@ import pytest
 
 from tests import support as R
 from tests.engine.helpers import Seq, compare, draw_tokens, engine_api
+from tests.support import bad_adapters as B
+from tests.support.models import adapter_config
 
 MODEL = "llama"  # untied (modules_to_save=["lm_head"] is meaningful), kv=2, multi-file checkpoint
 MAX_LORA_RANK = 16
@@ -133,3 +135,88 @@ def test_good_adapter_unaffected_by_all_refusals(served: Served):
     got = served.engine.forward(_seq_inputs(served, seqs))
     want = R.reference_logits(served.model_dir, seqs, {"good": served.good})
     compare(got, want, seqs).fail_if_any("'good' after all refusals")
+
+
+# --- issue 11: adapter_config.json validated against a schema, numbers, patterns, duplicates, dtypes
+
+
+@pytest.mark.parametrize("case", sorted(B.MALFORMED_ADAPTERS))
+def test_malformed_adapter_refused_naming_the_field(served: Served, case: str):
+    """Each refusal is one line naming the field (or both keys of a module given twice); the
+    engine then still serves. Before the schema these were raw Python errors (RecursionError,
+    AttributeError, ValueError), or loads: NaN alpha, a 1 MiB+ config, `layers.01` beside `layers.1`."""
+    factory, phrases = B.MALFORMED_ADAPTERS[case]
+    bad_dir = factory(served.model_dir, served.bad_root / case)
+    name = f"bad-{case}"
+    with pytest.raises(served.api.AdapterLoadError) as info:
+        served.engine.load_adapter(name, bad_dir, pinned=False)
+    message = str(info.value)
+    missing = [phrase for phrase in phrases if phrase not in message.lower()]
+    assert not missing, f"{case}: message lacks {missing}: {message!r}"
+    assert message.strip() and "\n" not in message.strip() and len(message) < 1000, f"{case}: want one short line, got {message!r}"
+    assert_not_loaded(served, name)
+    assert_still_serving(served, name)
+
+
+@pytest.mark.parametrize("case", ["lora_alpha_nan", "config_deeply_nested", "rank_pattern_backreference", "r_zero"])
+def test_read_adapter_config_refuses_alone(served: Served, case: str):
+    """The agent can validate a snapshot's config before the engine's lock: `read_adapter_config`
+    needs no engine and refuses with the very message the ranks give."""
+    factory, _ = B.MALFORMED_ADAPTERS[case]
+    bad_dir = factory(served.model_dir, served.bad_root / f"alone-{case}")
+    with pytest.raises(served.api.AdapterLoadError) as alone:
+        served.api.read_adapter_config(bad_dir)
+    with pytest.raises(served.api.AdapterLoadError) as loaded:
+        served.engine.load_adapter(f"alone-{case}", bad_dir, pinned=False)
+    assert str(alone.value) == str(loaded.value)
+
+
+@pytest.mark.parametrize("case", ["duplicate_module_layer_01", "target_modules_regex_unselected", "rank_pattern_zero"])
+def test_validate_adapter_refuses_alone(served: Served, case: str):
+    """`validate_adapter` runs every check of the ranks (config, header, modules, patterns) in the
+    caller's process, from the model directory: the same message as the engine's refusal."""
+    factory, _ = B.MALFORMED_ADAPTERS[case]
+    bad_dir = factory(served.model_dir, served.bad_root / f"validate-{case}")
+    with pytest.raises(served.api.AdapterLoadError) as alone:
+        served.api.validate_adapter(bad_dir, served.model_dir, MAX_LORA_RANK)
+    with pytest.raises(served.api.AdapterLoadError) as loaded:
+        served.engine.load_adapter(f"validate-{case}", bad_dir, pinned=False)
+    assert str(alone.value) == str(loaded.value)
+    spec = served.api.validate_adapter(served.good2, served.model_dir, MAX_LORA_RANK)
+    assert spec.modules and spec.max_module_rank <= MAX_LORA_RANK
+
+
+def test_read_adapter_config_reads_a_good_config(served: Served, tmp_path: Path):
+    """A PEFT config reads into its fields; a config of exactly MAX_CONFIG_BYTES is accepted, one byte more is not."""
+    config = served.api.read_adapter_config(served.good2)
+    raw = adapter_config(served.good2)
+    assert (config.r, config.lora_alpha, config.use_rslora) == (raw["r"], raw["lora_alpha"], bool(raw.get("use_rslora")))
+    assert [p.key for p in config.rank_pattern] == list(raw.get("rank_pattern") or {})
+    cap = served.api.MAX_CONFIG_BYTES
+    assert cap == 1 << 20
+    adapter = B.make_bad_config_adapter(served.model_dir, tmp_path / "at-cap")
+    text = (adapter / "adapter_config.json").read_text().rstrip()
+    (adapter / "adapter_config.json").write_text(text + " " * (cap - len(text.encode())))
+    assert served.api.read_adapter_config(adapter).r == 4
+    (adapter / "adapter_config.json").write_text(text + " " * (cap + 1 - len(text.encode())))
+    with pytest.raises(served.api.AdapterLoadError, match="over the 1048576-byte cap"):
+        served.api.read_adapter_config(adapter)
+
+
+@pytest.mark.timeout(60)
+def test_catastrophic_patterns_are_matched_in_linear_time(served: Served):
+    """`([\\w.]+)+x` as rank_pattern / alpha_pattern key and inside a string target_modules:
+    Python's re backtracks exponentially on every module name (the load held the engine for
+    300 s); RE2 matches in linear time. The patterns change nothing, so the adapter serves
+    exactly what its clean copy (the reference; PEFT would hang on the patterns) serves."""
+    evil, clean = B.make_catastrophic_pattern_adapter(
+        served.model_dir, served.bad_root / "catastrophic", served.bad_root / "catastrophic-clean")
+    served.engine.load_adapter("catastrophic", evil, pinned=False)
+    try:
+        seqs = [Seq(draw_tokens(9, 6, served.vocab), "catastrophic"), Seq(draw_tokens(10, 3, served.vocab), "good")]
+        got = served.engine.forward(_seq_inputs(served, seqs))
+        want = R.reference_logits(served.model_dir, seqs, {"catastrophic": clean, "good": served.good})
+        compare(got, want, seqs).fail_if_any("adapter with catastrophic patterns")
+    finally:
+        served.engine.unload_adapter("catastrophic")
+    assert_not_loaded(served, "catastrophic")

@@ -7,6 +7,7 @@ then break one thing. `BAD_ADAPTERS` maps each case to its factory and the phras
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -230,3 +231,162 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
     "neg_inf": (lambda m, o: make_nonfinite_adapter(m, o, value=float("-inf"), which="B"), "non-finite"),
     "pickle_only": (make_pickle_only_adapter, "pickle"),
 }
+
+
+# --- issue 11: malformed adapter_config.json, duplicate modules, non-float dtypes ---------------
+# A separate table from BAD_ADAPTERS (whose self-checks, tests/support/test_bad_adapters.py, are
+# per case): each entry is the factory and the phrases (lower case) the refusal must contain.
+
+_REMOVE = object()  # a field value meaning "drop the field"
+
+
+def make_bad_config_adapter(model_dir, out_dir, seed=0, *, text: str | None = None, **fields: Any) -> Path:
+    """The seed adapter with `fields` set in adapter_config.json (`_REMOVE` drops one), written
+    with json.dumps (which writes NaN/Infinity literals for non-finite floats); or the whole file
+    replaced by `text`, where `{config}` stands for the adapter's own config as JSON."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    config = adapter_config(out_dir)
+    for key, value in fields.items():
+        if value is _REMOVE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    body = json.dumps(config, indent=2, sort_keys=True)
+    path = out_dir / ADAPTER_CONFIG
+    path.write_text(text.replace("{config}", body) if text is not None else body + "\n")
+    return out_dir
+
+
+def make_nested_config_adapter(model_dir, out_dir, seed=0, *, depth: int = 100_000) -> Path:
+    """adapter_config.json with a field nested `depth` levels deep (json.loads recursed into a RecursionError)."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    config = json.dumps(adapter_config(out_dir))
+    (out_dir / ADAPTER_CONFIG).write_text(config[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}")
+    return out_dir
+
+
+def make_duplicate_module_adapter(model_dir, out_dir, seed=0, *, copy_as: str = "01") -> Path:
+    """Layer 1's q_proj pair written a second time as layer `copy_as` (e.g. "01"): one module, two keys."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    tensors = adapter_tensors(out_dir)
+    for which in ("A", "B"):
+        key = lora_key(1, "q_proj", which)
+        tensors[key.replace(".layers.1.", f".layers.{copy_as}.")] = tensors[key].clone() * 2
+    write_adapter_weights(out_dir, tensors)
+    return out_dir
+
+
+def make_renumbered_module_adapter(model_dir, out_dir, seed=0, *, name_as: str = "00") -> Path:
+    """Layer 0's tensors renamed to layer `name_as` ("00": no module of the model is called that)."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    tensors = {k.replace(".layers.0.", f".layers.{name_as}."): v for k, v in adapter_tensors(out_dir).items()}
+    (out_dir / ADAPTER_WEIGHTS).unlink()
+    write_adapter_weights(out_dir, tensors)
+    return out_dir
+
+
+def make_int_dtype_adapter(model_dir, out_dir, seed=0, *, dtype: torch.dtype = torch.int8) -> Path:
+    """One lora_B tensor stored as `dtype` (int8, int32, bool: safetensors I8, I32, BOOL)."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    tensors = adapter_tensors(out_dir)
+    key = lora_key(0, "v_proj", "B")
+    tensors[key] = (tensors[key] * 100).to(dtype)
+    write_adapter_weights(out_dir, tensors)
+    return out_dir
+
+
+def _config(**fields: Any) -> Callable[[Path, Path], Path]:
+    return lambda m, o: make_bad_config_adapter(m, o, **fields)
+
+
+_CAP = 1 << 20
+MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...]]] = {
+    # size and shape of the document
+    "config_over_cap": (_config(padding="x" * _CAP), ("over the 1048576-byte cap",)),
+    "config_deeply_nested": (make_nested_config_adapter, ("nests more than 64 levels",)),
+    "config_not_json_huge_int": (lambda m, o: make_bad_config_adapter(m, o, text='{"r": ' + "9" * 5000 + "}"),
+                                 ("not valid json",)),
+    # types, every field naming itself
+    "target_modules_int_entry": (_config(target_modules=["q_proj", 5, "v_proj", "down_proj"]), ("target_modules[1]:", "string")),
+    "target_modules_number": (_config(target_modules=5), ("target_modules:",)),
+    "rank_pattern_string_value": (_config(rank_pattern={"v_proj": "eight"}), ("rank_pattern['v_proj']:", "integer")),
+    "rank_pattern_fraction": (_config(rank_pattern={"v_proj": 4.5}), ("rank_pattern['v_proj']:", "integer")),
+    "rank_pattern_list": (_config(rank_pattern=["v_proj"]), ("rank_pattern:",)),
+    "r_string": (_config(r="4"), ("adapter_config.json: r:", "integer")),
+    "r_bool": (_config(r=True), ("adapter_config.json: r:", "integer")),
+    "r_missing": (_config(r=_REMOVE), ("'r' is a required property",)),
+    "lora_alpha_string": (_config(lora_alpha="8"), ("lora_alpha:", "number")),
+    "use_rslora_string": (_config(use_rslora="yes"), ("use_rslora:", "boolean")),
+    "use_dora_string": (_config(use_dora="false"), ("use_dora:", "boolean")),
+    "peft_type_number": (_config(peft_type=5), ("peft_type:", "string")),
+    "bias_number": (_config(bias=0), ("bias:", "string")),
+    "modules_to_save_string": (_config(modules_to_save="lm_head"), ("modules_to_save:", "array")),
+    "target_parameters_string": (_config(target_parameters="mlp.experts.down_proj"), ("target_parameters:", "array")),
+    "fan_in_fan_out_string": (_config(fan_in_fan_out="no"), ("fan_in_fan_out:", "boolean")),
+    # numbers
+    "lora_alpha_nan": (_config(lora_alpha=float("nan")), ("lora_alpha is nan", "finite")),
+    "lora_alpha_inf": (_config(lora_alpha=float("inf")), ("lora_alpha is inf", "finite")),
+    "lora_alpha_neg_inf": (_config(lora_alpha=float("-inf")), ("lora_alpha is -inf", "finite")),
+    "lora_alpha_1e999": (lambda m, o: make_bad_config_adapter(m, o, text='{"r": 4, "lora_alpha": 1e999, "target_modules": ["q_proj"]}'),
+                         ("lora_alpha is inf", "finite")),
+    "alpha_pattern_negative": (_config(alpha_pattern={"q_proj": -2}), ("alpha_pattern['q_proj']:",)),
+    "alpha_pattern_nan": (_config(alpha_pattern={"q_proj": float("nan")}), ("alpha_pattern['q_proj'] is nan", "finite")),
+    "alpha_pattern_inf": (_config(alpha_pattern={"q_proj": float("inf")}), ("alpha_pattern['q_proj'] is inf", "finite")),
+    "r_zero": (_config(r=0), ("adapter_config.json: r:", "minimum")),
+    "r_negative": (_config(r=-4), ("adapter_config.json: r:", "minimum")),
+    "r_fraction": (_config(r=4.5), ("adapter_config.json: r:", "integer")),
+    "rank_pattern_zero": (_config(rank_pattern={"v_proj": 0}), ("rank_pattern['v_proj']:", "minimum")),
+    "rank_pattern_negative": (_config(rank_pattern={"v_proj": -4}), ("rank_pattern['v_proj']:", "minimum")),
+    # patterns: refused by RE2 (linear time), by Python's re (PEFT's engine), or read differently by the two
+    "rank_pattern_backreference": (_config(rank_pattern={r"(v)\1?_proj": 4}), ("rank_pattern", "re2", "(v)")),
+    "alpha_pattern_lookahead": (_config(alpha_pattern={r"(?=q)q_proj": 2}), ("alpha_pattern", "re2", "(?=q)")),
+    "target_modules_lookbehind": (_config(target_modules=r".*(?<=self_attn\.)(q|v)_proj|.*down_proj"),
+                                  ("target_modules", "re2")),
+    "rank_pattern_not_a_regex": (_config(rank_pattern={"(v_proj": 4}), ("rank_pattern", "not a valid regular expression")),
+    "rank_pattern_posix_class": (_config(rank_pattern={"[[:alpha:]]_proj": 4}), ("rank_pattern", "mean different things")),
+    "rank_pattern_key_too_long": (_config(rank_pattern={"v_proj|" * 200 + "v_proj": 4}), ("rank_pattern:", "fails maxlength 1024")),
+    # target_modules as a regex selects modules as PEFT does (re.fullmatch): tensors it does not select are refused
+    "target_modules_regex_unselected": (_config(target_modules=r".*\.(q_proj|v_proj)"), ("does not select", "down_proj")),
+    # the same module twice, or a module the model does not have under an integer's other spelling
+    "duplicate_module_layer_01": (make_duplicate_module_adapter,
+                                  ("twice", "model.layers.01.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_a")),
+    "renumbered_module_layer_00": (make_renumbered_module_adapter, ("does not have module", "layers.00")),
+    # non-float tensor dtypes
+    "dtype_int8": (lambda m, o: make_int_dtype_adapter(m, o, dtype=torch.int8), ("has dtype 'i8'",)),
+    "dtype_int32": (lambda m, o: make_int_dtype_adapter(m, o, dtype=torch.int32), ("has dtype 'i32'",)),
+    "dtype_bool": (lambda m, o: make_int_dtype_adapter(m, o, dtype=torch.bool), ("has dtype 'bool'",)),
+}
+
+
+def make_catastrophic_pattern_adapter(model_dir, out_dir, clean_dir, seed=0) -> tuple[Path, Path]:
+    """The seed adapter (written also, untouched, to `clean_dir`) with patterns Python's re
+    backtracks on exponentially for every module name, none of which changes what is served:
+    `([\\w.]+)+x` as a rank_pattern and alpha_pattern key (it matches no module name), and a string
+    target_modules whose first alternative is that pattern and whose second selects the seed's
+    modules. PEFT itself would hang on it, so the reference is `clean_dir`. Returns both directories."""
+    clean_dir = _good_then(model_dir, clean_dir, seed)
+    out_dir = Path(out_dir)
+    shutil.copytree(clean_dir, out_dir)
+    config = adapter_config(out_dir)
+    evil = r"([\w.]+)+x"
+    config["rank_pattern"] = {evil: 16, **(config.get("rank_pattern") or {})}
+    config["alpha_pattern"] = {evil: 1000.0, **(config.get("alpha_pattern") or {})}
+    config["target_modules"] = rf"({evil})|.*\.({'|'.join(sorted(config['target_modules']))})"
+    write_adapter_config(out_dir, config)
+    return out_dir, clean_dir
+
+
+def make_nested_header_adapter(model_dir, out_dir, seed=0, *, depth: int = 100_000) -> Path:
+    """adapter_model.safetensors whose JSON header nests `depth` levels deep (in `__metadata__`)."""
+    out_dir = _good_then(model_dir, out_dir, seed)
+    path = out_dir / ADAPTER_WEIGHTS
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header.pop("__metadata__", None)
+    text = json.dumps(header)[:-1] + ', "__metadata__": {"deep": ' + "[" * depth + "]" * depth + "}}"
+    path.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data[8 + length :])
+    return out_dir
+
+
+MALFORMED_ADAPTERS["header_deeply_nested"] = (make_nested_header_adapter, ("corrupt or truncated", "nests more than 64 levels"))
