@@ -22,9 +22,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
+from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from tests.kube.harness import CHECKOUT, ControlPlane
 
 CHART = CHECKOUT.chart
@@ -672,3 +674,55 @@ def test_uninstall_cleanup_leaves_nothing_held_by_the_finalizer(
     left = kube_cluster.kubectl("get", "loraadapters,lorafleets", "-n", ns, "-o", "name").stdout.split()
     assert left == ["loraadapter.lorafleet.dev/other"]
     kube_cluster.kubectl("patch", "la", "other", "-n", ns, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+
+
+class FakeAgent(agent_pb2_grpc.NodeAgentServicer):
+    """Health and Describe as an agent answers them, the token required on Describe."""
+
+    def __init__(self, token: str, model: str) -> None:
+        self.token, self.model = token, model
+
+    def Describe(self, request: Any, context: Any) -> Any:
+        if ("authorization", f"Bearer {self.token}") not in context.invocation_metadata():
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        return agent_pb2.DescribeResponse(base_model=agent_pb2.BaseModel(name=self.model),
+                                          topology=agent_pb2.Topology(tp_size=2))
+
+
+def run_helm_test(port: int, token_file: Path, model: str = "tiny-llama") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AGENT_SERVICE": "127.0.0.1", "GRPC_PORT": str(port), "REPLICAS": "1",
+           "BASE_MODEL": model, "TP_SIZE": "2", "TOKEN_FILE": str(token_file), "TLS_DIR": "",
+           "TLS_SERVER_NAME": "", "TIMEOUT_S": "3"}
+    return subprocess.run([sys.executable, str(CHART / "files" / "helm-test.py")], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_helm_test_program_against_an_agent(tmp_path: Path) -> None:
+    """The `helm test` pod's program, run here against a loopback gRPC server."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    agent_pb2_grpc.add_NodeAgentServicer_to_server(FakeAgent("s3cret", "tiny-llama"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        good, bad = tmp_path / "good", tmp_path / "bad"
+        good.write_text("s3cret\n")
+        bad.write_text("wrong")
+        health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        proc = run_helm_test(port, good)
+        assert proc.returncode == 1 and "agent 127.0.0.1: health is NOT_SERVING" in proc.stderr
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        proc = run_helm_test(port, good)
+        assert proc.returncode == 0, proc.stderr
+        assert "agent 127.0.0.1: SERVING, Describe answered (tiny-llama, tp=2)" in proc.stdout
+        proc = run_helm_test(port, bad)
+        assert proc.returncode == 1 and "UNAUTHENTICATED: missing or wrong bearer token" in proc.stderr
+        proc = run_helm_test(port, good, model="other")
+        assert proc.returncode == 1 and "serves 'tiny-llama' on tp=2, the chart says 'other'" in proc.stderr
+    finally:
+        server.stop(None)

@@ -38,7 +38,8 @@ def channel(address: str, tls_dir: str, server_name: str) -> grpc.Channel:
 
 def check(ip: str, env: dict[str, str], token: str) -> str:
     """'' when the agent at ``ip`` passes, else what is wrong."""
-    with channel(f"{ip}:{env['GRPC_PORT']}", env.get("TLS_DIR", ""), env.get("TLS_SERVER_NAME", "")) as ch:
+    host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod address
+    with channel(f"{host}:{env['GRPC_PORT']}", env.get("TLS_DIR", ""), env.get("TLS_SERVER_NAME", "")) as ch:
         try:
             health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             if health.status != health_pb2.HealthCheckResponse.SERVING:
