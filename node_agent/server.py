@@ -35,6 +35,7 @@ from grpc_reflection.v1alpha import reflection
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_common.wire import REASON_METADATA_KEY
 from node_agent import convert
 from node_agent.agent import Agent
 from node_agent.auth import BearerTokenInterceptor, TlsFiles
@@ -85,6 +86,8 @@ def status_code(error: AgentError) -> grpc.StatusCode:
 
 def _abort(context: grpc.ServicerContext, error: Exception) -> None:
     if isinstance(error, AgentError):
+        # The reason marks the answer as the agent's own (the operator tells it from a crash).
+        context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason),))
         context.abort(status_code(error), str(error))
     log.exception("unexpected error in %s", type(error).__name__)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")

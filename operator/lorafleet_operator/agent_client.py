@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
 from lorafleet_operator.config import Settings
 
@@ -36,15 +37,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
 )
 
 
-#: Trailing-metadata key with which an agent marks an error as its own answer (the value is
-#: the error's reason, e.g. ``download_failed``); a transport failure or a deadline has none.
-REASON_KEY = "lorafleet-reason"
-
-
 class AgentError(Exception):
     """A failed call to an agent: its gRPC status code and the agent's message.
 
-    ``reason`` is the agent's own mark (:data:`REASON_KEY`), "" when the call ended without
+    ``reason`` is the agent's own mark (:data:`lorafleet_common.wire.REASON_METADATA_KEY`), "" when the call ended without
     one. ``alone`` (loads only): no other load was in flight on that agent during this one.
     """
 
@@ -59,7 +55,7 @@ class AgentError(Exception):
 
 def _reason(err: grpc.aio.AioRpcError) -> str:
     for key, value in err.trailing_metadata() or ():
-        if key == REASON_KEY:
+        if key == REASON_METADATA_KEY:
             return value if isinstance(value, str) else value.decode(errors="replace")
     return ""
 

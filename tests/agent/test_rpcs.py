@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from lorafleet.v1 import agent_pb2 as pb
+from lorafleet_common.wire import REASON_METADATA_KEY
 from tests.agent.conftest import SLOTS
 from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, rpc_error
 
@@ -180,6 +181,14 @@ def test_invalid_adapter_names_are_refused(shared, stub, name):
 def test_unloading_an_unknown_adapter_is_not_found(stub):
     error = rpc_error(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="never"), timeout=30))
     assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_every_refusal_carries_the_agents_reason_as_trailing_metadata(shared, stub):
+    """The operator tells an agent's own answer from a crash by this mark (docs/operator.md)."""
+    unknown = rpc_error(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="never"), timeout=30))
+    bad_name = rpc_error(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="../x", source_uri=shared.adapters["ad0"].as_uri()), timeout=30))
+    assert (REASON_METADATA_KEY, "not_found") in tuple(unknown.trailing_metadata())
+    assert (REASON_METADATA_KEY, "invalid_request") in tuple(bad_name.trailing_metadata())
 
 
 def test_health_is_serving_for_the_server_and_the_service(shared):
