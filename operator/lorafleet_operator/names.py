@@ -10,10 +10,21 @@ hand without that prefix (e.g. ``support``) are never touched.
 
 from __future__ import annotations
 
+#: Between the namespace and the name in a registry name.
+SEPARATOR = "."
+#: The longest registry name an agent holds (``node_agent/validation.py`` ``ADAPTER_NAME``).
+MAX_AGENT_NAME = 253
+#: The longest namespace Kubernetes allows (a DNS label).
+MAX_NAMESPACE = 63
+#: The longest LoraAdapter name whose registry name fits every namespace: 253 - 63 - 1 = 189.
+#: The LoraAdapter CRD refuses longer names (a CEL rule on ``metadata.name``; the API server
+#: gives CEL no access to the namespace, so the bound assumes the longest one).
+MAX_ADAPTER_NAME = MAX_AGENT_NAME - MAX_NAMESPACE - len(SEPARATOR)
+
 
 def agent_name(namespace: str, name: str) -> str:
     """The adapter's name in every agent registry."""
-    return f"{namespace}.{name}"
+    return f"{namespace}{SEPARATOR}{name}"
 
 
 def is_managed(registry_name: str, namespace: str) -> bool:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import json
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from lorafleet_operator import names
+from node_agent.validation import ADAPTER_NAME
 from tests.kube.harness import CHECKOUT, ControlPlane, KubectlError
 
 pytestmark = pytest.mark.usefixtures("lorafleet_crds")
@@ -325,3 +328,35 @@ def test_examples_apply_strictly(kube_cluster: ControlPlane, kube_namespace: str
     names = kube_cluster.kubectl("get", "la", "-n", kube_namespace, "-o", "name").stdout.split()
     assert sorted(names) == sorted(f"loraadapter.lorafleet.dev/{a['metadata']['name']}"
                                    for a in adapters)
+
+
+def test_names_the_agents_cannot_hold_are_refused(kube_cluster: ControlPlane) -> None:
+    """The agents hold a LoraAdapter as "<namespace>.<name>", at most 253 characters
+    (node_agent/validation.py). The CRD's CEL rule on metadata.name bounds the name for the
+    longest namespace (63): the longest accepted name, in a 63-character namespace, is a
+    registry name the agent's own rule accepts; one character more is refused by the API
+    server with the rule's message, in any namespace."""
+    bound = names.MAX_ADAPTER_NAME
+    assert bound == 253 - 63 - 1
+    crd = yaml.safe_load((CHECKOUT.crds / "lorafleet.dev_loraadapters.yaml").read_text())
+    rules = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert rules[0]["rule"] == f"self.metadata.name.size() <= {bound}"
+    longest_ns = kube_cluster.create_namespace("n" * 55 + secrets.token_hex(4))
+    try:
+        assert len(longest_ns) == names.MAX_NAMESPACE
+        fits = "a" * bound
+        assert ADAPTER_NAME.match(names.agent_name(longest_ns, fits))
+        assert not ADAPTER_NAME.match(names.agent_name(longest_ns, fits + "a"))
+        apply_strict(kube_cluster, longest_ns, adapter(fits))
+        assert kube_cluster.kubectl_json("get", "la", fits, "-n", longest_ns)["metadata"]["name"] == fits
+        # Status writes of an accepted name still pass the root rule.
+        kube_cluster.kubectl("patch", "la", fits, "-n", longest_ns, "--subresource=status",
+                             "--type=merge", "-p", '{"status": {"phase": "Pending"}}')
+        for too_long in (fits + "a", "b" * 253):
+            with pytest.raises(KubectlError) as err:
+                apply_strict(kube_cluster, longest_ns, adapter(too_long))
+            assert "metadata.name must be at most 189 characters" in err.value.stderr
+            assert kube_cluster.kubectl("get", "la", "-n", longest_ns, "-o", "name").stdout.strip() \
+                == f"loraadapter.lorafleet.dev/{fits}"
+    finally:
+        kube_cluster.delete_namespace(longest_ns)
