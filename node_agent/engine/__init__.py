@@ -9,10 +9,14 @@ from node_agent.engine.engine import (
     Engine,
     EngineConfig,
     EngineError,
+    GeneratedStep,
+    Generation,
     RankLoadError,
     RankUnloadError,
     RunningCommand,
+    SequenceAborted,
     SequenceInput,
+    ServingStats,
 )
 from node_agent.engine.peft_adapter import (
     MAX_CONFIG_BYTES,
@@ -30,6 +34,8 @@ from node_agent.engine.protocol import (
     RankReply,
     SliceShape,
 )
+from node_agent.engine.sampler import FinishReason, SamplingParams, TokenLogprobs
+from node_agent.engine.scheduler import QueueFull, SchedulerError
 from node_agent.engine.topology import Topology, TopologyError
 
 __all__ = [
@@ -43,13 +49,22 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "FileDigests",
+    "FinishReason",
+    "GeneratedStep",
+    "Generation",
     "ModuleShape",
+    "QueueFull",
     "RankLoadError",
     "RankReply",
     "RankUnloadError",
     "RunningCommand",
+    "SamplingParams",
+    "SchedulerError",
+    "SequenceAborted",
     "SequenceInput",
+    "ServingStats",
     "SliceShape",
+    "TokenLogprobs",
     "Topology",
     "TopologyError",
     "read_adapter_config",

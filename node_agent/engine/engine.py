@@ -12,12 +12,14 @@ its own state (which adapters are loaded).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -41,11 +43,15 @@ from node_agent.engine.protocol import (
     Load,
     RankReply,
     Shutdown,
+    Step,
+    StepReply,
     Unload,
     digest_mismatches,
     merge_control,
     rolled_back,
 )
+from node_agent.engine.sampler import FinishReason, SamplingParams, TokenLogprobs
+from node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SequenceRequest
 from node_agent.engine.sharding import validate_topology
 from node_agent.engine.topology import Topology
 from node_agent.engine.worker import WorkerConfig, rank_main
@@ -57,6 +63,10 @@ R = TypeVar("R", bound=RankReply)
 
 class EngineError(RuntimeError):
     """The engine cannot do what was asked (startup failure, dead rank, unknown adapter)."""
+
+
+class SequenceAborted(EngineError):
+    """A generation ended because its adapter was unloaded under it (a drain that timed out)."""
 
 
 class RankLoadError(AdapterLoadError):
@@ -94,6 +104,85 @@ class EngineConfig:
     # before it reads any adapter byte (a hung load, and a window to change the files under it)
     fault_stall_load_on_rank: int | None = None
     fault_stall_load_s: float = 0.0
+    # Serving (docs/serving.md): each rank's KV cache budget, tokens per block, the scheduler's
+    # per-step limits (over all DP groups), its waiting queue, and prefix caching.
+    kv_cache_bytes: int = 64 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    prefix_caching: bool = False
+
+
+@dataclass(frozen=True)
+class GeneratedStep:
+    """One token of a generation, its logprobs if asked for, and why the sequence ended (None
+    until its last token)."""
+
+    token_id: int
+    logprobs: TokenLogprobs | None
+    finish: FinishReason | None
+
+
+@dataclass(frozen=True)
+class ServingStats:
+    """The step loop's counters and the scheduler's state (metrics and tests)."""
+
+    steps: int  # steps the ranks ran
+    preemptions: int  # sequences preempted by recompute
+    num_blocks: int  # KV blocks per DP group
+    free_blocks: tuple[int, ...]  # per DP group
+    running: int
+    waiting: int
+
+
+class _Request:
+    """A submitted sequence as its caller sees it: a queue of steps, then an end."""
+
+    def __init__(self, seq_id: int, adapter: str | None) -> None:
+        self.seq_id = seq_id
+        self.adapter = adapter
+        self.events: queue.Queue[GeneratedStep | BaseException] = queue.Queue()
+
+
+class Generation:
+    """A running `Engine.submit`: iterate `tokens()` for its steps; `cancel()` frees its blocks."""
+
+    def __init__(self, engine: Engine, request: _Request) -> None:
+        self._engine = engine
+        self._request = request
+        self.done = False
+        self.cancelled = False  # ended by `cancel` (the caller went away), not by a finish
+
+    @property
+    def seq_id(self) -> int:
+        return self._request.seq_id
+
+    def tokens(self, poll_s: float = 0.1, cancelled: Callable[[], bool] = lambda: False) -> Iterator[GeneratedStep]:
+        """Each generated token as its step completes; the last carries its finish reason. An
+        engine failure (or the adapter unloaded under it) raises EngineError. With `cancelled`,
+        checked every `poll_s` while waiting, the sequence is cancelled and the iteration ends."""
+        while not self.done:
+            try:
+                event = self._request.events.get(timeout=poll_s)
+            except queue.Empty:
+                if cancelled():
+                    self.cancel()
+                    return
+                continue
+            if isinstance(event, BaseException):
+                self.done = True
+                raise event
+            if event.finish is not None:
+                self.done = True
+            yield event
+
+    def cancel(self) -> bool:
+        """Drop the sequence now (waiting or running) and free its blocks; False if it had ended."""
+        dropped = self._engine._cancel(self._request.seq_id)
+        self.cancelled = self.cancelled or (dropped and not self.done)
+        self.done = True
+        return dropped
 
 
 @dataclass(frozen=True)
@@ -131,7 +220,38 @@ class Engine:
         self._conns: list[Connection] = []
         self._holds: list[tuple[str, ...]] = [() for _ in range(config.topology.tp_size)]  # as each rank last said
         self._running: RunningCommand | None = None  # read without the lock (health)
+        self._pinned: set[str] = set()
+        # The scheduler and the requests are guarded by `_work`; only the step loop schedules.
+        self._work = threading.Condition()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._preemptions = 0
+        self._stopping = False
+        try:
+            scheduler_config = SchedulerConfig(
+                num_blocks=1,  # the ranks' count, once they started
+                block_size=config.block_size,
+                dp_size=config.topology.dp_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_loras_per_batch=config.max_loras_per_batch,
+                max_waiting=config.max_waiting,
+                prefix_caching=config.prefix_caching,
+            )
+        except SchedulerError as error:
+            raise EngineError(str(error)) from None
         self._start()
+        try:
+            # Every rank has the same layout, so the same budget gives the same count; the
+            # minimum holds once budgets come from each device's free memory.
+            self.num_kv_blocks = min(reply.kv_blocks for reply in self.describe())
+        except EngineError:
+            self.close()
+            raise
+        self._scheduler = Scheduler(replace(scheduler_config, num_blocks=self.num_kv_blocks))
+        self._loop = threading.Thread(target=self._step_loop, name="lorafleet-steps", daemon=True)
+        self._loop.start()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -153,6 +273,8 @@ class Engine:
             fault_fail_load_on_rank=config.fault_fail_load_on_rank,
             fault_stall_load_on_rank=config.fault_stall_load_on_rank,
             fault_stall_load_s=config.fault_stall_load_s,
+            kv_cache_bytes=config.kv_cache_bytes,
+            block_size=config.block_size,
         )
         context = mp.get_context("spawn")
         for rank in range(config.topology.tp_size):
@@ -176,7 +298,14 @@ class Engine:
         log.info("engine started: %s ranks, topology %s", len(replies), config.topology)
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force)."""
+        """Stop the step loop (pending generations fail), then every rank (politely, then by force)."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None:
+            with self._work:
+                self._stopping = True
+                self._work.notify_all()
+            loop.join()
+            self._fail_requests(list(self._requests), EngineError("engine is not serving: it was closed"))
         for conn, process in zip(self._conns, self._processes, strict=True):
             if process.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -240,6 +369,10 @@ class Engine:
                     result = self._roll_back(name, result)
                 raise RankLoadError(result)
             self.adapters.add(name)
+            if pinned:
+                self._pinned.add(name)
+                with self._work:
+                    self._scheduler.set_pinned(self._pinned)
             return result
 
     def unload_adapter(self, name: str) -> ControlResult:
@@ -247,6 +380,14 @@ class Engine:
         with self._lock:
             if name not in self.adapters:
                 raise EngineError(f"adapter {name!r} is not loaded")
+            # Sequences still running on it end now (the agent drained them first, boundedly).
+            with self._work:
+                victims = [seq_id for seq_id, request in self._requests.items() if request.adapter == name]
+                for seq_id in victims:
+                    self._scheduler.cancel(seq_id)
+                self._fail_requests(victims, SequenceAborted(f"adapter {name!r} was unloaded while the sequence ran"))
+                self._pinned.discard(name)
+                self._scheduler.set_pinned(self._pinned)
             result = merge_control(self._control(Unload(name)))
             self.adapters.discard(name)
         if not result.ok:
@@ -276,6 +417,110 @@ class Engine:
             raise EngineError(merged.error)
         logits = dict(item for reply in replies for item in reply.logits)
         return [torch.from_numpy(logits[i]) for i in range(len(sequences))]
+
+    # -- generation (the scheduler) -----------------------------------------------------------
+
+    def submit(self, tokens: Sequence[int], adapter: str | None, params: SamplingParams) -> Generation:
+        """Queue one sequence for generation; its tokens arrive as the step loop runs it.
+
+        Raises QueueFull when the waiting queue is full, SchedulerError for a request that can
+        never fit one DP group's KV cache, EngineError for an unknown adapter or a dead engine.
+        """
+        self._check_loaded([SequenceInput(tokens, adapter)])
+        if self.failure:
+            raise EngineError(f"engine is not serving: {self.failure}")
+        with self._work:
+            if self._stopping:
+                raise EngineError("engine is not serving: it was closed")
+            request = _Request(next(self._ids), adapter)
+            self._scheduler.submit(SequenceRequest(request.seq_id, adapter, tuple(tokens), params))
+            self._requests[request.seq_id] = request
+            self._work.notify_all()
+        return Generation(self, request)
+
+    def serving_stats(self) -> ServingStats:
+        """The step loop's counters and the scheduler's queue, running set and free blocks."""
+        with self._work:
+            return ServingStats(self._steps, self._preemptions, self.num_kv_blocks, self._scheduler.free_blocks(),
+                                self._scheduler.num_running, self._scheduler.num_waiting)
+
+    def _cancel(self, seq_id: int) -> bool:
+        with self._work:
+            self._requests.pop(seq_id, None)
+            return self._scheduler.cancel(seq_id)
+
+    def _fail_requests(self, seq_ids: Sequence[int], error: BaseException) -> None:
+        for seq_id in seq_ids:
+            request = self._requests.pop(seq_id, None)
+            if request is not None:
+                request.events.put(error)
+
+    def _step_loop(self) -> None:
+        """The one thread that schedules: one step at a time, each a single command to the ranks,
+        so loads and unloads interleave with generation at step boundaries."""
+        try:
+            self._steps_until_stopped()
+        except Exception as error:  # a bug in the loop: fail loudly, never leave callers waiting
+            log.error("the step loop failed", exc_info=True)
+            with self._work:
+                self.failure = self.failure or f"the step loop failed: {type(error).__name__}: {error}"
+                self._fail_all(EngineError(f"engine is not serving: {self.failure}"))
+
+    def _steps_until_stopped(self) -> None:
+        while True:
+            with self._work:
+                while not self._stopping and not self._scheduler.has_work:
+                    self._work.wait()
+                if self._stopping:
+                    return
+                step = self._scheduler.schedule()
+                self._preemptions += len(step.preempted)
+            tokens: dict[int, int] = {}
+            logprobs: dict[int, TokenLogprobs] = {}
+            error: EngineError | None = None
+            if step.num_tokens:
+                try:
+                    tokens, logprobs = self._run_step(step)
+                except EngineError as failed:
+                    error = failed
+            with self._work:
+                if error is not None:
+                    # Nothing this step wrote is trusted: its sequences end with the error.
+                    victims = [entry.seq_id for entry in step.sequences]
+                    for seq_id in victims:
+                        self._scheduler.cancel(seq_id)
+                    self._fail_requests(victims, error)
+                    tokens = {}
+                finished = {f.seq_id: f.reason for f in self._scheduler.on_step_done(step, tokens)}
+                for seq_id, token in tokens.items():
+                    request = self._requests.get(seq_id)
+                    if request is None:
+                        continue  # cancelled while the step ran
+                    reason = finished.get(seq_id)
+                    request.events.put(GeneratedStep(token, logprobs.get(seq_id), reason))
+                    if reason is not None:
+                        del self._requests[seq_id]
+                if not step.num_tokens and self._scheduler.has_work:
+                    self._work.wait(0.01)  # nothing runnable now (sequences waiting for a slot)
+                if self.failure is not None:
+                    self._fail_all(EngineError(f"engine is not serving: {self.failure}"))
+
+    def _fail_all(self, error: EngineError) -> None:
+        victims = list(self._requests)
+        for seq_id in victims:
+            self._scheduler.cancel(seq_id)
+        self._fail_requests(victims, error)
+
+    def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+        with self._lock:
+            replies = self._broadcast(Step(step.index, step.groups), StepReply)
+            self._steps += 1
+        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
+        if not merged.ok:
+            raise EngineError(merged.error)
+        tokens = {seq_id: token for reply in replies for seq_id, token in reply.tokens}
+        logprobs = {seq_id: lp for reply in replies for seq_id, lp in reply.logprobs}
+        return tokens, logprobs
 
     def _check_loaded(self, sequences: Sequence[SequenceInput]) -> None:
         for index, sequence in enumerate(sequences):

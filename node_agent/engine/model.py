@@ -17,7 +17,8 @@ from torch import nn
 
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, all_reduce
-from node_agent.engine.kernels import LoraBatch
+from node_agent.engine.kernels import LoraBatch, paged_attention
+from node_agent.engine.kv_cache import PagedKVCache
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
@@ -57,17 +58,60 @@ class RankSetup:
 
 
 @dataclass
+class AttentionBatch:
+    """Where this group's new tokens sit in the paged KV cache (docs/serving.md).
+
+    Sequence `i` computes its last `query_lens[i]` of `context_lens[i]` tokens; its new tokens'
+    K/V go to `slot_mapping` and it attends through row `i` of `block_tables`.
+    """
+
+    kv: PagedKVCache
+    slot_mapping: torch.Tensor  # [T_group] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_lens: list[int]
+    context_lens: list[int]
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence computes one token (a batched decode)."""
+        return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
+
+    @staticmethod
+    def contiguous(kv: PagedKVCache, seq_lens: list[int], device: torch.device) -> AttentionBatch:
+        """Whole sequences from position 0 in consecutive blocks of `kv` (a full-sequence forward
+        run as one prefill over a cache of its own)."""
+        block_size = kv.layout.block_size
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        next_block = 0
+        for length in seq_lens:
+            blocks = -(-length // block_size)
+            tables.append(list(range(next_block, next_block + blocks)))
+            slots.extend(next_block * block_size + i for i in range(length))
+            next_block += blocks
+        return AttentionBatch(kv, torch.tensor(slots, dtype=torch.int64, device=device),
+                              block_table_tensor(tables, device), list(seq_lens), list(seq_lens))
+
+
+def block_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """int32 `[num_seqs, max_blocks]`, short rows padded with block 0 (never read unmasked)."""
+    width = max((len(t) for t in tables), default=0) or 1
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device).reshape(-1, width)
+
+
+@dataclass
 class ForwardContext:
     """Everything one forward needs to know about the batch, as seen from one rank."""
 
-    seq_lens: list[int]  # this attention group's sequences, in order
     group_token_counts: list[int]  # tokens of every attention group
     attn_dp_rank: int
     attn_tp_rank: int
     attn_lora: LoraBatch  # slots of this group's tokens
     mlp_lora: LoraBatch  # slots of all tokens, group-major order
-    cos: torch.Tensor  # [T_group, head_dim]
+    cos: torch.Tensor  # [T_group, head_dim], at each token's absolute position
     sin: torch.Tensor
+    attention: AttentionBatch
+    logit_rows: torch.Tensor | None = None  # rows of this group's tokens that need logits (None: all)
 
     @property
     def group_offset(self) -> int:
@@ -156,9 +200,11 @@ class VocabParallelEmbedding(nn.Module):
 class Attention(nn.Module):
     """This rank's heads of one attention group: qkv_proj → attention → o_proj (reduced in the group)."""
 
-    def __init__(self, setup: RankSetup) -> None:
+    def __init__(self, setup: RankSetup, layer: int) -> None:
         super().__init__()
         cfg = setup.cfg
+        self.layer = layer  # which of the KV cache's layers is this one's
+        self.scale = cfg.head_dim**-0.5
         self.qkv_proj = setup.lora_linear("qkv_proj", cfg.attention_bias)
         self.o_proj = setup.lora_linear("o_proj", False)
         heads = attention_heads(cfg, setup.topology, setup.rank)
@@ -178,7 +224,8 @@ class Attention(nn.Module):
                 norm.weight.copy_(checkpoint.read(f"{prefix}.{name}.weight"))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Attention of this group's sequences (causal, each on its own), o_proj reduced in the group."""
+        """Attention of this group's new tokens over the paged KV cache (causal, each sequence on
+        its own), o_proj reduced in the group."""
         tokens = x.shape[0]
         qkv = self.qkv_proj(x, ctx.attn_lora)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -189,16 +236,16 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        start = 0
-        for length in ctx.seq_lens:
-            end = start + length
-            # [heads, T, d]; GQA by repeating KV heads up to the local query heads.
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-            repeat = self.num_heads // self.num_kv_heads
-            ks, vs = ks.repeat_interleave(repeat, dim=0), vs.repeat_interleave(repeat, dim=0)
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1)
-            start = end
+        batch = ctx.attention
+        # Write, then attend: every new token sees itself and all before it in its sequence.
+        batch.kv.write(self.layer, batch.slot_mapping, k, v)
+        key, value = batch.kv.key(self.layer), batch.kv.value(self.layer)
+        if batch.decode_only:
+            context = torch.tensor(batch.context_lens, dtype=torch.int32, device=x.device)
+            out = paged_attention.decode(q, key, value, batch.block_tables, context, self.scale)
+        else:
+            out = paged_attention.prefill(q, key, value, batch.block_tables, batch.query_lens, batch.context_lens,
+                                          self.scale)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, q_width), ctx.attn_lora)
         return result
 
@@ -287,10 +334,10 @@ class SharedExpert(nn.Module):
 class DecoderLayer(nn.Module):
     """One decoder layer: attention per group, then the MLP or expert block over all ranks."""
 
-    def __init__(self, setup: RankSetup, sparse: bool) -> None:
+    def __init__(self, setup: RankSetup, index: int, sparse: bool) -> None:
         super().__init__()
         cfg = setup.cfg
-        self.self_attn = Attention(setup)
+        self.self_attn = Attention(setup, index)
         self.mlp: MLP | MoE = MoE(setup) if sparse else MLP(setup)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
@@ -335,7 +382,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(setup)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup)
         sparse = cfg.moe.sparse_layers if cfg.moe else frozenset()
-        layers = [DecoderLayer(setup, index in sparse) for index in range(cfg.num_layers)]
+        layers = [DecoderLayer(setup, index, index in sparse) for index in range(cfg.num_layers)]
         self.layers = nn.ModuleList(layers)
         self.decoder_layers = layers  # the same modules, typed (ModuleList items are plain Modules)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -363,20 +410,21 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.decoder_layers):
             layer.load_base(checkpoint, f"model.layers.{index}")
 
-    def rope_tables(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions 0..len-1 of each sequence, concatenated."""
-        positions = torch.cat([torch.arange(n, device=self.inv_freq.device) for n in seq_lens]) if seq_lens else (
-            torch.zeros(0, device=self.inv_freq.device)
-        )
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at each token's absolute position (a chunk starts at its cached length)."""
+        index = torch.tensor(positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = index[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.norm.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [T_group, vocab] for this rank's attention group (float32)."""
+        """Logits (float32) of this rank's attention group: `[T_group, vocab]`, or only the rows
+        `ctx.logit_rows` (the LM head runs on nothing else)."""
         hidden = self.embed_tokens.embed(tokens)
         for layer in self.decoder_layers:
             hidden = layer(hidden, ctx)
+        if ctx.logit_rows is not None:
+            hidden = hidden[ctx.logit_rows]
         return self.lm_head.logits(self.norm(hidden)).float()

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet_common.merge import merge_failure_first
+from node_agent.engine.sampler import TokenLogprobs
+from node_agent.engine.scheduler import ScheduledSequence
 
 # -- commands ------------------------------------------------------------------------------------
 
@@ -50,11 +52,22 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One scheduler step (docs/serving.md): the ranks of DP group `g` compute `groups[g]` (an
+    empty tuple: the group joins every collective with zero tokens). Each entry carries its new
+    token ids, the position of the first, their KV slots, its block table, its adapter's engine
+    name and, when the step draws its next token, its sampling row."""
+
+    index: int
+    groups: tuple[tuple[ScheduledSequence, ...], ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Answer once more, then exit."""
 
 
-Command = Describe | Load | Unload | Forward | Shutdown
+Command = Describe | Load | Unload | Forward | Step | Shutdown
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -114,6 +127,9 @@ class DescribeReply(RankReply):
     modules: tuple[ModuleShape, ...] = ()
     resident: tuple[tuple[int, str], ...] = ()  # (slot, adapter) for every occupied slot
     holds: tuple[str, ...] = ()
+    kv_blocks: int = 0  # blocks of this rank's paged KV cache
+    kv_block_bytes: int = 0  # K and V of one block over every layer
+    kv_cache_bytes: int = 0  # the budget the cache was sized from
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,15 @@ class ForwardReply(RankReply):
     attention-TP leader; nothing on the other ranks), by index in the batch."""
 
     logits: tuple[tuple[int, np.ndarray], ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class StepReply(RankReply):
+    """The tokens a step drew, by sequence id (every rank of a group draws the same; the
+    group's attention-TP leader reports them), with their logprobs where asked for."""
+
+    tokens: tuple[tuple[int, int], ...] = ()
+    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
 
 
 # -- the merged result of a control command ------------------------------------------------------

@@ -23,8 +23,9 @@ import torch
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import init_process_groups
 from node_agent.engine.kernels import LoraBatch
+from node_agent.engine.kv_cache import KVCacheLayout, PagedKVCache
 from node_agent.engine.lora_layers import LoraCapacity
-from node_agent.engine.model import CausalLM, ForwardContext
+from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, read_adapter_shard, read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
@@ -41,8 +42,13 @@ from node_agent.engine.protocol import (
     RankReply,
     Shutdown,
     SliceShape,
+    Step,
+    StepReply,
     Unload,
 )
+from node_agent.engine.sampler import sample
+from node_agent.engine.scheduler import ScheduledSequence
+from node_agent.engine.sharding import attention_heads
 from node_agent.engine.topology import Topology, assign_sequences
 
 log = logging.getLogger(__name__)
@@ -61,6 +67,8 @@ class WorkerConfig:
     dtype: str
     master_port: int
     timeout_s: float
+    kv_cache_bytes: int = 64 << 20  # this rank's KV cache budget
+    block_size: int = 16  # tokens per KV block
     fault_fail_load_on_rank: int | None = None  # test-only: this rank refuses every load
     fault_stall_load_on_rank: int | None = None  # test-only: this rank sleeps at the start of every load
     fault_stall_load_s: float = 0.0
@@ -86,6 +94,10 @@ class RankWorker:
         self.modules = self.model.lora_modules()
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
         self.pool = LoraPool(self.modules, config.max_loras_per_batch, config.max_loaded_loras)
+        # The rank's own KV heads, as the sharding rule gives them (replicated heads included).
+        self.kv_layout = KVCacheLayout(self.cfg.num_layers, attention_heads(self.cfg, config.topology, rank).kv.width,
+                                       self.cfg.head_dim, config.block_size, self.dtype)
+        self.kv = PagedKVCache.from_budget(self.kv_layout, config.kv_cache_bytes, self.device)
 
     def run(self, command: Command) -> RankReply:
         """Carry out one command; a refusal or an unexpected error becomes a failed reply."""
@@ -107,6 +119,8 @@ class RankWorker:
                 return self.unload(command)
             case Forward():
                 return self.forward(command)
+            case Step():
+                return self.step(command)
             case Shutdown():
                 return self.reply()
 
@@ -123,6 +137,8 @@ class RankWorker:
                 return DescribeReply(*head, holds=self.holds())
             case Forward():
                 return ForwardReply(*head)
+            case Step():
+                return StepReply(*head)
             case Shutdown():
                 return RankReply(*head)
 
@@ -138,7 +154,8 @@ class RankWorker:
         )
         resident = tuple(sorted(self.pool.resident().items()))
         return DescribeReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
-                             modules=modules, resident=resident, holds=self.holds())
+                             modules=modules, resident=resident, holds=self.holds(), kv_blocks=self.kv.num_blocks,
+                             kv_block_bytes=self.kv_layout.bytes_per_block, kv_cache_bytes=self.config.kv_cache_bytes)
 
     def load(self, command: Load) -> ControlReply:
         if self.config.fault_fail_load_on_rank == self.rank:
@@ -174,9 +191,11 @@ class RankWorker:
         tokens = [t for i in mine for t in sequences[i][0]]
         offset = sum(counts[: self.coords.attn_dp_rank])
         seq_lens = [len(sequences[i][0]) for i in mine]
-        cos, sin = self.model.rope_tables(seq_lens)
+        # A full-sequence forward is one prefill over a cache of its own, sized for this batch.
+        scratch = PagedKVCache(self.kv_layout, max(1, sum(-(-n // self.kv_layout.block_size) for n in seq_lens)),
+                               self.device)
+        cos, sin = self.model.rope_tables([p for n in seq_lens for p in range(n)])
         ctx = ForwardContext(
-            seq_lens=seq_lens,
             group_token_counts=counts,
             attn_dp_rank=self.coords.attn_dp_rank,
             attn_tp_rank=self.coords.attn_tp_rank,
@@ -184,6 +203,7 @@ class RankWorker:
             mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
             cos=cos,
             sin=sin,
+            attention=AttentionBatch.contiguous(scratch, seq_lens, self.device),
         )
         logits = self.model(self._ids(tokens), ctx)
         reply = ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
@@ -195,6 +215,56 @@ class RankWorker:
             out.append((i, logits[start : start + length].cpu().numpy()))
             start += length
         return ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, logits=tuple(out))
+
+    def step(self, command: Step) -> StepReply:
+        """Run one scheduler step: this group's entries over the rank's KV cache; every rank of
+        the group samples the same tokens from the same gathered logits, the leader reports them."""
+        groups = command.groups
+        slots = self.pool.prepare([entry.adapter for group in groups for entry in group if entry.adapter])
+        counts = [sum(len(entry.token_ids) for entry in group) for group in groups]
+        all_slots = [slots[entry.adapter] if entry.adapter else -1
+                     for group in groups for entry in group for _ in entry.token_ids]
+        mine: tuple[ScheduledSequence, ...] = groups[self.coords.attn_dp_rank]
+        offset = sum(counts[: self.coords.attn_dp_rank])
+        tokens = [t for entry in mine for t in entry.token_ids]
+        positions = [entry.position + i for entry in mine for i in range(len(entry.token_ids))]
+        rows: list[int] = []
+        end = 0
+        for entry in mine:
+            end += len(entry.token_ids)
+            if entry.sampling is not None:
+                rows.append(end - 1)
+        cos, sin = self.model.rope_tables(positions)
+        attention = AttentionBatch(
+            kv=self.kv,
+            slot_mapping=self._ids([s for entry in mine for s in entry.slots]),
+            block_tables=block_table_tensor([list(entry.block_table) for entry in mine], self.device),
+            query_lens=[len(entry.token_ids) for entry in mine],
+            context_lens=[entry.context_len for entry in mine],
+        )
+        ctx = ForwardContext(
+            group_token_counts=counts,
+            attn_dp_rank=self.coords.attn_dp_rank,
+            attn_tp_rank=self.coords.attn_tp_rank,
+            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + len(tokens)])),
+            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
+            cos=cos,
+            sin=sin,
+            attention=attention,
+            logit_rows=self._ids(rows),
+        )
+        logits = self.model(self._ids(tokens), ctx)
+        sampling = [entry for entry in mine if entry.sampling is not None]
+        drawn = sample(logits, [entry.sampling for entry in sampling if entry.sampling is not None]) if sampling else []
+        head = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
+        if self.coords.attn_tp_rank != 0:
+            return StepReply(*head)
+        return StepReply(
+            *head,
+            tokens=tuple((entry.seq_id, token.token_id) for entry, token in zip(sampling, drawn, strict=True)),
+            logprobs=tuple((entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True)
+                           if token.logprobs is not None),
+        )
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
