@@ -186,7 +186,8 @@ def test_unloading_an_unknown_adapter_is_not_found(stub):
 def test_every_refusal_carries_the_agents_reason_as_trailing_metadata(shared, stub):
     """The operator tells an agent's own answer from a crash by this mark (docs/operator.md)."""
     unknown = rpc_error(lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="never"), timeout=30))
-    bad_name = rpc_error(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="../x", source_uri=shared.adapters["ad0"].as_uri()), timeout=30))
+    request = pb.LoadAdapterRequest(name="../x", source_uri=shared.adapters["ad0"].as_uri())
+    bad_name = rpc_error(lambda: stub.LoadAdapter(request, timeout=30))
     assert (REASON_METADATA_KEY, "not_found") in tuple(unknown.trailing_metadata())
     assert (REASON_METADATA_KEY, "invalid_request") in tuple(bad_name.trailing_metadata())
 
