@@ -32,8 +32,12 @@ from node_agent.engine import (
     Engine,
     EngineConfig,
     EngineError,
+    QueueFull,
     RankLoadError,
     RankUnloadError,
+    SamplingParams,
+    SchedulerError,
+    SequenceAborted,
     SequenceInput,
 )
 from node_agent.errors import (
@@ -43,6 +47,7 @@ from node_agent.errors import (
     EngineUnavailable,
     InvalidRequest,
     RequestAborted,
+    TooManyCalls,
 )
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
@@ -275,29 +280,48 @@ class Agent:
                 return [logits.numpy() for logits in self._engine_forward(inputs, lease)]
 
     def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = lambda: False) -> Iterator[GeneratedToken]:
-        """Greedy decoding, one token per step. The engine keeps no KV cache, so every step
-        recomputes the whole sequence: O(n^2) in the generated length (bounded by max_new_tokens)."""
+        """Submit to the engine's scheduler and stream each token as its step completes; the
+        request shares steps with every other running one (docs/serving.md). The adapter's
+        lease is held until the last token, so unload and replace drain it; a call that goes
+        away (`cancelled`, or the stream closed) cancels the sequence and frees its blocks."""
         with InferenceCall(self.metrics, "generate") as call:
             tokens = self._prompt_ids(params)
             max_new = params.max_new_tokens or DEFAULT_NEW_TOKENS
             config = self.config
             check_generate(tokens, max_new, config.max_new_tokens, self.engine.model_config.vocab_size, config.max_request_tokens)
-            stop = set(params.stop_token_ids or self._eos)
+            try:
+                sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                          min_p=params.min_p, seed=params.seed, max_tokens=max_new,
+                                          stop_token_ids=tuple(params.stop_token_ids or self._eos))
+            except ValueError as error:
+                raise InvalidRequest(str(error)) from None
             self._check_alive()
             with self._leased([params.adapter] if params.adapter else []) as lease:
+                try:
+                    generation = self.engine.submit(tokens, lease.engine_name(params.adapter), sampling)
+                except QueueFull as error:
+                    raise TooManyCalls(f"the engine's waiting queue is full: {error}", reason="queue_full") from None
+                except SchedulerError as error:
+                    raise InvalidRequest(str(error)) from None
+                except EngineError as error:
+                    raise self._engine_error(error) from None
                 decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
-                for step in range(max_new):
-                    if cancelled():
+                try:
+                    for step in generation.tokens(cancelled=cancelled):
+                        finish = step.finish.value if step.finish is not None else ""
+                        self.metrics.generated_tokens.inc()
+                        yield GeneratedToken(step.token_id, decoder.push(step.token_id) if decoder else "", finish)
+                    if generation.cancelled:
                         call.outcome = "cancelled"
-                        return
-                    logits = self._engine_forward([SequenceInput(tokens, lease.engine_name(params.adapter))], lease)[0]
-                    token = int(np.argmax(logits[-1].numpy()))  # first maximum: deterministic ties
-                    tokens.append(token)
-                    finish = "stop" if token in stop else "length" if step == max_new - 1 else ""
-                    self.metrics.generated_tokens.inc()
-                    yield GeneratedToken(token, decoder.push(token) if decoder else "", finish)
-                    if finish:
-                        return
+                except SequenceAborted:
+                    raise RequestAborted(f"adapter {params.adapter!r} was unloaded while the request ran (drain timeout)") from None
+                except EngineError as error:
+                    revoked = self.registry.revoked(lease)
+                    if revoked:
+                        raise RequestAborted(f"adapter {revoked[0]!r} was unloaded while the request ran (drain timeout)") from None
+                    raise self._engine_error(error) from None
+                finally:
+                    generation.cancel()  # the stream closed early: free its blocks now (no-op once done)
 
     def _prompt_ids(self, params: GenerateParams) -> list[int]:
         if params.token_ids and params.prompt:

@@ -8,6 +8,7 @@ the logits: how users and tests check what an adapter does on a sharded engine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -16,7 +17,16 @@ from pathlib import Path
 
 from node_agent.agent import DEFAULT_ENGINE_HANG_TIMEOUT_S, Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
-from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology
+from node_agent.engine import (
+    AdapterLoadError,
+    Engine,
+    EngineConfig,
+    EngineError,
+    SamplingParams,
+    SchedulerError,
+    SequenceInput,
+    Topology,
+)
 from node_agent.errors import InvalidRequest
 from node_agent.server import (
     DEFAULT_EXIT_LINGER_S,
@@ -34,6 +44,7 @@ from node_agent.sources import (
     SourcePolicy,
 )
 from node_agent.validation import check_adapter_name, check_forward
+from node_agent.values import DEFAULT_NEW_TOKENS
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -56,6 +67,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--master-port", type=int, default=0, help="torch.distributed port on 127.0.0.1 (default: a free one)")
+    # Serving (docs/serving.md): the paged KV cache and the scheduler's limits.
+    parser.add_argument("--kv-cache-bytes", type=int, default=EngineConfig.kv_cache_bytes, metavar="B",
+                        help=f"each rank's paged KV cache budget in bytes (default {EngineConfig.kv_cache_bytes >> 20} MiB)")
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
+                        help=f"tokens per KV block (default {EngineConfig.block_size})")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="S",
+                        help=f"sequences per step over all DP groups (default {EngineConfig.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="T",
+                        help=f"new tokens per step over all DP groups, at least --max-num-seqs "
+                             f"(default {EngineConfig.max_num_batched_tokens})")
+    parser.add_argument("--enable-prefix-caching", action="store_true",
+                        help="reuse the KV of cached prompt prefixes (never across adapters or the base model)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -68,6 +91,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         dtype=args.dtype,
         master_port=args.master_port,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -118,6 +146,74 @@ def run_forward(args: argparse.Namespace) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file({f"logits.{i}": t.contiguous() for i, t in enumerate(logits)}, str(args.output))
     log.info("wrote %d logits tensors to %s", len(logits), args.output)
+
+
+_REQUEST_FIELDS = {"tokens", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"}
+
+
+def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, SamplingParams]]:
+    """IN.json of `generate`: a JSON list of {"tokens": [...], "adapter": NAME or null,
+    "max_tokens": N, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
+    "stop_token_ids": []} (only "tokens" required)."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise UsageError(f"input file {path} not found") from error
+    except json.JSONDecodeError as error:
+        raise UsageError(f"input file {path} is not valid JSON: {error}") from error
+    if not isinstance(raw, list) or not raw:
+        raise UsageError(f"input file {path} must hold a non-empty JSON list of requests")
+    requests = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict) or not isinstance(item.get("tokens"), list):
+            raise UsageError(f"input request {index} must be an object with a 'tokens' list")
+        unknown = sorted(set(item) - _REQUEST_FIELDS)
+        if unknown:
+            raise UsageError(f"input request {index}: unknown field {unknown[0]!r}")
+        adapter = item.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise UsageError(f"input request {index}: 'adapter' must be a name or null")
+        stop = item.get("stop_token_ids", [])
+        if not isinstance(stop, list):
+            raise UsageError(f"input request {index}: 'stop_token_ids' must be a list of token ids")
+        try:
+            params = SamplingParams(
+                temperature=item.get("temperature", 0.0), top_p=item.get("top_p", 1.0), top_k=item.get("top_k", 0),
+                min_p=item.get("min_p", 0.0), seed=item.get("seed"), max_tokens=item.get("max_tokens", DEFAULT_NEW_TOKENS),
+                stop_token_ids=tuple(stop),
+            )
+        except (TypeError, ValueError) as error:
+            raise UsageError(f"input request {index}: {error}") from error
+        requests.append((item["tokens"], adapter, params))
+    return requests
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    requests = read_generate_requests(args.input)
+    names = [name for name, _ in args.adapter]
+    if len(set(names)) != len(names):
+        raise UsageError("each --adapter NAME may be given once")
+    for name in names:
+        check_adapter_name(name)
+    unknown = sorted({adapter for _, adapter, _ in requests if adapter is not None} - set(names))
+    if unknown:
+        raise UsageError(f"an input request names adapter {unknown[0]!r}, which no --adapter gives")
+    config = dataclasses.replace(engine_config(args), max_waiting=max(EngineConfig.max_waiting, len(requests)))
+    with Engine(config) as engine:
+        check_forward([tokens for tokens, _, _ in requests], engine.model_config.vocab_size)
+        for name, path in args.adapter:
+            log.info("loading adapter %s from %s", name, path)
+            engine.load_adapter(name, path)
+        # Every request at once: the scheduler batches them.
+        generations = [engine.submit(tokens, adapter, params) for tokens, adapter, params in requests]
+        results = []
+        for generation in generations:
+            steps = list(generation.tokens())
+            finish = steps[-1].finish
+            results.append({"tokens": [step.token_id for step in steps], "finish_reason": finish.value if finish else None})
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results) + "\n")
+    log.info("wrote %d generations to %s", len(results), args.output)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help='JSON list of {"tokens": [int, ...], "adapter": "NAME" or null}')
     forward.add_argument("--output", required=True, type=Path, metavar="OUT.safetensors", help="where to write the logits")
     forward.set_defaults(run=run_forward)
+    generate = commands.add_parser(
+        "generate",
+        help="generate for a batch of requests through the engine's scheduler and write the tokens",
+        description="Start an engine with the given topology on this machine, load the adapters, submit every "
+        "input request at once to the scheduler (continuous batching over the DP groups) and write, in input "
+        'order, [{"tokens": [generated ids], "finish_reason": "stop" | "length"}, ...] to OUT.json. Only the '
+        "request's own stop_token_ids stop it (the model's EOS is not added).",
+    )
+    add_engine_arguments(generate)
+    generate.add_argument("--adapter", action="append", default=[], type=parse_adapter, metavar="NAME=DIR",
+                          help="a PEFT adapter directory to load under NAME (repeatable)")
+    generate.add_argument("--input", required=True, type=Path, metavar="IN.json",
+                          help='JSON list of {"tokens": [...], "adapter": NAME or null, "max_tokens": N, "temperature": 0.0, '
+                               '"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop_token_ids": []} (only tokens required)')
+    generate.add_argument("--output", required=True, type=Path, metavar="OUT.json", help="where to write the generations")
+    generate.set_defaults(run=run_generate)
     serve = commands.add_parser(
         "serve",
         help="run the node agent: an engine and the lorafleet.v1.NodeAgent gRPC service",
@@ -258,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         args.run(args)
-    except (UsageError, InvalidRequest, EngineError, AdapterLoadError, ValueError, OSError) as error:
+    except (UsageError, InvalidRequest, EngineError, SchedulerError, AdapterLoadError, ValueError, OSError) as error:
         print(f"lorafleet-agent: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, UsageError) else 1
     return 0

@@ -98,6 +98,11 @@ def generate_params(request: pb.GenerateRequest) -> GenerateParams:
         adapter=request.adapter or None,
         max_new_tokens=request.max_new_tokens,
         stop_token_ids=tuple(request.stop_token_ids),
+        temperature=request.temperature,
+        top_p=request.top_p or 1.0,  # proto3's unset 0 means off
+        top_k=request.top_k,
+        min_p=request.min_p,
+        seed=request.seed if request.HasField("seed") else None,
     )
 
 

@@ -60,6 +60,11 @@ class GenerateParams:
     adapter: str | None = None
     max_new_tokens: int = 0  # 0 = DEFAULT_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()  # () = the model's eos ids
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine picks one
 
 
 @dataclass(frozen=True)

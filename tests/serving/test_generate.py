@@ -217,3 +217,55 @@ def test_a_tiny_kv_budget_preempts_and_keeps_every_token(artifacts):
         served.assert_all_blocks_free()
     finally:
         gen.close()
+
+
+def test_a_full_waiting_queue_refuses_with_queue_full(artifacts):
+    api = engine_api()
+    gen = _engine(artifacts, 1, 1, max_num_seqs=1, max_num_batched_tokens=4, max_waiting=2)
+    served = next(gen)
+    try:
+        tokens = draw_tokens(80, 5, served.vocab)
+        running = served.engine.submit(tokens, None, api.SamplingParams(max_tokens=500))
+        next(iter(running.tokens()))  # it runs, and holds the one sequence place for 499 more steps
+        waiting = [served.engine.submit(tokens, "qv_r2", api.SamplingParams(max_tokens=3)) for _ in range(2)]
+        with pytest.raises(api.QueueFull, match="max_waiting 2"):
+            served.engine.submit(tokens, None, api.SamplingParams(max_tokens=3))
+        with pytest.raises(api.SchedulerError, match="KV cache"):
+            served.engine.submit(tokens, None, api.SamplingParams(max_tokens=10**7))
+        assert running.cancel()
+        assert [len(list(w.tokens())) for w in waiting] == [3, 3]
+        served.assert_all_blocks_free()
+    finally:
+        gen.close()
+
+
+def test_the_generate_command_writes_each_requests_tokens_in_input_order(artifacts, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model_dir = artifacts.model(MODEL)
+    adapters = {name: artifacts.adapter(MODEL, "standard", name) for name in ADAPTERS[:2]}
+    vocab = model_config(model_dir)["vocab_size"]
+    reqs = [Req(draw_tokens(90, 6, vocab), "all_list", 5), Req(draw_tokens(91, 3, vocab), None, 4),
+            Req(draw_tokens(92, 9, vocab), "qv_r2", 3)]
+    items: list[dict[str, Any]] = [{"tokens": r.tokens, "adapter": r.adapter, "max_tokens": r.max_tokens} for r in reqs]
+    stop = reference_generate(model_dir, adapters, reqs[0])[2]
+    items[0]["stop_token_ids"] = [stop]
+    (tmp_path / "in.json").write_text(json.dumps(items))
+    command = [sys.executable, "-m", "node_agent.cli", "generate", "--model", str(model_dir), "--tp", "2", "--dp", "2",
+               "--block-size", "4", "--max-num-batched-tokens", "8", "--max-num-seqs", "4",
+               "--input", str(tmp_path / "in.json"), "--output", str(tmp_path / "out.json")]
+    command += [f"--adapter={name}={path}" for name, path in adapters.items()]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads((tmp_path / "out.json").read_text())
+    want = [reference_generate(model_dir, adapters, r) for r in reqs]
+    cut = want[0].index(stop) + 1
+    assert out == [{"tokens": want[0][:cut], "finish_reason": "stop"},
+                   {"tokens": want[1], "finish_reason": "length"}, {"tokens": want[2], "finish_reason": "length"}]
+    (tmp_path / "bad.json").write_text(json.dumps([{"tokens": [1], "adapter": "missing"}]))
+    command[command.index(str(tmp_path / "in.json"))] = str(tmp_path / "bad.json")
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "lorafleet-agent: error: an input request names adapter 'missing', which no --adapter gives"]
