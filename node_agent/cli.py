@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import signal
@@ -42,6 +43,7 @@ from node_agent.sources import (
     DEFAULT_DOWNLOAD_TIMEOUT_S,
     DEFAULT_MAX_CONCURRENT_DOWNLOADS,
     SourcePolicy,
+    SourcePrefix,
 )
 from node_agent.validation import check_adapter_name, check_forward
 from node_agent.values import DEFAULT_NEW_TOKENS
@@ -240,6 +242,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})")
     parser.add_argument("--max-concurrent-downloads", type=int, default=DEFAULT_MAX_CONCURRENT_DOWNLOADS, metavar="N",
                         help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})")
+    parser.add_argument("--allow-source", action="append", default=[], metavar="PREFIX",
+                        help="an http(s) URL prefix adapters may be downloaded from, e.g. https://huggingface.co/ "
+                        "(repeatable; every redirect hop must match one too; none: http(s) sources refused)")
+    parser.add_argument("--allow-source-network", action="append", default=[], metavar="CIDR",
+                        help="a loopback, link-local or private network downloads may connect to (repeatable; "
+                        "default none: such addresses are refused, every DNS answer and redirect checked)")
     parser.add_argument("--max-control-calls", type=int, default=DEFAULT_MAX_CONTROL_CALLS, metavar="N",
                         help="LoadAdapter/UnloadAdapter calls at once; more are refused with RESOURCE_EXHAUSTED "
                         f"(default {DEFAULT_MAX_CONTROL_CALLS})")
@@ -292,11 +300,22 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         raise UsageError("--download-min-bytes-per-s must be 0 or more")
     if args.max_concurrent_downloads < 1:
         raise UsageError("--max-concurrent-downloads must be at least 1")
+    for entry in args.allow_source:
+        try:
+            SourcePrefix.parse(entry)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    for entry in args.allow_source_network:
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise UsageError(f"--allow-source-network {entry!r} is not an IP network (CIDR, e.g. 10.0.0.0/8)") from None
     if not args.engine_hang_timeout_s > 0:
         raise UsageError("--engine-hang-timeout-s must be positive")
     sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir,
                            download_timeout_s=args.download_timeout_s, download_min_bytes_per_s=args.download_min_bytes_per_s,
-                           max_concurrent_downloads=args.max_concurrent_downloads)
+                           max_concurrent_downloads=args.max_concurrent_downloads,
+                           allowed_sources=tuple(args.allow_source), allowed_networks=tuple(args.allow_source_network))
     return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
 
 

@@ -13,6 +13,15 @@ Policy (DESIGN.md §6, docs/agent.md "Sources" and "Limits"):
   directory or the system temp directory) and hashed while copied. The ranks load the snapshot,
   so the bytes that were checked and hashed are exactly the bytes every rank reads, whatever
   happens under the root meanwhile.
+* ``http(s)://`` only under a configured source prefix (``allowed_sources``, ``--allow-source``;
+  none: http(s) refused), checked for the URL as given and for every redirect hop; a path with
+  a ``.``/``..`` segment (also percent-encoded) is refused. Every connection resolves its host
+  once, checks every address of the answer, and connects only to an address it checked (the
+  connection's ``create_connection`` does all three, so nothing can change in between; TLS SNI
+  and ``Host`` keep the name). Loopback, link-local (cloud metadata), private, shared
+  (100.64.0.0/10), unspecified, multicast and other non-global addresses are never connected to
+  unless they lie in ``allowed_networks`` (``--allow-source-network``). Environment proxies are
+  not used (through a proxy the agent could not check where it connects).
 * ``http(s)://host/base`` — a directory-like URL without userinfo, query or fragment: the agent
   fetches ``<base>/adapter_config.json`` and ``<base>/adapter_model.safetensors`` separately (no
   archive format to unpack, so no archive traversal to defend against) into a fresh private
@@ -22,6 +31,10 @@ Policy (DESIGN.md §6, docs/agent.md "Sources" and "Limits"):
   ``max_concurrent_downloads`` run at once per cache directory (beyond: `TooManyDownloads`).
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line of this module repeats a URI's userinfo or query (`redact_uri`).
+* No message repeats downloaded content: a downloaded ``adapter_config.json`` is checked here
+  (`read_adapter_config`) and a refusal names only the field; a weights file that is not
+  safetensors-shaped is refused without quoting it; HTTP reason phrases, malformed status lines
+  and redirect targets of refused redirects are not repeated.
 
 Only those two files are ever read by the agent, and the engine reads only safetensors weights:
 no pickle is ever opened. The sha256 of the weights file is always computed (it is what
@@ -37,6 +50,8 @@ import contextlib
 import errno
 import functools
 import hashlib
+import http
+import ipaddress
 import logging
 import os
 import re
@@ -56,7 +71,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
-from node_agent.engine import FileDigests
+from node_agent.engine import AdapterLoadError, FileDigests, read_adapter_config
 from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
 
 log = logging.getLogger(__name__)
@@ -78,6 +93,79 @@ MAX_SYMLINKS = 40  # symlinks followed while walking one path (the kernel's own 
 # Everything between "//" and the next "/": a userinfo is anything up to the last "@" in there
 # (also when it holds a raw "?" or "#", which urlsplit would cut the netloc at).
 _AUTHORITY = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:)?//(?P<authority>[^/]*)")
+ALLOW_SOURCE_FLAG = "--allow-source"
+ALLOW_NETWORK_FLAG = "--allow-source-network"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_ANY_PORT = -1
+_MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit on the header's length
+# The top-level fields of adapter_config.json the engine reads or refuses (its schema's
+# properties): a refusal of a downloaded config names the first of these its message mentions.
+_CONFIG_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "lora_bias", "bias",
+                  "modules_to_save", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern")
+_CONFIG_FIELD = re.compile(r"(?<![\w.])(" + "|".join(sorted(_CONFIG_FIELDS, key=len, reverse=True)) + r")(?![\w])")
+
+
+@dataclass(frozen=True)
+class SourcePrefix:
+    """One ``--allow-source`` entry: http(s) URLs under it may be fetched.
+
+    ``scheme://host[:port]/path``: the scheme and host must be equal (case-insensitive), the port
+    equal (none given: the scheme's default; ``:*``: any port), and the URL's path must equal
+    the prefix's path or continue it after a ``/`` (``https://h/org`` covers ``https://h/org/x``,
+    not ``https://h/organisation``).
+    """
+
+    scheme: str
+    host: str
+    port: int  # _ANY_PORT: any
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> SourcePrefix:
+        any_port = re.sub(r"^([A-Za-z]+://[^/]*):\*(?=/|$)", r"\1", text)
+        try:
+            parts = urlsplit(any_port)
+            port = parts.port
+        except ValueError as error:
+            raise ValueError(f"{ALLOW_SOURCE_FLAG} {text!r} is not a valid URL prefix: {error}") from None
+        scheme = parts.scheme.lower()
+        if scheme not in _DEFAULT_PORTS or not parts.hostname:
+            raise ValueError(f"{ALLOW_SOURCE_FLAG} {text!r} must be an http:// or https:// URL with a host, e.g. https://huggingface.co/")
+        if "@" in parts.netloc or parts.query or parts.fragment or "?" in text or "#" in text:
+            raise ValueError(f"{ALLOW_SOURCE_FLAG} {redact_uri(text)!r} must not have credentials, a query or a fragment")
+        if _has_dot_segment(parts.path):
+            raise ValueError(f"{ALLOW_SOURCE_FLAG} {text!r} must not have '.' or '..' path segments")
+        resolved_port = _ANY_PORT if any_port != text else port if port is not None else _DEFAULT_PORTS[scheme]
+        return cls(scheme, parts.hostname.lower(), resolved_port, parts.path or "/")
+
+    def covers(self, scheme: str, host: str, port: int, path: str) -> bool:
+        if (scheme, host) != (self.scheme, self.host) or self.port not in (_ANY_PORT, port):
+            return False
+        path = path or "/"
+        if self.path.endswith("/"):
+            return path.startswith(self.path)
+        return path == self.path or path.startswith(self.path + "/")
+
+
+def _has_dot_segment(path: str) -> bool:
+    """Whether a URL path has a ``.`` or ``..`` segment, also percent-encoded or after a backslash."""
+    return any(segment in (".", "..") for segment in re.split(r"[/\\]", unquote(path)))
+
+
+@functools.lru_cache(maxsize=64)
+def _prefixes(entries: tuple[str, ...]) -> tuple[SourcePrefix, ...]:
+    return tuple(SourcePrefix.parse(entry) for entry in entries)
+
+
+@functools.lru_cache(maxsize=64)
+def _networks(entries: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    networks = []
+    for entry in entries:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"{ALLOW_NETWORK_FLAG} {entry!r} is not an IP network (CIDR such as 127.0.0.1/32 or 10.0.0.0/8)") from None
+    return tuple(networks)
 
 
 @dataclass(frozen=True)
@@ -94,8 +182,16 @@ class SourcePolicy:
     download_rate_window_s: float = DEFAULT_DOWNLOAD_RATE_WINDOW_S
     download_socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S  # per socket operation
     max_concurrent_downloads: int = DEFAULT_MAX_CONCURRENT_DOWNLOADS  # per cache directory
+    # URL prefixes http(s) sources (and every redirect hop) must lie under (--allow-source);
+    # none: http(s) sources are refused. The fleet's owner sets them (the chart), never a request.
+    allowed_sources: tuple[str, ...] = ()
+    # Networks (CIDR) downloads may connect to although they are loopback, link-local, private or
+    # otherwise not global (--allow-source-network); public addresses never need one.
+    allowed_networks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _prefixes(tuple(self.allowed_sources))  # ValueError naming the flag and the entry
+        _networks(tuple(self.allowed_networks))
         for name in ("max_download_bytes", "download_timeout_s", "download_rate_window_s",
                      "download_socket_timeout_s", "max_concurrent_downloads"):
             if not getattr(self, name) > 0:
@@ -473,12 +569,80 @@ def _shutdown(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-class _TrackedHTTPConnection(HTTPConnection):
-    """A connection that hands its socket to the watchdog once connected."""
+_SHARED_NETWORK = ipaddress.ip_network("100.64.0.0/10")
 
-    def __init__(self, *args: Any, watchdog: _Watchdog, **kwargs: Any) -> None:
+
+def _address_class(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """What kind of non-public address `ip` is (None: a global unicast address)."""
+    for test, name in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"),
+                       ("is_link_local", "link-local (where cloud metadata services answer)"),
+                       ("is_multicast", "multicast"), ("is_site_local", "site-local")):
+        if getattr(ip, test, False):
+            return name
+    if ip in _SHARED_NETWORK:
+        return "shared (100.64.0.0/10, carrier-grade NAT)"
+    if ip.is_private:
+        return "private"
+    if not ip.is_global:
+        return "reserved (not globally routable)"
+    return None
+
+
+def _connect_checked(
+    address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None, *,
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
+) -> socket.socket:
+    """`socket.create_connection`, but only to addresses the policy allows.
+
+    The host is resolved once; every address of the answer is checked; only checked addresses
+    are connected to (in the resolver's order), so no second lookup can answer differently.
+    """
+    host, port = address
+    answers = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    allowed, refused = [], []
+    for family, kind, proto, _, sockaddr in answers:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:  # ::ffff:a.b.c.d is a.b.c.d
+            ip = ip.ipv4_mapped
+        why = _address_class(ip)
+        if why is not None and not any(ip.version == net.version and ip in net for net in networks):
+            refused.append((ip, why))
+        else:
+            allowed.append((family, kind, proto, sockaddr))
+    if refused:
+        log.warning("download host %s: not connecting to %s", host, ", ".join(f"{ip} ({why})" for ip, why in refused))
+    if not allowed:
+        kinds = ", ".join(sorted({why for _, why in refused}))
+        raise SourceRefused(
+            f"the host {host!r} resolves only to addresses downloads may not connect to ({kinds}); "
+            f"allow such networks with {ALLOW_NETWORK_FLAG} CIDR",
+            "address_refused",
+        )
+    error: OSError | None = None
+    for family, kind, proto, sockaddr in allowed:
+        sock = socket.socket(family, kind, proto)
+        try:
+            if timeout is not None:
+                sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as failed:
+            sock.close()
+            error = failed
+    assert error is not None
+    raise error
+
+
+class _TrackedHTTPConnection(HTTPConnection):
+    """A connection to checked addresses only (`_connect_checked`) that hands its socket to the
+    watchdog once connected. The host name stays the connection's: ``Host`` and TLS SNI use it."""
+
+    def __init__(self, *args: Any, watchdog: _Watchdog, networks: tuple[Any, ...], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._watchdog = watchdog
+        self._create_connection = functools.partial(_connect_checked, networks=networks)
 
     def connect(self) -> None:
         super().connect()
@@ -493,10 +657,10 @@ class _TrackedHTTPSConnection(_TrackedHTTPConnection, HTTPSConnection):
 class _TrackedHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
     """http and https through tracked connections; being both, it replaces both default handlers."""
 
-    def __init__(self, watchdog: _Watchdog) -> None:
+    def __init__(self, watchdog: _Watchdog, networks: tuple[Any, ...]) -> None:
         super().__init__()
-        self._http = functools.partial(_TrackedHTTPConnection, watchdog=watchdog)
-        self._https = functools.partial(_TrackedHTTPSConnection, watchdog=watchdog)
+        self._http = functools.partial(_TrackedHTTPConnection, watchdog=watchdog, networks=networks)
+        self._https = functools.partial(_TrackedHTTPSConnection, watchdog=watchdog, networks=networks)
 
     def http_open(self, req: urllib.request.Request) -> HTTPResponse:
         return self.do_open(self._http, req)
@@ -506,18 +670,47 @@ class _TrackedHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
 
 
 class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects only to http(s) URLs without credentials (urllib allows ftp:// and file://)."""
+    """Follow redirects only to http(s) URLs without credentials (urllib allows ftp:// and file://)
+    and under an allowed source prefix; the target is not repeated (it is the server's content)."""
+
+    def __init__(self, prefixes: tuple[SourcePrefix, ...]) -> None:
+        super().__init__()
+        self._prefixes = prefixes
 
     def redirect_request(
         self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
     ) -> urllib.request.Request | None:
-        target = urlsplit(newurl)
-        what = f"redirect from {redact_uri(req.full_url)} to {redact_uri(newurl)!r} refused"
+        try:
+            target = urlsplit(newurl)
+        except ValueError:
+            target = urlsplit("invalid:")
+        what = f"redirect from {redact_uri(req.full_url)} refused"
         if target.scheme.lower() not in ("http", "https"):
-            raise SourceRefused(f"{what}: http(s) only", "redirect")
+            raise SourceRefused(f"{what}: the target is not an http(s) URL", "redirect")
         if "@" in target.netloc:
             raise SourceRefused(f"{what}: credentials in URLs are refused", "redirect")
+        _check_allowed(newurl, self._prefixes, what=f"{what}: the target")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _check_allowed(url: str, prefixes: tuple[SourcePrefix, ...], what: str) -> None:
+    """Refuse `url` unless an allowed source prefix covers it (and its path has no dot segment)."""
+    if not prefixes:
+        raise SourceRefused(
+            f"{what} is refused: this agent allows no http(s) sources; the fleet's owner names the URL prefixes "
+            f"agents may fetch from with {ALLOW_SOURCE_FLAG} PREFIX (e.g. https://huggingface.co/)",
+            "source_not_allowed",
+        )
+    try:
+        parts = urlsplit(url)
+        scheme, host, port = parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+    except ValueError:
+        raise SourceRefused(f"{what} is not a valid URL", "bad_uri") from None
+    if _has_dot_segment(parts.path):
+        raise SourceRefused(f"'.' and '..' path segments are refused in http(s) URLs: {what}", "traversal")
+    port = port if port is not None else _DEFAULT_PORTS.get(scheme, 0)
+    if not any(prefix.covers(scheme, host, port, parts.path) for prefix in prefixes):
+        raise SourceRefused(f"{what} is not under any source prefix this agent allows ({ALLOW_SOURCE_FLAG})", "source_not_allowed")
 
 
 _ACTIVE_DOWNLOADS: dict[str, int] = {}
@@ -549,22 +742,65 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
 def _download(uri: str, shown: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
+    prefixes = _prefixes(tuple(policy.allowed_sources))
+    base = uri.rstrip("/")
+    for url in (f"{base}/{ADAPTER_CONFIG}", f"{base}/{ADAPTER_WEIGHTS}"):
+        _check_allowed(url, prefixes, what=f"the source {shown!r}")
     if policy.cache_dir is None:
         raise SourceRefused("http(s) sources are refused: the agent has no --cache-dir", "no_cache_dir")
+    networks = _networks(tuple(policy.allowed_networks))
     with _download_slot(policy):
         target = _private_dir(policy, DOWNLOAD_PREFIX)
-        base = uri.rstrip("/")
         try:
             with _Watchdog(policy) as watchdog:
-                opener = urllib.request.build_opener(_TrackedHandler(watchdog), _HttpOnlyRedirects)
+                # No ProxyHandler with environment proxies: every connection is the agent's own, checked.
+                opener = urllib.request.build_opener(
+                    urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), _HttpOnlyRedirects(prefixes))
                 fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s)
                 config_sha = fetch(f"{base}/{ADAPTER_CONFIG}", target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+                _check_downloaded_config(target, shown)
                 weights_sha = fetch(f"{base}/{ADAPTER_WEIGHTS}", target / ADAPTER_WEIGHTS, policy.max_download_bytes)
+                _check_downloaded_weights(target / ADAPTER_WEIGHTS, shown)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
     log.debug("downloaded %s into %s", shown, target)
     return ResolvedSource(uri, target, Content(weights_sha, config_sha), downloaded=True, owned=True)
+
+
+def _check_downloaded_config(directory: Path, shown: str) -> None:
+    """The engine's checks of adapter_config.json, run on the download; a refusal names the field
+    (the first top-level field the check's message mentions), never a value read from the file."""
+    try:
+        read_adapter_config(directory)
+    except AdapterLoadError as error:
+        found = _CONFIG_FIELD.search(str(error).replace(str(directory), ""))  # the agent's own path is no field
+        problem = f"its field {found.group(1)!r} is invalid or not supported" if found else "it is not a valid LoRA adapter config"
+        raise SourceRefused(
+            f"{ADAPTER_CONFIG} downloaded from {shown} is refused: {problem} (values read from downloaded files are "
+            "never repeated in messages)",
+            "bad_adapter_config",
+        ) from None
+
+
+def _check_downloaded_weights(path: Path, shown: str) -> None:
+    """Refuse a download that is not shaped like safetensors (an 8-byte header length that fits the
+    file, then a JSON object) before a rank reads it, without repeating any of its bytes."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        first = handle.read(1) if 0 < length <= min(_MAX_SAFETENSORS_HEADER, size - 8) else b""
+    if first != b"{":
+        raise SourceRefused(f"{ADAPTER_WEIGHTS} downloaded from {shown} is not a safetensors file", "bad_adapter_weights")
+
+
+def _reason_phrase(code: int) -> str:
+    """The standard phrase of an HTTP status (the server's own phrase is its content: not repeated)."""
+    try:
+        return http.HTTPStatus(code).phrase
+    except ValueError:
+        return ""
 
 
 def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float) -> str:
@@ -591,16 +827,22 @@ def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirec
                 raise SourceUnavailable(f"download of {shown} failed: the body ended after {total} of {declared} bytes (truncated)")
             return digest.hexdigest()
     except urllib.error.HTTPError as error:
+        status = f"HTTP {error.code} {_reason_phrase(error.code)}".rstrip()
         if error.code in (404, 410):
             raise SourceNotFound(f"{shown} not found (HTTP {error.code})") from None
         if 300 <= error.code < 400:  # urllib itself refuses redirects to file:// with an HTTPError
-            raise SourceRefused(f"redirect from {shown} refused: {error.reason} (http(s) only)", "redirect") from None
+            raise SourceRefused(f"redirect from {shown} refused: {status} (http(s) only)", "redirect") from None
         if error.code >= 500:
-            raise SourceUnavailable(f"download of {shown} failed: HTTP {error.code} {error.reason}") from None
-        raise SourceRefused(f"download of {shown} refused: HTTP {error.code} {error.reason}", "http_error") from None
-    except (urllib.error.URLError, HTTPException, OSError) as error:
+            raise SourceUnavailable(f"download of {shown} failed: {status}") from None
+        raise SourceRefused(f"download of {shown} refused: {status}", "http_error") from None
+    except HTTPException as error:  # its text may quote the server's bytes (a bad status line): only its kind
+        _check_watchdog(watchdog, shown)
+        raise SourceUnavailable(f"download of {shown} failed: the reply is not valid HTTP ({type(error).__name__})") from None
+    except (urllib.error.URLError, OSError) as error:
         _check_watchdog(watchdog, shown)
         reason = getattr(error, "reason", error)
+        if isinstance(reason, HTTPException):
+            raise SourceUnavailable(f"download of {shown} failed: the reply is not valid HTTP ({type(reason).__name__})") from None
         raise SourceUnavailable(f"download of {shown} failed: {reason}") from None
 
 

@@ -48,6 +48,8 @@ class AgentSpec:
                 "--max-loaded-loras", str(self.max_loaded_loras)]
         for root in self.adapter_roots:
             argv += ["--adapter-root", str(root)]
+        # Local agents download only from loopback test servers (docs/agent.md, Sources).
+        argv += ["--allow-source", "http://127.0.0.1:*/", "--allow-source-network", "127.0.0.0/8"]
         if metrics_port:
             argv += ["--metrics-port", str(metrics_port)]
         return argv + list(self.extra_args)

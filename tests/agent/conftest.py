@@ -19,7 +19,7 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from tests.agent.helpers import make_adapter, make_model
+from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, make_model
 
 SLOTS = 4
 
@@ -44,7 +44,7 @@ def shared(tmp_path_factory) -> Iterator[Shared]:
     adapters = {f"ad{i}": make_adapter(root / f"ad{i}", seed=100 + i) for i in range(10)}
     cache = base / "cache"
     engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2), max_loras_per_batch=SLOTS, max_loaded_loras=16)
-    config = AgentConfig(agent_id="agent-under-test", sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache))
+    config = AgentConfig(agent_id="agent-under-test", sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, **LOOPBACK_SOURCES))
     agent = Agent.start(engine_config, config)
     server = create_server(agent, ServerOptions(listen="127.0.0.1:0", metrics_port=0))
     server.start()

@@ -80,6 +80,13 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 60, what: str =
 
 # -- an HTTP server for http(s) sources ----------------------------------------------------------
 
+# What the test agents' source policies allow (`SourcePolicy(**LOOPBACK_SOURCES)`; `lorafleet-agent
+# serve --allow-source http://127.0.0.1:*/ --allow-source-network 127.0.0.0/8`): the loopback servers below.
+LOOPBACK_SOURCES: dict[str, tuple[str, ...]] = {
+    "allowed_sources": ("http://127.0.0.1:*/", "https://127.0.0.1:*/"),
+    "allowed_networks": ("127.0.0.0/8",),
+}
+
 
 class AdapterHTTPServer(http.server.ThreadingHTTPServer):
     """Serves a directory on 127.0.0.1, with test behaviours chosen by the first path segment:

@@ -26,7 +26,7 @@ from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import ADAPTER_WEIGHTS, SourcePolicy
-from tests.agent.helpers import forward, http_server, make_adapter, make_model, rpc_error, wait_until
+from tests.agent.helpers import LOOPBACK_SOURCES, forward, http_server, make_adapter, make_model, rpc_error, wait_until
 
 STALLING_RANK = 1
 STALL_S = 4.0
@@ -139,7 +139,8 @@ def solo(tmp_path_factory) -> Iterator[Solo]:
     make_adapter(root / "ad", seed=21)
     cache = base / "cache"
     agent = Agent.start(EngineConfig(model_dir=model, topology=Topology(1, 1)),
-                        AgentConfig(sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, download_min_bytes_per_s=0)))
+                        AgentConfig(sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, download_min_bytes_per_s=0,
+                                                         **LOOPBACK_SOURCES)))
     try:
         yield Solo(agent, cache, root)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import json
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from lorafleet_dev.pki import Authority
 from node_agent import errors
 from node_agent.errors import SourceRefused, SourceUnavailable
 from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, resolve_source
-from tests.agent.helpers import make_adapter, rpc_error, wait_until
+from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, rpc_error, wait_until
 
 SECRET = "s3cr3t-pa55"
 
@@ -130,12 +131,13 @@ def misbehaving(root: Path, tls: tuple[Path, Path] | None = None) -> Iterator[Mi
 def served(tmp_path) -> Path:
     make_adapter(tmp_path / "served" / "ad", seed=1)
     # A trickled file must be long enough that it cannot finish before the limits fire.
-    (tmp_path / "served" / "ad" / ADAPTER_CONFIG).write_text('{"padding": "' + "x" * 4096 + '"}')
+    config = tmp_path / "served" / "ad" / ADAPTER_CONFIG
+    config.write_text(json.dumps({**json.loads(config.read_text()), "padding": "x" * 4096}))
     return tmp_path / "served"
 
 
 def policy(tmp_path: Path, **kwargs) -> SourcePolicy:
-    return SourcePolicy(cache_dir=tmp_path / "cache", **kwargs)
+    return SourcePolicy(cache_dir=tmp_path / "cache", **{**LOOPBACK_SOURCES, **kwargs})
 
 
 def leftovers(tmp_path: Path) -> list[Path]:
@@ -173,7 +175,7 @@ def test_a_server_under_the_minimum_rate_fails(tmp_path, served):
 
 
 def test_a_body_shorter_than_its_content_length_is_a_download_failure(tmp_path, served):
-    with misbehaving(served) as http, pytest.raises(SourceUnavailable, match=r"the body ended after \d+ of 4111 bytes \(truncated\)"):
+    with misbehaving(served) as http, pytest.raises(SourceUnavailable, match=r"the body ended after \d+ of \d+ bytes \(truncated\)"):
         resolve_source(http.url("short", "ad"), None, policy(tmp_path))
     assert not leftovers(tmp_path)
 
@@ -275,7 +277,7 @@ def test_uris_are_redacted_for_messages_and_logs(uri, shown):
 def test_a_cache_directory_that_cannot_be_created_is_unavailable(tmp_path, served):
     (tmp_path / "a-file").write_text("")
     with misbehaving(served) as http, pytest.raises(SourceUnavailable, match=r"cache directory .* is not usable .* --cache-dir"):
-        resolve_source(http.url("files", "ad"), None, SourcePolicy(cache_dir=tmp_path / "a-file" / "cache"))
+        resolve_source(http.url("files", "ad"), None, SourcePolicy(cache_dir=tmp_path / "a-file" / "cache", **LOOPBACK_SOURCES))
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -13,7 +14,7 @@ import pytest
 from lorafleet.v1 import agent_pb2 as pb
 from node_agent.errors import SourceNotFound, SourceRefused, SourceUnavailable
 from node_agent.sources import SourcePolicy, clean_cache, parse_sha256, resolve_source
-from tests.agent.helpers import http_server, make_adapter, rpc_error
+from tests.agent.helpers import LOOPBACK_SOURCES, http_server, make_adapter, rpc_error
 
 CAP = 256 * 1024  # the download cap of the policy-level tests
 
@@ -72,7 +73,7 @@ def cases(root: Path, outside: Path, http) -> list[tuple[str, str, grpc.StatusCo
 def test_every_refused_source_is_refused_with_a_clear_status_and_leaves_nothing(shared, stub, hostile, monkeypatch):
     # The shared agent's download cap, lowered for this test (the files here are KiB).
     policy = shared.agent.config.sources
-    lowered = SourcePolicy(policy.adapter_roots, policy.cache_dir, CAP)
+    lowered = dataclasses.replace(policy, max_download_bytes=CAP)
     monkeypatch.setattr(shared.agent, "config", _with_sources(shared.agent.config, lowered))
     with http_server(shared.root) as http:
         for case_id, uri, code, phrase in cases(shared.root, hostile, http):
@@ -123,8 +124,11 @@ def test_file_sources_need_an_adapter_root_and_http_sources_a_cache(tmp_path):
     with pytest.raises(SourceRefused, match="no --adapter-root") as refused:
         resolve_source(adapter.as_uri(), None, SourcePolicy())
     assert refused.value.reason == "outside_roots"
-    with pytest.raises(SourceRefused, match="no --cache-dir"):
+    with pytest.raises(SourceRefused, match=r"allows no http\(s\) sources.*--allow-source PREFIX") as refused:
         resolve_source("https://example.invalid/ad", None, SourcePolicy())
+    assert refused.value.reason == "source_not_allowed"
+    with pytest.raises(SourceRefused, match="no --cache-dir"):
+        resolve_source("https://example.invalid/ad", None, SourcePolicy(allowed_sources=("https://example.invalid/",)))
 
 
 def test_a_root_prefix_is_not_a_root(tmp_path):
@@ -140,7 +144,7 @@ def test_unreachable_servers_are_unavailable_and_leave_no_download(tmp_path):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    policy = SourcePolicy(cache_dir=tmp_path / "cache", download_timeout_s=5)
+    policy = SourcePolicy(cache_dir=tmp_path / "cache", download_timeout_s=5, **LOOPBACK_SOURCES)
     with pytest.raises(SourceUnavailable, match="failed"):
         resolve_source(f"http://127.0.0.1:{port}/ad", None, policy)
     assert not list((tmp_path / "cache").iterdir())
@@ -148,7 +152,7 @@ def test_unreachable_servers_are_unavailable_and_leave_no_download(tmp_path):
 
 def test_downloads_are_private_copies_and_stale_ones_are_cleaned(tmp_path):
     make_adapter(tmp_path / "served" / "ad", seed=1)
-    policy = SourcePolicy(cache_dir=tmp_path / "cache")
+    policy = SourcePolicy(cache_dir=tmp_path / "cache", **LOOPBACK_SOURCES)
     with http_server(tmp_path / "served") as http:
         first = resolve_source(http.url("files", "ad"), None, policy)
         second = resolve_source(http.url("files", "ad"), None, policy)
@@ -161,7 +165,7 @@ def test_downloads_are_private_copies_and_stale_ones_are_cleaned(tmp_path):
 
 def test_redirects_are_followed_only_to_http(tmp_path):
     make_adapter(tmp_path / "served" / "ad", seed=1)
-    policy = SourcePolicy(cache_dir=tmp_path / "cache")
+    policy = SourcePolicy(cache_dir=tmp_path / "cache", **LOOPBACK_SOURCES)
     with http_server(tmp_path / "served") as http:
         assert resolve_source(http.url("moved", "ad"), None, policy).content.weights_sha256
         for kind in ("to-ftp", "to-file"):
