@@ -250,6 +250,19 @@ def test_agent_args_parse_with_the_agents_own_parser(
         # Auth is on by default, TLS off.
         assert str(args.auth_token_file) == "/var/run/lorafleet/auth/token"
         assert args.tls_cert is None
+        # No http(s) source is allowed until the values name some.
+        assert (args.allow_source, args.allow_source_network) == ([], [])
+
+
+def test_agent_source_allowlist_values_become_the_agents_flags(kube_cluster: ControlPlane) -> None:
+    from node_agent.cli import build_parser
+
+    docs = render_docs(kube_cluster, MODEL, "agent.sources.allow={https://huggingface.co/,https://m.example:8443/lora/}",
+                       "agent.sources.allowNetworks={10.0.0.0/8}")
+    container = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert args.allow_source == ["https://huggingface.co/", "https://m.example:8443/lora/"]
+    assert args.allow_source_network == ["10.0.0.0/8"]
 
 
 # ---- refusals: values.schema.json and templates/_validate.tpl --------------------------------
@@ -260,6 +273,8 @@ REFUSALS = [
     (("agent.replicas=0",), "at '/agent/replicas': minimum: got 0, want 1"),
     (("operator.replicas=0",), "at '/operator/replicas': minimum: got 0, want 1"),
     (("agent.device=tpu",), "at '/agent/device': value must be one of 'cuda', 'cpu'"),
+    (("agent.sources.allow={http://user:pw@m.example/}",), "at '/agent/sources/allow/0'"),
+    (("agent.sources.allow={m.example}",), "at '/agent/sources/allow/0'"),
     (("agent.grpcPort=70000",), "at '/agent/grpcPort': maximum: got 70,000, want 65,535"),
     (("agent.metricsPort=0",), "at '/agent/metricsPort': minimum: got 0, want 1"),
     (("operator.metricsPort=65536",), "at '/operator/metricsPort': maximum: got 65,536, want 65,535"),
