@@ -29,11 +29,16 @@ import kopf
 from lorafleet_operator import metrics, names
 from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
-from lorafleet_operator.failures import KUBE_API_ERRORS, drift_delay, kube_reason, retry_after
+from lorafleet_operator.failures import (
+    KUBE_API_ERRORS,
+    FleetProblem,
+    drift_delay,
+    kube_reason,
+    retry_after,
+)
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
 from lorafleet_operator.reconcile import (
-    FleetProblem,
     FleetView,
     Target,
     ask_each,
@@ -176,8 +181,10 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
 
 
 def member(agent: AgentPod, info: AgentInfo | AgentError | None,
-           registry: Registry | None) -> dict[str, Any]:
-    """One LoraFleet status.members entry."""
+           registry: Registry | None, own: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """One LoraFleet status.members entry. ``capacity.loadedLoras`` counts only ``own``, the
+    registry names of this fleet's adapters: agents may be shared by fleets of several
+    namespaces, and a fleet's status must not tell its readers how busy the others are."""
     entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint,
                              "ready": agent.dialable and isinstance(info, AgentInfo)}
     if isinstance(info, AgentInfo):
@@ -189,7 +196,7 @@ def member(agent: AgentPod, info: AgentInfo | AgentError | None,
                              "maxLorasPerBatch": info.max_loras_per_batch,
                              "maxLoraRank": info.max_lora_rank}
         if isinstance(registry, Mapping):
-            entry["capacity"]["loadedLoras"] = len(registry)
+            entry["capacity"]["loadedLoras"] = sum(1 for n in registry if n in own)
         entry["message"] = ""
     elif isinstance(info, AgentError):
         entry["message"] = info.message[:MAX_AGENT_MESSAGE]
@@ -199,8 +206,10 @@ def member(agent: AgentPod, info: AgentInfo | AgentError | None,
 
 
 def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
-                 registries: Mapping[str, Registry], problem: FleetProblem | None) -> dict[str, Any]:
-    """LoraFleet status: agents found, how many answer, each member's topology and capacity."""
+                 registries: Mapping[str, Registry], problem: FleetProblem | None,
+                 own: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+    """LoraFleet status: agents found, how many answer, each member's topology and capacity
+    (``own``: the registry names of this fleet's adapters, the only ones counted)."""
     previous = list((fleet.get("status") or {}).get("conditions") or [])
     generation = int(fleet["metadata"].get("generation", 0))
     now = now_rfc3339()
@@ -209,7 +218,8 @@ def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
         unusable = condition("Ready", "False", problem.reason, problem.message, generation,
                              previous, now)
         return {"observedGeneration": generation, "conditions": [unusable]}
-    members = [member(a, view.infos.get(a.name), registries.get(a.name)) for a in view.agents]
+    members = [member(a, view.infos.get(a.name), registries.get(a.name), own)
+               for a in view.agents]
     ready_agents = sum(1 for m in members if m["ready"])
     answering = f"{ready_agents}/{len(members)} agents answer"
     if not members:
@@ -233,6 +243,7 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
         status = fleet_status(fleet, None, {}, problem)
         if not unchanged(fleet.get("status") or {}, status):
             await rt.kube.patch_fleet_status(namespace, name, status)
+        metrics.DRIFT_CHECKS.inc()
         log.info("drift check of lorafleet %s/%s: %s", namespace, name, problem.message)
         return
     registries = await list_registries(rt, view)
@@ -242,7 +253,8 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
     mine = [a for a in adapters if _live(a) and a["spec"]["fleetRef"]["name"] == name]
     phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a) for a in mine))
     current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
-    status = fleet_status(current, view, registries, None)
+    own = {names.agent_name(namespace, a["metadata"]["name"]) for a in mine}
+    status = fleet_status(current, view, registries, None, own)
     if not unchanged(current.get("status") or {}, status):
         await rt.kube.patch_fleet_status(namespace, name, status)
     metrics.DRIFT_CHECKS.inc()
@@ -276,7 +288,10 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
         poke.clear()
         wait_at_least = 0.0
         try:
-            await check_fleet(rt, namespace, body)
+            async with rt.fleet_lock(namespace, name):  # never beside the fleet's deletion
+                if stopped:
+                    break
+                await check_fleet(rt, namespace, body)
             api_failures = 0
         except KUBE_API_ERRORS as err:  # the API server is down or busy: back off (policy)
             api_failures += 1

@@ -15,6 +15,10 @@ Every decision about what failed how, and whether and when to try again, is made
   against that adapter generation (:class:`CrashBook`); after ``load_crash_budget`` such agent
   deaths the generation is condemned: Failed (``LoadCrashedAgent``), sent to no agent until the
   spec changes;
+* **an unusable fleet** — a missing or deleted LoraFleet, a Secret not opened to lorafleet, a
+  token that is no valid header value (:func:`bearer_token`) are :class:`FleetProblem`: permanent,
+  never retried by kopf (the adapter is Pending with the reason; the drift check and a
+  changed spec look again);
 * **handler outcomes** — the one place that raises ``kopf.TemporaryError`` /
   ``kopf.PermanentError`` (:func:`kopf_retries`, around every handler).
 
@@ -337,6 +341,41 @@ class Transient(Exception):
 
 class Permanent(Exception):
     """A handler's work failed and asking again will not help until the spec changes."""
+
+
+class FleetProblem(Permanent):
+    """The fleet cannot be used as declared: missing or being deleted, a Secret that is not
+    opened to lorafleet, an invalid token. Permanent: the handler writes Pending with
+    ``reason`` and stops; nothing retries it in a loop (the drift check looks at the fleet
+    again at its interval, so a fixed Secret or a new fleet is picked up then)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+#: The Ready condition's reason for a token that cannot be sent as a header value.
+INVALID_TOKEN = "InvalidToken"
+
+
+def bearer_token(raw: bytes) -> str:
+    """A token Secret's value as the bearer token to send: surrounding whitespace (a trailing
+    newline from ``echo`` or a file) is trimmed; anything left that is not printable ASCII (a
+    control character, a newline inside, non-ASCII) is refused once, as permanent — gRPC would
+    refuse every call with "Illegal header value". The message never shows the value."""
+    token = raw.strip(b" \t\r\n\f\v")
+    if not token:
+        raise FleetProblem(INVALID_TOKEN, "the fleet's bearer token is empty (after trimming "
+                                          "surrounding whitespace)")
+    bad = sum(1 for b in token if not 0x20 <= b <= 0x7E)
+    if bad:
+        raise FleetProblem(INVALID_TOKEN, f"the fleet's bearer token cannot be sent as a header "
+                                          f"value: it contains {bad} control or non-ASCII "
+                                          f"byte(s) after trimming surrounding whitespace; "
+                                          f"nothing is sent to the agents until the Secret is "
+                                          f"fixed")
+    return token.decode("ascii")
 
 
 def check_load(results: Sequence[AgentResult], phase: str, message: str, *,

@@ -1,4 +1,5 @@
-"""kopf handlers for LoraAdapter (create, update, resume, delete) and agent pods.
+"""kopf handlers for LoraAdapter (create, update, resume, delete), LoraFleet (delete) and
+agent pods.
 
 Each handler is a small function that takes the kopf kwargs it uses and hands the work to
 :mod:`reconcile`. Retries are kopf's, decided by :mod:`failures` (every adapter handler is
@@ -10,18 +11,30 @@ a new generation (``spec`` changed) runs the update handler again. The drift che
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from lorafleet_operator import metrics, names
-from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, GROUP, VERSION
-from lorafleet_operator.failures import Transient, check_load, delete_waits, kopf_api_backoffs, kopf_retries
+from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, FLEETS, GROUP, VERSION
+from lorafleet_operator.failures import (
+    AgentFailure,
+    FleetProblem,
+    Transient,
+    check_load,
+    delete_waits,
+    kopf_api_backoffs,
+    kopf_retries,
+)
 from lorafleet_operator.publish import post_event, publish_status
 from lorafleet_operator.reconcile import (
-    FleetProblem,
+    FLEET_DELETED,
+    FleetView,
+    UnloadOutcome,
     condemned,
     fleet_view,
     load_everywhere,
@@ -132,7 +145,8 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
                               previous=body.get("status"), deleting=True)
         await publish_status(rt, body, status)
         try:
-            view = await fleet_view(rt, namespace, body["spec"]["fleetRef"]["name"])
+            view = await fleet_view(rt, namespace, body["spec"]["fleetRef"]["name"],
+                                    terminating_ok=True)
             outcomes = await unload_everywhere(rt, view, names.agent_name(namespace, name))
         except FleetProblem as problem:
             log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name,
@@ -153,6 +167,69 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     rt.locks.pop((namespace, name), None)
     log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
              len(outcomes) - len(failures), len(outcomes), elapsed)
+
+
+@kopf.on.delete(GROUP, VERSION, FLEETS)
+@kopf_retries
+async def on_fleet_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: Any) -> None:
+    await release_fleet(_runtime(memo), body, retry)
+
+
+async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
+    """A LoraFleet is being deleted: its finalizer (``lorafleet.dev/unload``) holds it until
+    every adapter that references it is unloaded from its agents, and each live one is Pending
+    with reason ``FleetDeleted``. The fleet object still exists meanwhile (deletionTimestamp
+    set), so its selector and Secrets still say where and how to unload; nothing has to
+    remember it afterwards. Loads stop at once: a look at a fleet being deleted refuses
+    (``FleetDeleted``), and the fleet's drift check never runs beside this (the fleet lock).
+    An unreachable Ready agent is retried like an adapter's deletion (``delete_waits``), then
+    the fleet is released with a Warning Event ``UnloadIncomplete``."""
+    started = time.monotonic()
+    meta = body["metadata"]
+    namespace, fleet = meta["namespace"], meta["name"]
+    async with rt.fleet_lock(namespace, fleet):
+        adapters = [a for a in await rt.kube.list_adapters(namespace)
+                    if a["spec"]["fleetRef"]["name"] == fleet]
+        try:
+            view: FleetView | None = await fleet_view(rt, namespace, fleet, terminating_ok=True)
+            unreachable = ""
+        except FleetProblem as problem:  # e.g. its Secret is not opened: nothing to call with
+            view, unreachable = None, problem.message
+        outcomes = [o for part in await asyncio.gather(*(
+            _release_adapter(rt, view, fleet, a, unreachable) for a in adapters)) for o in part]
+    failures: list[AgentFailure] = [o.failure for o in outcomes if o.failure is not None]
+    message = unload_message(outcomes)
+    if delete_waits(rt.settings, retry, failures):
+        log.info("deleting lorafleet %s/%s: %d unloads failed, retrying", namespace, fleet,
+                 len(failures))
+        raise Transient(message)
+    if message:
+        post_event(body, "Warning", "UnloadIncomplete", message)
+    rt.pokes.pop((namespace, fleet), None)
+    rt.fleet_locks.pop((namespace, fleet), None)
+    log.info("deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",
+             namespace, fleet, len(adapters), len(view.dialable) if view else 0,
+             time.monotonic() - started, f" ({unreachable})" if unreachable else "")
+
+
+async def _release_adapter(rt: Runtime, view: FleetView | None, fleet: str,
+                           adapter: Mapping[str, Any], unreachable: str) -> list[UnloadOutcome]:
+    """Unload one adapter of a fleet being deleted from its agents; a live one becomes Pending
+    (``FleetDeleted``). One being deleted itself keeps its own status (Terminating)."""
+    meta = adapter["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    async with rt.lock(namespace, name):
+        outcomes = [] if view is None else await unload_everywhere(
+            rt, view, names.agent_name(namespace, name))
+        if not meta.get("deletionTimestamp"):
+            incomplete = unload_message(outcomes) or unreachable
+            pending = (f"LoraFleet {fleet!r} was deleted: the adapter was unloaded from its "
+                       f"agents" + (f" (not everywhere: {incomplete})" if incomplete else ""))
+            status = build_status([], generation=int(meta.get("generation", 0)),
+                                  previous=adapter.get("status"), pending_reason=FLEET_DELETED,
+                                  pending_message=pending)
+            await publish_status(rt, adapter, status)
+    return outcomes
 
 
 @kopf.on.event("", "v1", "pods")

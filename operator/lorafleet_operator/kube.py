@@ -12,6 +12,7 @@ import base64
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import urllib3
@@ -21,6 +22,15 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_operator.config import ADAPTERS, FLEETS, GROUP, VERSION
 
 REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SecretData:
+    """What the operator reads of a Secret: who opened it (labels, annotations) and its data."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    data: Mapping[str, bytes] = field(default_factory=dict)
 
 
 def make_api_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -84,10 +94,14 @@ class Kube:
                                label_selector=label_selector)
         return list(body.get("items") or [])
 
-    async def get_secret(self, namespace: str, name: str) -> dict[str, bytes]:
-        """A Secret's data, decoded. Raises ApiException (404 when missing)."""
+    async def get_secret(self, namespace: str, name: str) -> SecretData:
+        """A Secret's labels, annotations and data (decoded), read by name. Raises
+        ApiException (404 when missing, 403 when the operator may not read it)."""
         body = await self._run(self.core.read_namespaced_secret, name, namespace)
-        return {k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()}
+        meta = body.get("metadata") or {}
+        return SecretData(labels=dict(meta.get("labels") or {}),
+                          annotations=dict(meta.get("annotations") or {}),
+                          data={k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()})
 
     async def patch_adapter_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> dict[str, Any] | None:

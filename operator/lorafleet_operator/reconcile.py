@@ -24,27 +24,32 @@ from lorafleet_operator.failures import (
     AdapterGeneration,
     AgentFailure,
     FailureKey,
+    FleetProblem,
     agent_state,
+    bearer_token,
     crash_verdict,
     died_under,
     failure_message,
     incarnation,
 )
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
+from lorafleet_operator.kube import SecretData
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-class FleetProblem(Exception):
-    """The fleet cannot be used as declared (missing, or its Secret refs are broken)."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+#: A Secret's owner opens it to every LoraFleet of its namespace with this label ("true"),
+#: or to one of them (the label's value is the fleet's name) ...
+ALLOW_LABEL = "lorafleet.dev/allow-fleet"
+#: ... or to some of them with this annotation: their names, comma-separated (fleet names may
+#: be longer than a label value's 63 characters).
+ALLOW_ANNOTATION = "lorafleet.dev/allowed-fleets"
+#: The Ready condition's reason when a fleet names a Secret it may not use (whatever the cause).
+SECRET_NOT_OPENED = "SecretNotOpened"
+#: The Ready condition's reason while the fleet is being deleted, and after (docs/operator.md).
+FLEET_DELETED = "FleetDeleted"
 
 
 @dataclass(frozen=True)
@@ -87,26 +92,56 @@ class FleetView:
         return chosen
 
 
-async def credentials(rt: Runtime, namespace: str, spec: Mapping[str, Any]) -> Credentials:
-    """The fleet's token and TLS material, read from its Secrets (by name: no list rights)."""
+def opened_to(secret: SecretData, fleet: str) -> bool:
+    """Whether the Secret's owner opened it to this fleet (:data:`ALLOW_LABEL` "true" or the
+    fleet's name, or :data:`ALLOW_ANNOTATION` naming the fleet)."""
+    if secret.labels.get(ALLOW_LABEL) in ("true", fleet):
+        return True
+    allowed = secret.annotations.get(ALLOW_ANNOTATION, "")
+    return fleet in {n.strip() for n in allowed.split(",") if n.strip()}
+
+
+async def opened_secret(rt: Runtime, namespace: str, fleet: str, name: str,
+                        keys: Sequence[str]) -> Mapping[str, bytes]:
+    """The data of a Secret the fleet may use: opened to it by its owner and holding ``keys``.
+
+    Anything else — missing, not readable by the operator, not opened, a key missing — is
+    refused with one and the same message, which says nothing about the Secret: a fleet's
+    author learns no more than they wrote (the confused-deputy rule, docs/operator.md
+    "Security"). Other API errors (the server down or busy) are transient and escape."""
+    refused = FleetProblem(
+        SECRET_NOT_OPENED,
+        f"LoraFleet {fleet!r} may not use Secret {name!r} with key(s) "
+        f"{', '.join(repr(k) for k in keys)}: the operator uses only Secrets of this namespace "
+        f"that their owner opened to lorafleet (label {ALLOW_LABEL}=\"true\" or the fleet's "
+        f"name, or annotation {ALLOW_ANNOTATION} naming the fleet) and that hold the named key(s)")
     try:
-        token = ""
-        auth = spec.get("auth")
-        if auth:
-            ref = auth["tokenSecretRef"]
-            data = await rt.kube.get_secret(namespace, ref["name"])
-            token = data[ref.get("key") or "token"].decode().strip()
-        tls = spec.get("tls")
-        if not tls:
-            return Credentials(token=token)
-        data = await rt.kube.get_secret(namespace, tls["secretRef"]["name"])
-        return Credentials(token=token, root_ca=data["ca.crt"], client_cert=data.get("tls.crt"),
-                           client_key=data.get("tls.key"), server_name=tls.get("serverName", ""))
+        secret = await rt.kube.get_secret(namespace, name)
     except ApiException as err:
-        raise FleetProblem("SecretUnreadable", f"cannot read the fleet's Secret: {err.reason}") \
-            from None
-    except KeyError as err:
-        raise FleetProblem("SecretIncomplete", f"the fleet's Secret lacks key {err}") from None
+        if err.status in (403, 404):
+            raise refused from None
+        raise
+    if not opened_to(secret, fleet) or any(k not in secret.data for k in keys):
+        raise refused
+    return secret.data
+
+
+async def credentials(rt: Runtime, namespace: str, fleet: str,
+                      spec: Mapping[str, Any]) -> Credentials:
+    """The fleet's token and TLS material, read from Secrets opened to it (by name: no list
+    rights). The token is trimmed and checked (:func:`~lorafleet_operator.failures.bearer_token`)."""
+    token = ""
+    auth = spec.get("auth")
+    if auth:
+        ref = auth["tokenSecretRef"]
+        key = ref.get("key") or "token"
+        token = bearer_token((await opened_secret(rt, namespace, fleet, ref["name"], (key,)))[key])
+    tls = spec.get("tls")
+    if not tls:
+        return Credentials(token=token)
+    data = await opened_secret(rt, namespace, fleet, tls["secretRef"]["name"], ("ca.crt",))
+    return Credentials(token=token, root_ca=data["ca.crt"], client_cert=data.get("tls.crt"),
+                       client_key=data.get("tls.key"), server_name=tls.get("serverName", ""))
 
 
 async def ask_each(agents: Sequence[AgentPod],
@@ -137,16 +172,20 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
 
 
 async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
-                     fresh: bool = False) -> FleetView:
-    """Look at a fleet now. Raises FleetProblem when it is missing or unusable."""
+                     fresh: bool = False, terminating_ok: bool = False) -> FleetView:
+    """Look at a fleet now. Raises FleetProblem when it is missing or unusable, or being deleted
+    (unless ``terminating_ok``: unloads still reach the agents of a fleet being deleted)."""
     fleet = await rt.kube.get_fleet(namespace, fleet_name)
     if fleet is None:
         raise FleetProblem("FleetNotFound", f"LoraFleet {fleet_name!r} not found in {namespace}")
+    if fleet["metadata"].get("deletionTimestamp") and not terminating_ok:
+        raise FleetProblem(FLEET_DELETED, f"LoraFleet {fleet_name!r} is being deleted: its "
+                                          f"adapters are unloaded from its agents")
     spec = fleet.get("spec") or {}
     pods = await rt.kube.list_pods(namespace, selector_string(spec.get("selector") or {}))
     agents = agents_of(spec, pods)
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
-    creds = await credentials(rt, namespace, spec)
+    creds = await credentials(rt, namespace, fleet_name, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
     return FleetView(namespace, tuple(agents), infos, creds)
 

@@ -30,6 +30,8 @@ class Runtime:
     crashes: CrashBook = field(init=False)
     #: (pod uid, restarts, endpoint) -> the agent's Describe.
     describe_cache: dict[tuple[str, int, str], AgentInfo] = field(default_factory=dict)
+    #: One lock per LoraFleet: its drift check and its deletion never run at once.
+    fleet_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     #: (namespace, fleet) -> set to run that fleet's drift check now instead of at its interval.
     pokes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
@@ -42,6 +44,10 @@ class Runtime:
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         """The adapter's lock, made on first use."""
         return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+    def fleet_lock(self, namespace: str, fleet: str) -> asyncio.Lock:
+        """The fleet's lock, made on first use."""
+        return self.fleet_locks.setdefault((namespace, fleet), asyncio.Lock())
 
     def poke(self, namespace: str, fleet: str) -> asyncio.Event:
         """The event that wakes a fleet's drift check early."""

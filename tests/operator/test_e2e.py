@@ -9,6 +9,8 @@ adapters up to rank 8 only, agent-0 up to 16: a rank-16 adapter makes exactly on
 
 from __future__ import annotations
 
+import base64
+import json
 import secrets
 import signal
 from collections.abc import Iterator
@@ -347,7 +349,9 @@ def test_operator_under_the_charts_service_account_with_agent_auth(
 ) -> None:
     """The chart's RBAC is enough for the whole job (tests/kube/test_chart.py shows it is no
     broader): the operator runs with the chart ServiceAccount's own token, reads the fleet's
-    token Secret, loads on an agent that requires that token, and unloads on delete."""
+    token Secret — the chart's own, opened to the chart's fleet by its label —, loads on an
+    agent that requires that token, and unloads on delete. The Secret's value ends in a
+    newline (as `kubectl create secret --from-file` of an edited file stores it): trimmed."""
     ns = kube_namespace
     rendered = kube_cluster.helm("template", "lf", str(CHART), "--namespace", ns,
                                  "--set", "agent.enabled=false", "--set", "operator.enabled=false",
@@ -365,11 +369,15 @@ def test_operator_under_the_charts_service_account_with_agent_auth(
         with pytest.raises(grpc.RpcError) as err:  # the agent really requires the token
             registry(agent)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        kube_cluster.kubectl("create", "secret", "generic", "agent-token", "-n", ns,
-                             f"--from-file=token={token_file}")
+        chart_secret = kube_cluster.kubectl_json("get", "secret", "lf-lorafleet-agent-token",
+                                                 "-n", ns)
+        assert chart_secret["metadata"]["labels"]["lorafleet.dev/allow-fleet"] == "default"
+        with_newline = base64.b64encode(token_file.read_bytes() + b"\n").decode()
+        kube_cluster.kubectl("patch", "secret", "lf-lorafleet-agent-token", "-n", ns,
+                             "--type=merge", "-p", json.dumps({"data": {"token": with_newline}}))
         add_agent_pod(kube_cluster, ns, agent)
         fleet_obj = fleet_manifest()
-        fleet_obj["spec"]["auth"] = {"tokenSecretRef": {"name": "agent-token"}}
+        fleet_obj["spec"]["auth"] = {"tokenSecretRef": {"name": "lf-lorafleet-agent-token"}}
         apply(kube_cluster, ns, fleet_obj,
               adapter_manifest("support", make_adapter(adapters, "support")))
         op = start_operator(kube_cluster, ns, tmp_path, identity="sa-op", kubeconfig=kubeconfig)

@@ -15,13 +15,16 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_operator.agent_client import AgentError, ControlReply, LoadGate
 from lorafleet_operator.config import ENV_VARS, Settings
 from lorafleet_operator.failures import (
+    INVALID_TOKEN,
     KUBE_API_ERRORS,
     CrashBook,
+    FleetProblem,
     Permanent,
     SlowRetries,
     Transient,
     agent_state,
     backoff,
+    bearer_token,
     check_load,
     crash_verdict,
     delete_waits,
@@ -34,6 +37,8 @@ from lorafleet_operator.failures import (
     transient_delay,
 )
 from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.kube import SecretData
+from lorafleet_operator.reconcile import ALLOW_ANNOTATION, ALLOW_LABEL, opened_to
 from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, build_status
 
 REFUSED = ControlReply(success=False, error_message="sha256 mismatch", ranks_ok=0,
@@ -316,3 +321,28 @@ def test_kopfs_own_api_requests_retry_without_giving_up() -> None:
     assert first == [2, 4, 8, 16, 32, 60, 60, 60]
     assert [b for _, b in zip(range(3), backoffs, strict=False)] == [2, 4, 8]  # fresh per request
     assert not hasattr(backoffs, "__len__")  # kopf then counts attempts without a last one
+
+
+@pytest.mark.parametrize(("raw", "token"), [(b"tok\n", "tok"), (b"  tok \r\n", "tok"),
+                                            (b"a-b_c.d~e+f/g=", "a-b_c.d~e+f/g=")])
+def test_bearer_token_is_trimmed(raw: bytes, token: str) -> None:
+    assert bearer_token(raw) == token
+
+
+@pytest.mark.parametrize("raw", [b"ab\x07cd", b"ab\ncd", b"ab\x00", b"t\xc3\xa9", b"\n", b""])
+def test_a_token_that_is_no_header_value_is_refused_permanently(raw: bytes) -> None:
+    with pytest.raises(FleetProblem) as err:
+        bearer_token(raw)
+    assert isinstance(err.value, Permanent)
+    assert err.value.reason == INVALID_TOKEN
+    assert "ab" not in err.value.message  # never the value
+
+
+def test_a_secret_is_used_only_when_opened_to_the_fleet() -> None:
+    assert opened_to(SecretData(labels={ALLOW_LABEL: "true"}), "f")
+    assert opened_to(SecretData(labels={ALLOW_LABEL: "f"}), "f")
+    assert not opened_to(SecretData(labels={ALLOW_LABEL: "g"}), "f")
+    assert opened_to(SecretData(annotations={ALLOW_ANNOTATION: "g, f"}), "f")
+    assert not opened_to(SecretData(annotations={ALLOW_ANNOTATION: "g,ff"}), "f")
+    assert not opened_to(SecretData(labels={ALLOW_LABEL: "false"}), "f")
+    assert not opened_to(SecretData(), "f")
