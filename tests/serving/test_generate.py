@@ -5,8 +5,9 @@ The oracle is `transformers` + `peft` `generate` with its own KV cache, fp32, on
 time: greedy outputs must equal it token for token, for many concurrent requests of different
 adapters (more than `max_loras_per_batch`, so some wait for a slot), prompt lengths (chunked
 prefill over a small token budget, block boundaries) and output lengths, base-only requests
-among them. One engine per topology serves every test of this module; a second engine has a
-KV budget so small that sequences are preempted (and recomputed).
+among them. One engine per topology (tp 1/2/4, dp 1/2, KV-head replication, S-LoRA mode,
+prefix caching on and off) serves the shared tests; other engines have a KV budget so small
+that sequences are preempted (and recomputed), a short waiting queue, or a MoE model with EP.
 """
 
 from __future__ import annotations
@@ -33,13 +34,22 @@ class Topo:
     tp: int
     dp: int
     prefix_caching: bool
+    model: str = MODEL
+    fully_sharded: bool = False
 
     @property
     def id(self) -> str:
-        return f"tp{self.tp}-dp{self.dp}-{'prefix' if self.prefix_caching else 'noprefix'}"
+        mode = "-fs" if self.fully_sharded else ""
+        return f"tp{self.tp}-dp{self.dp}-{self.model}{mode}-{'prefix' if self.prefix_caching else 'noprefix'}"
 
 
-TOPOLOGIES = [Topo(2, 2, prefix_caching=True), Topo(2, 1, prefix_caching=False)]
+TOPOLOGIES = [
+    Topo(2, 2, prefix_caching=True),  # attention-TP 1, two DP groups
+    Topo(2, 1, prefix_caching=False),
+    # attention-TP 2 with its one KV head replicated on both ranks, two DP groups, S-LoRA mode
+    Topo(4, 2, prefix_caching=True, model="llama_kv1_tied", fully_sharded=True),
+    Topo(1, 1, prefix_caching=False, model="qwen3_tied"),  # q/k norms, head_dim 24 * 4 heads != hidden
+]
 
 
 @dataclass(frozen=True)
@@ -129,11 +139,13 @@ def artifacts(tmp_path_factory) -> Artifacts:
     return Artifacts(tmp_path_factory.mktemp("serving-artifacts"))
 
 
-def _engine(artifacts: Artifacts, tp: int, dp: int, **serving: Any) -> Iterator[Served]:
+def _engine(artifacts: Artifacts, tp: int, dp: int, model: str = MODEL, fully_sharded: bool = False,
+            **serving: Any) -> Iterator[Served]:
     api = engine_api()
-    model_dir = artifacts.model(MODEL)
-    adapters = {name: artifacts.adapter(MODEL, "standard", name) for name in ADAPTERS}
-    config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(tp_size=tp, dp_size=dp), max_lora_rank=16,
+    model_dir = artifacts.model(model)
+    adapters = {name: artifacts.adapter(model, "standard", name) for name in ADAPTERS}
+    topology = api.Topology(tp_size=tp, dp_size=dp, fully_sharded_loras=fully_sharded)
+    config = api.EngineConfig(model_dir=model_dir, topology=topology, max_lora_rank=16,
                               max_loras_per_batch=4, max_loaded_loras=8, device="cpu", block_size=BLOCK_SIZE, **serving)
     with api.Engine(config) as engine:
         for name, path in adapters.items():
@@ -144,7 +156,7 @@ def _engine(artifacts: Artifacts, tp: int, dp: int, **serving: Any) -> Iterator[
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=[t.id for t in TOPOLOGIES])
 def served(request, artifacts) -> Iterator[Served]:
     topo: Topo = request.param
-    yield from _engine(artifacts, topo.tp, topo.dp, prefix_caching=topo.prefix_caching,
+    yield from _engine(artifacts, topo.tp, topo.dp, topo.model, topo.fully_sharded, prefix_caching=topo.prefix_caching,
                        max_num_seqs=8, max_num_batched_tokens=16)
 
 
@@ -269,3 +281,63 @@ def test_the_generate_command_writes_each_requests_tokens_in_input_order(artifac
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "lorafleet-agent: error: an input request names adapter 'missing', which no --adapter gives"]
+
+
+def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
+    """Qwen3-MoE at tp=4, ep=2, dp=2 (S-LoRA mode): expert LoRA in both PEFT forms and base."""
+    from tests import support as R
+
+    api = engine_api()
+    root = tmp_path_factory.mktemp("serving-moe")
+    model_dir = R.make_tiny_model(root / "model", "qwen3_moe", seed=5)
+    fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapters = {
+        "fused": R.make_adapter(model_dir, root / "fused", seed=1, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
+                                target_modules=["q_proj", "v_proj"], target_parameters=fused),
+        "fused_rslora": R.make_adapter(model_dir, root / "fused_rslora", seed=2, r=2, lora_alpha=4, use_rslora=True,
+                                       a_std=0.3, b_std=0.3, target_modules=[], target_parameters=fused),
+        "per_expert": R.make_per_expert_adapter(model_dir, root / "per_expert", seed=3, r=4, lora_alpha=8),
+    }
+    vocab = model_config(model_dir)["vocab_size"]
+    names: list[str | None] = ["fused", None, "per_expert", "fused_rslora"]
+    reqs = [Req(draw_tokens(200 + i, 2 + (5 * i) % 11, vocab), names[i % 4], 3 + (3 * i) % 8) for i in range(8)]
+    config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(4, 2, ep_size=2, fully_sharded_loras=True),
+                              max_lora_rank=8, max_loras_per_batch=3, device="cpu", block_size=BLOCK_SIZE,
+                              max_num_seqs=8, max_num_batched_tokens=16)
+    with api.Engine(config) as engine:
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        served = Served(engine, model_dir, adapters, vocab)
+        got = served.generate(reqs)
+        served.assert_all_blocks_free()
+    want = [reference_generate(model_dir, adapters, r) for r in reqs]
+    assert got == want
+
+
+def test_many_mixed_requests_with_cancellations_leave_every_block_free(served: Served):
+    """300 requests (every adapter and base, prompts 1..12, outputs 1..6) submitted at once; one in
+    seven is cancelled at once and one in eleven after its first token. The others each end by
+    length, some equal the oracle, and afterwards every block is free."""
+    api = engine_api()
+    names: list[str | None] = [None, *ADAPTERS]
+    reqs = [Req(draw_tokens(1000 + i, 1 + i % 12, served.vocab), names[i % len(names)], 1 + i % 6) for i in range(300)]
+    handles = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens)) for r in reqs]
+    for i, handle in enumerate(handles):
+        if i % 7 == 3:
+            handle.cancel()
+    results: dict[int, list[int]] = {}
+    for i, handle in enumerate(handles):
+        if i % 7 == 3:
+            continue
+        steps = []
+        for step in handle.tokens():
+            steps.append(step)
+            if i % 11 == 5:
+                handle.cancel()
+                break
+        if i % 11 != 5:
+            assert len(steps) == reqs[i].max_tokens and steps[-1].finish == api.FinishReason.LENGTH
+            results[i] = [s.token_id for s in steps]
+    served.assert_all_blocks_free()
+    for i in sorted(results)[::40]:
+        assert results[i] == reference_generate(served.model_dir, served.adapters, reqs[i]), f"request {i}"
