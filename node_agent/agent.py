@@ -292,7 +292,8 @@ class Agent:
             try:
                 sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                           min_p=params.min_p, seed=params.seed, max_tokens=max_new,
-                                          stop_token_ids=tuple(params.stop_token_ids or self._eos))
+                                          stop_token_ids=tuple(params.stop_token_ids or self._eos),
+                                          logprobs=params.logprobs)
             except ValueError as error:
                 raise InvalidRequest(str(error)) from None
             self._check_alive()
@@ -307,10 +308,14 @@ class Agent:
                     raise self._engine_error(error) from None
                 decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer is not None else None
                 try:
-                    for step in generation.tokens(cancelled=cancelled):
+                    for count, step in enumerate(generation.tokens(cancelled=cancelled), start=1):
                         finish = step.finish.value if step.finish is not None else ""
                         self.metrics.generated_tokens.inc()
-                        yield GeneratedToken(step.token_id, decoder.push(step.token_id) if decoder else "", finish)
+                        lp = step.logprobs
+                        yield GeneratedToken(step.token_id, decoder.push(step.token_id) if decoder else "", finish,
+                                             logprob=lp.logprob if lp is not None else None,
+                                             top_logprobs=tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp else (),
+                                             usage=(len(tokens), count) if finish else None)
                     if generation.cancelled:
                         call.outcome = "cancelled"
                 except SequenceAborted:

@@ -103,9 +103,20 @@ def generate_params(request: pb.GenerateRequest) -> GenerateParams:
         top_k=request.top_k,
         min_p=request.min_p,
         seed=request.seed if request.HasField("seed") else None,
+        logprobs=request.logprobs if request.HasField("logprobs") else None,
     )
 
 
 def generated(token: GeneratedToken) -> pb.GenerateResponse:
     """One streamed Generate message."""
-    return pb.GenerateResponse(token_id=token.token_id, text=token.text, finish_reason=token.finish_reason)
+    response = pb.GenerateResponse(token_id=token.token_id, text=token.text, finish_reason=token.finish_reason,
+                                   finish=_FINISH[token.finish_reason],
+                                   top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs])
+    if token.logprob is not None:
+        response.logprob = token.logprob
+    if token.usage is not None:
+        response.usage.prompt_tokens, response.usage.completion_tokens = token.usage
+    return response
+
+
+_FINISH = {"": pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}

@@ -65,6 +65,7 @@ class GenerateParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int | None = None  # None: the engine picks one
+    logprobs: int | None = None  # None: none; N: the token's and the N most likely
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,6 @@ class GeneratedToken:
     token_id: int
     text: str
     finish_reason: str  # "" until the last token: "stop" or "length"
+    logprob: float | None = None  # with GenerateParams.logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), highest first
+    usage: tuple[int, int] | None = None  # on the last token: (prompt tokens, generated tokens)

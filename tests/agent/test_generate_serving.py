@@ -61,3 +61,26 @@ def test_a_stream_that_goes_away_frees_its_blocks(shared, stub):
     stream.cancel()
     wait_until(lambda: all_blocks_free(shared), what="the cancelled sequence's blocks to be freed")
     assert shared.agent.engine.serving_stats().steps - before < 999, "the sequence was cancelled, not run to its end"
+
+
+def test_logprobs_usage_and_the_finish_enum(stub):
+    import numpy as np
+
+    from tests.agent.helpers import forward
+
+    prompt, n = PROMPTS[0], 5
+    replies = list(stub.Generate(pb.GenerateRequest(token_ids=prompt, max_new_tokens=n, logprobs=3), timeout=120))
+    tokens = [r.token_id for r in replies]
+    assert [r.finish for r in replies] == [pb.FINISH_REASON_UNSPECIFIED] * (n - 1) + [pb.FINISH_REASON_LENGTH]
+    assert [r.HasField("usage") for r in replies] == [False] * (n - 1) + [True]
+    assert (replies[-1].usage.prompt_tokens, replies[-1].usage.completion_tokens) == (len(prompt), n)
+    logits = forward(stub, (prompt + tokens[:-1], ""))[0]
+    for i, reply in enumerate(replies):
+        row = logits[len(prompt) - 1 + i].astype(np.float64)
+        logprobs = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+        assert len(reply.top_logprobs) == 3 and reply.top_logprobs[0].token_id == reply.token_id  # greedy
+        assert [t.token_id for t in reply.top_logprobs] == list(np.argsort(-logprobs, kind="stable")[:3])
+        assert abs(reply.logprob - logprobs[reply.token_id]) < 1e-4
+        assert reply.top_logprobs[0].logprob == pytest.approx(reply.logprob)
+    plain = next(iter(stub.Generate(pb.GenerateRequest(token_ids=prompt, max_new_tokens=1), timeout=120)))
+    assert not plain.HasField("logprob") and not plain.top_logprobs and plain.finish == pb.FINISH_REASON_LENGTH
