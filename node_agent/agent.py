@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor
 
+from lorafleet_common.registry import RegistryEntry
 from node_agent.calls import ControlCall, InferenceCall
 from node_agent.engine import (
     AdapterLoadError,
@@ -54,7 +55,7 @@ from node_agent.registry import AdapterEntry, Lease, Registry
 from node_agent.sources import ResolvedSource, SourcePolicy, clean_cache, parse_sha256, resolve_source
 from node_agent.text import IncrementalDecoder, eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
-from node_agent.values import DEFAULT_NEW_TOKENS, AdapterStatus, Description, GeneratedToken, GenerateParams, RankStatus
+from node_agent.values import DEFAULT_NEW_TOKENS, Description, GeneratedToken, GenerateParams, RankStatus
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +180,12 @@ class Agent:
             has_tokenizer=self.tokenizer is not None,
         )
 
-    def list_adapters(self) -> list[AdapterStatus]:
+    def list_adapters(self) -> list[RegistryEntry]:
         """Routable adapters, in load order, each with the ranks whose pool holds it (asked now)."""
         self._check_alive()
         holdings = {reply.rank: reply.holds for reply in self._describe_ranks()}
         return [
-            AdapterStatus(
+            RegistryEntry(
                 entry.name, entry.source.uri, entry.source.content.weights_sha256, entry.pinned,
                 tuple(rank for rank, names in sorted(holdings.items()) if entry.engine_name in names),
             )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
+from lorafleet_common.registry import RegistryEntry
 from node_agent.engine import ControlResult
-from node_agent.values import AdapterStatus, Description, GeneratedToken, GenerateParams
+from node_agent.values import Description, GeneratedToken, GenerateParams
 
 
 def description(d: Description) -> pb.DescribeResponse:
@@ -66,7 +67,7 @@ def unload_response(result: ControlResult) -> pb.UnloadAdapterResponse:
     )
 
 
-def list_response(adapters: list[AdapterStatus]) -> pb.ListAdaptersResponse:
+def list_response(adapters: list[RegistryEntry]) -> pb.ListAdaptersResponse:
     """ListAdapters' reply."""
     return pb.ListAdaptersResponse(
         adapters=[

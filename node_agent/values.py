@@ -41,17 +41,6 @@ class Description:
 
 
 @dataclass(frozen=True)
-class AdapterStatus:
-    """One routable adapter in ListAdapters, with the ranks whose pool holds it."""
-
-    name: str
-    source_uri: str
-    sha256: str
-    pinned: bool
-    ranks: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class GenerateParams:
     """A Generate request: token ids or a text prompt, the adapter, how many tokens, stop ids."""
 

@@ -20,6 +20,7 @@ import grpc
 import grpc.aio
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
 from lorafleet_operator.config import Settings
@@ -131,17 +132,6 @@ class AgentInfo:
     max_lora_rank: int
     max_loras_per_batch: int
     max_loaded_loras: int
-
-
-@dataclass(frozen=True)
-class RegistryEntry:
-    """One adapter of an agent's registry (ListAdapters)."""
-
-    name: str
-    source_uri: str
-    sha256: str
-    pinned: bool
-    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)

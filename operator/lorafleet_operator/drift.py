@@ -26,8 +26,9 @@ from typing import Any
 
 import kopf
 
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator import metrics, names
-from lorafleet_operator.agent_client import AgentError, AgentInfo, RegistryEntry
+from lorafleet_operator.agent_client import AgentError, AgentInfo
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.failures import (
     KUBE_API_ERRORS,

@@ -8,7 +8,8 @@ from typing import Any
 
 import grpc
 
-from lorafleet_operator.agent_client import AgentError, AgentInfo, Credentials, RegistryEntry
+from lorafleet_common.registry import RegistryEntry
+from lorafleet_operator.agent_client import AgentError, AgentInfo, Credentials
 from lorafleet_operator.drift import Registry, holds, unwanted, wanted_on
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.reconcile import FleetView
