@@ -49,6 +49,7 @@ TOPOLOGIES = [
     # attention-TP 2 with its one KV head replicated on both ranks, two DP groups, S-LoRA mode
     Topo(4, 2, prefix_caching=True, model="llama_kv1_tied", fully_sharded=True),
     Topo(1, 1, prefix_caching=False, model="qwen3_tied"),  # q/k norms, head_dim 24 * 4 heads != hidden
+    Topo(4, 1, prefix_caching=False, model="llama_kv1_tied"),  # attention-TP 4, the KV head replicated x4
 ]
 
 
@@ -211,13 +212,15 @@ def test_cancel_frees_blocks_at_once(served: Served):
     served.assert_all_blocks_free()
 
 
-def test_a_tiny_kv_budget_preempts_and_keeps_every_token(artifacts):
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["noprefix", "prefix"])
+def test_a_tiny_kv_budget_preempts_and_keeps_every_token(artifacts, prefix_caching):
     probe = _engine(artifacts, 2, 1)
     block_bytes = next(probe).engine.describe()[0].kv_block_bytes
     probe.close()
     # 8 blocks of 4 tokens per group: any request fits alone (at most 13 + 11 - 1 = 23 tokens),
     # ten at once do not.
-    gen = _engine(artifacts, 2, 1, kv_cache_bytes=8 * block_bytes, max_num_seqs=8, max_num_batched_tokens=16)
+    gen = _engine(artifacts, 2, 1, kv_cache_bytes=8 * block_bytes, max_num_seqs=8, max_num_batched_tokens=16,
+                  prefix_caching=prefix_caching)
     served = next(gen)
     try:
         assert served.engine.num_kv_blocks == 8
