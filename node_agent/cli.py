@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from node_agent.agent import DEFAULT_ENGINE_HANG_TIMEOUT_S, Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
@@ -110,6 +111,12 @@ def parse_adapter(value: str) -> tuple[str, Path]:
 
 def read_sequences(path: Path) -> list[SequenceInput]:
     """IN.json: a JSON list of {"tokens": [int, ...], "adapter": "NAME" or null}."""
+    return [SequenceInput(tokens=item["tokens"], adapter=adapter) for item, adapter in read_input_items(path, "sequence")]
+
+
+def read_input_items(path: Path, what: str) -> list[tuple[dict[str, Any], str | None]]:
+    """The items of an IN.json list (`what`: "sequence" or "request"), each an object with a
+    'tokens' list, with its 'adapter' (a name or null); every refusal names the item."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as error:
@@ -117,16 +124,16 @@ def read_sequences(path: Path) -> list[SequenceInput]:
     except json.JSONDecodeError as error:
         raise UsageError(f"input file {path} is not valid JSON: {error}") from error
     if not isinstance(raw, list) or not raw:
-        raise UsageError(f"input file {path} must hold a non-empty JSON list of sequences")
-    sequences = []
+        raise UsageError(f"input file {path} must hold a non-empty JSON list of {what}s")
+    items = []
     for index, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("tokens"), list):
-            raise UsageError(f"input sequence {index} must be an object with a 'tokens' list")
+            raise UsageError(f"input {what} {index} must be an object with a 'tokens' list")
         adapter = item.get("adapter")
         if adapter is not None and not isinstance(adapter, str):
-            raise UsageError(f"input sequence {index}: 'adapter' must be a name or null")
-        sequences.append(SequenceInput(tokens=item["tokens"], adapter=adapter))
-    return sequences
+            raise UsageError(f"input {what} {index}: 'adapter' must be a name or null")
+        items.append((item, adapter))
+    return items
 
 
 def run_forward(args: argparse.Namespace) -> None:
@@ -157,24 +164,11 @@ def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, Samp
     """IN.json of `generate`: a JSON list of {"tokens": [...], "adapter": NAME or null,
     "max_tokens": N, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
     "stop_token_ids": []} (only "tokens" required)."""
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise UsageError(f"input file {path} not found") from error
-    except json.JSONDecodeError as error:
-        raise UsageError(f"input file {path} is not valid JSON: {error}") from error
-    if not isinstance(raw, list) or not raw:
-        raise UsageError(f"input file {path} must hold a non-empty JSON list of requests")
     requests = []
-    for index, item in enumerate(raw):
-        if not isinstance(item, dict) or not isinstance(item.get("tokens"), list):
-            raise UsageError(f"input request {index} must be an object with a 'tokens' list")
+    for index, (item, adapter) in enumerate(read_input_items(path, "request")):
         unknown = sorted(set(item) - _REQUEST_FIELDS)
         if unknown:
             raise UsageError(f"input request {index}: unknown field {unknown[0]!r}")
-        adapter = item.get("adapter")
-        if adapter is not None and not isinstance(adapter, str):
-            raise UsageError(f"input request {index}: 'adapter' must be a name or null")
         stop = item.get("stop_token_ids", [])
         if not isinstance(stop, list):
             raise UsageError(f"input request {index}: 'stop_token_ids' must be a list of token ids")
