@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -84,13 +84,14 @@ def status_code(error: AgentError) -> grpc.StatusCode:
     return STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
 
 
-def _abort(context: grpc.ServicerContext, error: Exception) -> None:
+def _abort(context: grpc.ServicerContext, error: Exception) -> NoReturn:
     if isinstance(error, AgentError):
         # The reason marks the answer as the agent's own (the operator tells it from a crash).
         context.set_trailing_metadata(((REASON_METADATA_KEY, error.reason),))
         context.abort(status_code(error), str(error))
     log.exception("unexpected error in %s", type(error).__name__)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+    raise AssertionError("grpc's context.abort returned")  # it raises; this tells the type checker
 
 
 class CallBudget:
@@ -129,41 +130,49 @@ class CallBudget:
             return True
 
 
-M = TypeVar("M", bound=Callable[..., Any])
+Req = TypeVar("Req")
+Rep = TypeVar("Rep")
+Item = TypeVar("Item")
 
 
-def _unary(budget: str | None = None) -> Callable[[M], M]:
+def _unary(
+    budget: str | None = None,
+) -> Callable[[Callable[[NodeAgentServicer, Req, Any], Rep]], Callable[[NodeAgentServicer, Req, Any], Rep]]:
     """Map errors of a unary method to status codes; with `budget` ("control", "inference"),
     the call must first be admitted by the servicer's budget of that class."""
 
-    def decorate(method: M) -> M:
+    def decorate(method: Callable[[NodeAgentServicer, Req, Any], Rep]) -> Callable[[NodeAgentServicer, Req, Any], Rep]:
         @functools.wraps(method)
-        def wrapper(self: NodeAgentServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        def wrapper(self: NodeAgentServicer, request: Req, context: grpc.ServicerContext) -> Rep:
             try:
                 with self.admitted(budget, method.__name__):
                     return method(self, request, context)
             except Exception as error:
                 _abort(context, error)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 
 
-def _streaming(budget: str) -> Callable[[M], M]:
+def _streaming(
+    budget: str,
+) -> Callable[[Callable[[NodeAgentServicer, Req, Any], Iterator[Item]]], Callable[[NodeAgentServicer, Req, Any], Iterator[Item]]]:
     """Map errors of a server-streaming method to status codes, at any point of the stream; the
     stream holds a place of `budget` until it ends."""
 
-    def decorate(method: M) -> M:
+    def decorate(
+        method: Callable[[NodeAgentServicer, Req, Any], Iterator[Item]],
+    ) -> Callable[[NodeAgentServicer, Req, Any], Iterator[Item]]:
         @functools.wraps(method)
-        def wrapper(self: NodeAgentServicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        def wrapper(self: NodeAgentServicer, request: Req, context: grpc.ServicerContext) -> Iterator[Item]:
             try:
                 with self.admitted(budget, method.__name__):
                     yield from method(self, request, context)
             except Exception as error:
                 _abort(context, error)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate
 

@@ -1,6 +1,6 @@
 """Adapter sources: from a LoadAdapter URI to a private local copy of the adapter the ranks read.
 
-Policy (DESIGN.md §6, docs/agent.md "Sources" and "Limits"):
+Policy (docs/agent.md "Sources" and "Limits"):
 
 * ``file:///absolute/dir`` — only under a configured adapter root. Refused: relative paths,
   a host (``file://host/...``; only ``localhost`` is accepted), any ``..`` component (also

@@ -1,4 +1,4 @@
-"""The repository layout must not shadow the standard library's `operator` (DESIGN.md §1)."""
+"""The repository layout must not shadow the standard library's `operator` (docs/design.md §1)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_dev.pki import Authority
 from node_agent import errors
 from node_agent.errors import SourceRefused, SourceUnavailable
-from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, resolve_source
+from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ResolvedSource, SourcePolicy, resolve_source
 from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, rpc_error, wait_until
 
 SECRET = "s3cr3t-pa55"
@@ -212,7 +212,7 @@ def test_https_downloads_verify_the_server_and_obey_the_deadline(tmp_path, serve
 
 def test_downloads_beyond_the_bound_are_refused_at_once(tmp_path, served):
     limits = policy(tmp_path, max_concurrent_downloads=2)
-    results: list[object] = []
+    results: list[ResolvedSource] = []
     with misbehaving(served) as http:
         threads = [threading.Thread(target=lambda: results.append(resolve_source(http.url("hold", "ad"), None, limits)))
                    for _ in range(2)]
@@ -230,7 +230,7 @@ def test_downloads_beyond_the_bound_are_refused_at_once(tmp_path, served):
         # The places are free again.
         resolve_source(http.url("files", "ad"), None, limits).discard()
     for source in results:
-        source.discard()  # type: ignore[attr-defined]
+        source.discard()
 
 
 # -- credentials -------------------------------------------------------------------------------------
