@@ -136,15 +136,21 @@ def read_input_items(path: Path, what: str) -> list[tuple[dict[str, Any], str | 
     return items
 
 
-def run_forward(args: argparse.Namespace) -> None:
-    from safetensors.torch import save_file
-
-    sequences = read_sequences(args.input)
+def adapter_names(args: argparse.Namespace) -> list[str]:
+    """The --adapter names, each given once and each a valid adapter name."""
     names = [name for name, _ in args.adapter]
     if len(set(names)) != len(names):
         raise UsageError("each --adapter NAME may be given once")
     for name in names:
         check_adapter_name(name)
+    return names
+
+
+def run_forward(args: argparse.Namespace) -> None:
+    from safetensors.torch import save_file
+
+    sequences = read_sequences(args.input)
+    adapter_names(args)  # refused before any rank starts
     with Engine(engine_config(args)) as engine:
         # The agent's own checks of a Forward: the engine trusts what it is given.
         check_forward([s.tokens for s in sequences], engine.model_config.vocab_size)
@@ -186,11 +192,7 @@ def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, Samp
 
 def run_generate(args: argparse.Namespace) -> None:
     requests = read_generate_requests(args.input)
-    names = [name for name, _ in args.adapter]
-    if len(set(names)) != len(names):
-        raise UsageError("each --adapter NAME may be given once")
-    for name in names:
-        check_adapter_name(name)
+    names = adapter_names(args)
     unknown = sorted({adapter for _, adapter, _ in requests if adapter is not None} - set(names))
     if unknown:
         raise UsageError(f"an input request names adapter {unknown[0]!r}, which no --adapter gives")

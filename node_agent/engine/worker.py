@@ -189,22 +189,12 @@ class RankWorker:
         all_slots = [slot_of[i] for group in members for i in group for _ in sequences[i][0]]
         mine = members[self.coords.attn_dp_rank]
         tokens = [t for i in mine for t in sequences[i][0]]
-        offset = sum(counts[: self.coords.attn_dp_rank])
         seq_lens = [len(sequences[i][0]) for i in mine]
         # A full-sequence forward is one prefill over a cache of its own, sized for this batch.
         scratch = PagedKVCache(self.kv_layout, max(1, sum(-(-n // self.kv_layout.block_size) for n in seq_lens)),
                                self.device)
-        cos, sin = self.model.rope_tables([p for n in seq_lens for p in range(n)])
-        ctx = ForwardContext(
-            group_token_counts=counts,
-            attn_dp_rank=self.coords.attn_dp_rank,
-            attn_tp_rank=self.coords.attn_tp_rank,
-            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + len(tokens)])),
-            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
-            cos=cos,
-            sin=sin,
-            attention=AttentionBatch.contiguous(scratch, seq_lens, self.device),
-        )
+        positions = [p for n in seq_lens for p in range(n)]
+        ctx = self._context(counts, all_slots, positions, AttentionBatch.contiguous(scratch, seq_lens, self.device))
         logits = self.model(self._ids(tokens), ctx)
         reply = ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
         if self.coords.attn_tp_rank != 0:
@@ -225,7 +215,6 @@ class RankWorker:
         all_slots = [slots[entry.adapter] if entry.adapter else -1
                      for group in groups for entry in group for _ in entry.token_ids]
         mine: tuple[ScheduledSequence, ...] = groups[self.coords.attn_dp_rank]
-        offset = sum(counts[: self.coords.attn_dp_rank])
         tokens = [t for entry in mine for t in entry.token_ids]
         positions = [entry.position + i for entry in mine for i in range(len(entry.token_ids))]
         rows: list[int] = []
@@ -234,7 +223,6 @@ class RankWorker:
             end += len(entry.token_ids)
             if entry.sampling is not None:
                 rows.append(end - 1)
-        cos, sin = self.model.rope_tables(positions)
         attention = AttentionBatch(
             kv=self.kv,
             slot_mapping=self._ids([s for entry in mine for s in entry.slots]),
@@ -242,18 +230,7 @@ class RankWorker:
             query_lens=[len(entry.token_ids) for entry in mine],
             context_lens=[entry.context_len for entry in mine],
         )
-        ctx = ForwardContext(
-            group_token_counts=counts,
-            attn_dp_rank=self.coords.attn_dp_rank,
-            attn_tp_rank=self.coords.attn_tp_rank,
-            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + len(tokens)])),
-            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
-            cos=cos,
-            sin=sin,
-            attention=attention,
-            logit_rows=self._ids(rows),
-        )
-        logits = self.model(self._ids(tokens), ctx)
+        logits = self.model(self._ids(tokens), self._context(counts, all_slots, positions, attention, rows))
         sampling = [entry for entry in mine if entry.sampling is not None]
         drawn = sample(logits, [entry.sampling for entry in sampling if entry.sampling is not None]) if sampling else []
         head = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
@@ -264,6 +241,24 @@ class RankWorker:
             tokens=tuple((entry.seq_id, token.token_id) for entry, token in zip(sampling, drawn, strict=True)),
             logprobs=tuple((entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True)
                            if token.logprobs is not None),
+        )
+
+    def _context(self, counts: list[int], all_slots: list[int], positions: list[int], attention: AttentionBatch,
+                 logit_rows: list[int] | None = None) -> ForwardContext:
+        """This rank's forward context: its group's tokens' adapter slots for attention, every
+        group's for the MLP (which runs TP over all ranks), RoPE at the tokens' positions."""
+        offset = sum(counts[: self.coords.attn_dp_rank])
+        cos, sin = self.model.rope_tables(positions)
+        return ForwardContext(
+            group_token_counts=counts,
+            attn_dp_rank=self.coords.attn_dp_rank,
+            attn_tp_rank=self.coords.attn_tp_rank,
+            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + counts[self.coords.attn_dp_rank]])),
+            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
+            cos=cos,
+            sin=sin,
+            attention=attention,
+            logit_rows=None if logit_rows is None else self._ids(logit_rows),
         )
 
     def _ids(self, values: list[int]) -> torch.Tensor:
