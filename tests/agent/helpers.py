@@ -8,11 +8,13 @@ alpha so that their effect on greedy decoding is visible.
 from __future__ import annotations
 
 import http.server
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -183,9 +185,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+S = TypeVar("S", bound=socketserver.BaseServer)
+
+
 @contextmanager
-def http_server(root: Path) -> Iterator[AdapterHTTPServer]:
-    server = AdapterHTTPServer(root)
+def running(server: S) -> Iterator[S]:
+    """Serve `server` on a thread for the block's duration, then shut it down and close it."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -193,3 +198,9 @@ def http_server(root: Path) -> Iterator[AdapterHTTPServer]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def http_server(root: Path) -> Iterator[AdapterHTTPServer]:
+    with running(AdapterHTTPServer(root)) as server:
+        yield server

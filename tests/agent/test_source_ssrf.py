@@ -27,7 +27,7 @@ from lorafleet.v1 import agent_pb2 as pb
 from node_agent import sources
 from node_agent.errors import SourceRefused, SourceUnavailable
 from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, SourcePrefix, resolve_source
-from tests.agent.helpers import make_adapter
+from tests.agent.helpers import make_adapter, running
 
 SECRET = "SECRET-4f1d-from-the-metadata-service"
 
@@ -68,14 +68,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @contextmanager
 def serving(host: str, routes: dict[str, tuple[int, dict[str, str], bytes]] | None = None) -> Iterator[_Server]:
-    server = _Server(host, routes if routes is not None else {})
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with running(_Server(host, routes if routes is not None else {})) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
