@@ -134,6 +134,8 @@ class ServingStats:
     free_blocks: tuple[int, ...]  # per DP group
     running: int
     waiting: int
+    running_adapters: frozenset[str]  # engine names of the adapters running sequences use
+    waiting_adapters: frozenset[str]  # and of those waiting sequences ask for
 
 
 class _Request:
@@ -441,8 +443,9 @@ class Engine:
     def serving_stats(self) -> ServingStats:
         """The step loop's counters and the scheduler's queue, running set and free blocks."""
         with self._work:
+            running, waiting = self._scheduler.adapters()
             return ServingStats(self._steps, self._preemptions, self.num_kv_blocks, self._scheduler.free_blocks(),
-                                self._scheduler.num_running, self._scheduler.num_waiting)
+                                self._scheduler.num_running, self._scheduler.num_waiting, running, waiting)
 
     def _cancel(self, seq_id: int) -> bool:
         with self._work:

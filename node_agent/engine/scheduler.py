@@ -226,6 +226,13 @@ class Scheduler:
         """Whether any sequence is waiting or running."""
         return bool(self._live)
 
+    def adapters(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The adapters of the running sequences and of the waiting ones (None, the base model,
+        is not an adapter), as the gateway metrics report them."""
+        running = frozenset(seq.request.adapter for seq in self._running.values() if seq.request.adapter)
+        waiting = frozenset(seq.request.adapter for seq in self._waiting if seq.request.adapter)
+        return running, waiting
+
     def free_blocks(self) -> tuple[int, ...]:
         """Each DP group's free blocks (unreferenced cached blocks count as free)."""
         return tuple(alloc.num_free_blocks for alloc in self._allocators)

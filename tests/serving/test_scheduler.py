@@ -228,6 +228,13 @@ def test_a_step_never_needs_more_adapters_than_slots_pinned_ones_included() -> N
                 request(4, 2, 2, "a"), request(5, 3, 2, "c")]
     for req in requests:
         scheduler.submit(req)
+    assert scheduler.adapters() == (frozenset(), frozenset({"a", "b", "p", "c"}))  # the base is no adapter
+    scheduler.set_pinned({"p"})
+    scheduler.on_step_done(first := scheduler.schedule(), FakeRanks(scheduler.config).run(first))
+    assert scheduler.adapters() == (frozenset({"a", "p"}), frozenset({"b", "c"}))
+    scheduler = Scheduler(config(max_loras_per_batch=2, max_num_seqs=8))
+    for req in requests:
+        scheduler.submit(req)
     run = drive(scheduler, pinned=frozenset({"p"}))
     assert_reference(run, requests)
     assert {run.first_step[i] for i in (0, 2, 3, 4)} == {1}  # a, p, base, a again: one slot
