@@ -1,7 +1,8 @@
 """Engine benchmarks (issue 2), each printed side by side from one run:
 
-(a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks), and what one rank's
-    loader does for it (validate, read the shard; one process), vs reading the same file once;
+(a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks), the validation the
+    driver does once for it, and what one rank does (read its shard of the verified files; one
+    process), vs reading the same file once;
     each rank's peak RSS growth during the engine's first load, and the loader's own peak
     allocation for one rank's shard (tracemalloc, one process), vs that shard;
 (b) a forward with 8 distinct adapters in the batch vs the same forward with no adapter, on a
@@ -25,8 +26,9 @@ from safetensors.torch import load_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
+from node_agent.engine.adapter_files import HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import read_adapter_shard, read_adapter_spec
+from node_agent.engine.peft_adapter import read_adapter_shard
 from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
 SHAPE = BENCHMARK_MODEL
@@ -53,8 +55,17 @@ def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict[Module
 
 
 def read_rank_shard(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
-    """What one rank's loader does for a load: validate the adapter, read its shard; its bytes."""
-    return read_adapter_shard(read_adapter_spec(adapter, cfg, RANK), layouts, torch.float32).nbytes
+    """Validate the adapter (the driver's part of a load), then read one rank's shard; its bytes."""
+    return rank_read(verify_adapter(adapter, cfg, RANK, None), layouts)
+
+
+def rank_read(verified: VerifiedAdapter, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
+    """What one rank does for a load: hold the verified files, read its shard; its bytes."""
+    with HeldFiles(verified.spec.path, "rank 0") as held:
+        held.require(verified)
+        shard = read_adapter_shard(verified.spec, held.weights_fd, layouts, torch.float32)
+        held.check_unchanged()
+    return shard.nbytes
 
 
 def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> tuple[int, int]:
@@ -75,7 +86,9 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     read_once = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats)
     cfg = ModelConfig.from_dir(model)
     layouts = rank_layouts(cfg, Topology(4, 1), 0)
-    loader_once = timed(lambda: read_rank_shard(adapter, cfg, layouts), repeats)
+    validate_once = timed(lambda: verify_adapter(adapter, cfg, RANK, None), repeats)
+    verified = verify_adapter(adapter, cfg, RANK, None)
+    rank_once = timed(lambda: rank_read(verified, layouts), repeats)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
         first = engine.load_adapter("bench", adapter).ranks
@@ -89,7 +102,8 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         load_tp4 = statistics.median(samples)
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
-    print(f"{'one rank loader (1 process)':<34}{loader_once * 1e3:>10.1f} ms   ratio {loader_once / read_once:.2f}x")
+    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x")
+    print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>10.1f} ms   ratio {rank_once / read_once:.2f}x")
     print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}")
     for reply in first:

@@ -28,6 +28,7 @@ from lorafleet_common.registry import RegistryEntry
 from node_agent.calls import ControlCall, InferenceCall
 from node_agent.engine import (
     AdapterLoadError,
+    ContentChanged,
     ControlResult,
     DescribeReply,
     Engine,
@@ -48,6 +49,7 @@ from node_agent.errors import (
     EngineUnavailable,
     InvalidRequest,
     RequestAborted,
+    SourceUnavailable,
     TooManyCalls,
 )
 from node_agent.metrics import AgentMetrics
@@ -215,7 +217,7 @@ class Agent:
                     if current is not None and not replace_existing:
                         raise AdapterConflict(_conflict_message(current, source.content.weights_sha256, pinned))
                 result = self._load_version(name, source, pinned)
-                if _read_other_bytes(result, source):
+                if _read_other_bytes(result):
                     return call.result(result, "digest_mismatch")
                 return call.result(result)
 
@@ -229,6 +231,8 @@ class Agent:
         except RankLoadError as error:  # refused somewhere (or read other bytes); the engine rolled the others back
             source.discard()
             return self._public(error.result)
+        except ContentChanged as error:  # the snapshot changed before the driver read it: fetch again
+            raise SourceUnavailable(str(error), "digest_mismatch") from None
         except AdapterLoadError as error:
             raise InvalidRequest(str(error)) from None
         except EngineError as error:
@@ -408,9 +412,9 @@ def _discarded_on_failure(source: ResolvedSource) -> Iterator[None]:
         raise
 
 
-def _read_other_bytes(result: ControlResult, source: ResolvedSource) -> list[int]:
-    """The ranks of a load that read other bytes than the source verified."""
-    return [reply.rank for reply in result.ranks if reply.digests is not None and reply.digests != source.content]
+def _read_other_bytes(result: ControlResult) -> list[int]:
+    """The ranks of a load that refused because the files were not those the source verified."""
+    return [reply.rank for reply in result.ranks if reply.read_other_bytes]
 
 
 def _public_of(engine_name: str) -> str:

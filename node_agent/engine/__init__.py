@@ -5,6 +5,7 @@ replies (`node_agent.engine.protocol`); a load or unload answers with one `Contr
 merged failure-first, that carries what every rank holds afterwards.
 """
 
+from node_agent.engine.adapter_files import ContentChanged, FileDigests
 from node_agent.engine.engine import (
     Engine,
     EngineConfig,
@@ -29,7 +30,6 @@ from node_agent.engine.protocol import (
     ControlReply,
     ControlResult,
     DescribeReply,
-    FileDigests,
     ModuleShape,
     RankReply,
     SliceShape,
@@ -42,6 +42,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "AdapterConfig",
     "AdapterLoadError",
+    "ContentChanged",
     "ControlReply",
     "ControlResult",
     "DescribeReply",

@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lorafleet_common.merge import merge_failure_first
+from node_agent.engine.adapter_files import FileDigests, verify_adapter
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError
 from node_agent.engine.protocol import (
@@ -37,7 +38,6 @@ from node_agent.engine.protocol import (
     ControlResult,
     Describe,
     DescribeReply,
-    FileDigests,
     Forward,
     ForwardReply,
     Load,
@@ -46,7 +46,6 @@ from node_agent.engine.protocol import (
     Step,
     StepReply,
     Unload,
-    digest_mismatches,
     merge_control,
     rolled_back,
 )
@@ -358,14 +357,20 @@ class Engine:
 
     def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None) -> ControlResult:
         """Load on every rank, or on none: a failure anywhere is rolled back everywhere
-        (`RankLoadError` then carries every rank's answer). With `expected` (the digests the
-        caller verified), a rank that read other bytes counts as a failed rank."""
+        (`RankLoadError` then carries every rank's answer).
+
+        The adapter is validated once, here and before the command lock (`verify_adapter`:
+        AdapterLoadError names what is wrong; no rank is asked). With `expected` (the digests the
+        caller verified) the files must have those digests; every rank then reads exactly the
+        verified files or refuses (`adapter_files`).
+        """
+        if name in self.adapters:
+            raise AdapterLoadError(f"adapter {name!r} is already loaded")
+        verified = verify_adapter(Path(path), self.model_config, self.config.max_lora_rank, expected)
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            result = merge_control(self._control(Load(name, str(path), pinned)))
-            if expected is not None:
-                result = digest_mismatches(result, expected)
+            result = merge_control(self._control(Load(name, verified, pinned)))
             if not result.ok:
                 if any(reply.ok for reply in result.ranks):
                     result = self._roll_back(name, result)

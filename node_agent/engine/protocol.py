@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet_common.merge import merge_failure_first
+from node_agent.engine.adapter_files import FileDigests, VerifiedAdapter
 from node_agent.engine.sampler import TokenLogprobs
 from node_agent.engine.scheduler import ScheduledSequence
 
@@ -30,10 +31,10 @@ class Describe:
 
 @dataclass(frozen=True)
 class Load:
-    """Read this rank's shard of the adapter at `path` into the pool under `name`."""
+    """Read this rank's shard of the adapter the driver verified into the pool under `name`."""
 
     name: str
-    path: str
+    adapter: VerifiedAdapter
     pinned: bool
 
 
@@ -74,14 +75,6 @@ Command = Describe | Load | Unload | Forward | Step | Shutdown
 
 
 @dataclass(frozen=True)
-class FileDigests:
-    """The sha256 (hex) of an adapter's two files: what a rank read, or what the agent verified."""
-
-    weights_sha256: str
-    config_sha256: str
-
-
-@dataclass(frozen=True)
 class RankReply:
     """One rank's answer: who answered and whether it succeeded (startup and shutdown replies)."""
 
@@ -99,8 +92,10 @@ class ControlReply(RankReply):
     holds: tuple[str, ...] = ()
     shard_bytes: int = 0  # a load: the size of this rank's shard of the adapter
     peak_rss_growth_bytes: int = 0  # a load: how much this rank's peak memory grew while loading
-    # a successful load: the sha256 of the adapter files' bytes this rank read (None otherwise)
+    # a successful load: the sha256 of the verified files this rank read (None when the caller
+    # verified no digests, and on failure)
     digests: FileDigests | None = None
+    read_other_bytes: bool = False  # a load refused because the files were not the verified ones
 
 
 @dataclass(frozen=True)
@@ -169,28 +164,6 @@ def merge_control(replies: Sequence[ControlReply], already_loaded: bool = False)
     """Merge every rank's control reply into one result (the failure-first rule, once)."""
     merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
     return ControlResult(merged.ok, merged.error, merged.reply.holds, tuple(replies), already_loaded)
-
-
-def digest_mismatches(result: ControlResult, expected: FileDigests) -> ControlResult:
-    """`result` with every rank that succeeded but read other bytes than `expected` turned into a
-    failure naming what it read (the load is then rolled back like any other refusal)."""
-    ranks = tuple(
-        replace(reply, ok=False, error=_mismatch(reply, expected))
-        if reply.ok and reply.digests != expected else reply
-        for reply in result.ranks
-    )
-    return merge_control(ranks) if ranks != result.ranks else result
-
-
-def _mismatch(reply: ControlReply, expected: FileDigests) -> str:
-    read = reply.digests or FileDigests("(none reported)", "(none reported)")
-    wrong = [
-        f"{what} has sha256 {got}, the agent verified {want}"
-        for what, got, want in (("adapter_model.safetensors", read.weights_sha256, expected.weights_sha256),
-                                ("adapter_config.json", read.config_sha256, expected.config_sha256))
-        if got != want
-    ]
-    return f"rank {reply.rank} read other bytes than the agent verified: {'; '.join(wrong)}"
 
 
 def rolled_back(result: ControlResult, after: Sequence[ControlReply]) -> ControlResult:

@@ -8,7 +8,6 @@ decisions identical.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node_agent.engine.adapter_files import ContentChanged, HeldFiles
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import init_process_groups
 from node_agent.engine.kernels import LoraBatch
@@ -27,14 +27,13 @@ from node_agent.engine.kv_cache import KVCacheLayout, PagedKVCache
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, read_adapter_shard, read_adapter_spec
+from node_agent.engine.peft_adapter import AdapterLoadError, read_adapter_shard
 from node_agent.engine.pool import LoraPool, PoolError
 from node_agent.engine.protocol import (
     Command,
     ControlReply,
     Describe,
     DescribeReply,
-    FileDigests,
     Forward,
     ForwardReply,
     Load,
@@ -103,6 +102,9 @@ class RankWorker:
         """Carry out one command; a refusal or an unexpected error becomes a failed reply."""
         try:
             return self._dispatch(command)
+        except ContentChanged as error:
+            return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, str(error),
+                                holds=self.holds(), read_other_bytes=True)
         except (AdapterLoadError, PoolError) as error:
             return self.failed(command, str(error))
         except Exception as error:  # report, keep serving: one bad request must not kill the rank
@@ -163,15 +165,17 @@ class RankWorker:
         if self.config.fault_stall_load_on_rank == self.rank:
             time.sleep(self.config.fault_stall_load_s)  # test-only: before any adapter byte is read
         baseline = _reset_peak_rss()
-        path = Path(command.path)
-        with _HeldFiles(path, self.rank) as held:
-            spec = read_adapter_spec(path, self.cfg, self.config.max_lora_rank)
-            shard = read_adapter_shard(spec, self.layouts, self.dtype)
+        verified = command.adapter
+        # The driver parsed and matched the adapter once; this rank only reads its shard, from
+        # the very files the driver checked (their identity) and through the descriptor it checked.
+        with HeldFiles(verified.spec.path, f"rank {self.rank}") as held:
+            held.require(verified)
+            shard = read_adapter_shard(verified.spec, held.weights_fd, self.layouts, self.dtype)
             held.check_unchanged()
         self.pool.add(command.name, shard, command.pinned)
         return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds(),
                             shard_bytes=shard.nbytes, peak_rss_growth_bytes=_proc_status_bytes("VmHWM") - baseline,
-                            digests=held.digests)
+                            digests=verified.digests)
 
     def unload(self, command: Unload) -> ControlReply:
         self.pool.remove(command.name)
@@ -263,65 +267,6 @@ class RankWorker:
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-
-class _HeldFiles:
-    """The adapter's two files, opened (no symlink followed) and hashed before the loader reads
-    them, and checked unchanged after: what the digests describe is what the loader read.
-
-    The loader opens the files by path; the check after the load compares each path's inode
-    with the one hashed and each file's size, mtime and ctime with those at hashing time (any
-    write to the file moves its ctime). A file that cannot be opened here is left to the loader,
-    whose own error names it; the digests are then None, which the driver counts as a mismatch.
-    """
-
-    def __init__(self, path: Path, rank: int) -> None:
-        self.path, self.rank = path, rank
-        self.fds: dict[str, int] = {}
-        self.stats: dict[str, os.stat_result] = {}
-        self.digests: FileDigests | None = None
-
-    def __enter__(self) -> _HeldFiles:
-        try:
-            for name in (WEIGHTS_FILE, CONFIG_FILE):
-                self.fds[name] = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            return self  # the loader reports the missing or unreadable file
-        hashes = {name: _sha256_fd(fd) for name, fd in self.fds.items()}
-        self.stats = {name: os.fstat(fd) for name, fd in self.fds.items()}
-        self.digests = FileDigests(hashes[WEIGHTS_FILE], hashes[CONFIG_FILE])
-        return self
-
-    def check_unchanged(self) -> None:
-        for name, fd in self.fds.items():
-            before, now = self.stats.get(name), os.fstat(fd)
-            try:
-                entry = os.stat(self.path / name, follow_symlinks=False)
-            except OSError:
-                entry = None
-            if before is None or _identity(now) != _identity(before) or entry is None or _inode(entry) != _inode(before):
-                raise AdapterLoadError(f"{name} changed while rank {self.rank} read it")
-
-    def __exit__(self, *exc: object) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
-def _inode(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def _sha256_fd(fd: int) -> str:
-    digest = hashlib.sha256()
-    offset = 0
-    while chunk := os.pread(fd, 1 << 20, offset):
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
 
 
 def _module_name(key: tuple[int, str] | tuple[int, str, int]) -> str:

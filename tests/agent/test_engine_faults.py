@@ -1,5 +1,6 @@
 """A rank that stalls during a load (test fault hook): health reports the hung engine, and bytes
-changed under a stalled rank are caught by the per-rank digests (refused, rolled back).
+changed under a stalled rank are caught by each rank's check of the verified files (refused,
+rolled back).
 
 The agent (tp=2, dp=2) has rank 1 sleep STALL_S at the start of every load, before it reads any
 adapter byte, and an engine hang timeout of HANG_S. A second, single-rank agent shows Describe
@@ -8,6 +9,7 @@ answering while the server shuts down and no snapshot left behind by a load that
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -84,7 +86,7 @@ def test_a_hung_engine_turns_health_not_serving_until_the_command_completes(stal
     reply = load.result(timeout=120)
     assert reply.success, reply.error_message
     wait_until(lambda: health(stalling.channel) == SERVING, 30, "health SERVING once the load completed")
-    # Every rank reports the digest of the bytes it read: the verified one, as ListAdapters says.
+    # Every rank reports the digest of the verified files it read, as ListAdapters says.
     listed = stalling.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     assert [a.name for a in listed] == ["one"]
     assert [r.weights_sha256 for r in reply.rank_results] == [listed[0].sha256] * 2
@@ -92,12 +94,29 @@ def test_a_hung_engine_turns_health_not_serving_until_the_command_completes(stal
     assert stalling.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="one"), timeout=60).success
 
 
+def test_an_adapter_the_engine_cannot_serve_is_refused_while_another_load_holds_the_engine(stalling):
+    """Validation runs once, in the caller's thread, before the engine's command lock."""
+    dora = make_adapter(stalling.adapters["one"].parent / "dora", seed=13)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    request = pb.LoadAdapterRequest(name="one", source_uri=stalling.adapters["one"].as_uri())
+    load = stalling.stub.LoadAdapter.future(request, timeout=120)
+    wait_until(lambda: health(stalling.channel) == NOT_SERVING, 30, "rank 1 stalling in the load of 'one'")
+    refused = rpc_error(lambda: stalling.stub.LoadAdapter(
+        pb.LoadAdapterRequest(name="dora", source_uri=dora.as_uri()), timeout=60))
+    assert not load.done(), "the refusal came while the other load still held the engine"
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "DoRA" in refused.details(), refused.details()
+    assert load.result(timeout=120).success
+    assert stalling.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="one"), timeout=60).success
+    wait_until(lambda: health(stalling.channel) == SERVING, 30, "health SERVING again")
+
+
 def test_bytes_changed_between_verification_and_a_ranks_read_refuse_the_load(stalling):
     request = pb.LoadAdapterRequest(name="swapped", source_uri=stalling.adapters["one"].as_uri())
     load = stalling.stub.LoadAdapter.future(request, timeout=120)
     # Rank 0 has read the snapshot; rank 1 sleeps before reading it (the engine counts as hung
     # once HANG_S passed). Replace the snapshot's weights with another adapter's, same shapes:
-    # rank 1 would load them without complaint; only its digest tells.
+    # rank 1 would load them without complaint; only its check of the verified files tells.
     wait_until(lambda: health(stalling.channel) == NOT_SERVING, 30, "rank 1 stalling in the load")
     (snapshot,) = stalling.cache.glob("snap-*")
     replacement = snapshot / "replacement"
@@ -106,7 +125,7 @@ def test_bytes_changed_between_verification_and_a_ranks_read_refuse_the_load(sta
     reply = load.result(timeout=120)
     assert not reply.success
     assert f"rank {STALLING_RANK} read other bytes than the agent verified" in reply.error_message, reply.error_message
-    assert "adapter_model.safetensors has sha256" in reply.error_message
+    assert "adapter_model.safetensors is not the file that was verified" in reply.error_message
     assert [(r.rank, r.success) for r in reply.rank_results] == [(0, False), (1, False)]
     assert "rolled back because the load failed on rank 1" in reply.rank_results[0].error_message
     assert list(reply.loaded_adapters) == []

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from safetensors.torch import load_file, save_file
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.wire import REASON_METADATA_KEY
@@ -160,14 +161,28 @@ def test_pinned_adapters_hold_slots_for_batches(shared, stub):
 
 
 def test_a_load_every_rank_refuses_reports_each_rank_and_changes_nothing(shared, stub):
+    bad = make_adapter(shared.root / "nan-a", seed=7)
+    weights = load_file(bad / "adapter_model.safetensors")
+    # A of a column-parallel module is replicated: every rank reads this element and refuses.
+    (key,) = [k for k in weights if "layers.0." in k and "q_proj.lora_A" in k]
+    weights[key][0, 0] = float("nan")
+    save_file(weights, bad / "adapter_model.safetensors")
+    reply = load(stub, "nan-a", bad)
+    assert not reply.success
+    assert reply.error_message.count("non-finite") == 1, "the same message from both ranks appears once"
+    assert [(r.rank, r.success, "non-finite" in r.error_message) for r in reply.rank_results] == [(0, False, True), (1, False, True)]
+    assert list(reply.loaded_adapters) == []
+    assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
+    assert rpc_error(lambda: forward(stub, (PROMPT, "nan-a"))).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused_once_before_any_rank(shared, stub):
     bad = make_adapter(shared.root / "dora", seed=7)
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    reply = load(stub, "dora", bad)
-    assert not reply.success
-    assert reply.error_message.count("DoRA") == 1, "the same message from both ranks appears once"
-    assert [(r.rank, r.success, "DoRA" in r.error_message) for r in reply.rank_results] == [(0, False, True), (1, False, True)]
-    assert list(reply.loaded_adapters) == []
+    error = rpc_error(lambda: load(stub, "dora", bad))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().count("DoRA") == 1 and "rank" not in error.details(), error.details()
     assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     assert rpc_error(lambda: forward(stub, (PROMPT, "dora"))).code() == grpc.StatusCode.NOT_FOUND
 

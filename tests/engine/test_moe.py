@@ -22,9 +22,10 @@ from node_agent.engine.kernels import LoraBatch
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec
+from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_spec
 from node_agent.engine.sharding import EXPERT_KINDS, local_experts, module_layout, unsharded_layout
 from tests import support as R
+from tests.engine.helpers import read_shard
 
 MAX_RANK = 8
 FUSED_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -141,7 +142,7 @@ def test_expert_buffers_match_slices_and_rebuild_each_expert(moe, tp, ep, fully_
         for name in ("fused", "per_expert"):
             spec = read_adapter_spec(adapters[name], cfg, MAX_RANK)
             experts_only = dataclasses.replace(spec, modules=tuple(m for m in spec.modules if m.expert is not None))
-            shard = read_adapter_shard(experts_only, layouts, torch.float32)
+            shard = read_shard(experts_only, layouts)
             assert set(shard.weights) == set(views), "exactly the local experts are read"
             for key, parts in shard.weights.items():
                 for index, (part, (a_shape, b_shape)) in enumerate(zip(parts, views[key].slot_shapes(), strict=True)):

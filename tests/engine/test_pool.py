@@ -8,10 +8,11 @@ import torch
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import read_adapter_shard, read_adapter_spec
+from node_agent.engine.peft_adapter import read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
 from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, module_layout
 from node_agent.engine.topology import Topology
+from tests.engine.helpers import read_shard
 
 SHAPE = SyntheticModel(num_layers=1)
 MAX_RANK = 8
@@ -34,7 +35,7 @@ def make_pool(cfg, adapters, slots: int, max_loaded: int = 8):
                                                     torch.float32, torch.device("cpu"))
                for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)}
     layouts = {key: module.lora_slices() for key, module in modules.items()}
-    shards = {name: read_adapter_shard(read_adapter_spec(path, cfg, MAX_RANK), layouts, torch.float32)
+    shards = {name: read_shard(read_adapter_spec(path, cfg, MAX_RANK), layouts)
               for name, path in adapters.items()}
     return LoraPool(modules, slots, max_loaded), shards
 

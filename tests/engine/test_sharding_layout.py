@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec
+from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_spec
 from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, ParallelStyle, module_layout
 from node_agent.engine.topology import Topology
+from tests.engine.helpers import read_shard
 
 MAX_RANK = 8
 ADAPTER_RANK = 3  # below max rank and not divisible by tp: exercises padding
@@ -58,7 +59,7 @@ def test_buffers_match_slices_and_slices_rebuild_the_adapter(model_and_adapter, 
     for rank in range(tp):
         layers = build_layers(cfg, topology, rank)
         layouts = {key: layer.lora_slices() for key, layer in layers.items()}
-        shard = read_adapter_shard(spec, layouts | _other_layers(layouts, shape), torch.float32)
+        shard = read_shard(spec, layouts | _other_layers(layouts, shape))
         for (layer_index, kind), weights in shard.weights.items():
             if layer_index != 0:
                 continue
