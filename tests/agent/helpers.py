@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from safetensors.torch import load_file, save_file
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
@@ -47,6 +48,17 @@ def make_model(directory: Path, tokenizer: bool = True) -> Path:
 
 def make_adapter(directory: Path, seed: int, rank: int = ADAPTER_RANK, **kwargs) -> Path:
     return write_adapter(directory, SHAPE, rank=rank, alpha=ADAPTER_ALPHA, seed=seed, **kwargs)
+
+
+def make_nan_adapter(directory: Path, seed: int) -> Path:
+    """An adapter every rank refuses while reading its shard: a NaN in a replicated tensor (A of a
+    column-parallel module). Validation, which reads no tensor data, passes it."""
+    adapter = make_adapter(directory, seed)
+    weights = load_file(adapter / "adapter_model.safetensors")
+    (key,) = [k for k in weights if "layers.0." in k and "q_proj.lora_A" in k]
+    weights[key][0, 0] = float("nan")
+    save_file(weights, adapter / "adapter_model.safetensors")
+    return adapter
 
 
 def logits(message: pb.Logits) -> np.ndarray:

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
-from tests.agent.helpers import forward, generate, http_server, make_adapter, rpc_error, wait_until
+from tests.agent.helpers import forward, generate, http_server, make_adapter, make_nan_adapter, rpc_error, wait_until
 
 PROMPT = [4, 8, 15, 16, 23, 42]
 
@@ -75,15 +75,25 @@ def test_other_content_under_a_loaded_name_needs_replace(shared, stub):
 
 
 def test_a_replacement_the_ranks_refuse_leaves_the_old_version_serving(shared, stub):
-    bad = make_adapter(shared.root / "dora-replacement", seed=9)
-    config = json.loads((bad / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    bad = make_nan_adapter(shared.root / "nan-replacement", seed=9)
     assert load(stub, "kept", shared.adapters["ad4"].as_uri()).success
     before = forward(stub, (PROMPT, "kept"))[0]
     reply = load(stub, "kept", bad.as_uri(), replace=True)
-    assert not reply.success and "DoRA" in reply.error_message and list(reply.loaded_adapters) == ["kept"]
+    assert not reply.success and "non-finite" in reply.error_message and list(reply.loaded_adapters) == ["kept"]
     np.testing.assert_array_equal(forward(stub, (PROMPT, "kept"))[0], before)
     assert listed(stub)["kept"].sha256 == sha256(shared.adapters["ad4"])
+
+
+def test_a_replacement_refused_by_validation_leaves_the_old_version_serving(shared, stub):
+    bad = make_adapter(shared.root / "dora-replacement", seed=9)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    assert load(stub, "kept-too", shared.adapters["ad4"].as_uri()).success
+    before = forward(stub, (PROMPT, "kept-too"))[0]
+    error = rpc_error(lambda: load(stub, "kept-too", bad.as_uri(), replace=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "DoRA" in error.details()
+    np.testing.assert_array_equal(forward(stub, (PROMPT, "kept-too"))[0], before)
+    assert listed(stub)["kept-too"].sha256 == sha256(shared.adapters["ad4"])
 
 
 def test_replace_swaps_at_once_while_a_running_request_finishes_on_the_old_weights(shared, stub):

@@ -14,12 +14,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from safetensors.torch import load_file, save_file
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.wire import REASON_METADATA_KEY
 from tests.agent.conftest import SLOTS
-from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, rpc_error
+from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, make_nan_adapter, rpc_error
 
 PROMPT = [1, 2, 3, 255, 0, 17]
 
@@ -161,12 +160,7 @@ def test_pinned_adapters_hold_slots_for_batches(shared, stub):
 
 
 def test_a_load_every_rank_refuses_reports_each_rank_and_changes_nothing(shared, stub):
-    bad = make_adapter(shared.root / "nan-a", seed=7)
-    weights = load_file(bad / "adapter_model.safetensors")
-    # A of a column-parallel module is replicated: every rank reads this element and refuses.
-    (key,) = [k for k in weights if "layers.0." in k and "q_proj.lora_A" in k]
-    weights[key][0, 0] = float("nan")
-    save_file(weights, bad / "adapter_model.safetensors")
+    bad = make_nan_adapter(shared.root / "nan-a", seed=7)
     reply = load(stub, "nan-a", bad)
     assert not reply.success
     assert reply.error_message.count("non-finite") == 1, "the same message from both ranks appears once"
