@@ -16,7 +16,7 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -55,7 +55,7 @@ from node_agent.errors import (
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
 from node_agent.sources import ResolvedSource, SourcePolicy, clean_cache, parse_sha256, resolve_source
-from node_agent.text import IncrementalDecoder, eos_token_ids, load_tokenizer
+from node_agent.text import IncrementalDecoder, StopStrings, eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
 from node_agent.values import DEFAULT_NEW_TOKENS, Description, GeneratedToken, GenerateParams, RankStatus
 
@@ -98,6 +98,7 @@ class Agent:
         if config.sources.cache_dir is not None:
             clean_cache(config.sources.cache_dir)
         self.metrics.engine_up.set(1)
+        self.metrics.serve_engine(engine.serving_stats, self.adapter_name, engine.config.max_loras_per_batch)
 
     @classmethod
     def start(cls, engine_config: EngineConfig, config: AgentConfig, metrics: AgentMetrics | None = None) -> Agent:
@@ -149,6 +150,16 @@ class Agent:
         if running.adapter is not None:
             what += f" of adapter {_public_of(running.adapter)!r} (engine name {running.adapter!r})"
         return f"the engine's {what} has been running for {elapsed:.1f} s, over the {limit:g}-s --engine-hang-timeout-s"
+
+    def adapter_name(self, engine_name: str) -> str:
+        """The public name of an engine's adapter name (also of a version already forgotten)."""
+        name = self.registry.public_name(engine_name)
+        return _public_of(engine_name) if name == engine_name else name
+
+    def model_adapter(self, model: str) -> str | None:
+        """The adapter an OpenAI-style `model` names: None for the base model's name, else the
+        adapter of that name (whether it is routable is checked when a request leases it)."""
+        return None if model == self.base_model_name else model
 
     def _check_alive(self) -> None:
         if not self.alive:
@@ -284,7 +295,7 @@ class Agent:
                 inputs = [SequenceInput(list(tokens), lease.engine_name(adapter)) for tokens, adapter in sequences]
                 return [logits.numpy() for logits in self._engine_forward(inputs, lease)]
 
-    def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = lambda: False) -> Iterator[GeneratedToken]:
+    def generate(self, params: GenerateParams, cancelled: Callable[[], bool] = lambda: False) -> Generator[GeneratedToken]:
         """Submit to the engine's scheduler and stream each token as its step completes; the
         request shares steps with every other running one (docs/serving.md). The adapter's
         lease is held until the last token, so unload and replace drain it; a call that goes
@@ -301,6 +312,7 @@ class Agent:
                                           logprobs=params.logprobs)
             except ValueError as error:
                 raise InvalidRequest(str(error)) from None
+            stops = self._stop_strings(params.stop)
             self._check_alive()
             with self._leased([params.adapter] if params.adapter else []) as lease:
                 try:
@@ -316,11 +328,20 @@ class Agent:
                     for count, step in enumerate(generation.tokens(cancelled=cancelled), start=1):
                         finish = step.finish.value if step.finish is not None else ""
                         self.metrics.generated_tokens.inc()
+                        text = decoder.push(step.token_id) if decoder else ""
+                        if stops is not None:
+                            text = stops.push(text)
+                            if stops.matched is not None:
+                                finish = "stop"
+                            elif finish:
+                                text += stops.flush()
                         lp = step.logprobs
-                        yield GeneratedToken(step.token_id, decoder.push(step.token_id) if decoder else "", finish,
+                        yield GeneratedToken(step.token_id, text, finish,
                                              logprob=lp.logprob if lp is not None else None,
                                              top_logprobs=tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp else (),
                                              usage=(len(tokens), count) if finish else None)
+                        if stops is not None and stops.matched is not None:
+                            break  # the stop string ended it: `finally` cancels the sequence now
                     if generation.cancelled:
                         call.outcome = "cancelled"
                 except SequenceAborted:
@@ -332,6 +353,17 @@ class Agent:
                     raise self._engine_error(error) from None
                 finally:
                     generation.cancel()  # the stream closed early: free its blocks now (no-op once done)
+
+    def _stop_strings(self, stop: tuple[str, ...]) -> StopStrings | None:
+        """The request's stop-string matcher (None without stop strings); they need text."""
+        if not stop:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequest("stop strings need text: this agent's model has no tokenizer (tokenizer.json)")
+        try:
+            return StopStrings(stop)
+        except ValueError as error:
+            raise InvalidRequest(str(error)) from None
 
     def _prompt_ids(self, params: GenerateParams) -> list[int]:
         if params.token_ids and params.prompt:

@@ -30,6 +30,7 @@ from node_agent.engine import (
     Topology,
 )
 from node_agent.errors import InvalidRequest
+from node_agent.http_api import HttpApiServer, HttpOptions, split_listen
 from node_agent.server import (
     DEFAULT_EXIT_LINGER_S,
     DEFAULT_MAX_CONTROL_CALLS,
@@ -218,6 +219,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's own flags (the engine's come from add_engine_arguments)."""
     parser.add_argument("--listen", default="0.0.0.0:50051", metavar="HOST:PORT",
                         help="gRPC address; port 0 picks a free one (default 0.0.0.0:50051)")
+    parser.add_argument("--http-listen", metavar="HOST:PORT",
+                        help="also serve the OpenAI-compatible HTTP API here (docs/http-api.md), with the same token "
+                        "and TLS files as gRPC; port 0 picks a free one (default: off)")
     parser.add_argument("--base-model-name", metavar="NAME",
                         help="base model name reported by Describe (default: the --model directory's name)")
     parser.add_argument("--adapter-root", action="append", default=[], type=Path, metavar="DIR",
@@ -315,19 +319,43 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
 
 
+def http_options(args: argparse.Namespace, options: ServerOptions) -> HttpOptions | None:
+    """The HTTP API's settings (None: --http-listen not given): gRPC's token and TLS files."""
+    if args.http_listen is None:
+        return None
+    try:
+        split_listen(args.http_listen)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return HttpOptions(listen=args.http_listen, auth_token=options.auth_token, tls=options.tls, stop_grace_s=options.stop_grace_s)
+
+
 def run_serve(args: argparse.Namespace) -> None:
     options = server_options(args)
+    http = http_options(args, options)
     config = agent_config(args)
     with Agent.start(engine_config(args), config) as agent:
         server = create_server(agent, options)
         server.start()
         log.info("serving lorafleet.v1.NodeAgent on %s (port %d)", args.listen, server.port)
+        http_server = None
+        if http is not None:
+            # The same inference budget and shutdown flag as gRPC: one limit, one stop.
+            http_server = HttpApiServer(agent, http, server.servicer.budgets["inference"], server.servicer.closing)
+            try:
+                http_server.start()
+            except OSError:
+                server.stop(grace=0)
+                raise
+            log.info("serving the OpenAI-compatible HTTP API on %s (port %d)", http.listen, http_server.port)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.request_stop())
         died = server.wait()
         if died:
             server.linger(options.exit_linger_s)  # Describe shows which rank died; SIGTERM cuts it short
-        server.stop()
+        server.stop()  # refuses new inference on both APIs at once, lets running calls finish
+        if http_server is not None:
+            http_server.stop()
         if died:
             # Exit non-zero so Kubernetes restarts the pod: a rank cannot be restarted alone.
             raise EngineError(f"engine is not serving ({agent.failure()}); exiting so the pod restarts")

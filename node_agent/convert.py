@@ -105,6 +105,7 @@ def generate_params(request: pb.GenerateRequest) -> GenerateParams:
         min_p=request.min_p,
         seed=request.seed if request.HasField("seed") else None,
         logprobs=request.logprobs if request.HasField("logprobs") else None,
+        stop=tuple(request.stop),
     )
 
 

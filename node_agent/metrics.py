@@ -1,12 +1,26 @@
 """Prometheus metrics of one node agent (prometheus_client).
 
 Each agent has its own `CollectorRegistry`, so several agents in one process (tests) never
-share or collide; `serve --metrics-port` exposes it over HTTP.
+share or collide; `serve --metrics-port` exposes it over HTTP (and `--http-listen` at /metrics).
+
+Beside lorafleet's own metrics, `ServingCollector` exports what inference gateways read (the
+Gateway API Inference Extension's model-server protocol, in vLLM's names) and the scheduler's
+counters, from `Engine.serving_stats()` at scrape time: no thread polls the engine.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from node_agent.engine import ServingStats
+
+log = logging.getLogger(__name__)
 
 # Loads range from milliseconds (cached, tiny) to minutes (multi-GiB downloads).
 CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -36,6 +50,58 @@ class AgentMetrics:
         self.generated_tokens = Counter("lorafleet_agent_generated_tokens", "Tokens streamed by Generate", registry=r)
         self.engine_up = Gauge("lorafleet_agent_engine_up", "1 while every rank of the engine is alive", registry=r)
 
+    def serve_engine(self, stats: Callable[[], ServingStats], public_name: Callable[[str], str], max_lora: int) -> None:
+        """Export the engine's serving state (`ServingCollector`) with the other metrics."""
+        self.registry.register(ServingCollector(stats, public_name, max_lora))
+
+
+class ServingCollector(Collector):
+    """The gateway metrics and the scheduler's counters, read from the engine at scrape time.
+
+    * `vllm:num_requests_waiting` / `vllm:num_requests_running`: sequences queued and scheduled
+      (every DP group together);
+    * `vllm:kv_cache_usage_perc`: used KV blocks over all blocks of every DP group, 0 to 1;
+    * `vllm:lora_requests_info`: value the scrape's Unix time (gateways keep the newest sample),
+      labels `running_lora_adapters` / `waiting_lora_adapters` (the public names, comma-separated,
+      sorted) and `max_lora` (the device LoRA slots a batch can use, --max-loras-per-batch);
+    * `lorafleet_engine_steps_total` / `lorafleet_engine_preemptions_total`, and free KV blocks
+      per DP group.
+    """
+
+    def __init__(self, stats: Callable[[], ServingStats], public_name: Callable[[str], str], max_lora: int) -> None:
+        self._stats = stats
+        self._public_name = public_name
+        self._max_lora = max_lora
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # the families are known only at scrape time; registering must not read the engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:  # a scrape must never fail the endpoint: the other metrics still answer
+            log.warning("serving stats unavailable for this scrape", exc_info=True)
+            return
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled", value=stats.waiting)
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests running (scheduled on the engine)", value=stats.running)
+        total = stats.num_blocks * len(stats.free_blocks)
+        used = total - sum(stats.free_blocks)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 = every block used)",
+                                value=used / total if total else 0.0)
+        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of running and waiting requests (value: time of the scrape)",
+                                 labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+        info.add_metric((self._names(stats.running_adapters), self._names(stats.waiting_adapters), str(self._max_lora)), time.time())
+        yield info
+        yield CounterMetricFamily("lorafleet_engine_steps", "Steps the engine's ranks ran", value=stats.steps)
+        yield CounterMetricFamily("lorafleet_engine_preemptions", "Sequences preempted by recompute", value=stats.preemptions)
+        free = GaugeMetricFamily("lorafleet_engine_kv_blocks_free", "Free KV blocks per DP group", labels=("dp_group",))
+        for group, blocks in enumerate(stats.free_blocks):
+            free.add_metric((str(group),), blocks)
+        yield free
+        yield GaugeMetricFamily("lorafleet_engine_kv_blocks", "KV blocks per DP group", value=stats.num_blocks)
+
+    def _names(self, engine_names: frozenset[str]) -> str:
+        return ",".join(sorted({self._public_name(name) for name in engine_names}))
 
 
 class MetricsEndpoint:

@@ -55,6 +55,7 @@ class GenerateParams:
     min_p: float = 0.0
     seed: int | None = None  # None: the engine picks one
     logprobs: int | None = None  # None: none; N: the token's and the N most likely
+    stop: tuple[str, ...] = ()  # stop strings (text mode), node_agent.text.StopStrings
 
 
 @dataclass(frozen=True)

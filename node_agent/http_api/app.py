@@ -1,0 +1,420 @@
+"""The HTTP server: routes, auth, and the thread its event loop runs on.
+
+aiohttp serves it on an event loop of its own thread, beside the gRPC server's thread pool, over
+the same `Agent`. Inference takes a place of the same inference budget as gRPC's Forward and
+Generate (`--max-inference-calls`), so the limit holds whichever API calls arrive on; a request
+beyond it is refused at once with 429. Nothing here waits for a control call: `/v1/models`
+reads the agent's registry (an in-process table), `/health` the engine's process states, and
+generation goes to the engine's scheduler.
+
+Disconnects: the server cancels the handler of a client that goes away (aiohttp's
+`handler_cancellation`), which closes its generations: the engine drops the sequences and frees
+their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from node_agent.agent import Agent
+from node_agent.auth import TlsFiles
+from node_agent.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from node_agent.errors import AdapterNotFound, AgentError, ShuttingDown
+from node_agent.http_api.errors import ApiError, from_agent_error, from_validation_error, model_not_found
+from node_agent.http_api.responses import Kind, Reply
+from node_agent.http_api.schema import ChatCompletionRequest, CompletionRequest
+from node_agent.http_api.streams import Choices, Event
+from node_agent.values import GenerateParams
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers send no token (as on gRPC and the metrics port)
+MAX_BODY_BYTES = 16 << 20
+SEED_LIMIT = 2**64
+
+
+class Budget(Protocol):
+    """A class of calls with a limit (`server.CallBudget`): acquire refuses at once when full."""
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """How the HTTP API listens and who may call it."""
+
+    listen: str = "127.0.0.1:0"  # HOST:PORT; port 0 picks a free one (see HttpApiServer.port)
+    auth_token: str | None = None  # the same token as gRPC: `Authorization: Bearer <token>`
+    tls: TlsFiles | None = None  # the same files as gRPC: HTTPS, client certificates with a client CA
+    stop_grace_s: float = 10.0  # how long stop() lets running requests finish
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 hosts in brackets) as (host, port); ValueError naming the flag otherwise."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--http-listen must be HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+class HttpApiServer:
+    """The OpenAI-compatible API over one agent, served on a thread of its own."""
+
+    def __init__(self, agent: Agent, options: HttpOptions, budget: Budget | None = None,
+                 closing: threading.Event | None = None) -> None:
+        """`budget`: the inference budget shared with gRPC (None: unlimited); `closing`: set
+        when the agent stops taking inference (the gRPC servicer's flag)."""
+        self.agent = agent
+        self.options = options
+        self.host, self._requested_port = split_listen(options.listen)
+        self.port = 0
+        self._api = _Api(agent, options.auth_token, budget, closing or threading.Event())
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+
+    def start(self) -> None:
+        """Bind and serve; raises OSError when the address cannot be bound."""
+        self._thread = threading.Thread(target=self._serve, name="lorafleet-http", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            raise OSError(f"cannot listen on {self.options.listen} (--http-listen): {self._failure}") from self._failure
+
+    def stop(self) -> None:
+        """Stop taking connections; running requests get `stop_grace_s`, then are cancelled."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        self._loop = self._thread = None
+
+    def __enter__(self) -> HttpApiServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._open())
+        except BaseException as error:
+            self._failure = error
+            self._ready.set()
+            loop.close()
+            return
+        self._loop = loop
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            if self._runner is not None:
+                loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    async def _open(self) -> None:
+        # handler_cancellation: a client that disconnects cancels its handler (and generations).
+        runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=self.options.stop_grace_s)
+        await runner.setup()
+        tls = self.options.tls
+        site = web.TCPSite(runner, self.host, self._requested_port, reuse_port=False,
+                           ssl_context=_ssl_context(tls) if tls is not None else None)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _Api:
+    """The routes over one agent."""
+
+    def __init__(self, agent: Agent, token: str | None, budget: Budget | None, closing: threading.Event) -> None:
+        self.agent = agent
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._budget = budget
+        self._closing = closing
+        self._template: ChatTemplate | None = None
+        self._template_error: str | None = None
+        try:
+            self._template = load_chat_template(agent.engine.config.model_dir)
+        except ChatTemplateError as error:  # reported to each chat request, not fatal to the agent
+            self._template_error = str(error)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # -- middlewares -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every refusal in OpenAI's error shape, aiohttp's own (404, 405, 413) included."""
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return _error_response(error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            return _error_response(ApiError(error.status, f"{request.method} {request.path}: {error.reason}"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._expected is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        presented = request.headers.get("Authorization")
+        if presented is None:
+            raise ApiError(401, "missing credentials: send the header 'Authorization: Bearer <token>'", None, "invalid_api_key")
+        # Constant-time comparison: response timing must not reveal how much of a guess matched.
+        if not hmac.compare_digest(presented.encode(), self._expected):
+            raise ApiError(401, "invalid bearer token", None, "invalid_api_key")
+        return await handler(request)
+
+    # -- health, metrics, models -----------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while every rank is alive and no engine command hangs; 503 with the reason otherwise."""
+        agent = self.agent
+        reason = "the agent is shutting down" if self._closing.is_set() else agent.failure() or agent.hang()
+        if reason:
+            return web.json_response({"status": "not serving", "reason": reason}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self.agent.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The base model and every routable adapter (held by every rank, not being unloaded)."""
+        return web.json_response({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        card = next((card for card in self._model_cards() if card["id"] == name), None)
+        if card is None:
+            raise ApiError(404, f"The model {name!r} does not exist on this agent", "model", "model_not_found")
+        return web.json_response(card)
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        # `created` is the time of the listing, as vLLM lists its models and LoRA modules.
+        created = int(time.time())
+        base = self.agent.base_model_name
+        cards = [{"id": base, "object": "model", "created": created, "owned_by": "lorafleet", "root": base, "parent": None}]
+        cards += [{"id": entry.name, "object": "model", "created": created, "owned_by": "lorafleet",
+                   "root": entry.source.uri, "parent": base}
+                  for entry in self.agent.registry.entries() if entry.name != base]
+        return cards
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(CompletionRequest, await _json(request))
+        prompts = body.prompts()
+        if body.max_tokens is not None:
+            self._check_max_tokens(body.max_tokens)
+        params = []
+        for prompt in prompts:
+            base = GenerateParams(prompt=prompt, max_new_tokens=body.max_tokens or 16) if isinstance(prompt, str) \
+                else GenerateParams(token_ids=tuple(prompt), max_new_tokens=body.max_tokens or 16)
+            params += self._choices(body, base, body.logprobs)
+        return await self._generate(request, "completion", body, params, len(prompts), "prompt", body.logprobs is not None)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(ChatCompletionRequest, await _json(request))
+        token_ids = self._chat_prompt(body)
+        max_new = body.max_new_tokens
+        if max_new is not None:
+            self._check_max_tokens(max_new, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        else:  # as much as fits: the agent's limit, within the request-size limit
+            max_new = max(1, min(self.agent.config.max_new_tokens, self.agent.config.max_request_tokens - len(token_ids)))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._choices(body, GenerateParams(token_ids=tuple(token_ids), max_new_tokens=max_new), logprobs)
+        return await self._generate(request, "chat", body, params, 1, "messages", body.logprobs)
+
+    def _check_max_tokens(self, value: int, param: str = "max_tokens") -> None:
+        limit = self.agent.config.max_new_tokens
+        if value > limit:
+            raise ApiError(400, f"{param} must be at most {limit} (the agent's --max-new-tokens), got {value}", param, "invalid_value")
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The rendered chat as token ids (no special tokens added: the template places them)."""
+        if self._template is None:
+            reason = self._template_error or (
+                "the model has no chat template (chat_template in tokenizer_config.json, or chat_template.jinja): "
+                "use /v1/completions with a prompt")
+            raise ApiError(400, reason, "messages", "chat_template_missing")
+        tokenizer = self.agent.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "the model has no tokenizer (tokenizer.json): chat needs one", "messages", "no_tokenizer")
+        try:
+            text = self._template.render([m.for_template() for m in body.messages], body.add_generation_prompt)
+        except ChatTemplateError as error:
+            raise ApiError(400, str(error), "messages", "chat_template_error") from None
+        ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+        if not ids:
+            raise ApiError(400, "the rendered messages encode to no tokens", "messages", "invalid_value")
+        return ids
+
+    def _choices(self, body: CompletionRequest | ChatCompletionRequest, base: GenerateParams, logprobs: int | None) -> list[GenerateParams]:
+        """`n` generations of one prompt; with a seed, choice j uses seed + j (each differs, the
+        whole request repeats)."""
+        common = replace(base, adapter=self.agent.model_adapter(body.model), stop=body.stop_strings(), logprobs=logprobs,
+                         **body.sampling())
+        return [replace(common, seed=None if body.seed is None else (body.seed + j) % SEED_LIMIT) for j in range(body.n)]
+
+    async def _generate(self, request: web.Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
+                        params: list[GenerateParams], prompts: int, prompt_param: str, logprobs: bool) -> web.StreamResponse:
+        self._admit()
+        try:
+            choices = Choices(self.agent, params)
+            try:
+                first = await choices.first()
+                failed = next((event.error for event in first if event.error is not None), None)
+                if failed is not None:
+                    raise self._refusal(failed, body.model, prompt_param)
+                reply = Reply(kind, body.model, len(params), prompts, self._token_text, logprobs)
+                if body.stream:
+                    return await self._stream(request, reply, choices, first, len(params), body.include_usage)
+                async for event in _chain(first, choices):
+                    if event.error is not None:
+                        raise self._refusal(event.error, body.model, prompt_param)
+                    assert event.token is not None
+                    reply.add(event.index, event.token)
+                return web.json_response(reply.body(), dumps=_dumps)
+            finally:
+                choices.close()
+        finally:
+            if self._budget is not None:
+                self._budget.release()
+
+    def _admit(self) -> None:
+        """Take a place of the inference budget, or refuse at once (429, 503 while stopping)."""
+        try:
+            if self._closing.is_set():
+                raise ShuttingDown("the agent is shutting down: inference is refused")
+            if self._budget is not None:
+                self._budget.acquire()
+        except AgentError as refusal:
+            self.agent.metrics.failures.labels("http", refusal.reason).inc()
+            raise from_agent_error(refusal, "prompt") from None
+
+    async def _stream(self, request: web.Request, reply: Reply, choices: Choices, first: list[Event], count: int,
+                      include_usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(data: dict[str, Any] | str) -> None:
+            text = data if isinstance(data, str) else _dumps(data)
+            await response.write(f"data: {text}\n\n".encode())
+
+        if reply.kind == "chat":
+            for index in range(count):
+                await send(reply.role_chunk(index))
+        async for event in _chain(first, choices):
+            if event.error is not None:  # after the 200: the error goes in the stream, as vLLM does
+                choices.close()
+                await send(self._refusal(event.error, reply.model, "prompt").body())
+                break
+            assert event.token is not None
+            reply.add(event.index, event.token)
+            chunk = reply.chunk(event.index, event.token)
+            if chunk is not None:
+                await send(chunk)
+        else:
+            if include_usage:
+                await send(reply.usage_chunk())
+        await send("[DONE]")
+        await response.write_eof()
+        return response
+
+    def _refusal(self, error: BaseException, model: str, prompt_param: str) -> ApiError:
+        if isinstance(error, AdapterNotFound):
+            return model_not_found(model, error)
+        if isinstance(error, AgentError):
+            return from_agent_error(error, prompt_param)
+        log.error("unexpected error in a generation", exc_info=error)
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal")
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.agent.tokenizer
+        if tokenizer is None:
+            return f"token_id:{token_id}"
+        return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+async def _chain(first: list[Event], choices: Choices) -> AsyncIterator[Event]:
+    """The events `Choices.first` read, then the rest."""
+    for event in first:
+        yield event
+    async for event in choices.events():
+        yield event
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}", None, "invalid_json") from None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], data: Any) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """HTTPS with gRPC's certificate and key; with a client CA, client certificates are required."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca is not None:
+        context.load_verify_locations(tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, dumps=_dumps)

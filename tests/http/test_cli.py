@@ -1,0 +1,77 @@
+"""`lorafleet-agent serve --http-listen`: the HTTP API in the agent process, with the gRPC token,
+stopped with it on SIGTERM; a bad address is a usage error."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from node_agent.cli import UsageError, build_parser, http_options, server_options
+from tests.agent.helpers import make_model
+from tests.http.conftest import write_chat_template
+
+AGENT = Path(sys.executable).parent / "lorafleet-agent"  # the installed console script
+
+
+def get(url: str, token: str | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_serve_with_http_listen_serves_the_api_beside_grpc(tmp_path):
+    model = make_model(tmp_path / "model")
+    write_chat_template(model)
+    (tmp_path / "token").write_text("s3cret\n")
+    log = tmp_path / "agent.log"
+    command = [str(AGENT), "--log-level", "INFO", "serve", "--model", str(model), "--listen", "127.0.0.1:0",
+               "--http-listen", "127.0.0.1:0", "--auth-token-file", str(tmp_path / "token"), "--base-model-name", "base"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    try:
+        deadline = time.monotonic() + 180
+        while not (match := re.search(r"OpenAI-compatible HTTP API on \S+ \(port (\d+)\)", log.read_text())):
+            assert process.poll() is None, f"serve exited with {process.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{match.group(1)}"
+        assert get(f"{url}/health") == (200, {"status": "ok"})
+        assert get(f"{url}/v1/models")[0] == 401
+        status, models = get(f"{url}/v1/models", "s3cret")
+        assert status == 200 and [m["id"] for m in models["data"]] == ["base"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+        with pytest.raises(urllib.error.URLError):
+            get(f"{url}/health")
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.parametrize("listen", ["8080", "host:", "host:99999", ":8080"])
+def test_a_bad_http_listen_is_a_usage_error(listen):
+    args = build_parser().parse_args(["serve", "--model", "m", "--http-listen", listen])
+    with pytest.raises(UsageError, match="--http-listen must be HOST:PORT"):
+        http_options(args, server_options(args))
+
+
+def test_the_http_api_takes_the_grpc_token_and_tls_files(tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    for name in ("cert.pem", "key.pem"):
+        (tmp_path / name).write_text("-")
+    args = build_parser().parse_args(["serve", "--model", "m", "--http-listen", "[::1]:8000", "--auth-token-file", str(tmp_path / "token"),
+                                      "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
+    options = http_options(args, server_options(args))
+    assert options is not None and options.auth_token == "s3cret" and options.tls == server_options(args).tls
+    assert http_options(build_parser().parse_args(["serve", "--model", "m"]), server_options(args)) is None
