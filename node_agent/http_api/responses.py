@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,7 +39,7 @@ class _Choice:
 class Reply:
     """The answer to one completion or chat request, built as its choices' tokens arrive."""
 
-    def __init__(self, kind: Kind, model: str, choices: int, prompts: int, token_text: Any, logprobs: bool) -> None:
+    def __init__(self, kind: Kind, model: str, choices: int, prompts: int, token_text: Callable[[int], str], logprobs: bool) -> None:
         """`choices` over `prompts` prompts (n each, in prompt order); `token_text(id)` is one
         token's text for logprobs; `logprobs`: whether the request asked for them."""
         self.kind, self.model = kind, model

@@ -105,7 +105,8 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     assert agent["command"] == ["lorafleet-agent", "serve"]
     assert agent["image"] == "ghcr.io/lorafleet/lorafleet-agent:0.1.0"
     assert agent["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
-                              {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+                              {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+                              {"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert agent[probe]["grpc"] == {"port": 50051}
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -234,6 +235,7 @@ def test_agent_args_parse_with_the_agents_own_parser(
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert args.listen == "0.0.0.0:50051"
     assert args.metrics_port == 9090
+    assert args.http_listen == "0.0.0.0:8000"  # the OpenAI-compatible API is on by default
     assert args.base_model_name == "tiny-llama"
     assert str(args.model) == "/models/base"
     assert [str(r) for r in args.adapter_root] == ["/var/lib/lorafleet/adapters"]
@@ -295,6 +297,8 @@ REFUSALS = [
     (("agent.gpus=0",), "agent.gpus (0) must equal agent.tpSize (1) with agent.device=cuda"),
     (("agent.device=cpu",), "agent.gpus (1) must be 0 with agent.device=cpu"),
     (("agent.metricsPort=50051",), "agent.grpcPort and agent.metricsPort must differ (both 50051)"),
+    (("agent.http.port=9090",), "agent.http.port (9090) must differ from agent.grpcPort and agent.metricsPort"),
+    (("agent.http.port=0",), "at '/agent/http/port': minimum: got 0, want 1"),
     (("agent.startupTimeoutSeconds=600",),
      "agent.startupTimeoutSeconds (600) is over 300, the engine's own start-up timeout"),
     (("agent.model.hostPath.path=/srv/models",),
@@ -476,6 +480,24 @@ def test_metrics_port_is_served_and_exposed(kube_cluster: ControlPlane) -> None:
     assert sm["spec"]["selector"]["matchLabels"] == docs[("Service", "lf-lorafleet-agent")]["spec"]["selector"]
 
 
+def test_http_api_port_is_served_and_exposed(kube_cluster: ControlPlane) -> None:
+    """agent.http: the agents' --http-listen, their container port "http" and the Service's."""
+    from node_agent.cli import build_parser
+
+    docs = render_docs(kube_cluster, MODEL, "agent.http.port=8080")
+    agent = agent_pod(docs)["containers"][0]
+    assert build_parser().parse_args(agent["command"][1:] + agent["args"]).http_listen == "0.0.0.0:8080"
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in agent["ports"]
+    svc = docs[("Service", "lf-lorafleet-agent")]["spec"]["ports"]
+    assert {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"} in svc
+    docs = render_docs(kube_cluster, MODEL, "agent.http.enabled=false", "networkPolicy.enabled=true")
+    agent = agent_pod(docs)["containers"][0]
+    assert not [a for a in agent["args"] if a.startswith("--http-listen")]
+    assert "http" not in {p["name"] for p in agent["ports"]}
+    assert "http" not in {p["name"] for p in docs[("Service", "lf-lorafleet-agent")]["spec"]["ports"]}
+    assert "http" not in {p["port"] for p in docs[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]["ingress"][0]["ports"]}
+
+
 def test_pod_disruption_budget(kube_cluster: ControlPlane) -> None:
     docs = render_docs(kube_cluster, MODEL)
     pdb = docs[("PodDisruptionBudget", "lf-lorafleet-agent")]["spec"]
@@ -495,7 +517,7 @@ def test_network_policy_admits_the_operator_and_labelled_clients(kube_cluster: C
     assert np["podSelector"]["matchLabels"].items() <= agent_labels.items()
     assert np["policyTypes"] == ["Ingress"]
     (rule,) = np["ingress"]
-    assert {p["port"] for p in rule["ports"]} == {"grpc", "metrics"}
+    assert {p["port"] for p in rule["ports"]} == {"grpc", "metrics", "http"}
     peers = [p["podSelector"]["matchLabels"] for p in rule["from"]]
     assert peers[0].items() <= operator_labels.items()
     assert peers[1] == {"lorafleet.dev/client": "true"}

@@ -24,6 +24,9 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- if eq (int $a.grpcPort) (int $a.metricsPort) -}}
 {{- fail (printf "agent.grpcPort and agent.metricsPort must differ (both %d)" (int $a.grpcPort)) -}}
 {{- end -}}
+{{- if and $a.http.enabled (has (int $a.http.port) (list (int $a.grpcPort) (int $a.metricsPort))) -}}
+{{- fail (printf "agent.http.port (%d) must differ from agent.grpcPort and agent.metricsPort" (int $a.http.port)) -}}
+{{- end -}}
 {{- if gt (int $a.startupTimeoutSeconds) 300 -}}
 {{- fail (printf "agent.startupTimeoutSeconds (%d) is over 300, the engine's own start-up timeout, which lorafleet-agent serve has no flag to raise yet; the engine would give up first (docs/deploy.md, Start-up)" (int $a.startupTimeoutSeconds)) -}}
 {{- end -}}
