@@ -71,6 +71,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--master-port", type=int, default=0, help="torch.distributed port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--engine-startup-timeout-s", type=float, default=EngineConfig.startup_timeout_s, metavar="S",
+                        help="how long the ranks may take to start and load the base model before the command fails "
+                        f"(default {EngineConfig.startup_timeout_s:g}; keep it under a pod's start-up probe)")
     # Serving (docs/serving.md): the paged KV cache and the scheduler's limits.
     parser.add_argument("--kv-cache-bytes", type=int, default=EngineConfig.kv_cache_bytes, metavar="B",
                         help=f"each rank's paged KV cache budget in bytes (default {EngineConfig.kv_cache_bytes >> 20} MiB)")
@@ -86,6 +89,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if not args.engine_startup_timeout_s > 0:
+        raise UsageError("--engine-startup-timeout-s must be positive")
     return EngineConfig(
         model_dir=args.model,
         topology=Topology(tp_size=args.tp, dp_size=args.dp, ep_size=args.ep, fully_sharded_loras=args.fully_sharded_loras),
@@ -100,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=args.enable_prefix_caching,
+        startup_timeout_s=args.engine_startup_timeout_s,
     )
 
 
@@ -235,6 +241,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
                         help="mutual TLS: require client certificates issued by this PEM CA")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--health-listen", metavar="HOST:PORT",
+                        help="also serve grpc.health.v1 alone, in plaintext and without the token, here: for "
+                        "kubelet's gRPC probes when --tls-cert is set (default: off)")
     parser.add_argument("--download-timeout-s", type=float, default=DEFAULT_DOWNLOAD_TIMEOUT_S, metavar="S",
                         help=f"overall deadline of one http(s) source's download (default {DEFAULT_DOWNLOAD_TIMEOUT_S:g})")
     parser.add_argument("--download-min-bytes-per-s", type=int, default=DEFAULT_DOWNLOAD_MIN_BYTES_PER_S, metavar="B",
@@ -286,6 +295,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     if args.exit_linger_s < 0:
         raise UsageError("--exit-linger-s must be 0 or more")
     return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port,
+                         health_listen=args.health_listen,
                          max_control_calls=args.max_control_calls, max_inference_calls=args.max_inference_calls,
                          reserved_workers=args.reserved_workers, exit_linger_s=args.exit_linger_s)
 
@@ -338,6 +348,8 @@ def run_serve(args: argparse.Namespace) -> None:
         server = create_server(agent, options)
         server.start()
         log.info("serving lorafleet.v1.NodeAgent on %s (port %d)", args.listen, server.port)
+        if server.health_port is not None:
+            log.info("serving grpc.health.v1 alone, in plaintext, on %s (port %d)", args.health_listen, server.health_port)
         http_server = None
         if http is not None:
             # The same inference budget and shutdown flag as gRPC: one limit, one stop.

@@ -245,6 +245,9 @@ class ServerOptions:
     auth_token: str | None = None
     tls: TlsFiles | None = None
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    # HOST:PORT of a plaintext listener serving grpc.health.v1 only, for probes that cannot speak
+    # TLS or send a token (kubelet's gRPC probes); None: none.
+    health_listen: str | None = None
     max_control_calls: int = DEFAULT_MAX_CONTROL_CALLS  # LoadAdapter + UnloadAdapter at once
     max_inference_calls: int = DEFAULT_MAX_INFERENCE_CALLS  # Forward + Generate at once (a stream holds one)
     reserved_workers: int = DEFAULT_RESERVED_WORKERS  # threads beyond both budgets: health, Describe, ListAdapters, reflection
@@ -271,6 +274,8 @@ class AgentServer:
         self.port = port
         self.options = options
         self.servicer = servicer
+        self.health_server: grpc.Server | None = None  # the health-only listener, if any
+        self.health_port: int | None = None
         self._metrics: MetricsEndpoint | None = None
         self._done = threading.Event()
         self._stop_requested = threading.Event()
@@ -284,6 +289,8 @@ class AgentServer:
     def start(self) -> None:
         self._set_health(self.agent.alive, "" if self.agent.alive else self.agent.failure())
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
         if self.options.metrics_port is not None:
             self._metrics = MetricsEndpoint(self.agent.metrics, self.options.metrics_port)
         self._watcher = threading.Thread(target=self._watch, name="lorafleet-health", daemon=True)
@@ -322,6 +329,8 @@ class AgentServer:
             budget.wait_idle(deadline)
         self.health.enter_graceful_shutdown()
         self.server.stop(0).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -390,4 +399,22 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
         raise OSError(f"cannot listen on {options.listen}: {error}") from error
     if not port:
         raise OSError(f"cannot listen on {options.listen}")
-    return AgentServer(agent, server, health_servicer, port, options, servicer)
+    agent_server = AgentServer(agent, server, health_servicer, port, options, servicer)
+    if options.health_listen is not None:
+        agent_server.health_server, agent_server.health_port = _health_only_server(health_servicer, options.health_listen)
+    return agent_server
+
+
+def _health_only_server(health_servicer: health.HealthServicer, listen: str) -> tuple[grpc.Server, int]:
+    """A plaintext server answering grpc.health.v1 from the same servicer, and its bound port.
+    Health carries no secret and changes nothing, so it needs neither TLS nor the token."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="lorafleet-health"),
+                         options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as error:
+        raise OSError(f"cannot listen on {listen} (--health-listen): {error}") from error
+    if not port:
+        raise OSError(f"cannot listen on {listen} (--health-listen)")
+    return server, port

@@ -288,7 +288,8 @@ class Engine:
         try:
             # A rank that cannot start leaves the others blocked in the rendezvous: stop at the
             # first failure instead of waiting for them.
-            replies = self._collect(config.startup_timeout_s, "start", stop_on_failure=True)
+            replies = self._collect(config.startup_timeout_s, "start", stop_on_failure=True,
+                                    limit="the engine's start-up timeout, --engine-startup-timeout-s")
         except EngineError:
             self.close()
             raise
@@ -580,9 +581,10 @@ class Engine:
             self._fail(f"a rank answered {what} with something other than a {kind.__name__}")
         return typed
 
-    def _collect(self, timeout_s: float, what: str, stop_on_failure: bool = False) -> list[RankReply]:
+    def _collect(self, timeout_s: float, what: str, stop_on_failure: bool = False, limit: str = "") -> list[RankReply]:
         """Wait for one reply per rank; a rank that exits or a deadline that passes fails the engine.
-        With `stop_on_failure`, return the replies so far once one of them is a failure."""
+        With `stop_on_failure`, return the replies so far once one of them is a failure. `limit`
+        names the setting the deadline comes from, in the timeout's message."""
         deadline = time.monotonic() + timeout_s
         replies: list[RankReply | None] = [None] * len(self._conns)
         while any(r is None for r in replies):
@@ -592,7 +594,8 @@ class Engine:
             sentinels = {self._processes[i].sentinel: i for i in pending.values()}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._fail(f"{what} timed out after {timeout_s:.0f}s waiting for ranks {sorted(pending.values())}")
+                setting = f" ({limit})" if limit else ""
+                self._fail(f"{what} timed out after {timeout_s:g}s{setting} waiting for ranks {sorted(pending.values())}")
             ready = set(wait([*pending, *sentinels], timeout=remaining))
             for conn, rank in pending.items():
                 if conn in ready:

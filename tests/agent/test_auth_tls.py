@@ -1,4 +1,5 @@
-"""Bearer tokens, TLS and mutual TLS: extra servers over the shared agent (no new engine)."""
+"""Bearer tokens, TLS and mutual TLS, and the plaintext health-only listener: extra servers over the
+shared agent (no new engine); the engine start-up timeout flag."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from lorafleet_dev.pki import Authority
 from node_agent.auth import TlsFiles
+from node_agent.cli import main
 from node_agent.server import AgentServer, ServerOptions, create_server
-from tests.agent.helpers import rpc_error
+from tests.agent.helpers import make_model, rpc_error
 
 TOKEN = "0123456789abcdef-token"
 
@@ -114,3 +116,37 @@ def test_mutual_tls_requires_a_client_certificate_from_the_client_ca(shared, pki
         assert rpc_error(lambda: describe_over(server.port, without_cert)).code() == grpc.StatusCode.UNAVAILABLE
         foreign = grpc.composite_channel_credentials(grpc.ssl_channel_credentials(pki["ca"], stranger.key, stranger.cert), token)
         assert rpc_error(lambda: describe_over(server.port, foreign)).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_plaintext_health_listener_answers_probes_under_mutual_tls_and_serves_nothing_else(shared, pki):
+    tls = TlsFiles(pki["dir"] / "server.crt", pki["dir"] / "server.key", pki["dir"] / "ca.crt")
+    with extra_server(shared, tls=tls, auth_token=TOKEN, health_listen="127.0.0.1:0") as server:
+        assert server.health_port is not None and server.health_port != server.port
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as plain:
+            # What kubelet's gRPC probe sends: plaintext, no token, the agent's service name.
+            health = health_pb2_grpc.HealthStub(plain)
+            for service in ("", "lorafleet.v1.NodeAgent"):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = agent_pb2_grpc.NodeAgentStub(plain)
+            for method, call in every_rpc(stub, (("authorization", f"Bearer {TOKEN}"),)).items():
+                assert (method, rpc_error(call).code()) == (method, grpc.StatusCode.UNIMPLEMENTED)
+            with pytest.raises(grpc.RpcError) as no_reflection:
+                ProtoReflectionDescriptorDatabase(plain).get_services()
+            assert no_reflection.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        server.stop(grace=0)
+        with grpc.insecure_channel(f"127.0.0.1:{server.health_port}") as plain:
+            error = rpc_error(lambda: health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, "the health listener stops with the server"
+
+
+def test_the_engine_start_up_timeout_is_a_flag_and_its_expiry_names_it(tmp_path, capsys):
+    model = make_model(tmp_path / "model", tokenizer=False)
+    (tmp_path / "in.json").write_text('[{"tokens": [1, 2]}]')
+    command = ["forward", "--model", str(model), "--input", str(tmp_path / "in.json"), "--output", str(tmp_path / "out")]
+    assert main([*command, "--engine-startup-timeout-s", "0"]) == 2
+    assert "--engine-startup-timeout-s must be positive" in capsys.readouterr().err
+    # Spawned ranks import torch before they answer: far longer than a millisecond.
+    assert main([*command, "--engine-startup-timeout-s", "0.001"]) == 1
+    err = capsys.readouterr().err
+    assert "start timed out after 0.001s (the engine's start-up timeout, --engine-startup-timeout-s)" in err, err

@@ -106,9 +106,10 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     assert agent["image"] == "ghcr.io/lorafleet/lorafleet-agent:0.1.0"
     assert agent["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
                               {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+                              {"name": "health", "containerPort": 8081, "protocol": "TCP"},
                               {"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert agent[probe]["grpc"] == {"port": 50051}
+        assert agent[probe]["grpc"] == {"port": 8081}
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
     assert agent["resources"]["requests"]["nvidia.com/gpu"] == 2
 
@@ -299,8 +300,9 @@ REFUSALS = [
     (("agent.metricsPort=50051",), "agent.grpcPort and agent.metricsPort must differ (both 50051)"),
     (("agent.http.port=9090",), "agent.http.port (9090) must differ from agent.grpcPort and agent.metricsPort"),
     (("agent.http.port=0",), "at '/agent/http/port': minimum: got 0, want 1"),
-    (("agent.startupTimeoutSeconds=600",),
-     "agent.startupTimeoutSeconds (600) is over 300, the engine's own start-up timeout"),
+    (("agent.healthPort=8000",),
+     "agent.healthPort (8000) must differ from agent.grpcPort, agent.metricsPort and agent.http.port"),
+    (("agent.healthPort=70000",), "at '/agent/healthPort': maximum: got 70,000, want 65,535"),
     (("agent.model.hostPath.path=/srv/models",),
      "the agents' model has more than one source (agent.model.pvc.claimName, agent.model.hostPath.path)"),
     (("agent.model.pvc.subPath=../up",), "agent.model.pvc.subPath (../up) must be a relative path"),
@@ -399,17 +401,21 @@ def test_every_pod_runs_non_root_read_only_without_privileges(kube_cluster: Cont
 
 
 def test_startup_probe_allows_the_engines_start_up_budget(kube_cluster: ControlPlane) -> None:
-    for budget in (300, 120):
+    for budget in (300, 120, 900):
         agent = agent_pod(render_docs(kube_cluster, MODEL, f"agent.startupTimeoutSeconds={budget}"))["containers"][0]
         probe = agent["startupProbe"]
-        assert probe["grpc"] == {"port": 50051}
+        assert probe["grpc"] == {"port": 8081}
         allowed = probe["periodSeconds"] * probe["failureThreshold"]
         assert budget + 60 <= allowed < budget + 70, (budget, allowed)
-        assert agent["livenessProbe"]["grpc"] == agent["readinessProbe"]["grpc"] == {"port": 50051}
-    # kubelet's gRPC probes speak no TLS: under TLS the probes check the port.
+        assert agent["livenessProbe"]["grpc"] == agent["readinessProbe"]["grpc"] == {"port": 8081}
+        # The engine gets the same budget, so its own timeout (with its message) comes first.
+        assert f"--engine-startup-timeout-s={budget}" in agent["args"]
+    # kubelet's gRPC probes send no token and speak no TLS: under TLS they still ask the agent's
+    # health, on its plaintext health-only listener.
     tls = agent_pod(render_docs(kube_cluster, MODEL, "tls.enabled=true", "tls.secretName=t"))["containers"][0]
+    assert "--health-listen=0.0.0.0:8081" in tls["args"] and "--tls-cert=/var/run/lorafleet/tls/tls.crt" in tls["args"]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert tls[probe] == {**tls[probe], "tcpSocket": {"port": "grpc"}} and "grpc" not in tls[probe]
+        assert tls[probe]["grpc"] == {"port": 8081} and "tcpSocket" not in tls[probe]
 
 
 def test_auth_is_on_by_default_with_a_generated_secret(kube_cluster: ControlPlane) -> None:

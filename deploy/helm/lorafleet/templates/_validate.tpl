@@ -27,8 +27,8 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- if and $a.http.enabled (has (int $a.http.port) (list (int $a.grpcPort) (int $a.metricsPort))) -}}
 {{- fail (printf "agent.http.port (%d) must differ from agent.grpcPort and agent.metricsPort" (int $a.http.port)) -}}
 {{- end -}}
-{{- if gt (int $a.startupTimeoutSeconds) 300 -}}
-{{- fail (printf "agent.startupTimeoutSeconds (%d) is over 300, the engine's own start-up timeout, which lorafleet-agent serve has no flag to raise yet; the engine would give up first (docs/deploy.md, Start-up)" (int $a.startupTimeoutSeconds)) -}}
+{{- if has (int $a.healthPort) (list (int $a.grpcPort) (int $a.metricsPort) (int $a.http.port)) -}}
+{{- fail (printf "agent.healthPort (%d) must differ from agent.grpcPort, agent.metricsPort and agent.http.port" (int $a.healthPort)) -}}
 {{- end -}}
 {{- $m := $a.model -}}
 {{- $sources := list -}}
