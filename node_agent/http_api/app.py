@@ -310,11 +310,12 @@ class _Api:
                 reply = Reply(kind, body.model, len(params), prompts, self._token_text, logprobs)
                 if body.stream:
                     return await self._stream(request, reply, choices, first, len(params), body.include_usage)
-                async for event in _chain(first, choices):
-                    if event.error is not None:
-                        raise self._refusal(event.error, body.model, prompt_param)
-                    assert event.token is not None
-                    reply.add(event.index, event.token)
+                async for batch in _chain(first, choices):
+                    for event in batch:
+                        if event.error is not None:
+                            raise self._refusal(event.error, body.model, prompt_param)
+                        assert event.token is not None
+                        reply.add(event.index, event.token)
                 return web.json_response(reply.body(), dumps=_dumps)
             finally:
                 choices.close()
@@ -338,23 +339,27 @@ class _Api:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
-        async def send(data: dict[str, Any] | str) -> None:
-            text = data if isinstance(data, str) else _dumps(data)
-            await response.write(f"data: {text}\n\n".encode())
+        async def send(*data: dict[str, Any] | str) -> None:
+            """One write for all of `data`'s events."""
+            await response.write("".join(f"data: {item if isinstance(item, str) else _dumps(item)}\n\n" for item in data).encode())
 
         if reply.kind == "chat":
-            for index in range(count):
-                await send(reply.role_chunk(index))
-        async for event in _chain(first, choices):
-            if event.error is not None:  # after the 200: the error goes in the stream, as vLLM does
+            await send(*(reply.role_chunk(index) for index in range(count)))
+        async for batch in _chain(first, choices):
+            chunks: list[dict[str, Any]] = []
+            failed = next((event.error for event in batch if event.error is not None), None)
+            for event in batch:
+                if event.token is not None:
+                    reply.add(event.index, event.token)
+                    chunk = reply.chunk(event.index, event.token)
+                    if chunk is not None:
+                        chunks.append(chunk)
+            if failed is not None:  # after the 200: the error goes in the stream, as vLLM does
                 choices.close()
-                await send(self._refusal(event.error, reply.model, "prompt").body())
+                await send(*chunks, self._refusal(failed, reply.model, "prompt").body())
                 break
-            assert event.token is not None
-            reply.add(event.index, event.token)
-            chunk = reply.chunk(event.index, event.token)
-            if chunk is not None:
-                await send(chunk)
+            if chunks:
+                await send(*chunks)
         else:
             if include_usage:
                 await send(reply.usage_chunk())
@@ -377,12 +382,11 @@ class _Api:
         return str(tokenizer.decode([token_id], skip_special_tokens=False))
 
 
-async def _chain(first: list[Event], choices: Choices) -> AsyncIterator[Event]:
-    """The events `Choices.first` read, then the rest."""
-    for event in first:
-        yield event
-    async for event in choices.events():
-        yield event
+async def _chain(first: list[Event], choices: Choices) -> AsyncIterator[list[Event]]:
+    """The events `Choices.first` read, then the rest, in batches."""
+    yield first
+    async for batch in choices.batches():
+        yield batch
 
 
 async def _json(request: web.Request) -> Any:
