@@ -35,7 +35,7 @@ from node_agent.chat_template import ChatTemplate, ChatTemplateError, load_chat_
 from node_agent.errors import AdapterNotFound, AgentError, ShuttingDown
 from node_agent.http_api.errors import ApiError, from_agent_error, from_validation_error, model_not_found
 from node_agent.http_api.responses import Kind, Reply
-from node_agent.http_api.schema import ChatCompletionRequest, CompletionRequest
+from node_agent.http_api.schema import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
 from node_agent.http_api.streams import Choices, Event
 from node_agent.values import GenerateParams
 
@@ -249,14 +249,15 @@ class _Api:
             self._check_max_tokens(body.max_tokens)
         params = []
         for prompt in prompts:
-            base = GenerateParams(prompt=prompt, max_new_tokens=body.max_tokens or 16) if isinstance(prompt, str) \
-                else GenerateParams(token_ids=tuple(prompt), max_new_tokens=body.max_tokens or 16)
+            max_new = body.max_tokens or DEFAULT_COMPLETION_TOKENS
+            base = GenerateParams(prompt=prompt, max_new_tokens=max_new) if isinstance(prompt, str) \
+                else GenerateParams(token_ids=tuple(prompt), max_new_tokens=max_new)
             params += self._choices(body, base, body.logprobs)
         return await self._generate(request, "completion", body, params, len(prompts), "prompt", body.logprobs is not None)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = _parse(ChatCompletionRequest, await _json(request))
-        token_ids = self._chat_prompt(body)
+        token_ids = await asyncio.to_thread(self._chat_prompt, body)  # rendering and encoding: off the loop
         max_new = body.max_new_tokens
         if max_new is not None:
             self._check_max_tokens(max_new, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")

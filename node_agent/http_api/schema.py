@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # choices of one request
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for completions
 MAX_LOGPROBS = 20  # the engine's limit (SamplingParams)
 SEED_LIMIT = 2**64
 
@@ -90,7 +91,7 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`."""
 
     prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
