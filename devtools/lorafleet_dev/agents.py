@@ -38,12 +38,15 @@ class AgentSpec:
     max_lora_rank: int = 16
     max_loaded_loras: int = 128
     extra_args: tuple[str, ...] = ()
+    #: The address to listen on: loopback, or the machine's own address for an operator running
+    #: in a real node's pod (lorafleet_dev.node), which cannot reach this machine's loopback.
+    host: str = "127.0.0.1"
 
     def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
-        """The ``lorafleet-agent serve`` command line for an agent on ``127.0.0.1:port``."""
+        """The ``lorafleet-agent serve`` command line for an agent on ``host:port``."""
         argv = ["lorafleet-agent", "--log-level", "INFO", "serve",
                 "--model", str(self.model_dir), "--tp", str(self.tp), "--dp", str(self.dp),
-                "--listen", f"127.0.0.1:{port}", "--base-model-name", self.base_model_name,
+                "--listen", f"{self.host}:{port}", "--base-model-name", self.base_model_name,
                 "--max-lora-rank", str(self.max_lora_rank),
                 "--max-loaded-loras", str(self.max_loaded_loras)]
         for root in self.adapter_roots:
@@ -70,7 +73,7 @@ class AgentProcess:
     @property
     def endpoint(self) -> str:
         """``host:port`` of the agent's gRPC server."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.spec.host}:{self.port}"
 
     @property
     def log_path(self) -> Path:

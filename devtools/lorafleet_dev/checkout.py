@@ -41,6 +41,11 @@ class Checkout:
         """``scripts/build-kube.sh``: builds the control-plane binaries and knows their cache."""
         return self.root / "scripts" / "build-kube.sh"
 
+    @property
+    def build_node_script(self) -> Path:
+        """``scripts/build-node.sh``: builds the real node's binaries and knows their cache."""
+        return self.root / "scripts" / "build-node.sh"
+
     def is_valid(self) -> bool:
         """Whether ``root`` holds the chart and the kube build script."""
         return (self.chart / "Chart.yaml").is_file() and self.build_kube_script.is_file()

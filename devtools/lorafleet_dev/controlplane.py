@@ -42,6 +42,26 @@ log = logging.getLogger(__name__)
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
 ADMIN_USER = "lorafleet-admin"
+#: The first address of --service-cluster-ip-range: the ``kubernetes`` Service's ClusterIP.
+SERVICE_CIDR = "10.96.0.0/16"
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+
+#: Controllers that make sense without kubelets. In particular no node-lifecycle (it would mark
+#: hand-written Ready pods NotReady) and no podgc (it would delete pods bound to a node that has
+#: no Node object).
+BASE_CONTROLLERS = (
+    "namespace-controller", "garbage-collector-controller", "serviceaccount-controller",
+    "clusterrole-aggregation-controller", "serviceaccount-token-controller",
+    "root-ca-certificate-publisher-controller",
+)
+#: Added when a real node joins (:mod:`lorafleet_dev.node`): workloads become pods, Jobs (Helm
+#: hooks) run, and node-lifecycle takes the kubelet's not-ready taint off a Ready node. Still
+#: no podgc: stand-in pods bound to a node without a Node object may coexist with real ones.
+NODE_CONTROLLERS = (
+    "deployment-controller", "replicaset-controller", "statefulset-controller",
+    "job-controller", "disruption-controller", "endpointslice-controller",
+    "node-lifecycle-controller",
+)
 
 
 class KubectlError(HarnessError):
@@ -95,6 +115,9 @@ class ControlPlane(StandInKubelet):
     ca_file: Path
     kubeconfig: Path
     with_controller_manager: bool
+    #: The address kube-apiserver listens on and advertises: 127.0.0.1, or the machine's own
+    #: address when pods of a real node must reach it (``start(node_ip=...)``).
+    advertise_ip: str = "127.0.0.1"
     _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _keep_work_dir: bool = field(default=False, repr=False)
 
@@ -108,12 +131,16 @@ class ControlPlane(StandInKubelet):
         with_controller_manager: bool = True,
         ready_timeout_s: float = 180.0,
         attempts: int = 3,
+        node_ip: str | None = None,
     ) -> ControlPlane:
         """Start a fresh cluster on free loopback ports; retries when a port was taken meanwhile.
 
         With ``with_controller_manager`` the namespace, garbage-collector and service-account
         controllers run (namespace deletion, ownerReference GC and "default" ServiceAccounts);
-        without it the ServiceAccount admission plugin is disabled instead.
+        without it the ServiceAccount admission plugin is disabled instead. ``node_ip`` (the
+        machine's own address, for a real node: :mod:`lorafleet_dev.node`) makes the API server
+        listen and advertise there, with that address in its certificate, the ``kubernetes``
+        Endpoints maintained, and the workload controllers running too.
         """
         last: HarnessError | None = None
         for attempt in range(1, attempts + 1):
@@ -122,6 +149,8 @@ class ControlPlane(StandInKubelet):
                 tempfile.mkdtemp(prefix="lorafleet-kube-", dir=shm if shm.is_dir() else None)
             )
             cluster = cls._new(bin_dir, work_dir, with_controller_manager)
+            if node_ip:
+                cluster.advertise_ip = node_ip
             try:
                 cluster._boot(ready_timeout_s)
                 return cluster
@@ -151,7 +180,10 @@ class ControlPlane(StandInKubelet):
         )
 
     def _boot(self, ready_timeout_s: float) -> None:
-        pki = make_control_plane_pki(self.work_dir / "pki")
+        # In-cluster clients dial the advertised address or the kubernetes Service's ClusterIP.
+        extra_ips = () if self.advertise_ip == "127.0.0.1" else (
+            self.advertise_ip, KUBERNETES_SERVICE_IP)
+        pki = make_control_plane_pki(self.work_dir / "pki", extra_ips=extra_ips)
         logs = self.work_dir / "logs"
         logs.mkdir()
         etcd_url = self._start_etcd(ready_timeout_s, logs)
@@ -188,25 +220,27 @@ class ControlPlane(StandInKubelet):
 
     def _start_apiserver(self, pki: ControlPlanePki, etcd_url: str, timeout_s: float, logs: Path) -> None:
         port = free_port()
-        self.server = f"https://127.0.0.1:{port}"
+        self.server = f"https://{self.advertise_ip}:{port}"
+        loopback = self.advertise_ip == "127.0.0.1"
         tokens = self.work_dir / "tokens.csv"
         tokens.write_text(f'{self.token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
         tokens.chmod(0o600)
         argv = [
             str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
+            f"--bind-address={self.advertise_ip}",
             f"--secure-port={port}",
-            "--advertise-address=127.0.0.1",
-            # The "kubernetes" Endpoints object refuses loopback addresses; nothing needs it.
-            "--endpoint-reconciler-type=none",
+            f"--advertise-address={self.advertise_ip}",
+            # The "kubernetes" Endpoints object refuses loopback addresses; nothing needs it
+            # then. With a real node's pods it points them at the API server.
+            f"--endpoint-reconciler-type={'none' if loopback else 'lease'}",
             f"--cert-dir={self.work_dir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
             f"--token-auth-file={tokens}",
             "--authorization-mode=Node,RBAC",
-            "--service-cluster-ip-range=10.96.0.0/16",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
@@ -214,6 +248,9 @@ class ControlPlane(StandInKubelet):
             "--profiling=false",
             "--v=1",
         ]
+        if not loopback:
+            # The node's name resolves nowhere; `kubectl logs` reaches its kubelet by address.
+            argv.append("--kubelet-preferred-address-types=InternalIP")
         if not self.with_controller_manager:
             # Pods would wait for a "default" ServiceAccount that only a controller creates.
             argv.append("--disable-admission-plugins=ServiceAccount")
@@ -227,6 +264,9 @@ class ControlPlane(StandInKubelet):
         return status == 200
 
     def _start_controller_manager(self, pki: ControlPlanePki, timeout_s: float, logs: Path) -> None:
+        controllers: tuple[str, ...] = BASE_CONTROLLERS
+        if self.advertise_ip != "127.0.0.1":
+            controllers += NODE_CONTROLLERS
         kubeconfig = self.work_dir / "controller-manager.kubeconfig"
         self._write_kubeconfig_file(
             kubeconfig, "kube-controller-manager",
@@ -239,12 +279,7 @@ class ControlPlane(StandInKubelet):
             # No HTTPS endpoint of its own: nothing scrapes it, and it would need another port.
             "--secure-port=0",
             "--leader-elect=false",
-            # Only controllers that make sense without kubelets. In particular no node-lifecycle
-            # (it would mark our hand-written Ready pods NotReady) and no podgc (it would delete
-            # pods bound to a node that has no Node object).
-            "--controllers=namespace-controller,garbage-collector-controller,"
-            "serviceaccount-controller,clusterrole-aggregation-controller,"
-            "serviceaccount-token-controller,root-ca-certificate-publisher-controller",
+            f"--controllers={','.join(controllers)}",
             f"--service-account-private-key-file={pki.sa_key}",
             f"--root-ca-file={pki.ca_cert}",
             "--use-service-account-credentials=false",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +82,13 @@ class Authority:
         """The CA certificate (what a client or server trusts), PEM."""
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, common_name: str, server: bool, *, organization: str | None = None) -> KeyPair:
-        """A new key and a certificate for it: a server's (valid for :data:`SERVER_NAMES`) or a
-        client's; ``organization`` becomes the subject's O (Kubernetes reads it as a group)."""
+    def issue(
+        self, common_name: str, server: bool, *, organization: str | None = None,
+        extra_ips: Sequence[str] = (),
+    ) -> KeyPair:
+        """A new key and a certificate for it: a server's (valid for :data:`SERVER_NAMES` and
+        ``extra_ips``) or a client's; ``organization`` becomes the subject's O (Kubernetes
+        reads it as a group)."""
         attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
         if organization:
             attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
@@ -96,7 +101,8 @@ class Authority:
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(SERVER_NAMES), critical=False)
+            names = [*SERVER_NAMES, *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips)]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), pem_private_key(key))
 
@@ -126,9 +132,9 @@ class ControlPlanePki:
     sa_pub: Path
 
 
-def make_control_plane_pki(directory: Path) -> ControlPlanePki:
-    """Create a CA, the API server's serving cert, the controller manager's client cert and the
-    service-account signing key pair under ``directory``."""
+def make_control_plane_pki(directory: Path, *, extra_ips: Sequence[str] = ()) -> ControlPlanePki:
+    """Create a CA, the API server's serving cert (also valid for ``extra_ips``), the controller
+    manager's client cert and the service-account signing key pair under ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = ControlPlanePki(
         ca_cert=directory / "ca.crt",
@@ -141,7 +147,7 @@ def make_control_plane_pki(directory: Path) -> ControlPlanePki:
     )
     ca = Authority("lorafleet-test-ca")
     pki.ca_cert.write_bytes(ca.pem)
-    ca.issue("kube-apiserver", server=True).write(pki.serving_cert, pki.serving_key)
+    ca.issue("kube-apiserver", server=True, extra_ips=extra_ips).write(pki.serving_cert, pki.serving_key)
     # The controller manager authenticates with a client cert. It is put in system:masters
     # because, without --use-service-account-credentials, its controllers all act as itself.
     ca.issue("system:kube-controller-manager", server=False, organization="system:masters").write(

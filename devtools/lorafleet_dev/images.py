@@ -1,0 +1,197 @@
+"""The repository's images built locally, without any registry, cached by content.
+
+1. A base root filesystem from Debian's packages (``mmdebstrap --variant=minbase`` with
+   python3 and python3-venv: Debian 12's Python is 3.11, what the Containerfile needs), cached
+   as ``base-<key>.tar`` where the key hashes the suite, mirror and package list.
+2. The operator image: ``buildah bud --target operator`` of the repository's ``Containerfile``
+   with ``BASE`` naming that root filesystem (committed into a private buildah storage first),
+   written as a docker-archive ``operator-<key>.tar``; the key hashes the base key, the
+   Containerfile, ``.dockerignore`` and every file of the build context it lets in.
+
+Archives live under ``${LORAFLEET_CACHE:-~/.cache/lorafleet}/images/``; a second build with
+the same inputs returns the cached archive at once. :meth:`RealNode.import_image
+<lorafleet_dev.node.RealNode.import_image>` loads one into the node's containerd.
+
+The build's ``RUN pip install`` steps reach the package index the way this machine's pip does:
+``/etc/pip.conf`` and the system CA bundle are mounted into the build containers when present
+(not into the images).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.mounts import unmount_all
+from lorafleet_dev.processes import HarnessError
+
+log = logging.getLogger(__name__)
+
+BASE_SUITE = "bookworm"
+BASE_PACKAGES = ("python3", "python3-venv", "passwd")
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+#: Host files lent to the build's RUN steps so pip inside reaches the index pip here reaches.
+BUILD_MOUNTS = (Path("/etc/pip.conf"), Path("/etc/ssl/certs/ca-certificates.crt"))
+#: Skipped when hashing the build context (.dockerignore keeps them out of it too).
+_NOT_CONTEXT = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache")
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    """An image archive ready for ``ctr images import``, and the name it carries."""
+
+    name: str
+    archive: Path
+
+
+def cache_dir() -> Path:
+    """Where image archives are cached (created if missing)."""
+    root = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
+    path = root / "images"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock next to ``path``: a concurrent build of it waits for this one."""
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _run(argv: list[str], what: str, log_path: Path) -> None:
+    """Run a build step with its output appended to ``log_path``; raise with its tail."""
+    with log_path.open("ab") as out:
+        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise HarnessError(f"{what} failed (exit {proc.returncode}, log {log_path}):\n{tail}")
+
+
+def _context_files(checkout: Checkout) -> list[Path]:
+    """The files .dockerignore lets into the build context: its ``!path`` lines (the file says
+    ``*`` first, then re-includes what the image is built from), caches left out."""
+    ignore = (checkout.root / ".dockerignore").read_text().splitlines()
+    roots = [line[1:].strip().rstrip("/") for line in ignore if line.startswith("!")]
+    files = []
+    for name in roots:
+        top = checkout.root / name
+        candidates = [top] if top.is_file() else sorted(top.rglob("*"))
+        files += [p for p in candidates if p.is_file()
+                  and not any(part in _NOT_CONTEXT for part in p.parts) and p.suffix != ".pyc"]
+    return files
+
+
+def _digest(parts: list[bytes]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:16]
+
+
+def _prune(keep: Path) -> None:
+    """Remove older archives of the same image (each is hundreds of MB; the sources moved on).
+    Partial archives and locks stay: another checkout may be building one right now."""
+    prefix = keep.name.split("-", 1)[0] + "-"
+    for old in keep.parent.glob(f"{prefix}*"):
+        finished = old.name.endswith(".log") or (
+            old.name.endswith(".tar") and not old.name.endswith(".partial.tar"))
+        if finished and not old.name.startswith(keep.stem + "."):
+            old.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ImageBuilder:
+    """Builds (or finds cached) the base root filesystem and the operator image."""
+
+    checkout: Checkout
+    mirror: str = DEFAULT_MIRROR
+
+    def base_key(self) -> str:
+        """Content key of the base root filesystem."""
+        return _digest([json.dumps({"suite": BASE_SUITE, "mirror": self.mirror,
+                                    "packages": BASE_PACKAGES, "variant": "minbase"}).encode()])
+
+    def base_rootfs(self) -> Path:
+        """The base root filesystem tar (mmdebstrap, about a minute on a cold cache)."""
+        path = cache_dir() / f"base-{self.base_key()}.tar"
+        with _locked(path):
+            if path.exists():
+                return path
+            started = time.monotonic()
+            partial = path.with_suffix(".partial.tar")
+            _run(["mmdebstrap", "--quiet", "--variant=minbase",
+                  f"--include={','.join(BASE_PACKAGES)}", BASE_SUITE, str(partial), self.mirror],
+                 "mmdebstrap of the base root filesystem", path.with_suffix(".log"))
+            partial.rename(path)
+            log.info("built base root filesystem %s in %.0fs", path.name, time.monotonic() - started)
+        return path
+
+    def operator_key(self) -> str:
+        """Content key of the operator image: the base and every input of its build."""
+        root = self.checkout.root
+        inputs = [root / "Containerfile", root / ".dockerignore", *_context_files(self.checkout)]
+        return _digest([self.base_key().encode()]
+                       + [str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() for p in inputs])
+
+    def operator_image(self) -> BuiltImage:
+        """The operator image (Containerfile target ``operator``), built if not cached."""
+        key = self.operator_key()
+        image = BuiltImage(f"localhost/lorafleet-operator:{key}",
+                           cache_dir() / f"operator-{key}.tar")
+        with _locked(image.archive):
+            if image.archive.exists():
+                return image
+            base = self.base_rootfs()
+            started = time.monotonic()
+            self._buildah_build(base, "operator", image)
+            log.info("built %s in %.0fs", image.name, time.monotonic() - started)
+        _prune(image.archive)
+        return image
+
+    def _buildah_build(self, base: Path, target: str, image: BuiltImage) -> None:
+        if shutil.which("buildah") is None:
+            raise HarnessError("buildah is missing (scripts/build-node.sh installs it)")
+        log_path = image.archive.with_suffix(".log")
+        log_path.unlink(missing_ok=True)
+        # A private, throwaway storage: nothing lands in the machine's containers storage.
+        storage = Path(tempfile.mkdtemp(prefix="lorafleet-buildah-", dir="/var/tmp"))
+        buildah = ["buildah", f"--root={storage / 'root'}", f"--runroot={storage / 'run'}",
+                   "--storage-driver=overlay"]
+        base_name = f"localhost/lorafleet-base:{self.base_key()}"
+        partial = image.archive.with_suffix(".partial.tar")
+        try:
+            container = subprocess.run([*buildah, "from", "scratch"], capture_output=True,
+                                       text=True, check=True).stdout.strip()
+            _run([*buildah, "add", container, str(base), "/"], "buildah add of the base", log_path)
+            _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base",
+                 log_path)
+            mounts = [f"--volume={p}:{p}:ro" for p in BUILD_MOUNTS if p.exists()]
+            _run([*buildah, "bud", "--isolation=chroot", "--network=host", "--layers=false",
+                  *mounts, f"--build-arg=BASE={base_name}", f"--target={target}",
+                  f"--tag={image.name}", f"--file={self.checkout.root / 'Containerfile'}",
+                  str(self.checkout.root)], f"buildah bud --target {target}", log_path)
+            partial.unlink(missing_ok=True)
+            _run([*buildah, "push", image.name, f"docker-archive:{partial}:{image.name}"],
+                 "buildah push to a docker-archive", log_path)
+            partial.rename(image.archive)
+        finally:
+            subprocess.run([*buildah, "rm", "--all"], capture_output=True, check=False)
+            subprocess.run([*buildah, "rmi", "--all", "--force"], capture_output=True, check=False)
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            unmount_all(storage)
+            shutil.rmtree(storage, ignore_errors=True)

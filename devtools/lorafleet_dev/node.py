@@ -1,0 +1,535 @@
+"""A real Kubernetes node for tests: containerd + runc + CNI bridge, kubelet, kube-scheduler and
+kube-proxy, joined to a :class:`~lorafleet_dev.controlplane.ControlPlane` started with
+``node_ip`` (its API server then listens on the machine's own address, which pods can reach).
+
+The binaries come from ``scripts/build-node.sh`` (:func:`find_node_bin_dir`); runc and the CNI
+plugins are Debian's. Everything the node writes lives under one work dir (containerd's root and
+state, the kubelet's root, pod logs, CNI configuration and IP allocations), except what the
+kernel keeps machine-wide: the bridge interface, network namespaces (mounted under containerd's
+state dir), cgroups (under :data:`CGROUP_PARENT`), kube-proxy's iptables rules and a few kernel
+settings (docs/kube-test-harness.md, "A real node"). :meth:`RealNode.stop` takes all of that
+down again: pods, processes, mounts, network namespaces, the bridge, the cgroups and the iptables
+rules. It needs root, overlayfs and cgroup v1 or v2 controllers (:func:`check_machine`).
+
+Typical use (``tests/kube/test_real_node.py``)::
+
+    with ControlPlane.start(kube_bin, node_ip=machine_ip()) as cluster, \\
+            RealNode.start(cluster, find_node_bin_dir(checkout)) as node:
+        node.import_image(archive)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.controlplane import ControlPlane
+from lorafleet_dev.mounts import mounts_under, unmount_all
+from lorafleet_dev.oci import write_image_archive
+from lorafleet_dev.processes import ChildProcess, HarnessError, free_port
+
+log = logging.getLogger(__name__)
+
+NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-proxy", "containerd", "ctr",
+                 "containerd-shim-runc-v2", "pause")
+#: Debian's runc and CNI plugins (packages runc, containernetworking-plugins).
+RUNC = Path("/usr/sbin/runc")
+CNI_BIN_DIR = Path("/usr/lib/cni")
+#: The pods' network: one Linux bridge, host-local addresses, the host is the gateway.
+BRIDGE = "lorafleet0"
+POD_SUBNET = "10.89.0.0/24"
+#: The kubelet's cgroup root (in every cgroup hierarchy); removed by :meth:`RealNode.stop`.
+CGROUP_PARENT = "lorafleet-node"
+#: The sandbox image, imported from the pause binary build-node.sh compiles.
+PAUSE_IMAGE = "localhost/lorafleet-pause:1"
+CTR_NAMESPACE = "k8s.io"
+#: Kernel settings the node changes machine-wide (the kubelet the first three, since
+#: protectKernelDefaults is off; the CNI bridge plugin ip_forward): recorded at start, put back
+#: by stop (docs/kube-test-harness.md, "What it changes on the machine").
+KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops",
+                   "net/ipv4/ip_forward")
+
+
+def find_node_bin_dir(checkout: Checkout) -> Path:
+    """The cached bin dir of scripts/build-node.sh (``LORAFLEET_NODE_BIN_DIR`` overrides it);
+    nothing is built here: a missing build is an error naming the script."""
+    override = os.environ.get("LORAFLEET_NODE_BIN_DIR")
+    if override:
+        bin_dir = Path(override)
+    else:
+        proc = subprocess.run(
+            ["bash", str(checkout.build_node_script), "--print-bin-dir", "--no-build"],
+            capture_output=True, text=True, check=False,
+        )
+        if proc.returncode != 0:
+            raise HarnessError(
+                "the node binaries (kubelet, containerd, ...) are not built; run "
+                f"scripts/build-node.sh first (minutes cold, cached afterwards).\n{proc.stderr.strip()}"
+            )
+        bin_dir = Path(proc.stdout.strip())
+    missing = [b for b in NODE_BINARIES if not os.access(bin_dir / b, os.X_OK)]
+    if missing:
+        raise HarnessError(f"{bin_dir} lacks {', '.join(missing)}; run scripts/build-node.sh")
+    return bin_dir
+
+
+def check_machine() -> None:
+    """Refuse, naming the reason, a machine where a real node cannot start."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("not root (containerd, runc and the kubelet need root)")
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        problems.append("no overlayfs in /proc/filesystems (containerd's snapshotter)")
+    for tool in (RUNC, CNI_BIN_DIR / "bridge", CNI_BIN_DIR / "host-local",
+                 CNI_BIN_DIR / "loopback"):
+        if not os.access(tool, os.X_OK):
+            problems.append(f"{tool} missing (scripts/build-node.sh installs runc and "
+                            "containernetworking-plugins)")
+    if shutil.which("iptables") is None:
+        problems.append("no iptables (kube-proxy)")
+    if not _cgroup_dirs("memory"):
+        problems.append("no memory cgroup controller")
+    if problems:
+        raise HarnessError("a real node cannot start on this machine: " + "; ".join(problems))
+
+
+def machine_ip() -> str:
+    """The machine's own IPv4 address (the source address of its default route): what the API
+    server advertises and the node registers, reachable from pods through the bridge gateway."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            # UDP connect sends nothing; it only picks the route and its source address.
+            sock.connect(("192.0.2.254", 9))
+        except OSError as exc:
+            raise HarnessError(f"no IPv4 route to find the machine's address: {exc}") from exc
+        ip = str(sock.getsockname()[0])
+    if ip.startswith("127."):
+        raise HarnessError("the machine has only a loopback address; pods could not reach it")
+    return ip
+
+
+def _cgroup_dirs(controller: str | None = None) -> list[Path]:
+    """Mount points of the cgroup hierarchies (v1 controllers and the v2 unified one)."""
+    dirs = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, mount_point, fstype, options, *_ = line.split()
+        if fstype == "cgroup2" or (fstype == "cgroup" and (
+                controller is None or controller in options.split(","))):
+            dirs.append(Path(mount_point))
+    return dirs
+
+
+#: Chains the kubelet creates (per table) and the built-in chains that jump to them.
+_KUBELET_CHAINS = {"filter": ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY"),
+                   "nat": ("KUBE-KUBELET-CANARY",),
+                   "mangle": ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")}
+_KUBELET_JUMPS = (("filter", "INPUT", "KUBE-FIREWALL"), ("filter", "OUTPUT", "KUBE-FIREWALL"))
+
+
+def _remove_kubelet_iptables() -> None:
+    """Remove the kubelet's own iptables chains (kube-proxy --cleanup removes kube-proxy's);
+    a chain that is not there is no error."""
+    for tool in ("iptables", "ip6tables"):
+        for table, chain, target in _KUBELET_JUMPS:
+            subprocess.run([tool, "-t", table, "-D", chain, "-j", target], capture_output=True,
+                           check=False)
+        for table, chains in _KUBELET_CHAINS.items():
+            for name in chains:
+                subprocess.run([tool, "-t", table, "-F", name], capture_output=True, check=False)
+                subprocess.run([tool, "-t", table, "-X", name], capture_output=True, check=False)
+
+
+@dataclass
+class RealNode:
+    """A running containerd + kubelet + kube-scheduler + kube-proxy registered as ``name``."""
+
+    cluster: ControlPlane
+    bin_dir: Path
+    work_dir: Path
+    name: str
+    ip: str
+    _procs: list[ChildProcess] = field(default_factory=list, repr=False)
+    _kernel_settings: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def socket(self) -> Path:
+        """containerd's gRPC socket (the CRI endpoint)."""
+        return self.work_dir / "containerd" / "containerd.sock"
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cluster: ControlPlane, bin_dir: Path, *, name: str = "lorafleet-node",
+              ready_timeout_s: float = 120.0) -> RealNode:
+        """Start the node's processes and wait until its Node is Ready and untainted.
+
+        ``cluster`` must have been started with ``node_ip`` (pods reach its API server there).
+        A failed start stops whatever did start and raises with the failing log's tail.
+        """
+        check_machine()
+        if cluster.advertise_ip == "127.0.0.1":
+            raise HarnessError("RealNode needs ControlPlane.start(..., node_ip=machine_ip()): "
+                               "pods cannot reach an API server on loopback")
+        # On disk, not /dev/shm: image layers are hundreds of MB.
+        work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-node-", dir="/var/tmp"))
+        node = cls(cluster, bin_dir, work_dir, name, cluster.advertise_ip)
+        try:
+            node._boot(ready_timeout_s)
+        except BaseException:
+            node.stop()
+            raise
+        return node
+
+    def _boot(self, timeout_s: float) -> None:
+        logs = self.work_dir / "logs"
+        logs.mkdir()
+        started = time.monotonic()
+        self._kernel_settings = {k: (Path("/proc/sys") / k).read_text().strip()
+                                 for k in KERNEL_SETTINGS}
+        self._start_containerd(logs, timeout_s)
+        self.import_image(self._pause_archive())
+        self._start_kube_proxy(logs)
+        self._start_scheduler(logs)
+        self._start_kubelet(logs, timeout_s)
+        log.info("node %s ready in %.1fs (work dir %s)", self.name,
+                 time.monotonic() - started, self.work_dir)
+
+    def _start_containerd(self, logs: Path, timeout_s: float) -> None:
+        root = self.work_dir / "containerd"
+        cni_conf = self.work_dir / "cni" / "net.d"
+        cni_conf.mkdir(parents=True)
+        self._write_cni_config(cni_conf)
+        config = root / "config.toml"
+        root.mkdir(exist_ok=True)
+        config.write_text(f"""\
+version = 3
+root = '{root}/root'
+state = '{root}/state'
+
+[grpc]
+  address = '{self.socket}'
+
+[plugins.'io.containerd.internal.v1.opt']
+  # Otherwise containerd creates /opt/containerd.
+  path = '{root}/opt'
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = '{PAUSE_IMAGE}'
+
+[plugins.'io.containerd.cri.v1.runtime']
+  # Required here: root lacks CAP_SYS_RESOURCE, so the sandbox's oom_score_adj of -998 would be
+  # refused and every pod fail ("can't get final child's PID from pipe").
+  restrict_oom_score_adj = true
+  # Network namespaces under our state dir, not /var/run/netns.
+  netns_mounts_under_state_dir = true
+  enable_cdi = false
+  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+    # Our shim build, not one looked up on PATH.
+    runtime_path = '{self.bin_dir / "containerd-shim-runc-v2"}'
+  [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+    BinaryName = '{RUNC}'
+    # runc's state under ours, not /run/containerd/runc.
+    Root = '{root}/state/runc'
+    SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ['{CNI_BIN_DIR}']
+    conf_dir = '{cni_conf}'
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = '127.0.0.1'
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+""")
+        proc = self._spawn("containerd", [str(self.bin_dir / "containerd"), "--config", str(config)],
+                           logs)
+        proc.wait_until("containerd's socket", lambda: self._ctr("version").returncode == 0,
+                        timeout_s, 0.2)
+
+    def _write_cni_config(self, conf_dir: Path) -> None:
+        conflist = {
+            "cniVersion": "1.0.0",
+            "name": "lorafleet",
+            "plugins": [{
+                "type": "bridge",
+                "bridge": BRIDGE,
+                # The host is the pods' gateway; no masquerading: pods talk to this machine only.
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": POD_SUBNET}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": str(self.work_dir / "cni" / "ipam"),
+                },
+            }],
+        }
+        (conf_dir / "10-lorafleet.conflist").write_text(json.dumps(conflist, indent=2))
+
+    def _pause_archive(self) -> Path:
+        """A one-file OCI image archive around the pause binary (written by Python, no builder)."""
+        archive = self.work_dir / "pause.tar"
+        write_image_archive(archive, PAUSE_IMAGE, {"pause": self.bin_dir / "pause"},
+                            entrypoint=["/pause"])
+        return archive
+
+    def _start_kube_proxy(self, logs: Path) -> None:
+        config = self.work_dir / "kube-proxy.yaml"
+        config.write_text(json.dumps({
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(self.cluster.kubeconfig)},
+            "mode": "iptables",
+            "hostnameOverride": self.name,
+            "clusterCIDR": POD_SUBNET,
+            "bindAddress": self.ip,
+            "healthzBindAddress": f"127.0.0.1:{free_port()}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
+            # Leave the machine's conntrack sysctls alone (0 means "do not set").
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                          "tcpCloseWaitTimeout": "0s"},
+            # No route_localnet sysctl: nothing uses NodePorts on 127.0.0.1.
+            "iptables": {"localhostNodePorts": False},
+        }))
+        self._spawn("kube-proxy", [str(self.bin_dir / "kube-proxy"), f"--config={config}", "--v=1"],
+                    logs)
+
+    def _start_scheduler(self, logs: Path) -> None:
+        self._spawn("kube-scheduler", [
+            str(self.bin_dir / "kube-scheduler"),
+            f"--kubeconfig={self.cluster.kubeconfig}",
+            f"--authentication-kubeconfig={self.cluster.kubeconfig}",
+            f"--authorization-kubeconfig={self.cluster.kubeconfig}",
+            "--leader-elect=false",
+            f"--secure-port={free_port()}",
+            "--bind-address=127.0.0.1",
+            "--v=1",
+        ], logs)
+
+    def _start_kubelet(self, logs: Path, timeout_s: float) -> None:
+        root = self.work_dir / "kubelet"
+        root.mkdir()
+        for hierarchy in _cgroup_dirs():
+            (hierarchy / CGROUP_PARENT).mkdir(exist_ok=True)
+        config = self.work_dir / "kubelet.yaml"
+        config.write_text(json.dumps(self._kubelet_config(), indent=2))
+        proc = self._spawn("kubelet", [
+            str(self.bin_dir / "kubelet"),
+            f"--config={config}",
+            f"--kubeconfig={self.cluster.kubeconfig}",
+            f"--root-dir={root}",
+            f"--cert-dir={root / 'pki'}",
+            f"--hostname-override={self.name}",
+            f"--node-ip={self.ip}",
+            "--v=1",
+        ], logs)
+        proc.wait_until(f"Node {self.name} Ready and untainted", self._node_ready, timeout_s, 0.5)
+
+    def _kubelet_config(self) -> dict[str, Any]:
+        return {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{CGROUP_PARENT}",
+            # Kubernetes 1.35 refuses cgroup v1 unless told otherwise; this machine is v1 hybrid.
+            "failCgroupV1": False,
+            # The kubelet sets vm.overcommit_memory=1, kernel.panic=10, kernel.panic_on_oops=1
+            # instead of refusing to start (acceptable on a test VM; the harness doc says so).
+            "protectKernelDefaults": False,
+            "failSwapOn": False,
+            "address": self.ip,
+            "port": free_port(),
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": free_port(),
+            # The API server calls the kubelet (logs, exec) without a client certificate.
+            "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+            "authorization": {"mode": "AlwaysAllow"},
+            "podLogsDir": str(self.work_dir / "pod-logs"),
+            "registerNode": True,
+            # A busy shared disk must not evict test pods nor garbage-collect imported images
+            # (they cannot be pulled again: there is no registry).
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
+                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "serializeImagePulls": False,
+            "maxPods": 50,
+            "staticPodPath": "",
+            "resolvConf": "/etc/resolv.conf",
+        }
+
+    def _node_ready(self) -> bool:
+        status, node = self.cluster.request("GET", f"/api/v1/nodes/{self.name}")
+        if status != 200 or not isinstance(node, dict):
+            return False
+        ready = any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in node.get("status", {}).get("conditions", []))
+        # The node-lifecycle controller takes off the not-ready taint once the kubelet reports
+        # Ready; the scheduler would not place pods before that.
+        return ready and not node.get("spec", {}).get("taints")
+
+    def _spawn(self, name: str, argv: list[str], logs: Path) -> ChildProcess:
+        proc = ChildProcess.spawn(name, argv, logs)
+        self._procs.append(proc)
+        return proc
+
+    # ---- images -----------------------------------------------------------------------------
+
+    def _ctr(self, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin_dir / "ctr"), f"--address={self.socket}", f"--namespace={CTR_NAMESPACE}",
+             *args], capture_output=True, text=True, timeout=timeout_s, check=False,
+        )
+
+    def import_image(self, archive: Path) -> None:
+        """``ctr images import`` an image archive (OCI or docker-archive) for the kubelet."""
+        started = time.monotonic()
+        proc = self._ctr("images", "import", "--all-platforms", str(archive))
+        if proc.returncode != 0:
+            raise HarnessError(f"ctr images import {archive} failed:\n{proc.stderr}")
+        log.info("imported %s in %.1fs", archive.name, time.monotonic() - started)
+
+    def images(self) -> list[str]:
+        """Names of the images containerd holds for the kubelet."""
+        proc = self._ctr("images", "list", "--quiet")
+        return proc.stdout.split()
+
+    def containers(self) -> list[str]:
+        """IDs of the containers (pod sandboxes included) containerd holds for the kubelet."""
+        return self._ctr("containers", "list", "--quiet").stdout.split()
+
+    def logs(self, name: str, lines: int = 60) -> str:
+        """The tail of one component's log (containerd, kubelet, kube-scheduler, kube-proxy)."""
+        for proc in self._procs:
+            if proc.name == name:
+                return proc.log_tail(lines)
+        return ""
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Delete the node's pods, stop every process, and remove what they left on the machine:
+        mounts, network namespaces, the bridge, cgroups, iptables rules, the work dir; and
+        put back the kernel settings it changed."""
+        self._drain()
+        for proc in reversed(self._procs):
+            proc.stop()
+        self._procs.clear()
+        self._kill_leftover_shims()
+        unmount_all(self.work_dir)
+        subprocess.run(["ip", "link", "delete", BRIDGE], check=False, capture_output=True)
+        subprocess.run([str(self.bin_dir / "kube-proxy"), "--cleanup"], check=False,
+                       capture_output=True)
+        _remove_kubelet_iptables()
+        self._remove_cgroups()
+        for key, value in self._kernel_settings.items():
+            (Path("/proc/sys") / key).write_text(value)
+        if os.environ.get("LORAFLEET_KEEP_KUBE_DIR"):
+            log.warning("kept node work dir %s", self.work_dir)
+        else:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        """What of this node is still on the machine (after :meth:`stop`: nothing), described:
+        processes of its binaries or naming its work dir, mounts under it (overlay snapshots,
+        network namespaces, volumes), the bridge, cgroups, kube-* iptables chains, changed
+        kernel settings, the work dir."""
+        found = [f"process {pid}: {cmd}" for pid, cmd in self._own_processes()]
+        found += [f"mount {point}" for point in mounts_under(self.work_dir)]
+        if Path("/sys/class/net", BRIDGE).exists():
+            found.append(f"network interface {BRIDGE}")
+        found += [f"cgroup {h / CGROUP_PARENT}" for h in _cgroup_dirs()
+                  if (h / CGROUP_PARENT).exists()]
+        for tool in ("iptables-save", "ip6tables-save"):
+            rules = subprocess.run([tool], capture_output=True, text=True, check=False).stdout
+            found += [f"{tool}: {line}" for line in rules.splitlines() if "KUBE-" in line]
+        for key, value in self._kernel_settings.items():
+            now = (Path("/proc/sys") / key).read_text().strip()
+            if now != value:
+                found.append(f"kernel setting {key} = {now} (was {value})")
+        if self.work_dir.exists():
+            found.append(f"work dir {self.work_dir}")
+        return found
+
+    def _own_processes(self) -> list[tuple[int, str]]:
+        """Running processes started from our bin dir or naming our work dir (shims, pods'
+        processes are in cgroups: see :meth:`leftovers`)."""
+        marks = (str(self.bin_dir).encode(), str(self.work_dir).encode())
+        found = []
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                cmdline = (pid_dir / "cmdline").read_bytes()
+                if cmdline and any(mark in cmdline for mark in marks):
+                    command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                    found.append((int(pid_dir.name), command[:120]))
+        return found
+
+    def _drain(self, timeout_s: float = 60.0) -> None:
+        """Delete every pod bound to this node and wait until containerd runs no container, so
+        the kubelet itself tears down sandboxes (CNI teardown, netns, volume mounts)."""
+        if not any(p.name == "kubelet" and p.popen.poll() is None for p in self._procs):
+            return
+        with contextlib.suppress(HarnessError, subprocess.TimeoutExpired):
+            self.cluster.kubectl("delete", "pods", "--all-namespaces", "--force",
+                                 "--grace-period=0", f"--field-selector=spec.nodeName={self.name}",
+                                 "--wait=false", timeout_s=30)
+        deadline = time.monotonic() + timeout_s
+        while self.containers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if self.containers():
+            log.warning("containers left after draining node %s: %s", self.name, self.containers())
+
+    def _kill_leftover_shims(self) -> None:
+        """containerd-shim-runc-v2 processes outlive containerd by design (ours name our
+        socket); a drain that timed out leaves them, with their containers."""
+        for pid, _ in self._own_processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _remove_cgroups(self) -> None:
+        """Kill what still runs in the kubelet's cgroups (containers of a drain that timed out)
+        and rmdir the trees, deepest first (a cgroup dir holds only pseudo-files)."""
+        for hierarchy in _cgroup_dirs():
+            top = hierarchy / CGROUP_PARENT
+            if not top.is_dir():
+                continue
+            walk = sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True)
+            for dirpath, _, _ in walk:
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in (Path(dirpath) / "cgroup.procs").read_text().split():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(pid), signal.SIGKILL)
+            for dirpath, _, _ in walk:
+                for _ in range(20):  # killed processes leave their cgroup a moment later
+                    try:
+                        os.rmdir(dirpath)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.05)
+
+    def __enter__(self) -> RealNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
