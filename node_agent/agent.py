@@ -207,8 +207,10 @@ class Agent:
 
     # -- LoadAdapter -----------------------------------------------------------------------------
 
-    def load(self, name: str, source_uri: str, sha256: str = "", pinned: bool = False, replace_existing: bool = False) -> ControlResult:
-        """Load `name` on every rank or on none; idempotent for the same content and pinning."""
+    def load(self, name: str, source_uri: str, sha256: str = "", pinned: bool = False, replace_existing: bool = False,
+             token: str | None = None) -> ControlResult:
+        """Load `name` on every rank or on none; idempotent for the same content and pinning.
+        `token` authenticates the download of an http(s) or hf:// source (never logged)."""
         with ControlCall(self.metrics, "load", name, source=source_uri) as call:
             check_adapter_name(name)
             expected = parse_sha256(sha256)
@@ -219,7 +221,7 @@ class Agent:
                 current = self.registry.get(name)
                 if current is not None and _unchanged(current, source_uri, expected, pinned):
                     return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
-                source = resolve_source(source_uri, expected, self.config.sources)
+                source = resolve_source(source_uri, expected, self.config.sources, token)
                 with _discarded_on_failure(source):
                     if current is not None and current.source.content == source.content and current.pinned == pinned:
                         source.discard()

@@ -31,6 +31,7 @@ from node_agent.engine import (
 )
 from node_agent.errors import InvalidRequest
 from node_agent.http_api import HttpApiServer, HttpOptions, split_listen
+from node_agent.hub import DEFAULT_HUB_ENDPOINT
 from node_agent.server import (
     DEFAULT_EXIT_LINGER_S,
     DEFAULT_MAX_CONTROL_CALLS,
@@ -254,6 +255,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-source", action="append", default=[], metavar="PREFIX",
                         help="an http(s) URL prefix adapters may be downloaded from, e.g. https://huggingface.co/ "
                         "(repeatable; every redirect hop must match one too; none: http(s) sources refused)")
+    parser.add_argument("--hub-endpoint", default=DEFAULT_HUB_ENDPOINT, metavar="URL",
+                        help="where hf:// sources are fetched from: the Hugging Face Hub or a mirror; it must lie under "
+                        f"an --allow-source prefix too (default {DEFAULT_HUB_ENDPOINT})")
     parser.add_argument("--allow-source-network", action="append", default=[], metavar="CIDR",
                         help="a loopback, link-local or private network downloads may connect to (repeatable; "
                         "default none: such addresses are refused, every DNS answer and redirect checked)")
@@ -325,7 +329,8 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
     sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir,
                            download_timeout_s=args.download_timeout_s, download_min_bytes_per_s=args.download_min_bytes_per_s,
                            max_concurrent_downloads=args.max_concurrent_downloads,
-                           allowed_sources=tuple(args.allow_source), allowed_networks=tuple(args.allow_source_network))
+                           allowed_sources=tuple(args.allow_source), allowed_networks=tuple(args.allow_source_network),
+                           hub_endpoint=args.hub_endpoint)
     return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
 
 

@@ -210,7 +210,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
-        result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace)
+        result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
+                                 token=request.source_token or None)
         return convert.load_response(result)
 
     @_unary("control")

@@ -29,6 +29,13 @@ Policy (docs/agent.md "Sources" and "Limits"):
   only to http(s). A download has an overall deadline and a minimum transfer rate (a watchdog
   shuts its socket down when either is broken), a per-operation socket timeout, and at most
   ``max_concurrent_downloads`` run at once per cache directory (beyond: `TooManyDownloads`).
+* ``hf://ORG/REPO[@REVISION][/SUBDIR]`` — a Hub repository (`node_agent.hub`): the two files
+  at one commit (a branch or tag is pinned to the commit the Hub names for the first file),
+  from ``hub_endpoint`` (``--hub-endpoint``, the fleet owner's), through the same downloader and
+  checks as http(s).
+* A source token (LoadAdapterRequest.source_token) is sent as ``Authorization: Bearer`` to the
+  source's own URLs only, as an unredirected header (never to a redirect target, such as the
+  Hub's file CDN), and never logged or repeated.
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line of this module repeats a URI's userinfo or query (`redact_uri`).
 * No message repeats downloaded content: a downloaded ``adapter_config.json`` is checked here
@@ -63,7 +70,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.client import HTTPConnection, HTTPException, HTTPMessage, HTTPResponse, HTTPSConnection
@@ -73,6 +80,7 @@ from urllib.parse import unquote, urlsplit
 
 from node_agent.engine import AdapterLoadError, FileDigests, read_adapter_config
 from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
+from node_agent.hub import COMMIT_HEADER, DEFAULT_HUB_ENDPOINT, parse_hub_uri, pinned_commit
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +196,9 @@ class SourcePolicy:
     # Networks (CIDR) downloads may connect to although they are loopback, link-local, private or
     # otherwise not global (--allow-source-network); public addresses never need one.
     allowed_networks: tuple[str, ...] = ()
+    # Where hf:// sources are fetched from (--hub-endpoint): the Hub or a mirror, the fleet
+    # owner's choice; it must lie under an allowed source prefix like any http(s) URL.
+    hub_endpoint: str = DEFAULT_HUB_ENDPOINT
 
     def __post_init__(self) -> None:
         _prefixes(tuple(self.allowed_sources))  # ValueError naming the flag and the entry
@@ -217,6 +228,7 @@ class ResolvedSource:
     content: Content
     downloaded: bool = False
     owned: bool = False
+    revision: str = ""  # hf:// sources: the commit both files were fetched at
 
     def discard(self) -> None:
         """Remove the agent's private copy (downloads and snapshots)."""
@@ -251,8 +263,10 @@ def redact_uri(uri: str) -> str:
     return shown if cut < 0 else shown[:cut] + "?<redacted>"
 
 
-def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy) -> ResolvedSource:
-    """Check `uri` against the policy and make a private copy of its adapter."""
+def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy, token: str | None = None) -> ResolvedSource:
+    """Check `uri` against the policy and make a private copy of its adapter. A `token` (http(s)
+    and hf:// sources) is sent as ``Authorization: Bearer`` to the source's own URLs only: never
+    on a redirect, never logged or repeated in a message."""
     shown = redact_uri(uri)
     try:
         parts = urlsplit(uri)
@@ -268,9 +282,12 @@ def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy) 
     if scheme == "file":
         source = _resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
     elif scheme in ("http", "https"):
-        source = _download(uri, shown, parts.query or parts.fragment, policy)
+        source = _download(uri, shown, parts.query or parts.fragment, policy, token)
+    elif scheme == "hf":
+        source = _download_hub(uri, shown, policy, token)
     else:
-        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file:// or http(s)://", "scheme")
+        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://",
+                            "scheme")
     if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
         source.discard()
         raise SourceRefused(
@@ -676,6 +693,7 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
     def __init__(self, prefixes: tuple[SourcePrefix, ...]) -> None:
         super().__init__()
         self._prefixes = prefixes
+        self.hops: list[HTTPMessage] = []  # the headers of every redirect answered (the Hub's commit)
 
     def redirect_request(
         self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
@@ -690,6 +708,8 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         if "@" in target.netloc:
             raise SourceRefused(f"{what}: credentials in URLs are refused", "redirect")
         _check_allowed(newurl, self._prefixes, what=f"{what}: the target")
+        self.hops.append(headers)
+        # The token was added as an unredirected header: urllib does not carry it to the target.
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -739,33 +759,61 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
                 del _ACTIVE_DOWNLOADS[key]
 
 
-def _download(uri: str, shown: str, extra: str, policy: SourcePolicy) -> ResolvedSource:
+def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, token: str | None) -> ResolvedSource:
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
-    prefixes = _prefixes(tuple(policy.allowed_sources))
     base = uri.rstrip("/")
-    for url in (f"{base}/{ADAPTER_CONFIG}", f"{base}/{ADAPTER_WEIGHTS}"):
+    target, content, _ = _fetch_adapter(shown, policy, token, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}")
+    return ResolvedSource(uri, target, content, downloaded=True, owned=True)
+
+
+def _download_hub(uri: str, shown: str, policy: SourcePolicy, token: str | None) -> ResolvedSource:
+    hub = parse_hub_uri(uri, shown)
+    endpoint = policy.hub_endpoint
+
+    def weights_url(answered: str | None) -> str:
+        return hub.file_url(endpoint, ADAPTER_WEIGHTS, pinned_commit(hub, answered, shown))
+
+    target, content, commit = _fetch_adapter(shown, policy, token, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
+                                             also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS))
+    log.debug("downloaded %s (%s at commit %s) into %s", shown, hub.repo_id, commit or hub.revision, target)
+    return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown))
+
+
+def _fetch_adapter(
+    shown: str, policy: SourcePolicy, token: str | None, config_url: str, weights_url: Callable[[str | None], str],
+    also_allowed: str | None = None,
+) -> tuple[Path, Content, str | None]:
+    """Download both files into a fresh private directory, under every http(s) check: the config
+    first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the config's
+    answers carried, or None). Returns the directory, the digests and that commit."""
+    prefixes = _prefixes(tuple(policy.allowed_sources))
+    for url in (config_url, also_allowed or weights_url(None)):
         _check_allowed(url, prefixes, what=f"the source {shown!r}")
     if policy.cache_dir is None:
-        raise SourceRefused("http(s) sources are refused: the agent has no --cache-dir", "no_cache_dir")
+        raise SourceRefused("http(s) and hf:// sources are refused: the agent has no --cache-dir", "no_cache_dir")
     networks = _networks(tuple(policy.allowed_networks))
     with _download_slot(policy):
         target = _private_dir(policy, DOWNLOAD_PREFIX)
         try:
             with _Watchdog(policy) as watchdog:
+                redirects = _HttpOnlyRedirects(prefixes)
                 # No ProxyHandler with environment proxies: every connection is the agent's own, checked.
-                opener = urllib.request.build_opener(
-                    urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), _HttpOnlyRedirects(prefixes))
-                fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s)
-                config_sha = fetch(f"{base}/{ADAPTER_CONFIG}", target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), redirects)
+                fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s,
+                                          token=token, answers=redirects.hops)
+                config_sha = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 _check_downloaded_config(target, shown)
-                weights_sha = fetch(f"{base}/{ADAPTER_WEIGHTS}", target / ADAPTER_WEIGHTS, policy.max_download_bytes)
+                commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
+                url = weights_url(commit)
+                _check_allowed(url, prefixes, what=f"the source {shown!r}")
+                weights_sha = fetch(url, target / ADAPTER_WEIGHTS, policy.max_download_bytes)
                 _check_downloaded_weights(target / ADAPTER_WEIGHTS, shown)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
     log.debug("downloaded %s into %s", shown, target)
-    return ResolvedSource(uri, target, Content(weights_sha, config_sha), downloaded=True, owned=True)
+    return target, Content(weights_sha, config_sha), commit
 
 
 def _check_downloaded_config(directory: Path, shown: str) -> None:
@@ -803,13 +851,19 @@ def _reason_phrase(code: int) -> str:
         return ""
 
 
-def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float) -> str:
-    """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256."""
+def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float,
+           token: str | None = None, answers: list[HTTPMessage] | None = None) -> str:
+    """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256. `token` goes
+    to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
     shown = redact_uri(url)
     request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
+    if token:
+        request.add_unredirected_header("Authorization", f"Bearer {token}")
     try:
         # The deadline is the watchdog's: the socket timeout bounds one operation only.
         with opener.open(request, timeout=socket_timeout_s) as response, open(dest, "xb") as out:
+            if answers is not None:
+                answers.append(response.headers)
             declared_text = response.headers.get("Content-Length")
             declared = int(declared_text) if declared_text and declared_text.isdigit() else None
             if declared is not None and declared > cap:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorafleet/v1/agent.proto\x12\x0clorafleet.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x90\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12+\n\nbase_model\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.BaseModel\x12(\n\x08topology\x18\x03 \x01(\x0b\x32\x16.lorafleet.v1.Topology\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.lorafleet.v1.Capacity\x12%\n\x05ranks\x18\x05 \x03(\x0b\x32\x16.lorafleet.v1.RankInfo\x12+\n\x07modules\x18\x06 \x03(\x0b\x32\x1a.lorafleet.v1.ModuleShapes\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"0\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\"\x85\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\x05\x12\x1b\n\x13\x66ully_sharded_loras\x18\x04 \x01(\x08\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\x05\x12\x13\n\x0bmoe_tp_size\x18\x06 \x01(\x05\"X\n\x08\x43\x61pacity\x12\x15\n\rmax_lora_rank\x18\x01 \x01(\x05\x12\x1b\n\x13max_loras_per_batch\x18\x02 \x01(\x05\x12\x18\n\x10max_loaded_loras\x18\x03 \x01(\x05\"S\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"Z\n\x0cModuleShapes\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x06slices\x18\x03 \x03(\x0b\x32\x1c.lorafleet.v1.LoraSliceShape\"<\n\x0eLoraSliceShape\x12\x14\n\x0clora_a_shape\x18\x01 \x03(\x05\x12\x14\n\x0clora_b_shape\x18\x02 \x03(\x05\"g\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"\x9e\x01\n\x13LoadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\x12\x16\n\x0e\x61lready_loaded\x18\x05 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x88\x01\n\x15UnloadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\"\x9d\x01\n\nRankResult\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.AdapterInfo\"^\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\r\n\x05ranks\x18\x05 \x03(\x05\";\n\x0e\x46orwardRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.Sequence\".\n\x08Sequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"7\n\x0f\x46orwardResponse\x12$\n\x06logits\x18\x01 \x03(\x0b\x32\x14.lorafleet.v1.Logits\"F\n\x06Logits\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66loat32_data\x18\x03 \x01(\x0c\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xeb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x06\x66inish\x18\x04 \x01(\x0e\x32\x1a.lorafleet.v1.FinishReason\x12\x14\n\x07logprob\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.lorafleet.v1.UsageB\n\n\x08_logprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf0\x03\n\tNodeAgent\x12I\n\x08\x44\x65scribe\x12\x1d.lorafleet.v1.DescribeRequest\x1a\x1e.lorafleet.v1.DescribeResponse\x12R\n\x0bLoadAdapter\x12 .lorafleet.v1.LoadAdapterRequest\x1a!.lorafleet.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x46\n\x07\x46orward\x12\x1c.lorafleet.v1.ForwardRequest\x1a\x1d.lorafleet.v1.ForwardResponse\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorafleet/v1/agent.proto\x12\x0clorafleet.v1\"\x11\n\x0f\x44\x65scribeRequest\"\x90\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12+\n\nbase_model\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.BaseModel\x12(\n\x08topology\x18\x03 \x01(\x0b\x32\x16.lorafleet.v1.Topology\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.lorafleet.v1.Capacity\x12%\n\x05ranks\x18\x05 \x03(\x0b\x32\x16.lorafleet.v1.RankInfo\x12+\n\x07modules\x18\x06 \x03(\x0b\x32\x1a.lorafleet.v1.ModuleShapes\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"0\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\"\x85\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\x05\x12\x1b\n\x13\x66ully_sharded_loras\x18\x04 \x01(\x08\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\x05\x12\x13\n\x0bmoe_tp_size\x18\x06 \x01(\x05\"X\n\x08\x43\x61pacity\x12\x15\n\rmax_lora_rank\x18\x01 \x01(\x05\x12\x1b\n\x13max_loras_per_batch\x18\x02 \x01(\x05\x12\x18\n\x10max_loaded_loras\x18\x03 \x01(\x05\"S\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"Z\n\x0cModuleShapes\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x06slices\x18\x03 \x03(\x0b\x32\x1c.lorafleet.v1.LoraSliceShape\"<\n\x0eLoraSliceShape\x12\x14\n\x0clora_a_shape\x18\x01 \x03(\x05\x12\x14\n\x0clora_b_shape\x18\x02 \x03(\x05\"}\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\x12\x14\n\x0csource_token\x18\x06 \x01(\t\"\x9e\x01\n\x13LoadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\x12\x16\n\x0e\x61lready_loaded\x18\x05 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x88\x01\n\x15UnloadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\"\x9d\x01\n\nRankResult\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x15\n\x13ListAdaptersRequest\"C\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.AdapterInfo\"^\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\r\n\x05ranks\x18\x05 \x03(\x05\";\n\x0e\x46orwardRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.Sequence\".\n\x08Sequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"7\n\x0f\x46orwardResponse\x12$\n\x06logits\x18\x01 \x03(\x0b\x32\x14.lorafleet.v1.Logits\"F\n\x06Logits\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66loat32_data\x18\x03 \x01(\x0c\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xeb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x06\x66inish\x18\x04 \x01(\x0e\x32\x1a.lorafleet.v1.FinishReason\x12\x14\n\x07logprob\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.lorafleet.v1.UsageB\n\n\x08_logprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xf0\x03\n\tNodeAgent\x12I\n\x08\x44\x65scribe\x12\x1d.lorafleet.v1.DescribeRequest\x1a\x1e.lorafleet.v1.DescribeResponse\x12R\n\x0bLoadAdapter\x12 .lorafleet.v1.LoadAdapterRequest\x1a!.lorafleet.v1.LoadAdapterResponse\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x46\n\x07\x46orward\x12\x1c.lorafleet.v1.ForwardRequest\x1a\x1d.lorafleet.v1.ForwardResponse\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorafleet.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2490
-  _globals['_FINISHREASON']._serialized_end=2585
+  _globals['_FINISHREASON']._serialized_start=2512
+  _globals['_FINISHREASON']._serialized_end=2607
   _globals['_DESCRIBEREQUEST']._serialized_start=42
   _globals['_DESCRIBEREQUEST']._serialized_end=59
   _globals['_DESCRIBERESPONSE']._serialized_start=62
@@ -50,37 +50,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LORASLICESHAPE']._serialized_start=789
   _globals['_LORASLICESHAPE']._serialized_end=849
   _globals['_LOADADAPTERREQUEST']._serialized_start=851
-  _globals['_LOADADAPTERREQUEST']._serialized_end=954
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=957
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1115
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1117
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1153
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1156
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1292
-  _globals['_RANKRESULT']._serialized_start=1295
-  _globals['_RANKRESULT']._serialized_end=1452
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1454
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1475
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1477
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1544
-  _globals['_ADAPTERINFO']._serialized_start=1546
-  _globals['_ADAPTERINFO']._serialized_end=1640
-  _globals['_FORWARDREQUEST']._serialized_start=1642
-  _globals['_FORWARDREQUEST']._serialized_end=1701
-  _globals['_SEQUENCE']._serialized_start=1703
-  _globals['_SEQUENCE']._serialized_end=1749
-  _globals['_FORWARDRESPONSE']._serialized_start=1751
-  _globals['_FORWARDRESPONSE']._serialized_end=1806
-  _globals['_LOGITS']._serialized_start=1808
-  _globals['_LOGITS']._serialized_end=1878
-  _globals['_GENERATEREQUEST']._serialized_start=1881
-  _globals['_GENERATEREQUEST']._serialized_end=2142
-  _globals['_TOPLOGPROB']._serialized_start=2144
-  _globals['_TOPLOGPROB']._serialized_end=2191
-  _globals['_USAGE']._serialized_start=2193
-  _globals['_USAGE']._serialized_end=2250
-  _globals['_GENERATERESPONSE']._serialized_start=2253
-  _globals['_GENERATERESPONSE']._serialized_end=2488
-  _globals['_NODEAGENT']._serialized_start=2588
-  _globals['_NODEAGENT']._serialized_end=3084
+  _globals['_LOADADAPTERREQUEST']._serialized_end=976
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=979
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1137
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1139
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1175
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1178
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1314
+  _globals['_RANKRESULT']._serialized_start=1317
+  _globals['_RANKRESULT']._serialized_end=1474
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1476
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1497
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1499
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=1566
+  _globals['_ADAPTERINFO']._serialized_start=1568
+  _globals['_ADAPTERINFO']._serialized_end=1662
+  _globals['_FORWARDREQUEST']._serialized_start=1664
+  _globals['_FORWARDREQUEST']._serialized_end=1723
+  _globals['_SEQUENCE']._serialized_start=1725
+  _globals['_SEQUENCE']._serialized_end=1771
+  _globals['_FORWARDRESPONSE']._serialized_start=1773
+  _globals['_FORWARDRESPONSE']._serialized_end=1828
+  _globals['_LOGITS']._serialized_start=1830
+  _globals['_LOGITS']._serialized_end=1900
+  _globals['_GENERATEREQUEST']._serialized_start=1903
+  _globals['_GENERATEREQUEST']._serialized_end=2164
+  _globals['_TOPLOGPROB']._serialized_start=2166
+  _globals['_TOPLOGPROB']._serialized_end=2213
+  _globals['_USAGE']._serialized_start=2215
+  _globals['_USAGE']._serialized_end=2272
+  _globals['_GENERATERESPONSE']._serialized_start=2275
+  _globals['_GENERATERESPONSE']._serialized_end=2510
+  _globals['_NODEAGENT']._serialized_start=2610
+  _globals['_NODEAGENT']._serialized_end=3106
 # @@protoc_insertion_point(module_scope)

@@ -103,18 +103,20 @@ class LoraSliceShape(_message.Message):
     def __init__(self, lora_a_shape: _Optional[_Iterable[int]] = ..., lora_b_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace")
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     source_uri: str
     sha256: str
     pinned: bool
     replace: bool
-    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ...) -> None: ...
+    source_token: str
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded")
