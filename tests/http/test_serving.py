@@ -5,6 +5,7 @@ while requests run and wait say what the engine runs and queues."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
 
@@ -49,19 +50,29 @@ def test_32_concurrent_streams_all_complete_with_their_own_tokens(served, client
     wait_until(lambda: all_blocks_free(served), what="every block free")
 
 
-def test_a_dropped_stream_cancels_its_sequence_and_frees_its_blocks(served):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_dropped_request_cancels_its_sequence_and_frees_its_blocks(served, stream):
+    """A client that goes away mid-generation (a stream after its first token, a non-streaming
+    request while it runs): the sequence is cancelled in the engine, its blocks freed."""
     before = served.agent.engine.serving_stats().steps
 
     async def drop() -> None:
         async with aiohttp.ClientSession() as session:
-            body = {"model": "ad-b", "prompt": "w5 w6", "max_tokens": 1000, "stream": True}
-            async with session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS) as response:
+            body = {"model": "ad-b", "prompt": "w5 w6", "max_tokens": 1000, "stream": stream}
+            request = asyncio.create_task(session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS))
+            if stream:
+                response = await request
                 assert response.status == 200
                 await response.content.readline()  # the first token arrived: the sequence runs
-            # leaving the block closes the connection mid-stream
+                response.close()  # closes the connection mid-stream
+            else:
+                await asyncio.to_thread(wait_until, lambda: served.agent.engine.serving_stats().running == 1, what="it to run")
+                request.cancel()  # closes the connection before the answer
+                with contextlib.suppress(asyncio.CancelledError):
+                    await request
 
     asyncio.run(drop())
-    wait_until(lambda: all_blocks_free(served), what="the dropped stream's blocks to be freed")
+    wait_until(lambda: all_blocks_free(served), what="the dropped request's blocks to be freed")
     assert served.agent.engine.serving_stats().steps - before < 999, "the sequence was cancelled, not run to its end"
 
 
