@@ -7,7 +7,7 @@
 #
 # The binaries land in a cache keyed by the versions and are reused when present:
 #   ${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}/node-<k8s>-containerd-<containerd>/bin/
-# A cold build takes 5-10 minutes on 2 cores after build-kube.sh (Go's build cache is shared);
+# A cold build takes about 4 minutes on 2 cores after build-kube.sh (Go's build cache is shared);
 # a second run returns in well under a second.
 #
 # Usage:
@@ -71,7 +71,7 @@ if [ -f "$marker" ]; then
     exit 0
 fi
 if [ "$no_build" = 1 ]; then
-    log "not built yet: $bin_dir (run scripts/build-node.sh; 5-10 minutes cold)"
+    log "not built yet: $bin_dir (run scripts/build-node.sh; about 4 minutes cold)"
     exit 1
 fi
 

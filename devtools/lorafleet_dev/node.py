@@ -6,10 +6,12 @@ The binaries come from ``scripts/build-node.sh`` (:func:`find_node_bin_dir`); ru
 plugins are Debian's. Everything the node writes lives under one work dir (containerd's root and
 state, the kubelet's root, pod logs, CNI configuration and IP allocations), except what the
 kernel keeps machine-wide: the bridge interface, network namespaces (mounted under containerd's
-state dir), cgroups (under :data:`CGROUP_PARENT`), kube-proxy's iptables rules and a few kernel
-settings (docs/kube-test-harness.md, "A real node"). :meth:`RealNode.stop` takes all of that
-down again: pods, processes, mounts, network namespaces, the bridge, the cgroups and the iptables
-rules. It needs root, overlayfs and cgroup v1 or v2 controllers (:func:`check_machine`).
+state dir), cgroups (under :data:`CGROUP_PARENT`), the kubelet's and kube-proxy's iptables
+rules and a few kernel settings (docs/kube-test-harness.md, "A real node"). :meth:`RealNode.stop`
+takes all of that down again and reports what it could not (:meth:`RealNode.leftovers`). Since
+those names are machine-wide, one node runs per machine at a time (:data:`MACHINE_LOCK`). It
+needs root, overlayfs, runc, the CNI plugins, iptables and a memory cgroup
+(:func:`check_machine`).
 
 Typical use (``tests/kube/test_real_node.py``)::
 
@@ -21,6 +23,7 @@ Typical use (``tests/kube/test_real_node.py``)::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -32,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lorafleet_dev.checkout import Checkout
 from lorafleet_dev.controlplane import ControlPlane
@@ -58,6 +61,10 @@ CTR_NAMESPACE = "k8s.io"
 #: Kernel settings the node changes machine-wide (the kubelet the first three, since
 #: protectKernelDefaults is off; the CNI bridge plugin ip_forward): recorded at start, put back
 #: by stop (docs/kube-test-harness.md, "What it changes on the machine").
+#: One real node per machine at a time: the bridge, the pod subnet, the cgroup parent, the
+#: iptables chains and the kernel settings are machine-wide. A second node (another test session
+#: on a shared machine) waits for this lock.
+MACHINE_LOCK = Path("/run/lock/lorafleet-node.lock")
 KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops",
                    "net/ipv4/ip_forward")
 
@@ -120,6 +127,29 @@ def machine_ip() -> str:
     return ip
 
 
+def _lock_machine(timeout_s: float) -> IO[str]:
+    """Take :data:`MACHINE_LOCK` (waiting up to ``timeout_s`` for another node to stop); the
+    lock is held while the returned file stays open."""
+    lock = MACHINE_LOCK.open("a+")
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as busy:
+            if time.monotonic() > deadline:
+                lock.close()
+                raise HarnessError(f"another real node held {MACHINE_LOCK} for {timeout_s:.0f}s "
+                                   "(one node per machine: the bridge and cgroups are shared)"
+                                   ) from busy
+            if not logged:
+                log.info("waiting for another real node to stop (%s)", MACHINE_LOCK)
+                logged = True
+            time.sleep(1.0)
+        else:
+            return lock
+
+
 def _cgroup_dirs(controller: str | None = None) -> list[Path]:
     """Mount points of the cgroup hierarchies (v1 controllers and the v2 unified one)."""
     dirs = []
@@ -162,9 +192,10 @@ class RealNode:
     ip: str
     _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _kernel_settings: dict[str, str] = field(default_factory=dict, repr=False)
+    _lock: IO[str] | None = field(default=None, repr=False)
 
     @property
-    def socket(self) -> Path:
+    def containerd_socket(self) -> Path:
         """containerd's gRPC socket (the CRI endpoint)."""
         return self.work_dir / "containerd" / "containerd.sock"
 
@@ -172,19 +203,21 @@ class RealNode:
 
     @classmethod
     def start(cls, cluster: ControlPlane, bin_dir: Path, *, name: str = "lorafleet-node",
-              ready_timeout_s: float = 120.0) -> RealNode:
+              ready_timeout_s: float = 120.0, lock_timeout_s: float = 480.0) -> RealNode:
         """Start the node's processes and wait until its Node is Ready and untainted.
 
         ``cluster`` must have been started with ``node_ip`` (pods reach its API server there).
-        A failed start stops whatever did start and raises with the failing log's tail.
+        A failed start stops whatever did start and raises with the failing log's tail. Only
+        one node runs on a machine at a time; a second waits up to ``lock_timeout_s``.
         """
         check_machine()
         if cluster.advertise_ip == "127.0.0.1":
             raise HarnessError("RealNode needs ControlPlane.start(..., node_ip=machine_ip()): "
                                "pods cannot reach an API server on loopback")
+        lock = _lock_machine(lock_timeout_s)
         # On disk, not /dev/shm: image layers are hundreds of MB.
         work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-node-", dir="/var/tmp"))
-        node = cls(cluster, bin_dir, work_dir, name, cluster.advertise_ip)
+        node = cls(cluster, bin_dir, work_dir, name, cluster.advertise_ip, _lock=lock)
         try:
             node._boot(ready_timeout_s)
         except BaseException:
@@ -219,7 +252,7 @@ root = '{root}/root'
 state = '{root}/state'
 
 [grpc]
-  address = '{self.socket}'
+  address = '{self.containerd_socket}'
 
 [plugins.'io.containerd.internal.v1.opt']
   # Otherwise containerd creates /opt/containerd.
@@ -344,7 +377,7 @@ state = '{root}/state'
         return {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",
-            "containerRuntimeEndpoint": f"unix://{self.socket}",
+            "containerRuntimeEndpoint": f"unix://{self.containerd_socket}",
             "cgroupDriver": "cgroupfs",
             "cgroupRoot": f"/{CGROUP_PARENT}",
             # Kubernetes 1.35 refuses cgroup v1 unless told otherwise; this machine is v1 hybrid.
@@ -394,7 +427,7 @@ state = '{root}/state'
 
     def _ctr(self, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(self.bin_dir / "ctr"), f"--address={self.socket}", f"--namespace={CTR_NAMESPACE}",
+            [str(self.bin_dir / "ctr"), f"--address={self.containerd_socket}", f"--namespace={CTR_NAMESPACE}",
              *args], capture_output=True, text=True, timeout=timeout_s, check=False,
         )
 
@@ -411,9 +444,11 @@ state = '{root}/state'
         proc = self._ctr("images", "list", "--quiet")
         return proc.stdout.split()
 
-    def containers(self) -> list[str]:
-        """IDs of the containers (pod sandboxes included) containerd holds for the kubelet."""
-        return self._ctr("containers", "list", "--quiet").stdout.split()
+    def running_containers(self) -> list[str]:
+        """IDs of the containers (pod sandboxes included) running for the kubelet: containerd's
+        tasks. Exited containers stay listed by ``ctr containers`` until the kubelet's garbage
+        collection, every minute; their tasks are gone at once."""
+        return self._ctr("tasks", "list", "--quiet").stdout.split()
 
     def logs(self, name: str, lines: int = 60) -> str:
         """The tail of one component's log (containerd, kubelet, kube-scheduler, kube-proxy)."""
@@ -424,10 +459,11 @@ state = '{root}/state'
 
     # ---- shutdown ---------------------------------------------------------------------------
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
         """Delete the node's pods, stop every process, and remove what they left on the machine:
         mounts, network namespaces, the bridge, cgroups, iptables rules, the work dir; and
-        put back the kernel settings it changed."""
+        put back the kernel settings it changed. Returns :meth:`leftovers` as found before the
+        machine lock is released (after that, the next node's things would be counted)."""
         self._drain()
         for proc in reversed(self._procs):
             proc.stop()
@@ -445,6 +481,11 @@ state = '{root}/state'
             log.warning("kept node work dir %s", self.work_dir)
         else:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+        left = self.leftovers()
+        if self._lock is not None:
+            self._lock.close()  # releases the machine lock for the next node
+            self._lock = None
+        return left
 
     def leftovers(self) -> list[str]:
         """What of this node is still on the machine (after :meth:`stop`: nothing), described:
@@ -493,10 +534,10 @@ state = '{root}/state'
                                  "--grace-period=0", f"--field-selector=spec.nodeName={self.name}",
                                  "--wait=false", timeout_s=30)
         deadline = time.monotonic() + timeout_s
-        while self.containers() and time.monotonic() < deadline:
+        while self.running_containers() and time.monotonic() < deadline:
             time.sleep(0.5)
-        if self.containers():
-            log.warning("containers left after draining node %s: %s", self.name, self.containers())
+        if left := self.running_containers():
+            log.warning("containers still running after draining node %s: %s", self.name, left)
 
     def _kill_leftover_shims(self) -> None:
         """containerd-shim-runc-v2 processes outlive containerd by design (ours name our

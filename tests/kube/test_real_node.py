@@ -66,10 +66,10 @@ def real_cluster(kube_bin_dir: Path) -> Iterator[RealCluster]:
             node.import_image(image.archive)
             yield RealCluster(cluster, node, image)
         finally:
-            node.stop()
-        # A clean shutdown: no process, mount (snapshot, netns, volume), bridge, cgroup or
-        # iptables chain of the node stays on the machine.
-        assert node.leftovers() == []
+            left = node.stop()
+        # A clean shutdown: no process, mount (snapshot, netns, volume), bridge, cgroup,
+        # iptables chain or changed kernel setting of the node stays on the machine.
+        assert left == []
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, diagnose: Callable[[], str]) -> Any:
@@ -130,7 +130,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(
     assert pod["status"]["podIP"].startswith("10.89."), pod["status"]
     (container,) = pod["status"]["containerStatuses"]
     assert container["ready"] and "running" in container["state"], container
-    assert container["containerID"].removeprefix("containerd://") in node.containers()
+    assert container["containerID"].removeprefix("containerd://") in node.running_containers()
 
     # Two agents (local processes on the machine's address) with the chart's generated token.
     secret = cluster.kubectl_json("get", "secret", f"{RELEASE}-lorafleet-agent-token", "-n", ns)
@@ -196,7 +196,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(
             if p["spec"].get("nodeName") == node.name], 120, diagnose)
         stand_ins = {p["metadata"]["name"] for p in cluster.kubectl_json("get", "pods", "-n", ns)["items"]}
         assert stand_ins == {"agent-0", "agent-1"}
-        wait_for("containerd to run no container", lambda: node.containers() == [], 60, diagnose)
+        wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
     finally:
         for agent in agents:
             agent.stop()
