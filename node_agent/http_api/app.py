@@ -192,6 +192,11 @@ class _Api:
             if error.status < 400:
                 raise
             return _error_response(ApiError(error.status, f"{request.method} {request.path}: {error.reason}"))
+        except ConnectionResetError:
+            raise  # the client went away: nobody to answer
+        except Exception as error:  # a bug: still an answer in the API's shape (a stream answers in-stream)
+            log.exception("unexpected error answering %s %s", request.method, request.path)
+            return _error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -344,6 +349,19 @@ class _Api:
             """One write for all of `data`'s events."""
             await response.write("".join(f"data: {item if isinstance(item, str) else _dumps(item)}\n\n" for item in data).encode())
 
+        try:
+            await self._send_events(send, reply, choices, first, count, include_usage)
+        except ConnectionResetError:
+            return response  # the client went away mid-stream: `_generate` closes the choices
+        except Exception as error:  # a bug after the 200: the error goes in the stream, then the end
+            log.exception("unexpected error in a stream")
+            await send(ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal").body(), "[DONE]")
+        await response.write_eof()
+        return response
+
+    async def _send_events(self, send: Callable[..., Awaitable[None]], reply: Reply, choices: Choices, first: list[Event],
+                           count: int, include_usage: bool) -> None:
+        """Every chunk of a stream, then `[DONE]`; an error after the 200 goes in the stream."""
         if reply.kind == "chat":
             await send(*(reply.role_chunk(index) for index in range(count)))
         async for batch in _chain(first, choices):
@@ -365,8 +383,6 @@ class _Api:
             if include_usage:
                 await send(reply.usage_chunk())
         await send("[DONE]")
-        await response.write_eof()
-        return response
 
     def _refusal(self, error: BaseException, model: str, prompt_param: str) -> ApiError:
         if isinstance(error, AdapterNotFound):

@@ -4,6 +4,7 @@ client (its exception classes) and on the wire; auth with the gRPC token; health
 from __future__ import annotations
 
 import http.client
+import json
 import shutil
 import ssl
 import threading
@@ -175,3 +176,24 @@ def test_with_grpcs_tls_files_the_api_is_https_and_mutual_tls_needs_a_client_cer
         assert status(trusting) == 200
         with pytest.raises(ssl.SSLCertVerificationError):
             status(ssl.create_default_context())  # the agent's CA is not the system's
+
+
+def test_an_unexpected_error_is_a_500_in_the_same_shape_and_in_stream_after_the_200(served, monkeypatch):
+    """A bug (injected: building the answer fails) answers 500 `internal`; once a stream has
+    started, the error is its last event before `[DONE]`; the sequence is cancelled either way."""
+    from node_agent.http_api.responses import Reply
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Reply, "body", broken)
+    answer = request(served, "POST", "/v1/completions", GOOD)
+    assert answer.status == 500 and error_of(answer)["code"] == "internal" and "injected" in error_of(answer)["message"]
+    monkeypatch.setattr(Reply, "chunk", broken)
+    before = served.agent.engine.serving_stats().steps
+    answer = request(served, "POST", "/v1/completions", {**GOOD, "max_tokens": 1000, "stream": True})
+    events = answer.events()
+    assert answer.status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "internal"
+    wait_until(lambda: all_blocks_free(served), what="the failed stream's sequence to be cancelled")
+    assert served.agent.engine.serving_stats().steps - before < 999, "cancelled, not run to its end"
