@@ -4,13 +4,14 @@ streaming with usage, stop strings (also through gRPC), n, seeds and logprobs.""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
-from tests.agent.helpers import WORDS, make_adapter, wait_until
+from tests.agent.helpers import LOOPBACK_SOURCES, WORDS, http_server, make_adapter, wait_until
 from tests.http.conftest import ADAPTERS, BASE, all_blocks_free, grpc_generate, request
 from tests.support.models import quiet_transformers
 
@@ -160,3 +161,31 @@ def test_logprobs_are_the_grpc_logprobs_in_openais_shapes(served, client):
     plain = client.chat.completions.create(model="ad-a", messages=CHAT, max_tokens=2)
     assert plain.choices[0].logprobs is None
 
+
+
+def test_health_models_and_inference_answer_while_a_load_is_held(served, client, monkeypatch, tmp_path):
+    """A LoadAdapter whose download a loopback server holds does not delay /health, /v1/models,
+    /metrics or a completion; the adapter is listed only once every rank holds it."""
+    sources = dataclasses.replace(served.agent.config.sources, cache_dir=tmp_path, download_timeout_s=300,
+                                  download_min_bytes_per_s=0, **LOOPBACK_SOURCES)
+    monkeypatch.setattr(served.agent, "config", dataclasses.replace(served.agent.config, sources=sources))
+    root = served.agent.config.sources.adapter_roots[0]
+    with http_server(root) as source:
+        loading = threading.Thread(target=served.agent.load, args=("ad-held", source.url("hold", "ad-a")))
+        loading.start()
+        try:
+            wait_until(lambda: source.holding == 1, what="the download to be held")
+            assert request(served, "GET", "/health", token=None).status == 200
+            assert "ad-held" not in {m.id for m in client.models.list().data}
+            assert client.completions.create(model="ad-a", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+            assert request(served, "GET", "/metrics", token=None).status == 200
+            assert loading.is_alive() and source.holding == 1, "the load was pending all along"
+        finally:
+            source.release.set()
+            loading.join(timeout=120)
+    try:
+        assert "ad-held" in {m.id for m in client.models.list().data}
+        assert client.completions.create(model="ad-held", prompt=PROMPT, max_tokens=2).choices[0].text
+    finally:
+        if served.agent.registry.get("ad-held") is not None:
+            served.agent.unload("ad-held")
