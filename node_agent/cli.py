@@ -78,6 +78,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     # Serving (docs/serving.md): the paged KV cache and the scheduler's limits.
     parser.add_argument("--kv-cache-bytes", type=int, default=EngineConfig.kv_cache_bytes, metavar="B",
                         help=f"each rank's paged KV cache budget in bytes (default {EngineConfig.kv_cache_bytes >> 20} MiB)")
+    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                        help="on cuda: size each rank's KV cache so the engine uses this fraction of the device's "
+                             "memory (what the model already holds comes off; replaces --kv-cache-bytes)")
+    parser.add_argument("--cpu-threads", type=int, metavar="N",
+                        help="torch threads of each cpu rank (default: the machine's cores / --tp; fewer on a busy machine)")
     parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
                         help=f"tokens per KV block (default {EngineConfig.block_size})")
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="S",
@@ -102,6 +107,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         master_port=args.master_port,
         kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_threads=args.cpu_threads,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -111,6 +111,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
     prefix_caching: bool = False
+    # torch threads of each CPU rank; None: the machine's cores divided by tp. Fewer help on a
+    # machine shared with other work, where every OpenMP barrier waits for a descheduled thread.
+    cpu_threads: int | None = None
+    # On CUDA, each rank's KV budget from device memory instead of kv_cache_bytes: the engine may
+    # use this fraction of the device (vLLM's --gpu-memory-utilization); None: kv_cache_bytes.
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,13 @@ class Engine:
         validate_topology(self.model_config, config.topology, config.max_lora_rank)
         if config.max_lora_rank < 1 or config.max_loras_per_batch < 1 or config.max_loaded_loras < 1:
             raise EngineError("max_lora_rank, max_loras_per_batch and max_loaded_loras must be at least 1")
+        if config.cpu_threads is not None and config.cpu_threads < 1:
+            raise EngineError(f"cpu_threads must be at least 1, got {config.cpu_threads}")
+        if config.gpu_memory_utilization is not None:
+            if config.device != "cuda":
+                raise EngineError(f"gpu_memory_utilization needs device cuda, not {config.device}; use kv_cache_bytes")
+            if not 0 < config.gpu_memory_utilization <= 1:
+                raise EngineError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
         self.adapters: set[str] = set()  # loaded on every rank
         self.failure: str | None = None
         # Commands must reach every rank in the same order, and a load with its rollback must
@@ -276,6 +289,8 @@ class Engine:
             fault_stall_load_s=config.fault_stall_load_s,
             kv_cache_bytes=config.kv_cache_bytes,
             block_size=config.block_size,
+            cpu_threads=config.cpu_threads,
+            gpu_memory_utilization=config.gpu_memory_utilization,
         )
         context = mp.get_context("spawn")
         for rank in range(config.topology.tp_size):

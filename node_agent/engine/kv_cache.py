@@ -240,6 +240,28 @@ class KVCacheLayout:
         return blocks
 
 
+def budget_from_device_memory(free_bytes: int, total_bytes: int, utilization: float) -> int:
+    """The KV budget of one rank under `--gpu-memory-utilization` (vLLM's meaning): the engine
+    may use `utilization` of the device's total memory, and what is already in use when the
+    cache is sized (the base weights, the LoRA slots, other processes) comes off it. Called
+    after the model is loaded; activations are not profiled, so `utilization` below 1 is what
+    leaves them room. Raises KVCacheError when nothing is left."""
+    if not 0 < utilization <= 1:
+        raise KVCacheError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    if not 0 <= free_bytes <= total_bytes or total_bytes <= 0:
+        raise KVCacheError(f"device memory must have 0 <= free <= total and total > 0, got free {free_bytes}, "
+                           f"total {total_bytes}")
+    in_use = total_bytes - free_bytes
+    budget = int(utilization * total_bytes) - in_use
+    if budget <= 0:
+        raise KVCacheError(
+            f"--gpu-memory-utilization {utilization} allows {int(utilization * total_bytes)} of the device's "
+            f"{total_bytes} bytes, but {in_use} are already in use (model, LoRA slots, other processes): "
+            "nothing is left for the KV cache"
+        )
+    return budget
+
+
 class PagedKVCache:
     """One rank's K and V blocks: per layer `[num_blocks, block_size, num_kv_heads, head_dim]`.
 

@@ -125,6 +125,8 @@ class DescribeReply(RankReply):
     kv_blocks: int = 0  # blocks of this rank's paged KV cache
     kv_block_bytes: int = 0  # K and V of one block over every layer
     kv_cache_bytes: int = 0  # the budget the cache was sized from
+    slot_decisions: int = 0  # LoRA slot decisions (one per Forward or Step) since the rank started
+    slot_digest: str = ""  # sha256 over every decision and the slots after it, in order
 
 
 @dataclass(frozen=True)

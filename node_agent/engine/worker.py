@@ -8,6 +8,7 @@ decisions identical.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ from node_agent.engine.adapter_files import ContentChanged, HeldFiles
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import init_process_groups
 from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.kv_cache import KVCacheLayout, PagedKVCache
+from node_agent.engine.kv_cache import KVCacheLayout, PagedKVCache, budget_from_device_memory
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
@@ -68,6 +69,8 @@ class WorkerConfig:
     timeout_s: float
     kv_cache_bytes: int = 64 << 20  # this rank's KV cache budget
     block_size: int = 16  # tokens per KV block
+    cpu_threads: int | None = None  # torch threads of a CPU rank (None: the machine's cores / tp)
+    gpu_memory_utilization: float | None = None  # on CUDA: the KV budget from device memory instead
     fault_fail_load_on_rank: int | None = None  # test-only: this rank refuses every load
     fault_stall_load_on_rank: int | None = None  # test-only: this rank sleeps at the start of every load
     fault_stall_load_s: float = 0.0
@@ -96,7 +99,16 @@ class RankWorker:
         # The rank's own KV heads, as the sharding rule gives them (replicated heads included).
         self.kv_layout = KVCacheLayout(self.cfg.num_layers, attention_heads(self.cfg, config.topology, rank).kv.width,
                                        self.cfg.head_dim, config.block_size, self.dtype)
-        self.kv = PagedKVCache.from_budget(self.kv_layout, config.kv_cache_bytes, self.device)
+        self.kv_cache_bytes = config.kv_cache_bytes
+        if config.gpu_memory_utilization is not None:
+            # Sized after the weights and the LoRA slots are allocated, so they count as in use.
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.kv_cache_bytes = budget_from_device_memory(free, total, config.gpu_memory_utilization)
+        self.kv = PagedKVCache.from_budget(self.kv_layout, self.kv_cache_bytes, self.device)
+        # Every slot decision this rank made (Forward and Step), hashed in order: all ranks of an
+        # engine must make the same ones, and Describe lets the driver compare them.
+        self.slot_digest = hashlib.sha256()
+        self.slot_decisions = 0
 
     def run(self, command: Command) -> RankReply:
         """Carry out one command; a refusal or an unexpected error becomes a failed reply."""
@@ -157,7 +169,8 @@ class RankWorker:
         resident = tuple(sorted(self.pool.resident().items()))
         return DescribeReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
                              modules=modules, resident=resident, holds=self.holds(), kv_blocks=self.kv.num_blocks,
-                             kv_block_bytes=self.kv_layout.bytes_per_block, kv_cache_bytes=self.config.kv_cache_bytes)
+                             kv_block_bytes=self.kv_layout.bytes_per_block, kv_cache_bytes=self.kv_cache_bytes,
+                             slot_decisions=self.slot_decisions, slot_digest=self.slot_digest.hexdigest())
 
     def load(self, command: Load) -> ControlReply:
         if self.config.fault_fail_load_on_rank == self.rank:
@@ -184,7 +197,7 @@ class RankWorker:
     def forward(self, command: Forward) -> ForwardReply:
         """Run one batch; the attention-TP leader of each group returns its sequences' logits."""
         sequences = command.sequences
-        slots = self.pool.prepare([adapter for _, adapter in sequences if adapter])
+        slots = self._prepare([adapter for _, adapter in sequences if adapter])
         dp_size = self.config.topology.dp_size
         group_of = assign_sequences([len(tokens) for tokens, _ in sequences], dp_size)
         members = [[i for i, g in enumerate(group_of) if g == group] for group in range(dp_size)]
@@ -214,7 +227,7 @@ class RankWorker:
         """Run one scheduler step: this group's entries over the rank's KV cache; every rank of
         the group samples the same tokens from the same gathered logits, the leader reports them."""
         groups = command.groups
-        slots = self.pool.prepare([entry.adapter for group in groups for entry in group if entry.adapter])
+        slots = self._prepare([entry.adapter for group in groups for entry in group if entry.adapter])
         counts = [sum(len(entry.token_ids) for entry in group) for group in groups]
         all_slots = [slots[entry.adapter] if entry.adapter else -1
                      for group in groups for entry in group for _ in entry.token_ids]
@@ -246,6 +259,14 @@ class RankWorker:
             logprobs=tuple((entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True)
                            if token.logprobs is not None),
         )
+
+    def _prepare(self, adapters: list[str]) -> dict[str, int]:
+        """The batch's adapters made resident (`LoraPool.prepare`); the decision and the slots
+        afterwards (evictions included) go into the rank's slot digest."""
+        slots = self.pool.prepare(adapters)
+        self.slot_digest.update(repr((tuple(slots.items()), tuple(self.pool.slots))).encode())
+        self.slot_decisions += 1
+        return slots
 
     def _context(self, counts: list[int], all_slots: list[int], positions: list[int], attention: AttentionBatch,
                  logit_rows: list[int] | None = None) -> ForwardContext:
@@ -299,8 +320,9 @@ def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
     """Entry point of a spawned rank process: start, report readiness, then serve commands."""
     logging.basicConfig(level=os.environ.get("LORAFLEET_LOG_LEVEL", "WARNING"), format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
     if config.device == "cpu":
-        # Ranks share the machine's cores; oversubscription makes every collective wait.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.topology.tp_size))
+        # Ranks share the machine's cores; oversubscription makes every collective wait (and on a
+        # machine shared with other work, every OpenMP barrier of every small op: cpu_threads).
+        torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 1) // config.topology.tp_size))
     try:
         worker = RankWorker(config, rank)
     except Exception as error:  # any startup failure is reported, then the rank exits

@@ -317,13 +317,25 @@ def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
     assert got == want
 
 
+def slot_decisions(served: Served) -> int:
+    """Every rank's LoRA slot decisions so far, checked to be the same on all ranks (how many,
+    their digest, the slots now); returns how many."""
+    replies = served.engine.describe()
+    seen = {(r.slot_decisions, r.slot_digest, r.resident) for r in replies}
+    assert len(seen) == 1, f"the ranks' slot decisions differ: {[(r.rank, r.slot_decisions, r.resident) for r in replies]}"
+    return replies[0].slot_decisions
+
+
 def test_many_mixed_requests_with_cancellations_leave_every_block_free(served: Served):
-    """300 requests (every adapter and base, prompts 1..12, outputs 1..6) submitted at once; one in
-    seven is cancelled at once and one in eleven after its first token. The others each end by
-    length, some equal the oracle, and afterwards every block is free."""
+    """Requests (every adapter and base, prompts 1..12, outputs 1..6) submitted at once: 1,000 on
+    the tp=2 dp=2 engine, 300 on the others. One in seven is cancelled at once and one in eleven
+    after its first token. The others each end by length, some equal the oracle; afterwards every
+    block is free, and every rank made the same LoRA slot decisions, one per step run."""
     api = engine_api()
     names: list[str | None] = [None, *ADAPTERS]
-    reqs = [Req(draw_tokens(1000 + i, 1 + i % 12, served.vocab), names[i % len(names)], 1 + i % 6) for i in range(300)]
+    count = 1000 if served.engine.config.topology == api.Topology(2, 2) else 300
+    decisions_before, steps_before = slot_decisions(served), served.engine.serving_stats().steps
+    reqs = [Req(draw_tokens(1000 + i, 1 + i % 12, served.vocab), names[i % len(names)], 1 + i % 6) for i in range(count)]
     handles = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens)) for r in reqs]
     for i, handle in enumerate(handles):
         if i % 7 == 3:
@@ -342,5 +354,17 @@ def test_many_mixed_requests_with_cancellations_leave_every_block_free(served: S
             assert len(steps) == reqs[i].max_tokens and steps[-1].finish == api.FinishReason.LENGTH
             results[i] = [s.token_id for s in steps]
     served.assert_all_blocks_free()
+    # Describe waits for a step still in flight (one that ran a sequence cancelled during it).
+    decided = slot_decisions(served) - decisions_before
+    ran = served.engine.serving_stats().steps - steps_before
+    assert ran > 0 and decided == ran
     for i in sorted(results)[::40]:
         assert results[i] == reference_generate(served.model_dir, served.adapters, reqs[i]), f"request {i}"
+
+
+def test_a_kv_budget_from_device_memory_needs_cuda(artifacts):
+    api = engine_api()
+    config = api.EngineConfig(model_dir=artifacts.model(MODEL), topology=api.Topology(1, 1), device="cpu",
+                              gpu_memory_utilization=0.9)
+    with pytest.raises(api.EngineError, match="gpu_memory_utilization needs device cuda, not cpu"):
+        api.Engine(config)

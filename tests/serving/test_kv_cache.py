@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from node_agent.engine.kv_cache import AdapterKey, BlockAllocator, KVCacheError, KVCacheLayout, PagedKVCache
+from node_agent.engine.kv_cache import (
+    AdapterKey,
+    BlockAllocator,
+    KVCacheError,
+    KVCacheLayout,
+    PagedKVCache,
+    budget_from_device_memory,
+)
 
 CPU = torch.device("cpu")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +52,30 @@ def test_a_budget_below_one_block_is_refused_with_the_sizes() -> None:
     with pytest.raises(KVCacheError, match=rf"budget of {spec.bytes_per_block - 1} bytes cannot hold one block of "
                                            rf"{spec.bytes_per_block} bytes \(4 tokens × 3 layers × 2 KV heads"):
         spec.blocks_for_budget(spec.bytes_per_block - 1)
+
+
+def test_the_device_memory_budget_is_the_allowed_share_minus_what_is_in_use() -> None:
+    gib = 1 << 30
+    # 80 GiB device, 20 GiB held by the model and the LoRA slots: 0.9 allows 72 GiB, 52 are left.
+    assert budget_from_device_memory(60 * gib, 80 * gib, 0.9) == int(0.9 * 80 * gib) - 20 * gib
+    assert budget_from_device_memory(80 * gib, 80 * gib, 1.0) == 80 * gib
+    # The same budget gives the same blocks as --kv-cache-bytes would.
+    spec = layout()
+    budget = budget_from_device_memory(10 * spec.bytes_per_block, 10 * spec.bytes_per_block, 0.5)
+    assert spec.blocks_for_budget(budget) == 5
+
+
+@pytest.mark.parametrize(("free", "total", "utilization", "message"), [
+    (10, 100, 0.5, r"allows 50 of the device's 100 bytes, but 90 are already in use"),
+    (50, 100, 0.5, r"nothing is left for the KV cache"),
+    (50, 100, 0.0, r"must be in \(0, 1\], got 0.0"),
+    (50, 100, 1.5, r"must be in \(0, 1\], got 1.5"),
+    (150, 100, 0.5, r"free 150, total 100"),
+])
+def test_a_device_memory_budget_that_leaves_nothing_is_refused(free: int, total: int, utilization: float,
+                                                               message: str) -> None:
+    with pytest.raises(KVCacheError, match=message):
+        budget_from_device_memory(free, total, utilization)
 
 
 def test_layout_fields_are_validated_by_name() -> None:
