@@ -117,8 +117,9 @@ def machine_ip() -> str:
     server advertises and the node registers, reachable from pods through the bridge gateway."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            # UDP connect sends nothing; it only picks the route and its source address.
-            sock.connect(("192.0.2.254", 9))
+            # UDP connect sends nothing; it only picks the route (an off-link documentation
+            # address: the default route) and its source address.
+            sock.connect(("203.0.113.1", 9))
         except OSError as exc:
             raise HarnessError(f"no IPv4 route to find the machine's address: {exc}") from exc
         ip = str(sock.getsockname()[0])

@@ -172,10 +172,11 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(
         assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
         cluster.kubectl("rollout", "status", f"deployment/{RELEASE}-lorafleet-operator", "-n", ns,
                         "--timeout=120s")
-        (new_pod,) = wait_for("the old operator pod gone", lambda: [
-            p for p in operator_pods(cluster, ns)
-            if p["metadata"]["name"] != old_pod] if len(operator_pods(cluster, ns)) == 1 else [],
-            120, diagnose)
+        def replaced() -> list[dict[str, Any]]:
+            pods = operator_pods(cluster, ns)
+            return pods if len(pods) == 1 and pods[0]["metadata"]["name"] != old_pod else []
+
+        (new_pod,) = wait_for("one operator pod, not the old one", replaced, 120, diagnose)
         env = {e["name"]: e.get("value") for e in new_pod["spec"]["containers"][0]["env"]}
         assert env["LORAFLEET_LOG_LEVEL"] == "DEBUG"
         assert new_pod["status"]["containerStatuses"][0]["ready"], new_pod["status"]
@@ -196,6 +197,12 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(
             if p["spec"].get("nodeName") == node.name], 120, diagnose)
         stand_ins = {p["metadata"]["name"] for p in cluster.kubectl_json("get", "pods", "-n", ns)["items"]}
         assert stand_ins == {"agent-0", "agent-1"}
+        # The hook ran as a real pod on the node (helm deleted its Job once it succeeded).
+        started = cluster.kubectl_json("get", "events", "-n", ns,
+                                       "--field-selector=involvedObject.kind=Pod,reason=Started")
+        hook_pods = {e["involvedObject"]["name"] for e in started["items"]
+                     if e["involvedObject"]["name"].startswith(f"{RELEASE}-lorafleet-uninstall-")}
+        assert len(hook_pods) == 1, started["items"]
         wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
     finally:
         for agent in agents:
