@@ -102,15 +102,25 @@ def _digest(parts: list[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
+#: Archives of an image unused this long are pruned when another one of it is used.
+PRUNE_AFTER_S = 3600.0
+
+
 def _prune(keep: Path) -> None:
-    """Remove older archives of the same image (each is hundreds of MB; the sources moved on).
-    Partial archives and locks stay: another checkout may be building one right now."""
+    """Touch ``keep`` (its mtime is its last use) and remove archives of the same image unused
+    for :data:`PRUNE_AFTER_S` (each is hundreds of MB; the sources moved on). Recently used ones
+    stay: another test session may be about to import one; so do partial archives (a build in
+    progress). Lock files are rewritten on each use, so an old one is unused too."""
+    os.utime(keep)
     prefix = keep.name.split("-", 1)[0] + "-"
+    cutoff = time.time() - PRUNE_AFTER_S
     for old in keep.parent.glob(f"{prefix}*"):
-        finished = old.name.endswith(".log") or (
+        finished = old.name.endswith((".log", ".lock")) or (
             old.name.endswith(".tar") and not old.name.endswith(".partial.tar"))
-        if finished and not old.name.startswith(keep.stem + "."):
-            old.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if finished and not old.name.startswith(keep.stem + ".") \
+                    and old.stat().st_mtime < cutoff:
+                old.unlink()
 
 
 @dataclass(frozen=True)
@@ -153,13 +163,12 @@ class ImageBuilder:
         image = BuiltImage(f"localhost/lorafleet-operator:{key}",
                            cache_dir() / f"operator-{key}.tar")
         with _locked(image.archive):
-            if image.archive.exists():
-                return image
-            base = self.base_rootfs()
-            started = time.monotonic()
-            self._buildah_build(base, "operator", image)
-            log.info("built %s in %.0fs", image.name, time.monotonic() - started)
-        _prune(image.archive)
+            if not image.archive.exists():
+                base = self.base_rootfs()
+                started = time.monotonic()
+                self._buildah_build(base, "operator", image)
+                log.info("built %s in %.0fs", image.name, time.monotonic() - started)
+            _prune(image.archive)
         return image
 
     def _buildah_build(self, base: Path, target: str, image: BuiltImage) -> None:
