@@ -306,7 +306,9 @@ class AgentServer:
         """Block until `request_stop()` or the engine's death; True if the engine died."""
         while not self._done.wait(1.0):  # a timed wait lets signal handlers run promptly
             pass
-        return self._engine_died.is_set()
+        # A stop requested before the watcher's next look must not hide a death: `serve` would
+        # exit 0 and the pod would not restart.
+        return self._engine_died.is_set() or not self.agent.alive
 
     def request_stop(self) -> None:
         """Make `wait()` (and `linger()`) return (safe from a signal handler: sets events, nothing else)."""
