@@ -2,7 +2,9 @@
 
 One channel per (endpoint, credentials), reused across reconciles; every call has its own
 deadline and goes through two semaphores (per agent and in all), so a fan-out over many
-adapters and agents stays bounded. gRPC failures become :class:`AgentError`, carrying the
+adapters and agents stays bounded. Loads of remote (http(s)) sources, which can take as long
+as a download, go through their own semaphore per (agent, namespace) instead: one tenant's
+slow or black-holed downloads never hold the slots other adapters' calls need. gRPC failures become :class:`AgentError`, carrying the
 status code that :mod:`failures` classifies.
 """
 
@@ -159,6 +161,7 @@ class AgentClients:
         self._settings = settings
         self._channels: dict[tuple[str, Credentials], grpc.aio.Channel] = {}
         self._per_agent: dict[str, asyncio.Semaphore] = {}
+        self._remote: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._loads: dict[str, LoadGate] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
 
@@ -183,14 +186,28 @@ class AgentClients:
             await channel.close()
         self._channels.clear()
 
+    @contextlib.asynccontextmanager
+    async def _slots(self, endpoint: str, remote_of: str) -> AsyncIterator[None]:
+        """The bounds a call runs under: a remote load of namespace ``remote_of`` only its own
+        (agent, namespace) bound; every other call the agent's and the overall one."""
+        if remote_of:
+            remote = self._remote.setdefault(
+                (endpoint, remote_of),
+                asyncio.Semaphore(self._settings.remote_loads_per_namespace))
+            async with remote:
+                yield
+            return
+        per_agent = self._per_agent.setdefault(
+            endpoint, asyncio.Semaphore(self._settings.per_agent_concurrency))
+        async with self._total, per_agent:
+            yield
+
     async def _call(self, endpoint: str, creds: Credentials, method: str,
                     invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
-                    deadline_s: float) -> T:
+                    deadline_s: float, remote_of: str = "") -> T:
         stub = agent_pb2_grpc.NodeAgentStub(self._channel(endpoint, creds))
         metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
-        semaphore = self._per_agent.setdefault(
-            endpoint, asyncio.Semaphore(self._settings.per_agent_concurrency))
-        async with self._total, semaphore:
+        async with self._slots(endpoint, remote_of):
             try:
                 result = await invoke(stub, metadata, deadline_s)
             except grpc.aio.AioRpcError as err:
@@ -214,10 +231,12 @@ class AgentClients:
         )
 
     async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,
-                   sha256: str, pinned: bool, replace: bool,
-                   exclusive: bool = False) -> ControlReply:
+                   sha256: str, pinned: bool, replace: bool, exclusive: bool = False,
+                   namespace: str = "") -> ControlReply:
         """LoadAdapter; ``exclusive``: with no other load in flight on this agent. A failure
-        says whether the load was alone there (``AgentError.alone``)."""
+        says whether the load was alone there (``AgentError.alone``). A remote (http(s))
+        source of ``namespace`` is bounded per (agent, namespace), apart from other calls."""
+        remote_of = namespace if source_uri.startswith(("http://", "https://")) else ""
         request = agent_pb2.LoadAdapterRequest(name=name, source_uri=source_uri, sha256=sha256,
                                                pinned=pinned, replace=replace)
         gate = self._loads.setdefault(endpoint, LoadGate())
@@ -226,7 +245,7 @@ class AgentClients:
                 reply = await self._call(
                     endpoint, creds, "LoadAdapter",
                     lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
-                    self._settings.load_deadline_s)
+                    self._settings.load_deadline_s, remote_of=remote_of)
             except AgentError as err:
                 err.alone = not overlap
                 raise

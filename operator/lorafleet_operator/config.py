@@ -32,6 +32,8 @@ class Settings:
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     log_level: str = "INFO"
     metrics_port: int = 0
+    #: kopf's liveness endpoint (``/healthz``; 0: off): fails when a drift loop is wedged.
+    health_port: int = 0
     #: Seconds between registry-consistency checks of one fleet.
     drift_interval_s: float = 30.0
     #: First delay before a permanently failed (adapter, agent) load is tried again by the
@@ -47,6 +49,9 @@ class Settings:
     #: Concurrent gRPC calls per agent, and in all.
     per_agent_concurrency: int = 4
     total_concurrency: int = 32
+    #: Concurrent loads of remote (http(s)) sources per agent and namespace, apart from the
+    #: bounds above: downloads of one tenant never hold the call slots others need.
+    remote_loads_per_namespace: int = 2
     #: Deletion gives up on unreachable (but still Ready) agents after this many retries;
     #: the drift check unloads the orphan later, when the agent answers again.
     delete_retries: int = 5
@@ -79,6 +84,7 @@ ENV_VARS = {
     "identity": "POD_NAME",
     "log_level": "LORAFLEET_LOG_LEVEL",
     "metrics_port": "LORAFLEET_METRICS_PORT",
+    "health_port": "LORAFLEET_HEALTH_PORT",
     "drift_interval_s": "LORAFLEET_DRIFT_INTERVAL_SECONDS",
     "failed_retry_s": "LORAFLEET_FAILED_RETRY_SECONDS",
     "failed_retry_max_s": "LORAFLEET_FAILED_RETRY_MAX_SECONDS",
@@ -88,6 +94,7 @@ ENV_VARS = {
     "call_deadline_s": "LORAFLEET_CALL_DEADLINE_SECONDS",
     "per_agent_concurrency": "LORAFLEET_PER_AGENT_CONCURRENCY",
     "total_concurrency": "LORAFLEET_TOTAL_CONCURRENCY",
+    "remote_loads_per_namespace": "LORAFLEET_REMOTE_LOADS_PER_NAMESPACE",
     "delete_retries": "LORAFLEET_DELETE_RETRIES",
     "load_crash_budget": "LORAFLEET_LOAD_CRASH_BUDGET",
 }

@@ -35,20 +35,23 @@ from lorafleet_operator.failures import (
     FleetProblem,
     drift_delay,
     kube_reason,
+    loop_stall_s,
     retry_after,
+    stalled_loops,
 )
 from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.publish import publish_status, unchanged
 from lorafleet_operator.reconcile import (
     FleetView,
     Target,
+    admission,
     ask_each,
+    backing_off,
     condemned,
     error_result,
     failure_key,
     fleet_view,
     load_on,
-    remember_failures,
 )
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import MAX_AGENT_MESSAGE, AgentResult, AgentState, build_status, condition, now_rfc3339
@@ -71,13 +74,16 @@ def _live(adapter: Mapping[str, Any]) -> bool:
 
 def wanted_on(agent: AgentPod, info: AgentInfo, adapters: Sequence[Mapping[str, Any]],
               fleets: Sequence[Mapping[str, Any]]) -> set[str]:
-    """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it)."""
-    selecting = {f["metadata"]["name"] for f in fleets
+    """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it
+    that admits it: :func:`~lorafleet_operator.reconcile.admission`)."""
+    selecting = {f["metadata"]["name"]: f.get("spec") or {} for f in fleets
                  if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)}
     return {names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
             for a in adapters
             if _live(a) and a["spec"]["fleetRef"]["name"] in selecting
-            and a["spec"]["baseModel"] == info.base_model}
+            and a["spec"]["baseModel"] == info.base_model
+            and admission(a["spec"]["fleetRef"]["name"], selecting[a["spec"]["fleetRef"]["name"]],
+                          a["spec"]) is None}
 
 
 def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bool:
@@ -127,8 +133,9 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
 
 
 async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: Registry | None,
-                        body: Mapping[str, Any], previous: Mapping[str, AgentResult]) -> AgentResult:
-    """What this agent holds of the adapter after repairing it if needed (and allowed)."""
+                        body: Mapping[str, Any]) -> AgentResult:
+    """What this agent holds of the adapter after repairing it if needed (and allowed: not
+    condemned, not backing off)."""
     if target.error is not None:
         return error_result(target, target.error)
     if registry is None:
@@ -140,21 +147,17 @@ async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: 
         return error_result(target, registry)
     meta = body["metadata"]
     entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
-    key = failure_key(body, target.agent.name)
     if entry is not None and holds(entry, body["spec"], target.ranks_total):
-        rt.failures.clear(key)
+        rt.failures.clear(failure_key(body, target.agent.name))
         return AgentResult(target.agent.name, AgentState.LOADED,
                            min(len(entry.ranks), target.ranks_total), target.ranks_total)
     verdict = condemned(rt, body)
     if verdict:  # its loads crashed agents: sent to none until the spec changes
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
-    failure = rt.failures.waiting(key)
-    if failure is not None:  # a permanent failure of this generation here is backing off
-        old = previous.get(target.agent.name)
-        return old if old and old.state is AgentState.FAILED else AgentResult(
-            target.agent.name, AgentState.FAILED, 0, target.ranks_total, failure.message)
+    waiting = backing_off(rt, body, target)
+    if waiting is not None:  # the last load here failed and its back-off has not passed
+        return waiting
     result = await load_on(rt, view, target, body)
-    remember_failures(rt, body, [result])
     metrics.DRIFT_REPAIRS.labels(action="load").inc()
     log.info("drift: loaded %s/%s on %s: %s%s", meta["namespace"], meta["name"],
              target.agent.name, result.state, f" ({result.message})" if result.message else "")
@@ -170,13 +173,18 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
         return None  # a handler is reconciling it right now; the next check looks again
     async with lock:
         stored = dict(body.get("status") or {})
-        previous = {e["pod"]: AgentResult.from_status(e) for e in stored.get("agents") or []}
-        targets = view.targets(body["spec"]["baseModel"])
-        results = list(await asyncio.gather(*(
-            _agent_result(rt, view, t, registries.get(t.agent.name), body, previous)
-            for t in targets)))
-        status = build_status(results, generation=int(meta.get("generation", 0)),
-                              previous=stored, crashed=condemned(rt, body))
+        generation = int(meta.get("generation", 0))
+        refused = admission(view.name, view.spec, body["spec"])
+        if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
+            status = build_status([], generation=generation, previous=stored,
+                                  pending_reason=refused.reason, pending_message=refused.message)
+        else:
+            targets = view.targets(body["spec"]["baseModel"])
+            results = list(await asyncio.gather(*(
+                _agent_result(rt, view, t, registries.get(t.agent.name), body)
+                for t in targets)))
+            status = build_status(results, generation=generation, previous=stored,
+                                  crashed=condemned(rt, body))
         await publish_status(rt, body, status)
     return str(status["phase"])
 
@@ -277,6 +285,19 @@ async def _sleep(stopped: kopf.DaemonStopped, poke: asyncio.Event, seconds: floa
                 await waiter
 
 
+@kopf.on.probe(id="driftLoops")
+def drift_loops_alive(memo: kopf.Memo, **_: Any) -> int:
+    """Liveness (kopf's endpoint, ``LORAFLEET_HEALTH_PORT``): fails while some fleet's drift
+    loop has not finished a round for :func:`~lorafleet_operator.failures.loop_stall_s` (a
+    wedged reconcile loop), so the kubelet restarts the process; else the number of loops."""
+    rt: Runtime = memo["runtime"]
+    stalled = stalled_loops(rt.heartbeats, time.monotonic(), rt.settings)
+    if stalled:
+        raise kopf.PermanentError(f"drift loops stalled for over "
+                                  f"{loop_stall_s(rt.settings):.0f}s: {', '.join(stalled)}")
+    return len(rt.heartbeats)
+
+
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=10.0)
 async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
                       stopped: kopf.DaemonStopped, **_: Any) -> None:
@@ -284,6 +305,16 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
     rt: Runtime = memo["runtime"]
     namespace: str = body["metadata"]["namespace"]  # LoraFleet is a namespaced kind
     poke = rt.poke(namespace, name)
+    rt.heartbeats[(namespace, name)] = time.monotonic()
+    try:
+        await _drift_loop(rt, namespace, name, body, poke, stopped)
+    finally:
+        rt.heartbeats.pop((namespace, name), None)
+
+
+async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body,
+                      poke: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
+    """Drift checks of one fleet until its daemon stops; each finished round is a heartbeat."""
     api_failures = 0  # consecutive checks that failed on the Kubernetes API
     while not stopped:
         poke.clear()
@@ -303,6 +334,7 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
         except Exception:
             log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace,
                           name, rt.settings.drift_interval_s)
+        rt.heartbeats[(namespace, name)] = time.monotonic()
         delay = drift_delay(rt.settings, api_failures, wait_at_least)
         # While the API fails, a poke (a pod event) does not cut the back-off short.
         await _sleep(stopped, poke if not api_failures else asyncio.Event(), delay)

@@ -5,11 +5,13 @@ Every decision about what failed how, and whether and when to try again, is made
 * **classification** — a failed agent call or a Kubernetes API error is *transient* (the agent,
   one of its ranks or the API server is down or busy: ask again soon) or *permanent* (the
   agent answered and refused: the same request would be refused again);
-* **back-off** — kopf retries transient failures after ``transient_retry_s · 2^retry`` (capped);
-  the drift check retries a permanent failure of one adapter generation on one agent after
-  ``failed_retry_s · 2^(attempts-1)`` (capped): slowly, never in a hot loop; a drift check that
-  failed on the Kubernetes API waits longer each time (:func:`drift_delay`); kopf's own API
-  requests retry endlessly with a capped doubling (:func:`kopf_api_backoffs`);
+* **back-off** — every failed load of one adapter generation on one agent is booked
+  (:class:`LoadRetries`), and neither a handler nor the drift check loads there again before
+  its wait has passed: growing with consecutive failures (transient from ``transient_retry_s``,
+  refusals from ``failed_retry_s``), capped, jittered (:func:`load_retry_delay`); other
+  transient handler failures wait kopf's jittered ``transient_retry_s · 2^retry``; a drift
+  check that failed on the Kubernetes API waits longer each time (:func:`drift_delay`); kopf's
+  own API requests retry endlessly with a capped doubling (:func:`kopf_api_backoffs`);
 * **deletion** — how long an unreachable agent may hold up a finalizer;
 * **crashes during loads** — a load that was in flight when its agent died or hung counts
   against that adapter generation (:class:`CrashBook`); after ``load_crash_budget`` such agent
@@ -30,9 +32,10 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -43,7 +46,7 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_operator.agent_client import AgentError, ControlReply
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase
+from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, rfc3339
 
 #: gRPC codes that say "try again later": the agent or one of its ranks is down or busy.
 TRANSIENT_CODES = frozenset({
@@ -115,6 +118,23 @@ def drift_delay(settings: Settings, api_failures: int, retry_after_s: float = 0.
     return max(backoff(interval, longest, api_failures - 1), retry_after_s)
 
 
+def loop_stall_s(settings: Settings) -> float:
+    """How long a fleet's drift loop may go without finishing a round before the process
+    counts as wedged (liveness fails): three of its longest waits (the interval, or the
+    API back-off's cap) plus one load's deadline (a round may wait for a load)."""
+    return 3 * max(settings.drift_interval_s, settings.transient_retry_max_s) + \
+        settings.load_deadline_s
+
+
+def stalled_loops(heartbeats: Mapping[tuple[str, str], float], now: float,
+                  settings: Settings) -> list[str]:
+    """The fleets ("ns/name") whose drift loop last finished a round (or started) longer
+    than :func:`loop_stall_s` ago, by the monotonic clock."""
+    limit = loop_stall_s(settings)
+    return sorted(f"{ns}/{name}" for (ns, name), beat in heartbeats.items()
+                  if now - beat > limit)
+
+
 @dataclass(frozen=True)
 class EndlessBackoff:
     """kopf's retries of its own API requests (watches, its patches, events): doubling from
@@ -145,32 +165,66 @@ def delete_waits(settings: Settings, retry: int, failures: Iterable[AgentFailure
 #: (adapter uid, generation, agent pod): one adapter generation on one agent.
 FailureKey = tuple[str, int, str]
 
+#: A retry waits between ``1 - JITTER`` and 1 times its back-off (chosen at random), so agents
+#: (and adapters) that failed together do not all ask again at the same instant.
+JITTER = 0.5
+
+
+def jittered(delay_s: float, draw: float) -> float:
+    """``delay_s`` shortened by up to :data:`JITTER` of itself; ``draw`` is uniform in [0, 1)."""
+    return delay_s * (1.0 - JITTER * draw)
+
+
+def load_retry_delay(settings: Settings, state: AgentState, attempts: int, draw: float) -> float:
+    """The wait after the ``attempts``-th consecutive failed load of one generation on one
+    agent (1 = the first): a transient failure (agent down or busy, a source answering 503)
+    doubles from ``transient_retry_s`` up to ``transient_retry_max_s``; a refusal doubles
+    from ``failed_retry_s`` up to ``failed_retry_max_s``; either jittered."""
+    if state is AgentState.UNREACHABLE:
+        return jittered(transient_delay(settings, attempts - 1), draw)
+    return jittered(failed_delay(settings, attempts), draw)
+
 
 @dataclass(frozen=True)
-class PermanentFailure:
-    """A permanent load failure of one adapter generation on one agent, and when to retry."""
+class LoadBackoff:
+    """Consecutive failed loads of one adapter generation on one agent, and when to retry.
+
+    ``result`` is the last attempt's outcome with ``next_retry`` (wall clock) filled in: what
+    the status shows for that agent until then."""
 
     attempts: int
     retry_at: float
-    message: str
+    life: Incarnation
+    result: AgentResult
 
 
 @dataclass
-class SlowRetries:
-    """The drift check's book of permanent failures: a failed (generation, agent) is tried
-    again only when its back-off has passed. A new generation has a new key, so a spec change
-    is tried at once; a success clears the entry."""
+class LoadRetries:
+    """The one book of load retries, obeyed by the handlers and the drift check alike: a
+    (generation, agent) whose last load failed is tried again only when its back-off
+    (:func:`load_retry_delay`) has passed. The back-off grows with consecutive failures,
+    transient or permanent, with a cap and jitter; a success clears it. A new generation is
+    a new key (a spec change is tried at once), and so is a new life of the agent (a
+    restarted agent lost its registry and is asked at once)."""
 
     settings: Settings
     clock: Callable[[], float] = time.monotonic
-    entries: dict[FailureKey, PermanentFailure] = field(default_factory=dict)
+    wall_clock: Callable[[], float] = time.time
+    draw: Callable[[], float] = random.random
+    entries: dict[FailureKey, LoadBackoff] = field(default_factory=dict)
 
-    def record(self, key: FailureKey, message: str) -> None:
-        """Count one more permanent failure and schedule the next (slow) try."""
+    def remember(self, key: FailureKey, life: Incarnation, result: AgentResult) -> AgentResult:
+        """Book a load attempt's outcome on one agent; returns it with its next retry time
+        (a success clears the entry and is returned as it is)."""
+        if result.state is AgentState.LOADED:
+            self.clear(key)
+            return result
         old = self.entries.get(key)
-        attempts = (old.attempts if old else 0) + 1
-        retry_at = self.clock() + failed_delay(self.settings, attempts)
-        self.entries[key] = PermanentFailure(attempts, retry_at, message)
+        attempts = (old.attempts if old is not None and old.life == life else 0) + 1
+        delay = load_retry_delay(self.settings, result.state, attempts, self.draw())
+        booked = replace(result, next_retry=rfc3339(self.wall_clock() + delay))
+        self.entries[key] = LoadBackoff(attempts, self.clock() + delay, life, booked)
+        return booked
 
     def clear(self, key: FailureKey) -> None:
         self.entries.pop(key, None)
@@ -180,19 +234,20 @@ class SlowRetries:
         for key in [k for k in self.entries if k[0] == uid]:
             del self.entries[key]
 
-    def waiting(self, key: FailureKey) -> PermanentFailure | None:
-        """The failure whose back-off has not passed yet (None: a try is due)."""
-        failure = self.entries.get(key)
-        if failure is None or self.clock() >= failure.retry_at:
+    def waiting(self, key: FailureKey, life: Incarnation) -> LoadBackoff | None:
+        """The back-off of this key on this agent life that has not passed yet (None: a try
+        is due)."""
+        entry = self.entries.get(key)
+        if entry is None or entry.life != life or self.clock() >= entry.retry_at:
             return None
-        return failure
+        return entry
 
-    def remember(self, key: FailureKey, result: AgentResult) -> None:
-        """Book a load's outcome on one agent: a refusal backs off, anything else clears."""
-        if result.state is AgentState.FAILED:
-            self.record(key, result.message)
-        else:
-            self.clear(key)
+    def due_in(self, keys: Iterable[FailureKey]) -> float | None:
+        """Seconds until the first of these keys' retries is due (0 when one is due now);
+        None when none of them is backing off."""
+        now = self.clock()
+        waits = [max(self.entries[k].retry_at - now, 0.0) for k in keys if k in self.entries]
+        return min(waits) if waits else None
 
 
 #: Codes with which a load can end without the agent having answered it: its process died
@@ -211,6 +266,12 @@ def died_under(err: AgentError) -> bool:
     if err.reason:
         return err.reason in ENGINE_DIED_REASONS
     return err.code in UNANSWERED_CODES
+
+
+def answered(failure: AgentFailure) -> bool:
+    """Whether the agent itself answered a failed load (a refusal, or an error of its own):
+    it is alive, and its registry says what it still serves."""
+    return isinstance(failure, ControlReply) or not died_under(failure)
 
 
 #: (adapter uid, generation): what a crash counts against.
@@ -336,7 +397,13 @@ def crash_verdict(book: CrashBook, key: AdapterGeneration,
 
 
 class Transient(Exception):
-    """A handler's work is incomplete for a reason that may pass: retry with back-off."""
+    """A handler's work is incomplete for a reason that may pass: retry with back-off —
+    after ``delay_s`` when the load back-off book says when (:meth:`LoadRetries.due_in`),
+    else after kopf's jittered transient delay for this retry."""
+
+    def __init__(self, message: str, delay_s: float | None = None) -> None:
+        super().__init__(message)
+        self.delay_s = delay_s
 
 
 class Permanent(Exception):
@@ -379,15 +446,16 @@ def bearer_token(raw: bytes) -> str:
 
 
 def check_load(results: Sequence[AgentResult], phase: str, message: str, *,
-               condemned: bool = False) -> None:
+               condemned: bool = False, due_in: float | None = None) -> None:
     """After a load and its status write: stop when the generation is condemned (its loads
     crashed agents: nothing will be sent) or when nothing holds the adapter and an agent
-    refused it (phase Failed); retry soon while an agent was unreachable; else done (Degraded
-    stays as it is until something changes; the drift check retries refusals slowly)."""
+    refused it (phase Failed); retry while an agent was unreachable, when the first of its
+    load back-offs is due (``due_in``); else done (Degraded stays as it is until something
+    changes; the drift check retries refusals slowly)."""
     if condemned:
         raise Permanent(message)
     if any(r.state is AgentState.UNREACHABLE for r in results):
-        raise Transient(message)
+        raise Transient(message, due_in)
     if phase == Phase.FAILED:
         raise Permanent(message)
 
@@ -410,10 +478,13 @@ def kopf_retries(handler: Handler) -> Handler:
         try:
             await handler(retry=retry, memo=memo, **kwargs)
         except Transient as err:
-            raise kopf.TemporaryError(str(err), delay=transient_delay(settings, retry)) from err
+            delay = err.delay_s if err.delay_s is not None else \
+                jittered(transient_delay(settings, retry), random.random())
+            raise kopf.TemporaryError(str(err), delay=delay) from err
         except KUBE_API_ERRORS as err:
             raise kopf.TemporaryError(f"Kubernetes API: {kube_reason(err)}",
-                                      delay=transient_delay(settings, retry)) from err
+                                      delay=jittered(transient_delay(settings, retry),
+                                                     random.random())) from err
         except Permanent as err:
             raise kopf.PermanentError(str(err)) from err
 

@@ -38,8 +38,10 @@ from lorafleet_operator.reconcile import (
     condemned,
     fleet_view,
     load_everywhere,
+    retry_due_in,
     unload_everywhere,
     unload_message,
+    unload_view,
 )
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import Phase, build_status, initial_status
@@ -85,6 +87,7 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
             previous = {**previous, **first}
         try:
             view = await fleet_view(rt, namespace, spec["fleetRef"]["name"])
+            view.admit(spec)
             results = await load_everywhere(rt, view, body)
             crashed = condemned(rt, {**body, "status": previous})
             status = build_status(results, generation=generation, previous=previous,
@@ -102,7 +105,8 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
              "in %.2fs%s", namespace, name, generation, trigger, status["phase"],
              status["agentsSummary"], status["ranksSummary"], elapsed,
              f": {status['message']}" if status["message"] else "")
-    check_load(results, status["phase"], status["message"], condemned=bool(crashed))
+    check_load(results, status["phase"], status["message"], condemned=bool(crashed),
+               due_in=retry_due_in(rt, body, results))
 
 
 @kopf.on.create(GROUP, VERSION, ADAPTERS)
@@ -144,14 +148,13 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
         status = build_status([], generation=meta.get("generation", 0),
                               previous=body.get("status"), deleting=True)
         await publish_status(rt, body, status)
-        try:
-            view = await fleet_view(rt, namespace, body["spec"]["fleetRef"]["name"],
-                                    terminating_ok=True)
-            outcomes = await unload_everywhere(rt, view, names.agent_name(namespace, name))
-        except FleetProblem as problem:
+        view, problem = await unload_view(rt, namespace, body["spec"]["fleetRef"]["name"])
+        if view is None:
             log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name,
-                     problem.message)
+                     problem)
+            _forget_adapter(rt, meta)
             return
+        outcomes = await unload_everywhere(rt, view, names.agent_name(namespace, name))
     failures = [o.failure for o in outcomes if o.failure is not None]
     message = unload_message(outcomes)
     elapsed = time.monotonic() - started
@@ -162,11 +165,16 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
         raise Transient(message)
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
-    rt.failures.clear_adapter(meta.get("uid", ""))
-    rt.crashes.forget(meta.get("uid", ""))
-    rt.locks.pop((namespace, name), None)
+    _forget_adapter(rt, meta)
     log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
              len(outcomes) - len(failures), len(outcomes), elapsed)
+
+
+def _forget_adapter(rt: Runtime, meta: Mapping[str, Any]) -> None:
+    """Drop what this process kept about a deleted adapter (back-offs, crash book, its lock)."""
+    rt.failures.clear_adapter(meta.get("uid", ""))
+    rt.crashes.forget(meta.get("uid", ""))
+    rt.locks.pop((meta["namespace"], meta["name"]), None)
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS)
@@ -190,11 +198,8 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     async with rt.fleet_lock(namespace, fleet):
         adapters = [a for a in await rt.kube.list_adapters(namespace)
                     if a["spec"]["fleetRef"]["name"] == fleet]
-        try:
-            view: FleetView | None = await fleet_view(rt, namespace, fleet, terminating_ok=True)
-            unreachable = ""
-        except FleetProblem as problem:  # e.g. its Secret is not opened: nothing to call with
-            view, unreachable = None, problem.message
+        # e.g. its Secret is not opened (and never was): nothing to call with
+        view, unreachable = await unload_view(rt, namespace, fleet)
         outcomes = [o for part in await asyncio.gather(*(
             _release_adapter(rt, view, fleet, a, unreachable) for a in adapters)) for o in part]
     failures: list[AgentFailure] = [o.failure for o in outcomes if o.failure is not None]
@@ -207,6 +212,7 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
         post_event(body, "Warning", "UnloadIncomplete", message)
     rt.pokes.pop((namespace, fleet), None)
     rt.fleet_locks.pop((namespace, fleet), None)
+    rt.last_views.pop((namespace, fleet), None)
     log.info("deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",
              namespace, fleet, len(adapters), len(view.dialable) if view else 0,
              time.monotonic() - started, f" ({unreachable})" if unreachable else "")

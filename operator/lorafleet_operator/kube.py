@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -102,6 +103,36 @@ class Kube:
         return SecretData(labels=dict(meta.get("labels") or {}),
                           annotations=dict(meta.get("annotations") or {}),
                           data={k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()})
+
+    async def namespace_problem(self, namespace: str) -> str:
+        """What is wrong with a namespace to watch: "forbidden" (the operator may not list its
+        LoraAdapters), "missing" (it does not exist), or "" (usable)."""
+        try:
+            await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION,
+                            namespace, ADAPTERS, limit=1)
+        except ApiException as err:
+            if err.status == 403:
+                return "forbidden"
+            raise
+        try:
+            await self._run(self.core.read_namespace, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return "missing"
+            if err.status != 403:  # may not read namespaces: nothing more to learn
+                raise
+        return ""
+
+    async def post_event(self, namespace: str, involved: Mapping[str, str], type_: str,
+                         reason: str, message: str) -> None:
+        """A core/v1 Event about ``involved`` (apiVersion, kind, name, uid), outside kopf."""
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        await self._run(self.core.create_namespaced_event, namespace, {
+            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+            "involvedObject": {**involved, "namespace": namespace}, "type": type_,
+            "reason": reason, "message": message, "firstTimestamp": now, "lastTimestamp": now,
+            "count": 1, "source": {"component": "lorafleet-operator"},
+            "reportingComponent": "lorafleet-operator"})
 
     async def patch_adapter_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import importlib
 import logging
 import os
 import sys
+from collections.abc import AsyncIterator
 
+import aiohttp.web
 import kopf
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
+from lorafleet_operator import metrics
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings
 from lorafleet_operator.kube import Kube, make_api_client
@@ -40,26 +45,87 @@ def configure_logging(level: str) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
+    """The watched namespaces kopf can watch. Each unusable one is reported — a log line,
+    ``lorafleet_unusable_namespaces{namespace,problem}`` and a Warning Event on the leader
+    Lease — and a forbidden one is skipped, so the others keep working (a watch that is
+    forbidden would retry forever). A missing one stays watched: the chart's cluster-scoped
+    grants allow watching it, and it is served once it is created."""
+    usable = []
+    lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "name": settings.lease_name}
+    for namespace in settings.namespaces:
+        problem = await kube.namespace_problem(namespace)
+        if problem:
+            what = ("skipped: the operator may not list its LoraAdapters (RBAC)"
+                    if problem == "forbidden" else "watched, served once it exists")
+            log.warning("watched namespace %s is %s: %s", namespace, problem, what)
+            metrics.UNUSABLE_NAMESPACES.labels(namespace=namespace, problem=problem).set(1)
+            try:
+                await kube.post_event(settings.lease_namespace, lease, "Warning",
+                                      "WatchedNamespaceUnusable",
+                                      f"watched namespace {namespace} is {problem}: {what}")
+            except ApiException as err:
+                log.warning("could not post the event: %s %s", err.status, err.reason)
+        if problem != "forbidden":
+            usable.append(namespace)
+    return usable
+
+
+@contextlib.asynccontextmanager
+async def standby_health(port: int) -> AsyncIterator[None]:
+    """While waiting for the Lease, ``/healthz`` answers 200 (a standby is alive while it
+    waits); it closes before kopf serves its own liveness endpoint on the same port."""
+    if not port:
+        yield
+        return
+    async def alive(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"standby": True})
+
+    app = aiohttp.web.Application()
+    app.add_routes([aiohttp.web.get("/healthz", alive)])
+    runner = aiohttp.web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "0.0.0.0", port).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
 async def run(settings: Settings, kubeconfig: str | None = None) -> int:
-    """Elect, then operate until stopped (signal) or leadership is lost; returns an exit code."""
+    """Elect, then operate until stopped (signal) or leadership is lost; returns an exit code.
+
+    If kopf's reconcile loop fails, the leader releases the Lease and exits 1 at once: a
+    standby takes over instead of a leader that renews its Lease while doing nothing."""
     for module in HANDLER_MODULES:
         importlib.import_module(module)
     api = make_api_client(kubeconfig)
     elector = LeaderElector(api, settings)
-    await elector.acquire()
+    async with standby_health(settings.health_port):
+        await elector.acquire()
     stop = asyncio.Event()
     holding = asyncio.create_task(elector.hold(stop.set))
     runtime = Runtime(settings=settings, kube=Kube(api), agents=AgentClients(settings))
+    failed = False
     try:
-        await kopf.operator(standalone=True, clusterwide=False,
-                            namespaces=list(settings.namespaces),
-                            memo=kopf.Memo(runtime=runtime), stop_flag=stop)
+        namespaces = await usable_namespaces(runtime.kube, settings)
+        if not namespaces:
+            log.error("no watched namespace is usable (%s); stopping", ",".join(settings.namespaces))
+            return 1
+        liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port \
+            else None
+        await kopf.operator(standalone=True, clusterwide=False, namespaces=namespaces,
+                            memo=kopf.Memo(runtime=runtime), stop_flag=stop,
+                            liveness_endpoint=liveness)
+    except Exception:  # kopf re-raises what failed one of its root tasks (e.g. a watcher)
+        failed = True
+        log.exception("kopf's reconcile loop failed; releasing the lease and exiting")
     finally:
         holding.cancel()
         await runtime.agents.close()
         await asyncio.to_thread(elector.release)
         api.close()
-    return 1 if elector.lost else 0
+    return 1 if elector.lost or failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

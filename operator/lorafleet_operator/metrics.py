@@ -22,3 +22,7 @@ DRIFT_REPAIRS = Counter(
     "(an agent held one no resource wants).", ["action"])
 DRIFT_CHECKS = Counter("lorafleet_drift_checks_total", "Completed drift checks of a fleet.")
 LEADER = Gauge("lorafleet_leader", "1 while this replica holds the leader lease.")
+UNUSABLE_NAMESPACES = Gauge(
+    "lorafleet_unusable_namespaces",
+    "Watched namespaces found missing (still watched) or forbidden (skipped) at start-up.",
+    ["namespace", "problem"])

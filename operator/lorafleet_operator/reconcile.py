@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -26,6 +26,7 @@ from lorafleet_operator.failures import (
     FailureKey,
     FleetProblem,
     agent_state,
+    answered,
     bearer_token,
     crash_verdict,
     died_under,
@@ -35,7 +36,7 @@ from lorafleet_operator.failures import (
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
 from lorafleet_operator.kube import SecretData
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import AgentResult, AgentState
+from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +51,32 @@ ALLOW_ANNOTATION = "lorafleet.dev/allowed-fleets"
 SECRET_NOT_OPENED = "SecretNotOpened"
 #: The Ready condition's reason while the fleet is being deleted, and after (docs/operator.md).
 FLEET_DELETED = "FleetDeleted"
+#: The Ready condition's reasons for an adapter its fleet does not admit (fleet owner's policy).
+PINNING_NOT_ALLOWED = "PinningNotAllowed"
+SOURCE_NOT_ALLOWED = "SourceNotAllowed"
+
+
+def admission(fleet_name: str, fleet_spec: Mapping[str, Any],
+              adapter_spec: Mapping[str, Any]) -> FleetProblem | None:
+    """Whether the fleet's owner lets this adapter onto the fleet's agents (None: yes), checked
+    before any load: a pinned adapter only where ``spec.pinning.allowed`` is true (pinning is
+    a privilege the fleet grants, not every adapter creator's right), an http(s) source only
+    when it starts with one of ``spec.sources.allow`` (none by default: http(s) is off until
+    the owner names prefixes; the agents' --allow-source stays the second line)."""
+    if adapter_spec.get("pinned") and not (fleet_spec.get("pinning") or {}).get("allowed"):
+        return FleetProblem(PINNING_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
+                                                 f"pinned adapters (its owner sets "
+                                                 f"spec.pinning.allowed: true); not loaded")
+    uri = str(adapter_spec["source"]["uri"])
+    if uri.startswith(("http://", "https://")):
+        allowed = [str(p) for p in (fleet_spec.get("sources") or {}).get("allow") or []]
+        if not any(uri.startswith(prefix) for prefix in allowed):
+            return FleetProblem(SOURCE_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
+                                                    f"this http(s) source: it is under none of "
+                                                    f"the fleet's spec.sources.allow prefixes "
+                                                    f"({len(allowed)} set by its owner); not "
+                                                    f"loaded")
+    return None
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,15 @@ class FleetView:
     agents: tuple[AgentPod, ...]
     infos: Mapping[str, AgentInfo | AgentError]
     creds: Credentials
+    #: The LoraFleet's name and spec, as looked at (its owner's policy: :func:`admission`).
+    name: str = ""
+    spec: Mapping[str, Any] = field(default_factory=dict)
+
+    def admit(self, adapter_spec: Mapping[str, Any]) -> None:
+        """Raise the fleet's refusal of this adapter (:func:`admission`), if any."""
+        problem = admission(self.name, self.spec, adapter_spec)
+        if problem is not None:
+            raise problem
 
     @property
     def dialable(self) -> list[AgentPod]:
@@ -187,7 +223,32 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
     creds = await credentials(rt, namespace, fleet_name, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
-    return FleetView(namespace, tuple(agents), infos, creds)
+    view = FleetView(namespace, tuple(agents), infos, creds, fleet_name, spec)
+    if view.dialable:
+        rt.last_views[(namespace, fleet_name)] = view
+    return view
+
+
+async def unload_view(rt: Runtime, namespace: str, fleet_name: str) -> tuple[FleetView | None, str]:
+    """Where a deletion unloads: the fleet as it is now, or — when that says nothing (the
+    fleet unusable or gone, its pods gone, or the operator's namespaced rights gone while the
+    namespace terminates: 403) — the last view of it that had agents (their endpoints and the
+    credentials then). Namespace deletion removes pods, Secrets and RoleBindings before the
+    operator's finalizers run; the agent processes behind those pods may serve other
+    namespaces and still hold the adapters. Returns the view (None: nowhere known) and why
+    the current look failed ("" when it did not)."""
+    try:
+        view: FleetView | None = await fleet_view(rt, namespace, fleet_name, terminating_ok=True)
+        problem = ""
+    except FleetProblem as err:
+        view, problem = None, err.message
+    except ApiException as err:
+        if err.status not in (403, 404):
+            raise
+        view, problem = None, f"Kubernetes API: {err.status} {err.reason}"
+    if view is not None and view.agents:
+        return view, problem
+    return rt.last_views.get((namespace, fleet_name), view), problem
 
 
 def loaded_result(target: Target, reply: ControlReply) -> AgentResult:
@@ -214,55 +275,129 @@ def condemned(rt: Runtime, body: Mapping[str, Any]) -> str:
     return crash_verdict(rt.crashes, generation_key(body), body.get("status"))
 
 
+def backing_off(rt: Runtime, body: Mapping[str, Any], target: Target) -> AgentResult | None:
+    """The last failed load's result on this target while its back-off has not passed (the
+    one rule for handlers and the drift check alike); None when a load is due."""
+    entry = rt.failures.waiting(failure_key(body, target.agent.name), incarnation(target.agent))
+    return entry.result if entry is not None else None
+
+
+async def served_version(rt: Runtime, view: FleetView, target: Target,
+                         body: Mapping[str, Any]) -> ServedVersion | None:
+    """The version of the adapter the agent still holds after a failed load (its registry
+    entry, when it differs from the spec: a failed replace keeps the old weights routed);
+    None when it holds none or its registry cannot be listed now."""
+    meta = body["metadata"]
+    try:
+        registry = await rt.agents.list_adapters(target.agent.endpoint, view.creds)
+    except AgentError:
+        return None
+    entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
+    return ServedVersion(entry.source_uri, entry.sha256) if entry is not None else None
+
+
 async def load_on(rt: Runtime, view: FleetView, target: Target,
                   body: Mapping[str, Any]) -> AgentResult:
     """LoadAdapter on one target (replace=True: the spec is the truth for managed names),
-    unless the generation is condemned; the outcome is booked in the crash book."""
+    unless the generation is condemned or its last failure there is backing off; the outcome
+    is booked in the crash book and the back-off book. A failed load the agent answered also
+    says which version the agent still serves."""
     verdict = condemned(rt, body)
     if verdict:
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
     if target.error is not None:
         return error_result(target, target.error)
+    waiting = backing_off(rt, body, target)
+    if waiting is not None:
+        return waiting
+    if not body["spec"].get("pinned"):
+        return await _load(rt, view, target, body)
+    # One pinned load at a time per agent: the count of pins and the load that adds one.
+    async with rt.pin_lock(target.agent.endpoint):
+        refusal = await pin_refusal(rt, view, target, body)
+        if refusal:
+            return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
+                               refusal, served=await served_version(rt, view, target, body))
+        return await _load(rt, view, target, body)
+
+
+def pin_cap(info: AgentInfo) -> int:
+    """How many adapters may be pinned on one agent: ``max_loras_per_batch − 1`` (SGLang's
+    rule), so one device slot per rank always stays for unpinned traffic."""
+    return max(info.max_loras_per_batch - 1, 0)
+
+
+async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
+                      body: Mapping[str, Any]) -> str:
+    """Why the agent cannot take this adapter pinned ("" when it can): it already holds
+    :func:`pin_cap` pinned adapters (of any namespace) besides this one. Not booked as a
+    failed load: nothing was sent, and the next look counts again (a pin may be released)."""
+    if target.info is None:
+        return ""
+    meta = body["metadata"]
+    own = names.agent_name(meta["namespace"], meta["name"])
+    try:
+        registry = await rt.agents.list_adapters(target.agent.endpoint, view.creds)
+    except AgentError as err:
+        return f"could not count the agent's pinned adapters: {err.message}"
+    pinned = sum(1 for name, entry in registry.items() if entry.pinned and name != own)
+    cap = pin_cap(target.info)
+    if pinned < cap:
+        return ""
+    return (f"cannot pin on {target.agent.name}: it holds {pinned} pinned adapter(s) and at most "
+            f"{cap} may be pinned (max_loras_per_batch {target.info.max_loras_per_batch} − 1: "
+            f"one device slot stays for unpinned traffic); not loaded")
+
+
+async def _load(rt: Runtime, view: FleetView, target: Target,
+                body: Mapping[str, Any]) -> AgentResult:
+    """The LoadAdapter call itself and the books (crash book, back-off)."""
     spec, meta = body["spec"], body["metadata"]
     key, pod = generation_key(body), target.agent.name
+    failure: AgentFailure
     try:
         reply = await rt.agents.load(
             target.agent.endpoint, view.creds,
             name=names.agent_name(meta["namespace"], meta["name"]),
             source_uri=spec["source"]["uri"], sha256=spec["source"].get("sha256", ""),
             pinned=bool(spec.get("pinned", False)), replace=True,
-            exclusive=rt.crashes.isolate(key))
+            exclusive=rt.crashes.isolate(key), namespace=meta["namespace"])
     except AgentError as err:
         if died_under(err):
             rt.crashes.suspect(key, pod, incarnation(target.agent), alone=err.alone,
                                message=err.message)
         else:
             rt.crashes.answered(key, pod, loaded=False)
-        return error_result(target, err)
-    rt.crashes.answered(key, pod, loaded=reply.success)
-    return loaded_result(target, reply) if reply.success else error_result(target, reply)
+        failure = err
+    else:
+        rt.crashes.answered(key, pod, loaded=reply.success)
+        if reply.success:
+            return rt.failures.remember(failure_key(body, pod), incarnation(target.agent),
+                                        loaded_result(target, reply))
+        failure = reply
+    result = error_result(target, failure)
+    if answered(failure):
+        result = replace(result, served=await served_version(rt, view, target, body))
+    return rt.failures.remember(failure_key(body, pod), incarnation(target.agent), result)
 
 
 def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
-    """The slow-retry key of this adapter generation on one agent."""
+    """The back-off key of this adapter generation on one agent."""
     meta = body["metadata"]
     return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
-
-
-def remember_failures(rt: Runtime, body: Mapping[str, Any],
-                      results: Sequence[AgentResult]) -> None:
-    """Schedule slow retries for permanent failures; forget those that now succeeded."""
-    for result in results:
-        rt.failures.remember(failure_key(body, result.pod), result)
 
 
 async def load_everywhere(rt: Runtime, view: FleetView,
                           body: Mapping[str, Any]) -> list[AgentResult]:
     """Load on every target agent at once; one result per target."""
     targets = view.targets(body["spec"]["baseModel"])
-    results = list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
-    remember_failures(rt, body, results)
-    return results
+    return list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+
+
+def retry_due_in(rt: Runtime, body: Mapping[str, Any],
+                 results: Sequence[AgentResult]) -> float | None:
+    """Seconds until the first failed agent of this adapter is due again (the back-off)."""
+    return rt.failures.due_in(failure_key(body, r.pod) for r in results if not r.ok)
 
 
 @dataclass(frozen=True)

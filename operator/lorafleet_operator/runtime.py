@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
-from lorafleet_operator.failures import CrashBook, SlowRetries
+from lorafleet_operator.failures import CrashBook, LoadRetries
 from lorafleet_operator.kube import Kube
+
+if TYPE_CHECKING:  # reconcile builds views with a Runtime in hand: no import cycle at run time
+    from lorafleet_operator.reconcile import FleetView
 
 
 @dataclass
@@ -24,8 +28,8 @@ class Runtime:
     agents: AgentClients
     #: One lock per LoraAdapter: its handlers and the drift check never act on it at once.
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    #: Permanent load failures per (adapter uid, generation, pod), and when to try again.
-    failures: SlowRetries = field(init=False)
+    #: Failed loads per (adapter uid, generation, pod), and when to try again (the back-off).
+    failures: LoadRetries = field(init=False)
     #: Loads in flight when their agent died or hung, per adapter generation.
     crashes: CrashBook = field(init=False)
     #: (pod uid, restarts, endpoint) -> the agent's Describe.
@@ -34,11 +38,18 @@ class Runtime:
     fleet_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     #: (namespace, fleet) -> set to run that fleet's drift check now instead of at its interval.
     pokes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    #: (namespace, fleet) -> the last look at it that had dialable agents: where deletions
+    #: unload once its pods, Secrets or the operator's namespaced rights are gone.
+    last_views: dict[tuple[str, str], FleetView] = field(default_factory=dict)
+    #: agent endpoint -> the lock of its pinned loads (the pin cap is counted under it).
+    pin_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    #: (namespace, fleet) -> when its drift loop last finished a round (monotonic): liveness.
+    heartbeats: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.failures = SlowRetries(self.settings)
+        self.failures = LoadRetries(self.settings)
         self.crashes = CrashBook(self.settings.load_crash_budget)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -48,6 +59,10 @@ class Runtime:
     def fleet_lock(self, namespace: str, fleet: str) -> asyncio.Lock:
         """The fleet's lock, made on first use."""
         return self.fleet_locks.setdefault((namespace, fleet), asyncio.Lock())
+
+    def pin_lock(self, endpoint: str) -> asyncio.Lock:
+        """The lock under which pinned loads on one agent are counted and sent."""
+        return self.pin_locks.setdefault(endpoint, asyncio.Lock())
 
     def poke(self, namespace: str, fleet: str) -> asyncio.Event:
         """The event that wakes a fleet's drift check early."""

@@ -23,6 +23,9 @@ MAX_MESSAGE = 32768
 MAX_AGENT_MESSAGE = 8192
 #: The Ready condition's reason for a generation whose loads crashed agents (failures.CrashBook).
 LOAD_CRASHED_AGENT = "LoadCrashedAgent"
+#: The Ready condition's reason when no agent holds the adapter as specified but some still
+#: serve a previous version of it (a failed replace: the agents keep the old weights).
+PREVIOUS_VERSION_SERVED = "PreviousVersionServed"
 
 
 class Phase(enum.StrEnum):
@@ -41,30 +44,50 @@ class AgentState(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ServedVersion:
+    """A version of the adapter an agent holds that is not the one the spec asks for (its
+    registry entry's source and digest): what it still serves after a failed replace."""
+
+    uri: str
+    sha256: str = ""
+
+    def to_status(self) -> dict[str, str]:
+        return {"uri": self.uri, **({"sha256": self.sha256} if self.sha256 else {})}
+
+
+@dataclass(frozen=True)
 class AgentResult:
-    """What one target agent holds of one adapter (its reply, merged over its ranks)."""
+    """What one target agent holds of one adapter (its reply, merged over its ranks).
+
+    ``served``: a failed agent still holds a previous version (not the spec's). ``next_retry``:
+    when the operator tries this agent again (RFC 3339), "" when no retry is scheduled."""
 
     pod: str
     state: AgentState
     ranks_loaded: int
     ranks_total: int
     message: str = ""
+    served: ServedVersion | None = None
+    next_retry: str = ""
 
     @property
     def ok(self) -> bool:
         return self.state is AgentState.LOADED and self.ranks_loaded == self.ranks_total
 
-    def to_status(self) -> dict[str, Any]:
-        return {"pod": self.pod, "state": str(self.state), "ranksLoaded": self.ranks_loaded,
-                "ranksTotal": self.ranks_total, "message": self.message[:MAX_AGENT_MESSAGE]}
+    @property
+    def serving(self) -> bool:
+        """Whether the agent serves the adapter at all: this version, or a previous one."""
+        return self.ok or self.served is not None
 
-    @classmethod
-    def from_status(cls, entry: Mapping[str, Any]) -> AgentResult:
-        """Read back an entry written earlier (the drift check keeps a failure it won't retry yet)."""
-        return cls(pod=entry["pod"], state=AgentState(entry.get("state", "Failed")),
-                   ranks_loaded=int(entry.get("ranksLoaded", 0)),
-                   ranks_total=int(entry.get("ranksTotal", 0)),
-                   message=entry.get("message", ""))
+    def to_status(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"pod": self.pod, "state": str(self.state),
+                                 "ranksLoaded": self.ranks_loaded, "ranksTotal": self.ranks_total,
+                                 "message": self.message[:MAX_AGENT_MESSAGE]}
+        if self.served is not None:
+            entry["served"] = self.served.to_status()
+        if self.next_retry:
+            entry["nextRetryTime"] = self.next_retry
+        return entry
 
 
 def phase_of(results: Sequence[AgentResult], *, deleting: bool = False) -> Phase:
@@ -73,7 +96,8 @@ def phase_of(results: Sequence[AgentResult], *, deleting: bool = False) -> Phase
     Ready needs every target agent to hold the adapter on every rank. With no target there is
     nothing to be ready on: Pending. Any agent still reachable-but-not-done (or unreachable)
     and no permanent failure yet means Loading; permanent failures give Failed when no agent
-    holds the adapter and Degraded when some do.
+    holds the adapter and Degraded when some do, or when some still serve a previous version
+    (a failed replace leaves the old weights routed: the status says what the agents serve).
     """
     if deleting:
         return Phase.TERMINATING
@@ -83,7 +107,7 @@ def phase_of(results: Sequence[AgentResult], *, deleting: bool = False) -> Phase
     if loaded == len(results):
         return Phase.READY
     failed = any(r.state is AgentState.FAILED for r in results)
-    if loaded:
+    if loaded or any(r.serving for r in results):
         return Phase.DEGRADED
     return Phase.FAILED if failed else Phase.LOADING
 
@@ -112,6 +136,12 @@ def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending_reaso
     not_ok = f"{loaded}/{len(results)} agents hold the adapter; not on {', '.join(failing)}"
     if phase is Phase.LOADING:
         return "Unknown", "Loading", not_ok
+    if phase is Phase.DEGRADED and not loaded:
+        old = [r for r in results if r.served is not None]
+        sources = sorted({r.served.uri for r in old if r.served is not None})
+        return "False", PREVIOUS_VERSION_SERVED, (
+            f"no agent holds the adapter as specified; {', '.join(r.pod for r in old)} still "
+            f"serve(s) a previous version ({', '.join(sources)}); {not_ok}")
     if phase is Phase.DEGRADED:
         return "False", "PartiallyLoaded", not_ok
     return "False", "LoadFailed", not_ok
@@ -137,6 +167,12 @@ def condition(type_: str, status: str, reason: str, message: str, generation: in
 def now_rfc3339() -> str:
     """The current time the way Kubernetes writes it (seconds, UTC, Z)."""
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def rfc3339(timestamp: float) -> str:
+    """A Unix time the way Kubernetes writes it, rounded up to the second (a retry is never
+    shown earlier than it is due)."""
+    return dt.datetime.fromtimestamp(-(-timestamp // 1), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def build_status(
@@ -167,6 +203,7 @@ def build_status(
     ranks_loaded = sum(r.ranks_loaded for r in ordered)
     ranks_total = sum(r.ranks_total for r in ordered)
     message = merged_message(ordered) or (pending_message if phase is Phase.PENDING else "")
+    retries = sorted(r.next_retry for r in ordered if r.next_retry)
     return {
         "phase": str(phase),
         "observedGeneration": generation,
@@ -178,6 +215,8 @@ def build_status(
         "ranksLoaded": ranks_loaded,
         "ranksTotal": ranks_total,
         "ranksSummary": f"{ranks_loaded}/{ranks_total}",
+        # The earliest scheduled retry of a failed agent; None removes it (a merge patch).
+        "nextRetryTime": retries[0] if retries else None,
         "conditions": [
             condition("Ready", *ready, generation, old_conditions, now),
             condition("Degraded", *degraded, generation, old_conditions, now),

@@ -155,7 +155,7 @@ ALLOWED = [
     ("list", "lorafleets.lorafleet.dev"), ("watch", "lorafleets.lorafleet.dev"),
     ("patch", "lorafleets.lorafleet.dev#status"),
     ("list", "pods"), ("watch", "pods"), ("get", "pods"),
-    ("get", "secrets/agent-token"),
+    ("get", "secrets/lf-lorafleet-agent-token"),
     ("create", "events"), ("create", "events.events.k8s.io"),
     ("create", "leases.coordination.k8s.io"),
     ("update", "leases.coordination.k8s.io/lorafleet-operator"),
@@ -166,6 +166,7 @@ DENIED = [
     ("delete", "lorafleets.lorafleet.dev"),
     ("create", "pods"), ("delete", "pods"), ("patch", "pods"), ("patch", "pods#status"),
     ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
+    ("get", "secrets/db-password"),  # only the Secrets the chart names (resourceNames)
     ("update", "leases.coordination.k8s.io/someone-elses-lease"),
     ("delete", "events"), ("list", "configmaps"), ("create", "deployments.apps"),
     ("create", "customresourcedefinitions.apiextensions.k8s.io"),
@@ -195,17 +196,23 @@ def test_operator_rbac_is_enough_and_no_broader(
                     if not can_i(kube_cluster, sa, v, r, kube_namespace)]
     assert (wrong_denied, wrong_allowed) == ([], [])
 
-    # Nothing outside its namespace: no cluster-wide grant hides in the chart.
+    # Cluster-wide only what finishing a terminating namespace needs (its own resources, reading
+    # pods and namespaces): no Secrets, Events or writes of anything else outside its namespace.
     other = kube_cluster.create_namespace(prefix="other")
     try:
-        for verb, resource in (("list", "pods"), ("get", "secrets/agent-token"),
-                               ("list", "loraadapters.lorafleet.dev")):
+        for verb, resource in (("get", "secrets/lf-lorafleet-agent-token"), ("create", "events"),
+                               ("create", "pods"), ("delete", "loraadapters.lorafleet.dev")):
             assert not can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
+        for verb, resource in (("list", "pods"), ("patch", "loraadapters.lorafleet.dev")):
+            assert can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
     finally:
         kube_cluster.delete_namespace(other)
     cluster_roles = kube_cluster.kubectl("get", "clusterroles", "-l",
                                          "app.kubernetes.io/instance=lf", "-o", "name").stdout
-    assert cluster_roles == ""
+    assert cluster_roles.split() == [f"clusterrole.rbac.authorization.k8s.io/"
+                                     f"lf-lorafleet-operator-{kube_namespace}"]
+    kube_cluster.kubectl("delete", "clusterrole,clusterrolebinding",
+                         f"lf-lorafleet-operator-{kube_namespace}")
 
 
 def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> None:

@@ -3,7 +3,9 @@ the agents hold (the registries are the truth the operator's status must equal).
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +94,56 @@ def phase(cluster: ControlPlane, ns: str, name: str) -> str:
 def phases(cluster: ControlPlane, ns: str) -> dict[str, str]:
     items = cluster.kubectl_json("get", "la", "-n", ns)["items"]
     return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}
+
+
+class Source(http.server.ThreadingHTTPServer):
+    """An adapter's files over HTTP on loopback (any path ending in a file name of ``root``);
+    answers 503 to everything while ``failing``. Counts every request (``hits``, ``paths``).
+    A request whose path starts with ``/hold/`` answers nothing until ``release`` is set (at
+    most 120 s), counted in ``holding`` meanwhile: a black-holed download."""
+
+    daemon_threads = True
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(("127.0.0.1", 0), _SourceHandler)
+        self.root = root
+        self.failing = True
+        self.hits = 0
+        self.paths: list[str] = []
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.holding = 0
+
+    def url(self, path: str = "adapter") -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/{path}"
+
+
+class _SourceHandler(http.server.BaseHTTPRequestHandler):
+    server: Source
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        with self.server.lock:
+            self.server.hits += 1
+            self.server.paths.append(self.path)
+        if self.path.startswith("/hold/"):
+            with self.server.lock:
+                self.server.holding += 1
+            try:
+                self.server.release.wait(120)
+            finally:
+                with self.server.lock:
+                    self.server.holding -= 1
+            self.send_error(503)
+            return
+        path = self.server.root / self.path.rpartition("/")[2]
+        if self.server.failing or not path.is_file():
+            self.send_error(503 if self.server.failing else 404)
+            return
+        data = path.read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

@@ -19,8 +19,8 @@ from lorafleet_operator.failures import (
     KUBE_API_ERRORS,
     CrashBook,
     FleetProblem,
+    LoadRetries,
     Permanent,
-    SlowRetries,
     Transient,
     agent_state,
     backoff,
@@ -32,8 +32,11 @@ from lorafleet_operator.failures import (
     drift_delay,
     failed_delay,
     is_transient,
+    jittered,
     kopf_api_backoffs,
+    loop_stall_s,
     retry_after,
+    stalled_loops,
     transient_delay,
 )
 from lorafleet_operator.fleet import AgentPod
@@ -102,40 +105,84 @@ class Clock:
         return self.now
 
 
-def test_slow_retries_back_off_per_generation_and_agent() -> None:
+LIFE = ("pod-uid", 0)
+
+
+def refused(pod: str = "agent-1") -> AgentResult:
+    return AgentResult(pod, AgentState.FAILED, 0, 2, "sha256 mismatch")
+
+
+def unavailable(pod: str = "agent-1") -> AgentResult:
+    return AgentResult(pod, AgentState.UNREACHABLE, 0, 2, "HTTP 503 from the source")
+
+
+def test_load_retries_back_off_per_generation_and_agent() -> None:
     clock = Clock()
-    book = SlowRetries(SETTINGS, clock=clock)
+    book = LoadRetries(SETTINGS, clock=clock, wall_clock=lambda: 1_000_000.0, draw=lambda: 0.0)
     key, other_agent, next_generation = ("uid", 1, "agent-1"), ("uid", 1, "agent-0"), \
         ("uid", 2, "agent-1")
-    assert book.waiting(key) is None  # never failed: due at once
-    book.record(key, "sha256 mismatch")
-    failure = book.waiting(key)
-    assert failure is not None and (failure.attempts, failure.message) == (1, "sha256 mismatch")
-    assert book.waiting(other_agent) is None and book.waiting(next_generation) is None
+    assert book.waiting(key, LIFE) is None  # never failed: due at once
+    booked = book.remember(key, LIFE, refused())
+    waiting = book.waiting(key, LIFE)
+    assert waiting is not None and (waiting.attempts, waiting.result) == (1, booked)
+    # The status shows when: 300 s after the (wall-clock) failure.
+    assert booked.next_retry == "1970-01-12T13:51:40Z" and booked.message == "sha256 mismatch"
+    assert book.waiting(other_agent, LIFE) is None and book.waiting(next_generation, LIFE) is None
+    assert book.waiting(key, ("pod-uid", 1)) is None  # a restarted agent is asked at once
     clock.now += 299
-    assert book.waiting(key) is not None
+    assert book.waiting(key, LIFE) is not None
     clock.now += 1
-    assert book.waiting(key) is None  # 300 s passed: the drift check may try once more
-    book.record(key, "sha256 mismatch")
+    assert book.waiting(key, LIFE) is None  # 300 s passed: one more try
+    book.remember(key, LIFE, refused())
     clock.now += 599
-    assert book.waiting(key) is not None  # the second failure waits twice as long
+    assert book.waiting(key, LIFE) is not None  # the second failure waits twice as long
     clock.now += 1
-    assert book.waiting(key) is None
+    assert book.waiting(key, LIFE) is None
 
 
-def test_slow_retries_forget_successes_and_deleted_adapters() -> None:
-    book = SlowRetries(SETTINGS, clock=Clock())
-    book.remember(("a", 1, "agent-0"), AgentResult("agent-0", AgentState.FAILED, 0, 2, "bad"))
-    book.remember(("a", 1, "agent-1"), AgentResult("agent-1", AgentState.FAILED, 0, 2, "bad"))
-    book.remember(("b", 1, "agent-0"), AgentResult("agent-0", AgentState.FAILED, 0, 2, "bad"))
-    assert book.waiting(("a", 1, "agent-0")) is not None
-    book.remember(("a", 1, "agent-0"), AgentResult("agent-0", AgentState.LOADED, 2, 2))
-    assert book.waiting(("a", 1, "agent-0")) is None
-    # Unreachable is not a refusal: nothing to back off slowly (kopf retries it soon).
-    book.remember(("a", 1, "agent-1"), AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "x"))
-    assert book.waiting(("a", 1, "agent-1")) is None
+def test_transient_load_failures_back_off_too_growing_to_the_cap() -> None:
+    """A source answering 503 (or a busy agent) is no reason to ask at every drift check: the
+    waits double from transient_retry_s up to transient_retry_max_s, whoever asks next."""
+    clock = Clock()
+    book = LoadRetries(SETTINGS, clock=clock, draw=lambda: 0.0)
+    key = ("uid", 1, "agent-1")
+    waits = []
+    for _ in range(8):
+        book.remember(key, LIFE, unavailable())
+        due = book.due_in([key])
+        assert due is not None
+        waits.append(due)
+        clock.now += due
+    assert waits == [2, 4, 8, 16, 32, 60, 60, 60]
+    # A refusal after transient failures keeps counting, on the slow schedule.
+    book.remember(key, LIFE, refused())
+    assert book.due_in([key]) == 3600
+
+
+def test_jitter_shortens_each_wait_by_up_to_half() -> None:
+    assert [jittered(60, d) for d in (0.0, 0.5, 0.999)] == [60, 45, pytest.approx(30.03)]
+    draws = iter([0.0, 0.99])
+    clock = Clock()
+    book = LoadRetries(SETTINGS, clock=clock, draw=lambda: next(draws))
+    book.remember(("uid", 1, "agent-0"), LIFE, unavailable("agent-0"))
+    book.remember(("uid", 1, "agent-1"), LIFE, unavailable())
+    assert book.due_in([("uid", 1, "agent-0")]) == 2
+    assert book.due_in([("uid", 1, "agent-1")]) == pytest.approx(1.01)
+    assert book.due_in([("uid", 1, "agent-0"), ("uid", 1, "agent-1")]) == pytest.approx(1.01)
+    assert book.due_in([("uid", 2, "agent-0")]) is None
+
+
+def test_load_retries_forget_successes_and_deleted_adapters() -> None:
+    book = LoadRetries(SETTINGS, clock=Clock())
+    book.remember(("a", 1, "agent-0"), LIFE, refused("agent-0"))
+    book.remember(("a", 1, "agent-1"), LIFE, refused())
+    book.remember(("b", 1, "agent-0"), LIFE, refused("agent-0"))
+    assert book.waiting(("a", 1, "agent-0"), LIFE) is not None
+    loaded = AgentResult("agent-0", AgentState.LOADED, 2, 2)
+    assert book.remember(("a", 1, "agent-0"), LIFE, loaded) == loaded
+    assert book.waiting(("a", 1, "agent-0"), LIFE) is None
     book.clear_adapter("b")
-    assert not book.entries
+    assert set(book.entries) == {("a", 1, "agent-1")}
 
 
 LOADED = AgentResult("agent-0", AgentState.LOADED, 2, 2)
@@ -313,6 +360,17 @@ def test_drift_checks_back_off_while_the_kubernetes_api_fails() -> None:
     assert retry_after(throttled) == 3.0
     assert retry_after(ApiException(status=500, reason="x")) == 0.0
     assert retry_after(urllib3.exceptions.ProtocolError("reset")) == 0.0
+
+
+def test_a_drift_loop_that_finishes_no_round_for_too_long_is_stalled() -> None:
+    """Liveness: three of the loop's longest waits plus one load deadline, then it counts as
+    wedged (the probe fails and the kubelet restarts the operator)."""
+    settings = Settings(drift_interval_s=30, transient_retry_max_s=60, load_deadline_s=120)
+    assert loop_stall_s(settings) == 300
+    beats = {("ns", "a"): 1000.0, ("ns", "b"): 1250.0}
+    assert stalled_loops(beats, 1300.0, settings) == []
+    assert stalled_loops(beats, 1300.5, settings) == ["ns/a"]
+    assert stalled_loops(beats, 2000.0, settings) == ["ns/a", "ns/b"]
 
 
 def test_kopfs_own_api_requests_retry_without_giving_up() -> None:

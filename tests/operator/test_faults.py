@@ -266,7 +266,9 @@ def test_a_load_that_kills_its_agents_fails_the_adapter_and_is_not_sent_again(
     with KillingSource(fleet.agents) as source:
         crasher = adapter_manifest("crasher", fleet.adapters)
         crasher["spec"]["source"]["uri"] = f"http://127.0.0.1:{source.port}/crasher"
-        apply(kube_cluster, ns, crasher)
+        allowed = fleet_manifest()  # the fleet's owner allows this source (spec.sources)
+        allowed["spec"]["sources"] = {"allow": [f"http://127.0.0.1:{source.port}/"]}
+        apply(kube_cluster, ns, allowed, crasher)
         wait_for(lambda: kubelet_step(kube_cluster, fleet)
                  and phase(kube_cluster, ns, "crasher") == "Failed", 240,
                  "the crasher to be Failed", operator, interval_s=0.5)

@@ -9,7 +9,17 @@ import json
 import pytest
 
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.status import AgentResult, AgentState, Phase, build_status, initial_status, merged_message, phase_of
+from lorafleet_operator.status import (
+    PREVIOUS_VERSION_SERVED,
+    AgentResult,
+    AgentState,
+    Phase,
+    ServedVersion,
+    build_status,
+    initial_status,
+    merged_message,
+    phase_of,
+)
 from tests.kube.harness import ControlPlane
 
 LOADED = AgentResult("agent-0", AgentState.LOADED, 2, 2)
@@ -17,6 +27,12 @@ LOADED_1 = AgentResult("agent-1", AgentState.LOADED, 2, 2)
 FAILED_1 = AgentResult("agent-1", AgentState.FAILED, 0, 2, "sha256 mismatch")
 FAILED_0 = AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch")
 DOWN_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "connection refused")
+OLD = ServedVersion("file:///adapters/old", "a" * 64)
+#: A replace refused on agent-0, which still serves the previous version; retried later.
+STALE_0 = AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch", served=OLD,
+                      next_retry="2026-01-01T00:05:00Z")
+STALE_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "HTTP 503", served=OLD,
+                      next_retry="2026-01-01T00:00:04Z")
 
 
 @pytest.mark.parametrize(("results", "phase"), [
@@ -26,6 +42,9 @@ DOWN_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "connection refuse
     ([LOADED, DOWN_1], Phase.DEGRADED),
     ([FAILED_0, FAILED_1], Phase.FAILED),
     ([FAILED_0, DOWN_1], Phase.FAILED),
+    # A failed replace: the previous version is still served, so the adapter is not Failed.
+    ([STALE_0, FAILED_1], Phase.DEGRADED),
+    ([STALE_0, STALE_1], Phase.DEGRADED),
     ([AgentResult("agent-0", AgentState.UNREACHABLE, 0, 2, "x")], Phase.LOADING),
     # Loaded on only some ranks is not loaded.
     ([AgentResult("agent-0", AgentState.LOADED, 1, 2)], Phase.LOADING),
@@ -58,6 +77,23 @@ def test_status_totals_agents_and_conditions() -> None:
     assert (degraded["type"], degraded["status"]) == ("Degraded", "True")
     assert "agent-1 (Failed)" in degraded["message"]
     assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+
+
+def test_a_failed_replace_says_what_the_agents_still_serve() -> None:
+    """No agent holds the new version, both still serve the old one: Degraded, Ready False
+    with reason PreviousVersionServed naming the old source; each agent's entry carries the
+    served source and digest and its next retry; the status the earliest retry."""
+    status = build_status([STALE_1, STALE_0], generation=2, now="2026-01-01T00:00:00Z")
+    assert status["phase"] == "Degraded"
+    ready = status["conditions"][0]
+    assert (ready["status"], ready["reason"]) == ("False", PREVIOUS_VERSION_SERVED)
+    assert "agent-0, agent-1 still serve(s) a previous version (file:///adapters/old)" in \
+        ready["message"]
+    assert status["agents"][0]["served"] == {"uri": "file:///adapters/old", "sha256": "a" * 64}
+    assert [a["nextRetryTime"] for a in status["agents"]] == ["2026-01-01T00:05:00Z",
+                                                              "2026-01-01T00:00:04Z"]
+    assert status["nextRetryTime"] == "2026-01-01T00:00:04Z"
+    assert build_status([LOADED], generation=2)["nextRetryTime"] is None
 
 
 def test_last_transition_time_kept_while_status_unchanged() -> None:
@@ -104,13 +140,14 @@ def test_every_status_is_accepted_by_the_api_server(
         build_status([FAILED_0, DOWN_1], generation=1),
         build_status([AgentResult("agent-0", AgentState.FAILED, 0, 2, long_message)],
                      generation=1),
+        build_status([STALE_0, STALE_1], generation=1),
         build_status([LOADED], generation=1, deleting=True),
     ]
     for status in cases:
         stored = asyncio.run(kube.patch_adapter_status(kube_namespace, "a", status))
         assert stored is not None
         for key, value in status.items():
-            assert stored["status"][key] == value, key
+            assert stored["status"].get(key) == value, key  # None: removed (merge patch)
     table = kube_cluster.kubectl("get", "la", "a", "-n", kube_namespace).stdout
     assert "Terminating" in table
 

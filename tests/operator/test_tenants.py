@@ -27,6 +27,7 @@ from lorafleet_dev.agents import AgentProcess
 from tests.kube.harness import ControlPlane, free_port
 from tests.operator import test_e2e
 from tests.operator.agents import (
+    Source,
     adapter_manifest,
     add_agent_pod,
     apply,
@@ -281,3 +282,149 @@ def test_deleting_a_fleet_unloads_its_adapters(
         assert registry(agent, ns) == {}
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=60s",
                          as_user=TENANT)
+
+
+def test_pinning_is_the_fleet_owners_grant_and_capped_per_agent(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
+    adapters: Path, operator: OperatorProcess,
+) -> None:
+    """A tenant who may create LoraAdapters (not fleets) asks for a pinned adapter: the fleet
+    does not allow pinning, so it is Pending PinningNotAllowed and no agent holds it. Once the
+    fleet's owner allows pinning it is loaded pinned. The agents have 4 device slots
+    (max_loras_per_batch): at most 3 adapters are pinned on each, so a fourth pinned adapter
+    is refused on every agent with the cap in the message, and an unpinned one still loads."""
+    ns = kube_namespace
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "adapter-creator"},
+            "rules": [{"apiGroups": ["lorafleet.dev"], "resources": ["loraadapters"],
+                       "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "adapter-creator-bob"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                           "name": "adapter-creator"},
+               "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                             "name": "bob"}]}
+    kube_cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List",
+                                   "items": [role, binding]}), ns)
+
+    def pinned(name: str, seed: int) -> dict[str, Any]:
+        manifest = adapter_manifest(name, make_adapter(adapters, name, seed=seed))
+        manifest["spec"]["pinned"] = True
+        return manifest
+
+    as_tenant(kube_cluster, ns, pinned("p1", 1), user="bob")
+    wait_for(lambda: ready_condition(kube_cluster, ns, "p1").get("reason") ==
+             "PinningNotAllowed", 60, "p1 refused", operator)
+    assert "spec.pinning.allowed" in status(kube_cluster, ns, "p1")["message"]
+    for agent in fleet:
+        assert registry(agent, ns) == {}
+    with pytest.raises(Exception, match="forbidden"):  # bob cannot grant it himself
+        kube_cluster.kubectl("patch", "lfleet", "default", "-n", ns, "--type=merge", "-p",
+                             '{"spec": {"pinning": {"allowed": true}}}', as_user="bob")
+
+    kube_cluster.kubectl("patch", "lfleet", "default", "-n", ns, "--type=merge", "-p",
+                         '{"spec": {"pinning": {"allowed": true}}}')
+    wait_phase(kube_cluster, ns, "p1", "Ready", operator)
+    as_tenant(kube_cluster, ns, pinned("p2", 2), pinned("p3", 3), user="bob")
+    for n in ("p2", "p3"):
+        wait_phase(kube_cluster, ns, n, "Ready", operator)
+    as_tenant(kube_cluster, ns, pinned("p4", 4),
+              adapter_manifest("free", make_adapter(adapters, "free", seed=5)), user="bob")
+    st = wait_phase(kube_cluster, ns, "p4", "Failed", operator)
+    assert {a["state"] for a in st["agents"]} == {"Failed"}, st
+    assert "at most 3 may be pinned (max_loras_per_batch 4" in st["message"], st
+    wait_phase(kube_cluster, ns, "free", "Ready", operator)
+    for agent in fleet:
+        assert set(registry(agent, ns)) == {f"{ns}.{n}" for n in ("p1", "p2", "p3", "free")}
+    # Leave the shared agents without pins for the module's other tests.
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+    for agent in fleet:
+        assert registry(agent, ns) == {}
+
+
+def test_http_sources_only_under_the_fleets_allowed_prefixes(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
+    adapters: Path, operator: OperatorProcess,
+) -> None:
+    """The agents would fetch any loopback URL (their --allow-source), but the fleet's owner
+    allows only one prefix: an adapter under it is loaded, one elsewhere (another path on the
+    same server) is Pending SourceNotAllowed and never fetched. A fleet without prefixes
+    refuses every http(s) source."""
+    ns = kube_namespace
+    tenant_role(kube_cluster, ns)
+    source = Source(make_adapter(adapters, "remote"))
+    source.failing = False
+    thread = threading.Thread(target=source.serve_forever, daemon=True)
+    thread.start()
+    try:
+        def remote(name: str, path: str) -> dict[str, Any]:
+            manifest = adapter_manifest(name, Path("/unused"))
+            manifest["spec"]["source"]["uri"] = source.url(path)
+            return manifest
+
+        as_tenant(kube_cluster, ns, remote("early", "allowed/early"))
+        wait_for(lambda: ready_condition(kube_cluster, ns, "early").get("reason") ==
+                 "SourceNotAllowed", 60, "early refused", operator)
+        kube_cluster.kubectl("patch", "lfleet", "default", "-n", ns, "--type=merge", "-p",
+                             json.dumps({"spec": {"sources": {"allow": [source.url("allowed/")]}}}))
+        wait_phase(kube_cluster, ns, "early", "Ready", operator)
+        as_tenant(kube_cluster, ns, remote("elsewhere", "internal/metadata"))
+        wait_for(lambda: ready_condition(kube_cluster, ns, "elsewhere").get("reason") ==
+                 "SourceNotAllowed", 60, "elsewhere refused", operator)
+        checks = operator.drift_checks()
+        wait_for(lambda: operator.drift_checks() >= checks + 3, 60, "drift checks", operator)
+        assert [p for p in source.paths if not p.startswith("/allowed/")] == [], source.paths
+        st = status(kube_cluster, ns, "elsewhere")
+        assert st["phase"] == "Pending" and "spec.sources.allow" in st["message"], st
+        for agent in fleet:
+            assert set(registry(agent, ns)) == {f"{ns}.early"}
+        kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+    finally:
+        source.shutdown()
+        source.server_close()
+
+
+def test_one_tenants_slow_downloads_do_not_hold_the_calls_another_needs(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
+    adapters: Path, tmp_path: Path,
+) -> None:
+    """alice's four adapters come from a source that never answers. Before, their loads took
+    the operator's four call slots on each agent, and bob's unrelated adapter (another
+    namespace, same agents) waited until they timed out. Now remote loads have their own
+    bound per agent and namespace (2): bob's adapter is Ready while alice's downloads still
+    hang, and each agent sees at most 2 of them at once."""
+    ns_a = kube_namespace
+    ns_b = kube_cluster.create_namespace(prefix="bob")
+    source = Source(make_adapter(adapters, "remote"))
+    thread = threading.Thread(target=source.serve_forever, daemon=True)
+    thread.start()
+    op = None
+    try:
+        for agent in fleet:
+            add_agent_pod(kube_cluster, ns_b, agent)
+        apply(kube_cluster, ns_b, fleet_manifest())
+        kube_cluster.kubectl("patch", "lfleet", "default", "-n", ns_a, "--type=merge", "-p",
+                             json.dumps({"spec": {"sources": {"allow": [source.url("hold/")]}}}))
+        op = start_operator(kube_cluster, ns_a, tmp_path,
+                            env={"LORAFLEET_WATCH_NAMESPACES": f"{ns_a},{ns_b}",
+                                 # Longer than the test: the hanging loads keep hanging.
+                                 "LORAFLEET_LOAD_DEADLINE_SECONDS": "300"})
+        slow = []
+        for i in range(4):
+            manifest = adapter_manifest(f"slow-{i}", Path("/unused"))
+            manifest["spec"]["source"]["uri"] = source.url(f"hold/slow-{i}")
+            slow.append(manifest)
+        apply(kube_cluster, ns_a, *slow)
+        wait_for(lambda: source.holding == 4, 60, "2 hanging downloads per agent", op)
+        apply(kube_cluster, ns_b, adapter_manifest("quick", make_adapter(adapters, "quick")))
+        wait_phase(kube_cluster, ns_b, "quick", "Ready", op, timeout_s=40)
+        assert source.holding == 4  # alice's downloads still hang, and no more than 2 per agent
+        kube_cluster.kubectl("delete", "la", "--all", "-n", ns_b, "--wait=true",
+                             "--timeout=60s")
+    finally:
+        source.release.set()
+        if op is not None:
+            op.stop()
+        source.shutdown()
+        source.server_close()
+        kube_cluster.delete_namespace(ns_b)
