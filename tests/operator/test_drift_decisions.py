@@ -1,6 +1,7 @@
 """The drift check's decisions as plain functions of what it saw: whether an agent's registry
 entry is the adapter's spec (``holds``), which names live resources want on an agent
-(``wanted_on``), and which managed names it unloads (``unwanted``). No cluster, no agents."""
+(``wanted_on``), which managed names it unloads (``unwanted``), and what a fleet admits
+(pinning, http(s) source prefixes: ``admission``, ``pin_cap``). No cluster, no agents."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_client import AgentError, AgentInfo, Credentials
 from lorafleet_operator.drift import Registry, holds, unwanted, wanted_on
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView
+from lorafleet_operator.reconcile import FleetView, admission, pin_cap
 
 NS = "team"
 SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"},
@@ -109,3 +110,32 @@ def test_unwanted_leaves_agents_alone_whose_state_is_unknown() -> None:
     fleet_view = view(a0, a1, a2, a3, infos={"agent-0": info(), "agent-1": down,
                                              "agent-2": info()})
     assert unwanted(fleet_view, registries, [], FLEETS) == []
+
+
+def test_the_fleet_admits_pins_and_http_sources_only_as_its_owner_allows() -> None:
+    pinned = {**SPEC, "pinned": True}
+    remote = {**SPEC, "source": {"uri": "https://models.example/team/a"}}
+    refused = admission("default", {}, pinned)
+    assert refused is not None and refused.reason == "PinningNotAllowed"
+    assert admission("default", {"pinning": {"allowed": True}}, pinned) is None
+    assert admission("default", {}, SPEC) is None  # file:// is the agents' adapter roots' job
+    refused = admission("default", {}, remote)
+    assert refused is not None and refused.reason == "SourceNotAllowed"
+    allow = {"sources": {"allow": ["https://models.example/team/"]}}
+    assert admission("default", allow, remote) is None
+    # A prefix is a plain prefix: another path, or a longer host name, is not under it.
+    other = {**SPEC, "source": {"uri": "https://models.example/other/a"}}
+    longer = {**SPEC, "source": {"uri": "https://models.example.evil/team/a"}}
+    assert admission("default", allow, other) is not None
+    assert admission("default", allow, longer) is not None
+    # An adapter the fleet does not admit is not wanted: the drift check unloads it.
+    fleets = [{**FLEETS[0], "spec": {**FLEETS[0]["spec"]}}, FLEETS[1]]
+    one_pinned = {**adapter("one"), "spec": {**adapter("one")["spec"], "pinned": True}}
+    assert wanted_on(pod("agent-0"), info(), [one_pinned, adapter("two")], fleets) == \
+        {"team.two"}
+    fleets[0]["spec"]["pinning"] = {"allowed": True}
+    assert wanted_on(pod("agent-0"), info(), [one_pinned], fleets) == {"team.one"}
+
+
+def test_pinning_leaves_one_device_slot_for_unpinned_traffic() -> None:
+    assert pin_cap(info()) == 3  # max_loras_per_batch 4
