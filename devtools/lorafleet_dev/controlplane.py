@@ -55,8 +55,9 @@ BASE_CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
 )
 #: Added when a real node joins (:mod:`lorafleet_dev.node`): workloads become pods, Jobs (Helm
-#: hooks) run, and node-lifecycle takes the kubelet's not-ready taint off a Ready node. Still
-#: no podgc: stand-in pods bound to a node without a Node object may coexist with real ones.
+#: hooks) run, and node-lifecycle keeps the Node's not-ready/unreachable taints in step with its
+#: Ready condition. Still no podgc: stand-in pods bound to a node without a Node object may
+#: coexist with real ones.
 NODE_CONTROLLERS = (
     "deployment-controller", "replicaset-controller", "statefulset-controller",
     "job-controller", "disruption-controller", "endpointslice-controller",

@@ -415,8 +415,8 @@ state = '{root}/state'
             return False
         ready = any(c["type"] == "Ready" and c["status"] == "True"
                     for c in node.get("status", {}).get("conditions", []))
-        # The node-lifecycle controller takes off the not-ready taint once the kubelet reports
-        # Ready; the scheduler would not place pods before that.
+        # A taint (not-ready, set from the conditions by the node-lifecycle controller) would
+        # keep the scheduler from placing pods here yet.
         return ready and not node.get("spec", {}).get("taints")
 
     def _spawn(self, name: str, argv: list[str], logs: Path) -> ChildProcess:
