@@ -25,6 +25,7 @@ from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -38,8 +39,6 @@ from node_agent.engine.protocol import (
     ControlResult,
     Describe,
     DescribeReply,
-    Forward,
-    ForwardReply,
     Load,
     RankReply,
     Shutdown,
@@ -143,13 +142,30 @@ class ServingStats:
     waiting_adapters: frozenset[str]  # and of those waiting sequences ask for
 
 
-class _Request:
-    """A submitted sequence as its caller sees it: a queue of steps, then an end."""
+@dataclass(frozen=True)
+class _PromptLogits:
+    """The end of a Forward's sequence: the logits of every position."""
 
-    def __init__(self, seq_id: int, adapter: str | None) -> None:
+    logits: np.ndarray
+
+
+class _Request:
+    """A submitted sequence as its caller sees it: a queue of steps, then an end. A Forward's
+    sequence gathers its chunks' logits in `logits` and ends with one `_PromptLogits`."""
+
+    def __init__(self, seq_id: int, adapter: str | None, prompt_len: int = 0) -> None:
         self.seq_id = seq_id
         self.adapter = adapter
-        self.events: queue.Queue[GeneratedStep | BaseException] = queue.Queue()
+        self.prompt_len = prompt_len  # a Forward's: the rows of its logits
+        self.events: queue.Queue[GeneratedStep | _PromptLogits | BaseException] = queue.Queue()
+        self.logits: np.ndarray | None = None
+
+    def add_logits(self, position: int, chunk: np.ndarray) -> None:
+        """A Forward chunk's logits, at its positions (a chunk recomputed after a preemption
+        overwrites the same rows)."""
+        if self.logits is None:
+            self.logits = np.empty((self.prompt_len, chunk.shape[1]), dtype=np.float32)
+        self.logits[position : position + chunk.shape[0]] = chunk
 
 
 class Generation:
@@ -180,6 +196,7 @@ class Generation:
             if isinstance(event, BaseException):
                 self.done = True
                 raise event
+            assert isinstance(event, GeneratedStep)  # a Generation is never a Forward
             if event.finish is not None:
                 self.done = True
             yield event
@@ -196,7 +213,7 @@ class Generation:
 class RunningCommand:
     """The command the ranks are carrying out now: its kind, the adapter it names, since when."""
 
-    command: str  # "load", "unload", "forward", "describe"
+    command: str  # "load", "unload", "step", "describe"
     adapter: str | None  # the engine name of a load's or unload's adapter
     started: float  # time.monotonic()
 
@@ -430,16 +447,43 @@ class Engine:
         return merge_control(replies, already_loaded=True)
 
     def forward(self, sequences: Sequence[SequenceInput]) -> list[torch.Tensor]:
-        """Logits (float32, [len(tokens), vocab]) of every sequence, in input order."""
-        with self._lock:
-            self._check_loaded(sequences)
-            command = Forward(tuple((tuple(s.tokens), s.adapter) for s in sequences))
-            replies = self._broadcast(command, ForwardReply)
-        merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-        if not merged.ok:
-            raise EngineError(merged.error)
-        logits = dict(item for reply in replies for item in reply.logits)
-        return [torch.from_numpy(logits[i]) for i in range(len(sequences))]
+        """Logits (float32, [len(tokens), vocab]) of every sequence, in input order.
+
+        The sequences go through the scheduler as prompt-only requests, so they share steps with
+        running generations; a batch that needs more LoRA slots than there are (pinned adapters
+        counted) is refused at once, as one batch always was.
+        """
+        self._check_loaded(sequences)
+        self._check_slots(sequences)
+        if self.failure:
+            raise EngineError(f"engine is not serving: {self.failure}")
+        requests: list[_Request] = []
+        with self._work:
+            if self._stopping:
+                raise EngineError("engine is not serving: it was closed")
+            try:
+                for sequence in sequences:
+                    request = _Request(next(self._ids), sequence.adapter, len(sequence.tokens))
+                    self._scheduler.submit(SequenceRequest(request.seq_id, sequence.adapter, tuple(sequence.tokens),
+                                                           prompt_logits=True))
+                    self._requests[request.seq_id] = request
+                    requests.append(request)
+            except SchedulerError as error:
+                for request in requests:
+                    self._scheduler.cancel(request.seq_id)
+                    del self._requests[request.seq_id]
+                raise EngineError(f"sequence {len(requests)}: {error}") from None
+            self._work.notify_all()
+        out: list[torch.Tensor] = []
+        for request in requests:
+            event = request.events.get()  # the step loop ends every request: logits or an error
+            if isinstance(event, BaseException):
+                for other in requests:
+                    self._cancel(other.seq_id)
+                raise event
+            assert isinstance(event, _PromptLogits)  # a Forward's request gets nothing else
+            out.append(torch.from_numpy(event.logits))
+        return out
 
     # -- generation (the scheduler) -----------------------------------------------------------
 
@@ -501,10 +545,11 @@ class Engine:
                 self._preemptions += len(step.preempted)
             tokens: dict[int, int] = {}
             logprobs: dict[int, TokenLogprobs] = {}
+            logits: tuple[tuple[int, int, np.ndarray], ...] = ()
             error: EngineError | None = None
             if step.num_tokens:
                 try:
-                    tokens, logprobs = self._run_step(step)
+                    tokens, logprobs, logits = self._run_step(step)
                 except EngineError as failed:
                     error = failed
             with self._work:
@@ -514,8 +559,17 @@ class Engine:
                     for seq_id in victims:
                         self._scheduler.cancel(seq_id)
                     self._fail_requests(victims, error)
-                    tokens = {}
+                    tokens, logits = {}, ()
+                for seq_id, position, chunk in logits:
+                    request = self._requests.get(seq_id)
+                    if request is not None:  # else cancelled while the step ran
+                        request.add_logits(position, chunk)
                 finished = {f.seq_id: f.reason for f in self._scheduler.on_step_done(step, tokens)}
+                for seq_id, reason in finished.items():
+                    request = self._requests.get(seq_id)
+                    if reason is None and request is not None and request.logits is not None:  # a Forward's end
+                        request.events.put(_PromptLogits(request.logits))
+                        del self._requests[seq_id]
                 for seq_id, token in tokens.items():
                     request = self._requests.get(seq_id)
                     if request is None:
@@ -535,7 +589,9 @@ class Engine:
             self._scheduler.cancel(seq_id)
         self._fail_requests(victims, error)
 
-    def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs]]:
+    def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs],
+                                                      tuple[tuple[int, int, np.ndarray], ...]]:
+        """Run one step on every rank: the tokens drawn, their logprobs, the Forward chunks' logits."""
         with self._lock:
             replies = self._broadcast(Step(step.index, step.groups), StepReply)
             self._steps += 1
@@ -544,7 +600,15 @@ class Engine:
             raise EngineError(merged.error)
         tokens = {seq_id: token for reply in replies for seq_id, token in reply.tokens}
         logprobs = {seq_id: lp for reply in replies for seq_id, lp in reply.logprobs}
-        return tokens, logprobs
+        return tokens, logprobs, tuple(chunk for reply in replies for chunk in reply.logits)
+
+    def _check_slots(self, sequences: Sequence[SequenceInput]) -> None:
+        """A Forward batch runs together: its adapters and the pinned ones must fit the slots."""
+        wanted = {s.adapter for s in sequences if s.adapter is not None}
+        pinned = self._pinned - wanted
+        if len(wanted) + len(pinned) > self.config.max_loras_per_batch:
+            raise EngineError(f"no free LoRA slot: the batch needs {len(wanted)} adapters, "
+                              f"{self.config.max_loras_per_batch} slots (max_loras_per_batch), {len(pinned)} pinned")
 
     def _check_loaded(self, sequences: Sequence[SequenceInput]) -> None:
         for index, sequence in enumerate(sequences):

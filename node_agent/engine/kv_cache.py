@@ -108,17 +108,19 @@ class BlockAllocator:
         seq = self._seq(seq_id)
         return max(0, math.ceil((len(seq.tokens) + num_new_tokens) / self.block_size) - len(seq.blocks))
 
-    def add(self, seq_id: int, adapter: AdapterKey, prompt: Sequence[int]) -> int:
+    def add(self, seq_id: int, adapter: AdapterKey, prompt: Sequence[int], reuse: bool = True) -> int:
         """Register a sequence and claim its longest cached prefix; returns the cached token count.
 
         The prefix covers whole blocks only and leaves at least the prompt's last token to be
         computed (its logits are needed). The caller then `append`s `prompt[cached:]` in chunks.
+        With `reuse` false nothing is claimed (a Forward needs every position's logits); its
+        blocks still enter the cache once written.
         """
         if seq_id in self._seqs:
             raise KVCacheError(f"sequence {seq_id} already has blocks")
         seq = _Sequence(adapter)
         self._seqs[seq_id] = seq
-        if not self.prefix_caching:
+        if not self.prefix_caching or not reuse:
             return 0
         parent: bytes | None = None
         for index in range((len(prompt) - 1) // self.block_size):

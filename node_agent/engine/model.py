@@ -76,22 +76,6 @@ class AttentionBatch:
         """Every sequence computes one token (a batched decode)."""
         return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
 
-    @staticmethod
-    def contiguous(kv: PagedKVCache, seq_lens: list[int], device: torch.device) -> AttentionBatch:
-        """Whole sequences from position 0 in consecutive blocks of `kv` (a full-sequence forward
-        run as one prefill over a cache of its own)."""
-        block_size = kv.layout.block_size
-        tables: list[list[int]] = []
-        slots: list[int] = []
-        next_block = 0
-        for length in seq_lens:
-            blocks = -(-length // block_size)
-            tables.append(list(range(next_block, next_block + blocks)))
-            slots.extend(next_block * block_size + i for i in range(length))
-            next_block += blocks
-        return AttentionBatch(kv, torch.tensor(slots, dtype=torch.int64, device=device),
-                              block_table_tensor(tables, device), list(seq_lens), list(seq_lens))
-
 
 def block_table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """int32 `[num_seqs, max_blocks]`, short rows padded with block 0 (never read unmasked)."""

@@ -46,13 +46,6 @@ class Unload:
 
 
 @dataclass(frozen=True)
-class Forward:
-    """Run one batch; each sequence is (token ids, engine adapter name or None)."""
-
-    sequences: tuple[tuple[tuple[int, ...], str | None], ...]
-
-
-@dataclass(frozen=True)
 class Step:
     """One scheduler step (docs/serving.md): the ranks of DP group `g` compute `groups[g]` (an
     empty tuple: the group joins every collective with zero tokens). Each entry carries its new
@@ -68,7 +61,7 @@ class Shutdown:
     """Answer once more, then exit."""
 
 
-Command = Describe | Load | Unload | Forward | Step | Shutdown
+Command = Describe | Load | Unload | Step | Shutdown
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -125,25 +118,20 @@ class DescribeReply(RankReply):
     kv_blocks: int = 0  # blocks of this rank's paged KV cache
     kv_block_bytes: int = 0  # K and V of one block over every layer
     kv_cache_bytes: int = 0  # the budget the cache was sized from
-    slot_decisions: int = 0  # LoRA slot decisions (one per Forward or Step) since the rank started
+    slot_decisions: int = 0  # LoRA slot decisions (one per Step) since the rank started
     slot_digest: str = ""  # sha256 over every decision and the slots after it, in order
-
-
-@dataclass(frozen=True)
-class ForwardReply(RankReply):
-    """Logits of the sequences this rank answers for (its attention group's, on the group's
-    attention-TP leader; nothing on the other ranks), by index in the batch."""
-
-    logits: tuple[tuple[int, np.ndarray], ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
 class StepReply(RankReply):
     """The tokens a step drew, by sequence id (every rank of a group draws the same; the
-    group's attention-TP leader reports them), with their logprobs where asked for."""
+    group's attention-TP leader reports them), with their logprobs where asked for, and the
+    logits (float32, `[tokens, vocab]`) of each Forward chunk as (sequence id, first position,
+    logits)."""
 
     tokens: tuple[tuple[int, int], ...] = ()
     logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
+    logits: tuple[tuple[int, int, np.ndarray], ...] = field(default=(), compare=False)
 
 
 # -- the merged result of a control command ------------------------------------------------------

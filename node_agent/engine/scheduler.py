@@ -84,12 +84,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SequenceRequest:
-    """One sequence to generate: `adapter` is the adapter's engine name (None: the base model)."""
+    """One sequence to generate: `adapter` is the adapter's engine name (None: the base model).
+    With `prompt_logits` (a Forward) the prompt is computed, never from a cached prefix, the
+    logits of every position are returned, and nothing is sampled: the sequence ends once its
+    prompt is in the cache (`params` is unused)."""
 
     seq_id: int
     adapter: str | None
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_logits: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -107,6 +111,7 @@ class ScheduledSequence:
     slots: tuple[int, ...]  # the slot of each new token, for PagedKVCache.write
     block_table: tuple[int, ...]
     sampling: SequenceSampling | None  # set when the chunk ends the sequence's tokens: sample the next one
+    logits: bool = False  # a Forward's chunk: the ranks return the logits of every one of its tokens
 
     @property
     def samples(self) -> bool:
@@ -146,10 +151,11 @@ class ScheduledStep:
 
 @dataclass(frozen=True)
 class FinishedSequence:
-    """A sequence that ended in a step: why, and every token it generated."""
+    """A sequence that ended in a step: why (None: a Forward's prompt is computed), and every
+    token it generated."""
 
     seq_id: int
-    reason: FinishReason
+    reason: FinishReason | None
     token_ids: tuple[int, ...]
 
 
@@ -252,11 +258,12 @@ class Scheduler:
         if request.seq_id in self._live:
             raise SchedulerError(f"sequence {request.seq_id} is already submitted")
         # The last generated token is never written, so a sequence holds at most this many.
-        worst = len(request.prompt) + request.params.max_tokens - 1
+        worst = len(request.prompt) + (0 if request.prompt_logits else request.params.max_tokens - 1)
         if worst > self.config.group_tokens:
+            need = "" if request.prompt_logits else f" + {request.params.max_tokens} max tokens - 1"
             raise SchedulerError(
-                f"sequence {request.seq_id} may need {worst} tokens of KV cache ({len(request.prompt)} prompt + "
-                f"{request.params.max_tokens} max tokens - 1) but a DP group holds {self.config.group_tokens} "
+                f"sequence {request.seq_id} may need {worst} tokens of KV cache ({len(request.prompt)} prompt{need}) "
+                f"but a DP group holds {self.config.group_tokens} "
                 f"({self.config.num_blocks} blocks of {self.config.block_size})"
             )
         if len(self._waiting) >= self.config.max_waiting:
@@ -304,7 +311,8 @@ class Scheduler:
     def on_step_done(self, step: ScheduledStep, tokens: Mapping[int, int]) -> list[FinishedSequence]:
         """Advance the step's sequences: their KV is written, and `tokens` holds the token drawn
         for each sequence that sampled. Returns the sequences that finished (stop token or
-        `max_tokens`, by `sampler.finish_reason`), whose blocks are freed.
+        `max_tokens`, by `sampler.finish_reason`; a Forward once its whole prompt is computed,
+        with reason None), whose blocks are freed.
 
         A sequence cancelled while the step ran is skipped (its token, if given, is ignored).
         """
@@ -323,6 +331,10 @@ class Scheduler:
             if seq is None:
                 continue
             self._allocator(seq).mark_written(seq.seq_id)
+            if seq.request.prompt_logits and entry.context_len == len(seq.tokens):
+                self._release(seq)
+                del self._live[seq.seq_id]
+                finished.append(FinishedSequence(seq.seq_id, None, ()))
             if entry.sampling is None:
                 continue
             token = tokens[entry.seq_id]
@@ -433,7 +445,7 @@ class Scheduler:
         self._waiting.remove(seq)
         seq.group = group
         alloc = self._allocators[group]
-        cached = alloc.add(seq.seq_id, seq.request.adapter, seq.tokens)
+        cached = alloc.add(seq.seq_id, seq.request.adapter, seq.tokens, reuse=not seq.request.prompt_logits)
         self._running[seq.seq_id] = seq
         slots = alloc.append(seq.seq_id, seq.tokens[cached : cached + min(len(seq.tokens) - cached, plan.budget)])
         assert slots is not None  # the group had free blocks for the whole prompt
@@ -446,7 +458,8 @@ class Scheduler:
         for seq, position, slots in plan.chunks.values():
             assert seq.group is not None  # scheduled sequences run
             end = position + len(slots)
-            sampling = SequenceSampling(seq.request.params, seq.seed, seq.generated) if end == len(seq.tokens) else None
+            samples = end == len(seq.tokens) and not seq.request.prompt_logits
+            sampling = SequenceSampling(seq.request.params, seq.seed, seq.generated) if samples else None
             groups[seq.group].append(ScheduledSequence(
                 seq_id=seq.seq_id,
                 adapter=seq.request.adapter,
@@ -455,5 +468,6 @@ class Scheduler:
                 slots=tuple(slots),
                 block_table=self._allocators[seq.group].block_table(seq.seq_id),
                 sampling=sampling,
+                logits=seq.request.prompt_logits,
             ))
         return ScheduledStep(self._step, tuple(tuple(group) for group in groups), tuple(plan.preempted))

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from node_agent.engine.adapter_files import ContentChanged, HeldFiles
@@ -35,8 +34,6 @@ from node_agent.engine.protocol import (
     ControlReply,
     Describe,
     DescribeReply,
-    Forward,
-    ForwardReply,
     Load,
     ModuleShape,
     RankReply,
@@ -49,7 +46,7 @@ from node_agent.engine.protocol import (
 from node_agent.engine.sampler import sample
 from node_agent.engine.scheduler import ScheduledSequence
 from node_agent.engine.sharding import attention_heads
-from node_agent.engine.topology import Topology, assign_sequences
+from node_agent.engine.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +102,7 @@ class RankWorker:
             free, total = torch.cuda.mem_get_info(self.device)
             self.kv_cache_bytes = budget_from_device_memory(free, total, config.gpu_memory_utilization)
         self.kv = PagedKVCache.from_budget(self.kv_layout, self.kv_cache_bytes, self.device)
-        # Every slot decision this rank made (Forward and Step), hashed in order: all ranks of an
+        # Every slot decision this rank made (one per Step), hashed in order: all ranks of an
         # engine must make the same ones, and Describe lets the driver compare them.
         self.slot_digest = hashlib.sha256()
         self.slot_decisions = 0
@@ -131,8 +128,6 @@ class RankWorker:
                 return self.load(command)
             case Unload():
                 return self.unload(command)
-            case Forward():
-                return self.forward(command)
             case Step():
                 return self.step(command)
             case Shutdown():
@@ -149,8 +144,6 @@ class RankWorker:
                 return ControlReply(*head, holds=self.holds())
             case Describe():
                 return DescribeReply(*head, holds=self.holds())
-            case Forward():
-                return ForwardReply(*head)
             case Step():
                 return StepReply(*head)
             case Shutdown():
@@ -194,35 +187,6 @@ class RankWorker:
         self.pool.remove(command.name)
         return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds())
 
-    def forward(self, command: Forward) -> ForwardReply:
-        """Run one batch; the attention-TP leader of each group returns its sequences' logits."""
-        sequences = command.sequences
-        slots = self._prepare([adapter for _, adapter in sequences if adapter])
-        dp_size = self.config.topology.dp_size
-        group_of = assign_sequences([len(tokens) for tokens, _ in sequences], dp_size)
-        members = [[i for i, g in enumerate(group_of) if g == group] for group in range(dp_size)]
-        counts = [sum(len(sequences[i][0]) for i in group) for group in members]
-        slot_of = [slots[adapter] if adapter else -1 for _, adapter in sequences]
-        all_slots = [slot_of[i] for group in members for i in group for _ in sequences[i][0]]
-        mine = members[self.coords.attn_dp_rank]
-        tokens = [t for i in mine for t in sequences[i][0]]
-        seq_lens = [len(sequences[i][0]) for i in mine]
-        # A full-sequence forward is one prefill over a cache of its own, sized for this batch.
-        scratch = PagedKVCache(self.kv_layout, max(1, sum(-(-n // self.kv_layout.block_size) for n in seq_lens)),
-                               self.device)
-        positions = [p for n in seq_lens for p in range(n)]
-        ctx = self._context(counts, all_slots, positions, AttentionBatch.contiguous(scratch, seq_lens, self.device))
-        logits = self.model(self._ids(tokens), ctx)
-        reply = ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
-        if self.coords.attn_tp_rank != 0:
-            return reply
-        out: list[tuple[int, np.ndarray]] = []
-        start = 0
-        for i, length in zip(mine, seq_lens, strict=True):
-            out.append((i, logits[start : start + length].cpu().numpy()))
-            start += length
-        return ForwardReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, logits=tuple(out))
-
     def step(self, command: Step) -> StepReply:
         """Run one scheduler step: this group's entries over the rank's KV cache; every rank of
         the group samples the same tokens from the same gathered logits, the leader reports them."""
@@ -234,11 +198,20 @@ class RankWorker:
         mine: tuple[ScheduledSequence, ...] = groups[self.coords.attn_dp_rank]
         tokens = [t for entry in mine for t in entry.token_ids]
         positions = [entry.position + i for entry in mine for i in range(len(entry.token_ids))]
+        # The LM head runs on the rows that sample (a chunk's last token) and on every row of a
+        # Forward's chunk: `spans` has where each Forward chunk's rows start among its outputs,
+        # `drawing` where each sampling row is.
         rows: list[int] = []
+        spans: list[tuple[ScheduledSequence, int]] = []
+        drawing: list[int] = []
         end = 0
         for entry in mine:
+            if entry.logits:
+                spans.append((entry, len(rows)))
+                rows.extend(range(end, end + len(entry.token_ids)))
             end += len(entry.token_ids)
             if entry.sampling is not None:
+                drawing.append(len(rows))
                 rows.append(end - 1)
         attention = AttentionBatch(
             kv=self.kv,
@@ -249,7 +222,9 @@ class RankWorker:
         )
         logits = self.model(self._ids(tokens), self._context(counts, all_slots, positions, attention, rows))
         sampling = [entry for entry in mine if entry.sampling is not None]
-        drawn = sample(logits, [entry.sampling for entry in sampling if entry.sampling is not None]) if sampling else []
+        # Forward chunks sample nothing: only the sampling rows go to the sampler.
+        sampled = logits[self._ids(drawing)] if spans else logits
+        drawn = sample(sampled, [entry.sampling for entry in sampling if entry.sampling is not None]) if sampling else []
         head = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True)
         if self.coords.attn_tp_rank != 0:
             return StepReply(*head)
@@ -258,6 +233,8 @@ class RankWorker:
             tokens=tuple((entry.seq_id, token.token_id) for entry, token in zip(sampling, drawn, strict=True)),
             logprobs=tuple((entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True)
                            if token.logprobs is not None),
+            logits=tuple((entry.seq_id, entry.position, logits[first : first + len(entry.token_ids)].cpu().numpy())
+                         for entry, first in spans),
         )
 
     def _prepare(self, adapters: list[str]) -> dict[str, int]:

@@ -186,6 +186,25 @@ def test_forward_still_matches_after_generation(served: Served):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
+def test_a_forward_during_generations_shares_their_steps_and_both_match_the_oracles(served: Served):
+    """Forward runs through the scheduler: its prompt-only sequences are computed in the same
+    steps as running generations (every model run is a Step: one slot decision per step)."""
+    from tests import support as R
+
+    api = engine_api()
+    reqs = requests(served.vocab)
+    handles = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens)) for r in reqs]
+    seqs = [(draw_tokens(52, 21, served.vocab), "qv_r2"), (draw_tokens(53, 4, served.vocab), None),
+            (draw_tokens(54, 9, served.vocab), "all_list")]
+    got = served.engine.forward([api.SequenceInput(tokens, adapter) for tokens, adapter in seqs])
+    generated = [[s.token_id for s in handle.tokens()] for handle in handles]
+    for g, w in zip(got, R.reference_logits(served.model_dir, seqs, served.adapters), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert generated == [reference_generate(served.model_dir, served.adapters, r) for r in reqs]
+    assert slot_decisions(served) == served.engine.serving_stats().steps
+    served.assert_all_blocks_free()
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(served: Served):
     probe = Req(draw_tokens(60, 5, served.vocab), "qv_r2", 8)
     sampling = dict(temperature=0.9, top_p=0.95, top_k=50, seed=1234)

@@ -194,6 +194,33 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decodes() -> None:
     assert chunks == [(3, 0, False), (3, 3, False), (3, 6, False), (1, 9, True)]
 
 
+def test_a_forward_is_computed_in_chunks_with_every_logit_never_from_the_cache_and_then_ends() -> None:
+    scheduler = Scheduler(config(max_num_seqs=3, max_num_batched_tokens=6, prefix_caching=True))
+    shared = tuple((3 * i + 1) % VOCAB for i in range(9))
+    warm = SequenceRequest(0, "a", shared, SamplingParams(max_tokens=2))
+    scheduler.submit(warm)
+    drive(scheduler)  # its two full blocks are now cached for adapter "a"
+    forward = SequenceRequest(1, "a", shared, prompt_logits=True)
+    decoding = request(2, 3, 6, "a")
+    scheduler.submit(forward)
+    scheduler.submit(decoding)
+    run = drive(scheduler)
+    chunks = [entry for step in run.steps for entry in step.sequences if entry.seq_id == 1]
+    # Every position from 0 (no cache hit, though its prefix is cached), in chunks that share
+    # steps with the decode, each asking for its logits and none sampling.
+    assert [(e.position, len(e.token_ids)) for e in chunks] == [(0, 6), (6, 3)]
+    assert all(e.logits and e.sampling is None for e in chunks)
+    assert any(len(step.sequences) == 2 for step in run.steps if any(e.seq_id == 1 for e in step.sequences))
+    assert run.finished[1] == FinishedSequence(1, None, ())
+    assert_reference(run, [decoding])
+    assert scheduler.free_blocks() == (64,) and not scheduler.has_work
+    # Its KV need is its prompt only: a prompt as large as the cache fits, one token more does not.
+    small = Scheduler(config(num_blocks=2))
+    small.submit(SequenceRequest(3, None, tuple(range(8)), prompt_logits=True))
+    with pytest.raises(SchedulerError, match=r"may need 9 tokens of KV cache \(9 prompt\) but a DP group holds 8"):
+        small.submit(SequenceRequest(4, None, tuple(range(9)), prompt_logits=True))
+
+
 # -- admission -----------------------------------------------------------------------------------
 
 
