@@ -30,9 +30,11 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -191,6 +193,8 @@ class RealNode:
     work_dir: Path
     name: str
     ip: str
+    #: The kubelet's HTTPS port on ``ip`` (its API: logs, exec, metrics).
+    kubelet_port: int = field(default_factory=free_port)
     _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _kernel_settings: dict[str, str] = field(default_factory=dict, repr=False)
     _lock: IO[str] | None = field(default=None, repr=False)
@@ -388,7 +392,7 @@ state = '{root}/state'
             "protectKernelDefaults": False,
             "failSwapOn": False,
             "address": self.ip,
-            "port": free_port(),
+            "port": self.kubelet_port,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
             "healthzPort": free_port(),
@@ -450,6 +454,17 @@ state = '{root}/state'
         tasks. Exited containers stay listed by ``ctr containers`` until the kubelet's garbage
         collection, every minute; their tasks are gone at once."""
         return self._ctr("tasks", "list", "--quiet").stdout.split()
+
+    def kubelet_metrics(self, path: str = "/metrics/probes") -> str:
+        """A Prometheus text page of the kubelet's own API (``/metrics/probes``: every liveness,
+        readiness and start-up probe it ran, by pod, container and result). Its certificate is
+        self-signed, so it is not verified: this is the node we started."""
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        with urllib.request.urlopen(f"https://{self.ip}:{self.kubelet_port}{path}", timeout=10,
+                                    context=context) as reply:
+            return str(reply.read().decode())
 
     def logs(self, name: str, lines: int = 60) -> str:
         """The tail of one component's log (containerd, kubelet, kube-scheduler, kube-proxy)."""

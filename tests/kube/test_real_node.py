@@ -100,6 +100,17 @@ def operator_pods(cluster: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return list(pods)
 
 
+def probe_results(node: RealNode, ns: str, probe_type: str) -> dict[str, float]:
+    """The kubelet's probe counts for the operator containers of ``ns``, by result."""
+    counts: dict[str, float] = {}
+    for line in node.kubelet_metrics().splitlines():
+        if line.startswith("prober_probe_total{") and f'namespace="{ns}"' in line \
+                and f'probe_type="{probe_type}"' in line and 'container="operator"' in line:
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            counts[result] = counts.get(result, 0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def test_helm_install_upgrade_uninstall_on_a_real_node(
     real_cluster: RealCluster, tmp_path: Path
 ) -> None:
@@ -181,6 +192,14 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(
         assert env["LORAFLEET_LOG_LEVEL"] == "DEBUG"
         assert new_pod["status"]["containerStatuses"][0]["ready"], new_pod["status"]
         assert adapter_status()["phase"] == "Ready"
+        # The chart's liveness probe, run by the kubelet itself, passes (successes counted in
+        # its probe metrics) and never restarted the operator. A failure or two while it starts
+        # on a loaded machine is tolerated, as by the probe's own failureThreshold.
+        wait_for("a successful liveness probe of the operator",
+                 lambda: probe_results(node, ns, "Liveness").get("successful", 0) >= 1,
+                 90, diagnose)
+        (restarted,) = operator_pods(cluster, ns)
+        assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
 
         # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
         # Service) has the operator unload everything; nothing is left, nothing is stuck.
