@@ -526,17 +526,20 @@ state = '{root}/state'
         return found
 
     def _own_processes(self) -> list[tuple[int, str]]:
-        """Running processes started from our bin dir or naming our work dir (shims, pods'
-        processes are in cgroups: see :meth:`leftovers`)."""
-        marks = (str(self.bin_dir).encode(), str(self.work_dir).encode())
+        """Running programs of our bin dir whose arguments name our work dir: this node's
+        containerd, kubelet, kube-proxy and shims (kube-scheduler names only the cluster's
+        kubeconfig; it is a ChildProcess, stopped and reaped). Pods' processes are in the
+        cgroups (see :meth:`leftovers`). Nobody else's process matches, however it is named."""
+        program = str(self.bin_dir).encode() + b"/"
+        work_dir = str(self.work_dir).encode()
         found = []
         for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            if not pid_dir.name.isdigit():
                 continue
             with contextlib.suppress(OSError):
-                cmdline = (pid_dir / "cmdline").read_bytes()
-                if cmdline and any(mark in cmdline for mark in marks):
-                    command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
+                if argv[0].startswith(program) and any(work_dir in a for a in argv[1:]):
+                    command = b" ".join(argv).decode(errors="replace")
                     found.append((int(pid_dir.name), command[:120]))
         return found
 
@@ -557,7 +560,8 @@ state = '{root}/state'
 
     def _kill_leftover_shims(self) -> None:
         """containerd-shim-runc-v2 processes outlive containerd by design (ours name our
-        socket); a drain that timed out leaves them, with their containers."""
+        socket); a drain that timed out leaves them, with their containers. Everything else of
+        ours is stopped by then, so what :meth:`_own_processes` still finds is shims."""
         for pid, _ in self._own_processes():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
