@@ -198,8 +198,9 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     async with rt.fleet_lock(namespace, fleet):
         adapters = [a for a in await rt.kube.list_adapters(namespace)
                     if a["spec"]["fleetRef"]["name"] == fleet]
-        # e.g. its Secret is not opened (and never was): nothing to call with
-        view, unreachable = await unload_view(rt, namespace, fleet)
+        view, problem = await unload_view(rt, namespace, fleet)
+        # Nowhere to unload (e.g. its Secret was never opened and no agent was seen): say why.
+        unreachable = problem if view is None else ""
         outcomes = [o for part in await asyncio.gather(*(
             _release_adapter(rt, view, fleet, a, unreachable) for a in adapters)) for o in part]
     failures: list[AgentFailure] = [o.failure for o in outcomes if o.failure is not None]

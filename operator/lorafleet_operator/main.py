@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp.web
 import kopf
-from kubernetes.client.exceptions import ApiException
 from prometheus_client import start_http_server
 
 from lorafleet_operator import metrics
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings
+from lorafleet_operator.failures import KUBE_API_ERRORS, kube_reason
 from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.leader import LeaderElector
 from lorafleet_operator.runtime import Runtime
@@ -54,7 +54,12 @@ async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
     usable = []
     lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "name": settings.lease_name}
     for namespace in settings.namespaces:
-        problem = await kube.namespace_problem(namespace)
+        try:
+            problem = await kube.namespace_problem(namespace)
+        except KUBE_API_ERRORS as err:  # the API server is down or busy: kopf's watch retries
+            log.warning("watched namespace %s could not be checked (%s): watching it",
+                        namespace, kube_reason(err))
+            problem = ""
         if problem:
             what = ("skipped: the operator may not list its LoraAdapters (RBAC)"
                     if problem == "forbidden" else "watched, served once it exists")
@@ -64,8 +69,8 @@ async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
                 await kube.post_event(settings.lease_namespace, lease, "Warning",
                                       "WatchedNamespaceUnusable",
                                       f"watched namespace {namespace} is {problem}: {what}")
-            except ApiException as err:
-                log.warning("could not post the event: %s %s", err.status, err.reason)
+            except KUBE_API_ERRORS as err:
+                log.warning("could not post the event: %s", kube_reason(err))
         if problem != "forbidden":
             usable.append(namespace)
     return usable
