@@ -23,6 +23,7 @@ from urllib.parse import unquote
 
 from huggingface_hub import hf_hub_url
 from huggingface_hub.errors import HFValidationError
+
 # Public as huggingface_hub.utils.validate_repo_id; imported from its module for the type checker.
 from huggingface_hub.utils._validators import validate_repo_id
 
