@@ -67,13 +67,15 @@ def agent_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentEnv]:
     adapters = root / "adapters"
     adapters.mkdir()
     spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name=BASE_MODEL)
-    # Each agent its own download cache: http(s) sources (loopback servers) are allowed.
-    a0 = AgentProcess("agent-0", AgentSpec(**{**spec.__dict__,
-                                              "extra_args": ("--cache-dir", str(root / "c0"))}),
+    # Each agent its own download cache: http(s) sources (loopback servers) are allowed. No
+    # minimum download rate: a black-holed test source hangs until the test releases it.
+    def downloads(cache: str) -> tuple[str, ...]:
+        return ("--cache-dir", str(root / cache), "--download-min-bytes-per-s", "0")
+
+    a0 = AgentProcess("agent-0", AgentSpec(**{**spec.__dict__, "extra_args": downloads("c0")}),
                       root / "logs")
     a1 = AgentProcess("agent-1", AgentSpec(**{**spec.__dict__, "max_lora_rank": 8,
-                                              "extra_args": ("--cache-dir", str(root / "c1"))}),
-                      root / "logs")
+                                              "extra_args": downloads("c1")}), root / "logs")
     for agent in (a0, a1):
         agent.start()
     try:
