@@ -387,3 +387,37 @@ def test_a_kv_budget_from_device_memory_needs_cuda(artifacts):
                               gpu_memory_utilization=0.9)
     with pytest.raises(api.EngineError, match="gpu_memory_utilization needs device cuda, not cpu"):
         api.Engine(config)
+
+
+def test_a_moe_with_a_shared_expert_at_another_ep_split_generates_as_peft(tmp_path_factory):
+    """Qwen2-MoE (a shared expert and its gate beside the routed experts, a dense layer) at tp=2
+    ep=2 dp=1 in the default LoRA mode: six concurrent greedy requests equal the oracle."""
+    from tests import support as R
+
+    api = engine_api()
+    root = tmp_path_factory.mktemp("serving-moe-shared")
+    model_dir = R.make_tiny_model(root / "model", "qwen2_moe", seed=6)
+    adapters = {
+        "everything": R.make_adapter(model_dir, root / "everything", seed=4, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
+                                     target_modules="all-linear",
+                                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        "shared_only": R.make_adapter(model_dir, root / "shared_only", seed=5, r=2, lora_alpha=8, a_std=0.3, b_std=0.3,
+                                      target_modules=["shared_expert_gate", "gate_proj", "down_proj"]),
+    }
+    vocab = model_config(model_dir)["vocab_size"]
+    names: list[str | None] = ["everything", None, "shared_only"]
+    reqs = [Req(draw_tokens(300 + i, 2 + (7 * i) % 12, vocab), names[i % 3], 2 + (5 * i) % 9) for i in range(6)]
+    config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(2, 1, ep_size=2), max_lora_rank=8,
+                              max_loras_per_batch=2, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=6,
+                              max_num_batched_tokens=16)
+    with api.Engine(config) as engine:
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        served = Served(engine, model_dir, adapters, vocab)
+        got = served.generate(reqs)
+        served.assert_all_blocks_free()
+    want = [reference_generate(model_dir, adapters, r) for r in reqs]
+    assert got == want
+    for adapter in ("everything", "shared_only"):  # premise: each adapter changes some output
+        assert any(w != reference_generate(model_dir, adapters, Req(r.tokens, None, r.max_tokens))
+                   for r, w in zip(reqs, want, strict=True) if r.adapter == adapter), adapter
