@@ -273,6 +273,13 @@ def test_agent_source_allowlist_values_become_the_agents_flags(kube_cluster: Con
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert args.allow_source == ["https://huggingface.co/", "https://m.example:8443/lora/"]
     assert args.allow_source_network == ["10.0.0.0/8"]
+    # The chart's fleet allows the same prefixes, so the operator admits what the agents fetch.
+    fleet = docs[("LoraFleet", "default")]["spec"]
+    assert fleet["sources"] == {"allow": ["https://huggingface.co/", "https://m.example:8443/lora/"]}
+    assert "pinning" not in fleet
+    assert "sources" not in render_docs(kube_cluster, MODEL)[("LoraFleet", "default")]["spec"]
+    pinning = render_docs(kube_cluster, MODEL, "fleet.allowPinning=true")[("LoraFleet", "default")]["spec"]["pinning"]
+    assert pinning == {"allowed": True}
 
 
 # ---- refusals: values.schema.json and templates/_validate.tpl --------------------------------
@@ -307,6 +314,8 @@ REFUSALS = [
     (("agent.metricsPort=50051",), "agent.grpcPort and agent.metricsPort must differ (both 50051)"),
     (("agent.http.port=9090",), "agent.http.port (9090) must differ from agent.grpcPort and agent.metricsPort"),
     (("agent.http.port=0",), "at '/agent/http/port': minimum: got 0, want 1"),
+    (("agent.sources.allow={https://huggingface.co}",),
+     "at '/agent/sources/allow/0': 'https://huggingface.co' does not match pattern"),
     (("agent.healthPort=8000",),
      "agent.healthPort (8000) must differ from agent.grpcPort, agent.metricsPort and agent.http.port"),
     (("agent.healthPort=70000",), "at '/agent/healthPort': maximum: got 70,000, want 65,535"),
