@@ -214,7 +214,7 @@ def test_dockerignore_keeps_in(path: str) -> None:
 # ---- the dependency split --------------------------------------------------------------------
 
 AGENT_ONLY = {"torch", "triton", "safetensors", "numpy", "tokenizers", "google-re2", "jsonschema",
-              "grpcio-health-checking", "grpcio-reflection"}
+              "grpcio-health-checking", "grpcio-reflection", "aiohttp", "pydantic", "jinja2", "huggingface-hub"}
 
 
 def dist_name(requirement: str) -> str:
