@@ -154,6 +154,19 @@ def _engine(artifacts: Artifacts, tp: int, dp: int, model: str = MODEL, fully_sh
         yield Served(engine, model_dir, adapters, model_config(model_dir)["vocab_size"])
 
 
+def generate_on_a_fresh_engine(config: Any, adapters: dict[str, Path], reqs: list[Req]) -> list[list[int]]:
+    """Each request's tokens from an engine of `config` with `adapters` loaded, all submitted at
+    once; every KV block is checked free afterwards."""
+    api = engine_api()
+    with api.Engine(config) as engine:
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+        served = Served(engine, config.model_dir, adapters, model_config(config.model_dir)["vocab_size"])
+        got = served.generate(reqs)
+        served.assert_all_blocks_free()
+    return got
+
+
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=[t.id for t in TOPOLOGIES])
 def served(request, artifacts) -> Iterator[Served]:
     topo: Topo = request.param
@@ -326,12 +339,7 @@ def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
     config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(4, 2, ep_size=2, fully_sharded_loras=True),
                               max_lora_rank=8, max_loras_per_batch=3, device="cpu", block_size=BLOCK_SIZE,
                               max_num_seqs=8, max_num_batched_tokens=16)
-    with api.Engine(config) as engine:
-        for name, path in adapters.items():
-            engine.load_adapter(name, path)
-        served = Served(engine, model_dir, adapters, vocab)
-        got = served.generate(reqs)
-        served.assert_all_blocks_free()
+    got = generate_on_a_fresh_engine(config, adapters, reqs)
     want = [reference_generate(model_dir, adapters, r) for r in reqs]
     assert got == want
 
@@ -410,12 +418,7 @@ def test_a_moe_with_a_shared_expert_at_another_ep_split_generates_as_peft(tmp_pa
     config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(2, 1, ep_size=2), max_lora_rank=8,
                               max_loras_per_batch=2, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=6,
                               max_num_batched_tokens=16)
-    with api.Engine(config) as engine:
-        for name, path in adapters.items():
-            engine.load_adapter(name, path)
-        served = Served(engine, model_dir, adapters, vocab)
-        got = served.generate(reqs)
-        served.assert_all_blocks_free()
+    got = generate_on_a_fresh_engine(config, adapters, reqs)
     want = [reference_generate(model_dir, adapters, r) for r in reqs]
     assert got == want
     for adapter in ("everything", "shared_only"):  # premise: each adapter changes some output
