@@ -36,7 +36,7 @@ from typing import Any
 from lorafleet_dev.checkout import Checkout
 from lorafleet_dev.kubelet import StandInKubelet
 from lorafleet_dev.pki import ControlPlanePki, make_control_plane_pki
-from lorafleet_dev.processes import ChildProcess, HarnessError, free_port
+from lorafleet_dev.processes import ChildProcess, HarnessError, built_bin_dir, free_port
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +83,8 @@ def find_bin_dir(checkout: Checkout) -> Path:
     ``scripts/build-kube.sh`` (which alone knows the versions, hence the cache path) names it. Building takes 10-20 minutes cold, far
     longer than a test should wait, so a missing build is an error telling what to run.
     """
-    override = os.environ.get("LORAFLEET_KUBE_BIN_DIR")
-    if override:
-        bin_dir = Path(override)
-    else:
-        proc = subprocess.run(
-            ["bash", str(checkout.build_kube_script), "--print-bin-dir", "--no-build"],
-            capture_output=True, text=True, check=False,
-        )
-        if proc.returncode != 0:
-            raise HarnessError(
-                "the Kubernetes control-plane binaries are not built; run scripts/build-kube.sh "
-                f"first (10-20 minutes cold, cached afterwards).\n{proc.stderr.strip()}"
-            )
-        bin_dir = Path(proc.stdout.strip())
-    missing = [b for b in BINARIES if not os.access(bin_dir / b, os.X_OK)]
-    if missing:
-        raise HarnessError(
-            f"{bin_dir} lacks {', '.join(missing)}; run scripts/build-kube.sh to build them"
-        )
-    return bin_dir
+    return built_bin_dir(checkout.build_kube_script, "LORAFLEET_KUBE_BIN_DIR", BINARIES,
+                         "Kubernetes control-plane binaries", "10-20 minutes")
 
 
 @dataclass

@@ -43,7 +43,7 @@ from lorafleet_dev.checkout import Checkout
 from lorafleet_dev.controlplane import ControlPlane
 from lorafleet_dev.mounts import mounts_under, unmount_all
 from lorafleet_dev.oci import write_image_archive
-from lorafleet_dev.processes import ChildProcess, HarnessError, free_port
+from lorafleet_dev.processes import ChildProcess, HarnessError, built_bin_dir, free_port
 
 log = logging.getLogger(__name__)
 
@@ -74,24 +74,8 @@ KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops
 def find_node_bin_dir(checkout: Checkout) -> Path:
     """The cached bin dir of scripts/build-node.sh (``LORAFLEET_NODE_BIN_DIR`` overrides it);
     nothing is built here: a missing build is an error naming the script."""
-    override = os.environ.get("LORAFLEET_NODE_BIN_DIR")
-    if override:
-        bin_dir = Path(override)
-    else:
-        proc = subprocess.run(
-            ["bash", str(checkout.build_node_script), "--print-bin-dir", "--no-build"],
-            capture_output=True, text=True, check=False,
-        )
-        if proc.returncode != 0:
-            raise HarnessError(
-                "the node binaries (kubelet, containerd, ...) are not built; run "
-                f"scripts/build-node.sh first (minutes cold, cached afterwards).\n{proc.stderr.strip()}"
-            )
-        bin_dir = Path(proc.stdout.strip())
-    missing = [b for b in NODE_BINARIES if not os.access(bin_dir / b, os.X_OK)]
-    if missing:
-        raise HarnessError(f"{bin_dir} lacks {', '.join(missing)}; run scripts/build-node.sh")
-    return bin_dir
+    return built_bin_dir(checkout.build_node_script, "LORAFLEET_NODE_BIN_DIR", NODE_BINARIES,
+                         "node binaries (kubelet, containerd, ...)", "minutes")
 
 
 def check_machine() -> None:

@@ -134,3 +134,23 @@ class ChildProcess:
 
 if __name__ == "__main__":
     _exec_dying_with(int(sys.argv[1]), sys.argv[2:])
+
+
+def built_bin_dir(script: Path, override_env: str, binaries: Sequence[str], what: str, cold: str) -> Path:
+    """The cached bin dir a build script names (``--print-bin-dir --no-build``), or the directory
+    in `override_env`; nothing is built here (builds take minutes): a missing build, or a
+    binary missing from it, is a HarnessError naming the script to run."""
+    override = os.environ.get(override_env)
+    if override:
+        bin_dir = Path(override)
+    else:
+        proc = subprocess.run(["bash", str(script), "--print-bin-dir", "--no-build"],
+                              capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise HarnessError(f"the {what} are not built; run scripts/{script.name} first ({cold} cold, cached "
+                               f"afterwards).\n{proc.stderr.strip()}")
+        bin_dir = Path(proc.stdout.strip())
+    missing = [b for b in binaries if not os.access(bin_dir / b, os.X_OK)]
+    if missing:
+        raise HarnessError(f"{bin_dir} lacks {', '.join(missing)}; run scripts/{script.name} to build them")
+    return bin_dir

@@ -8,7 +8,6 @@ fixtures), a real HTTP source on loopback.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from lorafleet.v1 import agent_pb2
 from lorafleet_dev.agents import AgentProcess
+from tests.agent.helpers import running
 from tests.kube.harness import ControlPlane
 from tests.operator import test_e2e
 from tests.operator.agents import (
@@ -48,14 +48,8 @@ def sources(agent: AgentProcess, ns: str) -> dict[str, str]:
 
 @pytest.fixture
 def source(adapters: Path) -> Iterator[Source]:
-    server = Source(make_adapter(adapters, "served-over-http"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with running(Source(make_adapter(adapters, "served-over-http"))) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 #: Transient retries from 2 s doubling to 20 s (jittered down by up to half), drift every 1 s.
