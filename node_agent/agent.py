@@ -54,7 +54,7 @@ from node_agent.errors import (
 )
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
-from node_agent.sources import ResolvedSource, SourcePolicy, clean_cache, parse_sha256, resolve_source
+from node_agent.sources import ResolvedSource, SourceCredential, SourcePolicy, clean_cache, parse_sha256, resolve_source
 from node_agent.text import IncrementalDecoder, StopStrings, eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
 from node_agent.values import DEFAULT_NEW_TOKENS, Description, GeneratedToken, GenerateParams, RankStatus
@@ -208,9 +208,9 @@ class Agent:
     # -- LoadAdapter -----------------------------------------------------------------------------
 
     def load(self, name: str, source_uri: str, sha256: str = "", pinned: bool = False, replace_existing: bool = False,
-             token: str | None = None) -> ControlResult:
+             credential: SourceCredential | None = None) -> ControlResult:
         """Load `name` on every rank or on none; idempotent for the same content and pinning.
-        `token` authenticates the download of an http(s) or hf:// source (never logged)."""
+        `credential` authenticates the download of an http(s) or hf:// source (never logged)."""
         with ControlCall(self.metrics, "load", name, source=source_uri) as call:
             check_adapter_name(name)
             expected = parse_sha256(sha256)
@@ -221,7 +221,7 @@ class Agent:
                 current = self.registry.get(name)
                 if current is not None and _unchanged(current, source_uri, expected, pinned):
                     return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
-                source = resolve_source(source_uri, expected, self.config.sources, token)
+                source = resolve_source(source_uri, expected, self.config.sources, credential)
                 with _discarded_on_failure(source):
                     if current is not None and current.source.content == source.content and current.pinned == pinned:
                         source.discard()

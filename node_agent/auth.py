@@ -1,7 +1,10 @@
-"""Who may call the agent: a bearer token (interceptor) and TLS / mutual TLS credentials.
+"""Who may call the agent: a bearer token (interceptor) and TLS / mutual TLS credentials; and
+how the agent proves to a client that it holds the token before the client sends it.
 
 The health service stays open without a token so that kubelet's gRPC probes, which cannot
-send metadata, keep working; every other method (reflection included) needs the token.
+send metadata, keep working; so does ``ProveIdentity``, which a client calls before it sends the
+token (its answer is a MAC of the client's nonce, `lorafleet_common.identity`). Every other
+method (reflection included) needs the token.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from typing import Any
 
 import grpc
 
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+from lorafleet_common.identity import NONCE_BYTES, identity_proof
+from node_agent.errors import InvalidRequest
+
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/lorafleet.v1.NodeAgent/ProveIdentity")
 
 _HANDLER_FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -59,6 +65,14 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMe
 
     factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     return factory(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def prove_identity(token: str | None, nonce: bytes) -> bytes:
+    """This agent's answer to a client's challenge: HMAC-SHA256(token, CONTEXT || nonce), or
+    nothing when the agent has no token (it cannot prove holding one; the client sends none)."""
+    if len(nonce) != NONCE_BYTES:
+        raise InvalidRequest(f"an identity challenge is a {NONCE_BYTES}-byte nonce, got {len(nonce)} byte(s)")
+    return identity_proof(token, nonce) if token else b""
 
 
 @dataclass(frozen=True)

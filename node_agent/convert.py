@@ -7,7 +7,18 @@ import numpy as np
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.registry import RegistryEntry
 from node_agent.engine import ControlResult
+from node_agent.errors import InvalidRequest
+from node_agent.sources import SourceCredential
 from node_agent.values import Description, GeneratedToken, GenerateParams
+
+
+def source_credential(request: pb.LoadAdapterRequest) -> SourceCredential | None:
+    """A load's source credential: its bearer token or its basic user and password (not both)."""
+    if request.HasField("source_basic"):
+        if request.source_token:
+            raise InvalidRequest("a load carries source_token or source_basic, not both")
+        return SourceCredential.basic(request.source_basic.username, request.source_basic.password)
+    return SourceCredential.bearer(request.source_token) if request.source_token else None
 
 
 def description(d: Description) -> pb.DescribeResponse:

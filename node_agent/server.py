@@ -38,7 +38,7 @@ from lorafleet.v1 import agent_pb2_grpc
 from lorafleet_common.wire import REASON_METADATA_KEY
 from node_agent import convert
 from node_agent.agent import Agent
-from node_agent.auth import BearerTokenInterceptor, TlsFiles
+from node_agent.auth import BearerTokenInterceptor, TlsFiles, prove_identity
 from node_agent.errors import (
     AdapterConflict,
     AdapterNotFound,
@@ -180,8 +180,9 @@ def _streaming(
 class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     """`lorafleet.v1.NodeAgent` over an `Agent`, with a budget for control and for inference calls."""
 
-    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget) -> None:
+    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget, token: str | None = None) -> None:
         self.agent = agent
+        self.token = token  # the bearer token, for ProveIdentity
         self.budgets = {"control": control, "inference": inference}
         self.closing = threading.Event()  # set by AgentServer.stop(): only Describe, ListAdapters, health
 
@@ -211,7 +212,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
         result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
-                                 token=request.source_token or None)
+                                 credential=convert.source_credential(request))
         return convert.load_response(result)
 
     @_unary("control")
@@ -225,6 +226,10 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @_unary("inference")
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardResponse:
         return convert.forward_response(self.agent.forward(convert.forward_sequences(request)))
+
+    @_unary()
+    def ProveIdentity(self, request: pb.ProveIdentityRequest, context: grpc.ServicerContext) -> pb.ProveIdentityResponse:
+        return pb.ProveIdentityResponse(proof=prove_identity(self.token, request.nonce))
 
     @_streaming("inference")
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -387,6 +392,7 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
         agent,
         control=CallBudget("control", options.max_control_calls, "--max-control-calls"),
         inference=CallBudget("inference", options.max_inference_calls, "--max-inference-calls"),
+        token=options.auth_token,
     )
     agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     # Non-blocking Watch: probe streams do not hold worker threads.

@@ -33,9 +33,10 @@ Policy (docs/agent.md "Sources" and "Limits"):
   at one commit (a branch or tag is pinned to the commit the Hub names for the first file),
   from ``hub_endpoint`` (``--hub-endpoint``, the fleet owner's), through the same downloader and
   checks as http(s).
-* A source token (LoadAdapterRequest.source_token) is sent as ``Authorization: Bearer`` to the
-  source's own URLs only, as an unredirected header (never to a redirect target, such as the
-  Hub's file CDN), and never logged or repeated.
+* A source credential (`SourceCredential`: LoadAdapterRequest.source_token as ``Authorization:
+  Bearer``, or source_basic as ``Authorization: Basic``) is sent to the source's own URLs only,
+  as an unredirected header (never to a redirect target, such as the Hub's file CDN), and never
+  logged or repeated; a value that cannot be a header is refused without showing it.
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line of this module repeats a URI's userinfo or query (`redact_uri`).
 * No message repeats downloaded content: a downloaded ``adapter_config.json`` is checked here
@@ -52,6 +53,7 @@ removed by `discard()`.
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import errno
@@ -263,10 +265,47 @@ def redact_uri(uri: str) -> str:
     return shown if cut < 0 else shown[:cut] + "?<redacted>"
 
 
-def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy, token: str | None = None) -> ResolvedSource:
-    """Check `uri` against the policy and make a private copy of its adapter. A `token` (http(s)
-    and hf:// sources) is sent as ``Authorization: Bearer`` to the source's own URLs only: never
-    on a redirect, never logged or repeated in a message."""
+@dataclass(frozen=True)
+class SourceCredential:
+    """What authenticates a download: the ``Authorization`` header value sent to the source's own
+    URLs. Its repr shows only the scheme, so no log line or traceback can carry the secret."""
+
+    authorization: str
+
+    def __repr__(self) -> str:
+        return f"SourceCredential({self.authorization.partition(' ')[0]} ***)"
+
+    @classmethod
+    def bearer(cls, token: str) -> SourceCredential:
+        """A bearer token (a Hub token, or any http(s) bearer token)."""
+        _check_header_safe(token, "the source token")
+        return cls(f"Bearer {token}")
+
+    @classmethod
+    def basic(cls, username: str, password: str) -> SourceCredential:
+        """HTTP basic authentication (RFC 7617): a user name without ':' and a password."""
+        if ":" in username:
+            raise InvalidRequest("the source user name cannot contain ':' (HTTP basic authentication)")
+        _check_header_safe(username, "the source user name")
+        _check_header_safe(password, "the source password")
+        return cls("Basic " + base64.b64encode(f"{username}:{password}".encode()).decode("ascii"))
+
+
+def _check_header_safe(value: str, what: str) -> None:
+    """Refuse an empty value or one with control or non-ASCII characters, without showing it
+    (http.client would refuse it with the value in its message)."""
+    if not value:
+        raise InvalidRequest(f"{what} is empty")
+    bad = sum(1 for c in value if not " " <= c <= "~")
+    if bad:
+        raise InvalidRequest(f"{what} cannot be sent as a header value: it contains {bad} control or non-ASCII character(s)")
+
+
+def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy,
+                   credential: SourceCredential | None = None) -> ResolvedSource:
+    """Check `uri` against the policy and make a private copy of its adapter. A `credential`
+    (http(s) and hf:// sources) is sent to the source's own URLs only: never on a redirect, never
+    logged or repeated in a message; a file:// source with one is refused."""
     shown = redact_uri(uri)
     try:
         parts = urlsplit(uri)
@@ -279,12 +318,14 @@ def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy, 
             "URL userinfo; serve the adapter without them",
             "credentials",
         )
+    if scheme == "file" and credential is not None:
+        raise SourceRefused(f"file:// sources take no credential ({shown!r})", "credentials")
     if scheme == "file":
         source = _resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
     elif scheme in ("http", "https"):
-        source = _download(uri, shown, parts.query or parts.fragment, policy, token)
+        source = _download(uri, shown, parts.query or parts.fragment, policy, credential)
     elif scheme == "hf":
-        source = _download_hub(uri, shown, policy, token)
+        source = _download_hub(uri, shown, policy, credential)
     else:
         raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://",
                             "scheme")
@@ -759,29 +800,29 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
                 del _ACTIVE_DOWNLOADS[key]
 
 
-def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, token: str | None) -> ResolvedSource:
+def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, credential: SourceCredential | None) -> ResolvedSource:
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
     base = uri.rstrip("/")
-    target, content, _ = _fetch_adapter(shown, policy, token, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}")
+    target, content, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}")
     return ResolvedSource(uri, target, content, downloaded=True, owned=True)
 
 
-def _download_hub(uri: str, shown: str, policy: SourcePolicy, token: str | None) -> ResolvedSource:
+def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None) -> ResolvedSource:
     hub = parse_hub_uri(uri, shown)
     endpoint = policy.hub_endpoint
 
     def weights_url(answered: str | None) -> str:
         return hub.file_url(endpoint, ADAPTER_WEIGHTS, pinned_commit(hub, answered, shown))
 
-    target, content, commit = _fetch_adapter(shown, policy, token, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
+    target, content, commit = _fetch_adapter(shown, policy, credential, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
                                              also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS))
     log.debug("downloaded %s (%s at commit %s) into %s", shown, hub.repo_id, commit or hub.revision, target)
     return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown))
 
 
 def _fetch_adapter(
-    shown: str, policy: SourcePolicy, token: str | None, config_url: str, weights_url: Callable[[str | None], str],
+    shown: str, policy: SourcePolicy, credential: SourceCredential | None, config_url: str, weights_url: Callable[[str | None], str],
     also_allowed: str | None = None,
 ) -> tuple[Path, Content, str | None]:
     """Download both files into a fresh private directory, under every http(s) check: the config
@@ -801,7 +842,7 @@ def _fetch_adapter(
                 # No ProxyHandler with environment proxies: every connection is the agent's own, checked.
                 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), redirects)
                 fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s,
-                                          token=token, answers=redirects.hops)
+                                          credential=credential, answers=redirects.hops)
                 config_sha = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 _check_downloaded_config(target, shown)
                 commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
@@ -852,13 +893,13 @@ def _reason_phrase(code: int) -> str:
 
 
 def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float,
-           token: str | None = None, answers: list[HTTPMessage] | None = None) -> str:
-    """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256. `token` goes
-    to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
+           credential: SourceCredential | None = None, answers: list[HTTPMessage] | None = None) -> str:
+    """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256. `credential`
+    goes to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
     shown = redact_uri(url)
     request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
-    if token:
-        request.add_unredirected_header("Authorization", f"Bearer {token}")
+    if credential is not None:
+        request.add_unredirected_header("Authorization", credential.authorization)
     try:
         # The deadline is the watchdog's: the socket timeout bounds one operation only.
         with opener.open(request, timeout=socket_timeout_s) as response, open(dest, "xb") as out:

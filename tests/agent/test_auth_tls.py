@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_common.identity import NONCE_BYTES, proof_matches
 from lorafleet_dev.pki import Authority
 from node_agent.auth import TlsFiles
 from node_agent.cli import main
@@ -74,6 +75,23 @@ def test_the_right_token_is_accepted(shared):
         # Past auth, the agent's own answers: an s3 source is refused, an unknown adapter not found.
         assert rpc_error(calls["LoadAdapter"]).code() == grpc.StatusCode.INVALID_ARGUMENT
         assert rpc_error(calls["UnloadAdapter"]).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_agent_proves_it_holds_the_token_without_being_sent_it(shared):
+    """ProveIdentity needs no token (the client asks before it sends one) and answers the MAC of
+    the client's nonce under the token: right for that nonce only, and useless for another; an
+    agent without a token has nothing to prove with (an empty proof)."""
+    nonce, other = b"\x01" * NONCE_BYTES, b"\x02" * NONCE_BYTES
+    with extra_server(shared, auth_token=TOKEN) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        proof = stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce), timeout=30).proof
+        assert proof_matches(TOKEN, nonce, proof) and not proof_matches(TOKEN, other, proof)
+        assert not proof_matches("another-token", nonce, proof)
+        short = rpc_error(lambda: stub.ProveIdentity(pb.ProveIdentityRequest(nonce=b"x"), timeout=30))
+        assert short.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{NONCE_BYTES}-byte" in short.details()
+    with extra_server(shared) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        assert stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce), timeout=30).proof == b""
 
 
 @pytest.fixture(scope="module")

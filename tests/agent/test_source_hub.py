@@ -28,7 +28,7 @@ import pytest
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.errors import SourceRefused
-from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, resolve_source
+from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourceCredential, SourcePolicy, resolve_source
 from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, make_model, running
 
 TOKEN = "hf_tok3n-n3ver-l0gged"
@@ -214,7 +214,7 @@ def test_a_private_repository_needs_the_token_which_goes_to_the_hub_only(hub, tm
         resolve_source("hf://org/private", None, policy(hub, tmp_path))
     hub.seen.hub.clear()
     hub.seen.cdn.clear()
-    source = resolve_source("hf://org/private", None, policy(hub, tmp_path), token=TOKEN)
+    source = resolve_source("hf://org/private", None, policy(hub, tmp_path), SourceCredential.bearer(TOKEN))
     source.discard()
     assert [auth for _, auth in hub.seen.hub] == [f"Bearer {TOKEN}"] * 2
     assert [auth for _, auth in hub.seen.cdn] == [None], "never sent on the redirect to the CDN"

@@ -16,6 +16,18 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class ProveIdentityRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProveIdentityResponse(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -103,20 +115,30 @@ class LoraSliceShape(_message.Message):
     def __init__(self, lora_a_shape: _Optional[_Iterable[int]] = ..., lora_b_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token")
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token", "source_basic")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BASIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     source_uri: str
     sha256: str
     pinned: bool
     replace: bool
     source_token: str
-    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ...) -> None: ...
+    source_basic: SourceBasicAuth
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ...) -> None: ...
+
+class SourceBasicAuth(_message.Message):
+    __slots__ = ("username", "password")
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    username: str
+    password: str
+    def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded")

@@ -64,6 +64,11 @@ class NodeAgentStub:
                 request_serializer=lorafleet_dot_v1_dot_agent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_agent__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ProveIdentity = channel.unary_unary(
+                '/lorafleet.v1.NodeAgent/ProveIdentity',
+                request_serializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -111,6 +116,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProveIdentity(self, request, context):
+        """Proves that the server is a lorafleet agent holding the fleet's token, before a client sends
+        it: the answer is HMAC-SHA256(token, lorafleet_common.identity.CONTEXT || nonce). Open
+        without the token (like health); an agent without a token answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +157,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=lorafleet_dot_v1_dot_agent__pb2.GenerateRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_agent__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ProveIdentity': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProveIdentity,
+                    request_deserializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +326,33 @@ class NodeAgent:
             '/lorafleet.v1.NodeAgent/Generate',
             lorafleet_dot_v1_dot_agent__pb2.GenerateRequest.SerializeToString,
             lorafleet_dot_v1_dot_agent__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProveIdentity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.NodeAgent/ProveIdentity',
+            lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.SerializeToString,
+            lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.FromString,
             options,
             channel_credentials,
             insecure,
