@@ -6,6 +6,9 @@ adapters and agents stays bounded. Loads of remote (http(s)) sources, which can 
 as a download, go through their own semaphore per (agent, namespace) instead: one tenant's
 slow or black-holed downloads never hold the slots other adapters' calls need. gRPC failures become :class:`AgentError`, carrying the
 status code that :mod:`failures` classifies.
+
+The fleet's token goes to an endpoint only after it proved it is an agent holding it (or over a
+verified TLS channel): :mod:`identity`, checked here before every token-bearing call.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -26,6 +29,16 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
 from lorafleet_operator.config import Settings
+from lorafleet_operator.identity import (
+    IDENTITY_UNCHECKED,
+    NOT_AN_AGENT,
+    UNDELIVERED,
+    Identities,
+    check_answer,
+    new_nonce,
+    refusal,
+)
+from lorafleet_operator.sources import is_remote
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,6 +134,16 @@ class Credentials:
 
 
 @dataclass(frozen=True)
+class SourceCredential:
+    """What an agent sends to a load's source (:mod:`credentials`): a bearer token, or with a
+    user name, basic authentication. Never in a repr: no log line or traceback shows it."""
+
+    token: str = field(default="", repr=False)
+    username: str = field(default="", repr=False)
+    password: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
 class AgentInfo:
     """Describe, reduced to what the operator uses."""
 
@@ -164,6 +187,8 @@ class AgentClients:
         self._remote: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._loads: dict[str, LoadGate] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
+        self.identities = Identities()
+        self._proving: dict[str, asyncio.Lock] = {}
 
     def _channel(self, endpoint: str, creds: Credentials) -> grpc.aio.Channel:
         key = (endpoint, creds)
@@ -202,12 +227,46 @@ class AgentClients:
         async with self._total, per_agent:
             yield
 
+    def observe(self, endpoints: Mapping[str, str]) -> None:
+        """The pods now behind these endpoints (endpoint -> pod uid): a new one proves again."""
+        self.identities.observe(endpoints)
+
+    async def _ensure_agent(self, endpoint: str, creds: Credentials,
+                            stub: agent_pb2_grpc.NodeAgentStub) -> None:
+        """Before the token goes to ``endpoint``: a verified TLS channel, or the identity proof
+        (asked once per pod and token; concurrent first calls share one challenge)."""
+        if not creds.token or creds.tls or self.identities.is_proven(endpoint, creds.token):
+            return
+        async with self._proving.setdefault(endpoint, asyncio.Lock()):
+            if self.identities.is_proven(endpoint, creds.token):
+                return
+            nonce = new_nonce()
+            try:
+                reply = await stub.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce),
+                                                 timeout=self._settings.call_deadline_s)
+            except grpc.aio.AioRpcError as err:
+                metrics.AGENT_CALLS.labels(method="ProveIdentity", code=err.code().name).inc()
+                if err.code() in UNDELIVERED:
+                    raise AgentError(err.code(), f"identity check of {endpoint} failed: "
+                                                 f"{err.details() or err.code().name}",
+                                     reason=IDENTITY_UNCHECKED) from None
+                why = f"ProveIdentity answered {err.code().name}"  # its details are not ours
+            else:
+                metrics.AGENT_CALLS.labels(method="ProveIdentity", code="OK").inc()
+                why = check_answer(creds.token, nonce, reply.proof)
+            if why:
+                message = refusal(endpoint, why)
+                self.identities.refused(endpoint, creds.token, message)
+                raise AgentError(grpc.StatusCode.PERMISSION_DENIED, message, reason=NOT_AN_AGENT)
+            self.identities.prove(endpoint, creds.token)
+
     async def _call(self, endpoint: str, creds: Credentials, method: str,
                     invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
                     deadline_s: float, remote_of: str = "") -> T:
         stub = agent_pb2_grpc.NodeAgentStub(self._channel(endpoint, creds))
         metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
         async with self._slots(endpoint, remote_of):
+            await self._ensure_agent(endpoint, creds, stub)
             try:
                 result = await invoke(stub, metadata, deadline_s)
             except grpc.aio.AioRpcError as err:
@@ -232,13 +291,19 @@ class AgentClients:
 
     async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,
                    sha256: str, pinned: bool, replace: bool, exclusive: bool = False,
-                   namespace: str = "") -> ControlReply:
+                   namespace: str = "", credential: SourceCredential | None = None) -> ControlReply:
         """LoadAdapter; ``exclusive``: with no other load in flight on this agent. A failure
-        says whether the load was alone there (``AgentError.alone``). A remote (http(s))
-        source of ``namespace`` is bounded per (agent, namespace), apart from other calls."""
-        remote_of = namespace if source_uri.startswith(("http://", "https://")) else ""
+        says whether the load was alone there (``AgentError.alone``). A remote (http(s),
+        hf://) source of ``namespace`` is bounded per (agent, namespace), apart from other
+        calls. ``credential`` goes with the request (the agent sends it to the source)."""
+        remote_of = namespace if is_remote(source_uri) else ""
         request = agent_pb2.LoadAdapterRequest(name=name, source_uri=source_uri, sha256=sha256,
                                                pinned=pinned, replace=replace)
+        if credential is not None and credential.username:
+            request.source_basic.username = credential.username
+            request.source_basic.password = credential.password
+        elif credential is not None:
+            request.source_token = credential.token
         gate = self._loads.setdefault(endpoint, LoadGate())
         async with gate.enter(name, exclusive=exclusive) as overlap:
             try:

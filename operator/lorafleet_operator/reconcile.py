@@ -18,8 +18,15 @@ import grpc
 from kubernetes.client.exceptions import ApiException
 
 from lorafleet_common.merge import merge_failure_first
-from lorafleet_operator import names
-from lorafleet_operator.agent_client import AgentError, AgentInfo, ControlReply, Credentials
+from lorafleet_operator import names, sources
+from lorafleet_operator.agent_client import (
+    AgentError,
+    AgentInfo,
+    ControlReply,
+    Credentials,
+    SourceCredential,
+)
+from lorafleet_operator.credentials import source_credential
 from lorafleet_operator.failures import (
     AdapterGeneration,
     AgentFailure,
@@ -34,6 +41,7 @@ from lorafleet_operator.failures import (
     incarnation,
 )
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
+from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.kube import SecretData
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
@@ -60,22 +68,22 @@ def admission(fleet_name: str, fleet_spec: Mapping[str, Any],
               adapter_spec: Mapping[str, Any]) -> FleetProblem | None:
     """Whether the fleet's owner lets this adapter onto the fleet's agents (None: yes), checked
     before any load: a pinned adapter only where ``spec.pinning.allowed`` is true (pinning is
-    a privilege the fleet grants, not every adapter creator's right), an http(s) source only
-    when it starts with one of ``spec.sources.allow`` (none by default: http(s) is off until
-    the owner names prefixes; the agents' --allow-source stays the second line)."""
+    a privilege the fleet grants, not every adapter creator's right), an http(s) or hf://
+    source only under one of ``spec.sources.allow`` (:mod:`~lorafleet_operator.sources`; none
+    by default: remote sources are off until the owner names prefixes; the agents'
+    --allow-source stays the second line)."""
     if adapter_spec.get("pinned") and not (fleet_spec.get("pinning") or {}).get("allowed"):
         return FleetProblem(PINNING_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
                                                  f"pinned adapters (its owner sets "
                                                  f"spec.pinning.allowed: true); not loaded")
     uri = str(adapter_spec["source"]["uri"])
-    if uri.startswith(("http://", "https://")):
-        allowed = [str(p) for p in (fleet_spec.get("sources") or {}).get("allow") or []]
-        if not any(uri.startswith(prefix) for prefix in allowed):
-            return FleetProblem(SOURCE_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
-                                                    f"this http(s) source: it is under none of "
-                                                    f"the fleet's spec.sources.allow prefixes "
-                                                    f"({len(allowed)} set by its owner); not "
-                                                    f"loaded")
+    allowed = [str(p) for p in (fleet_spec.get("sources") or {}).get("allow") or []]
+    if not sources.admitted(uri, allowed):
+        return FleetProblem(SOURCE_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
+                                                f"this http(s) or hf:// source: it is under none of "
+                                                f"the fleet's spec.sources.allow prefixes "
+                                                f"({len(allowed)} set by its owner); not "
+                                                f"loaded")
     return None
 
 
@@ -204,6 +212,7 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
             rt.describe_cache[key] = await rt.agents.describe(agent.endpoint, creds)
         return rt.describe_cache[key]
 
+    rt.agents.observe({a.endpoint: a.uid for a in agents if a.dialable})  # a new pod proves again
     return await ask_each([a for a in agents if a.dialable], describe)
 
 
@@ -223,6 +232,7 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
     creds = await credentials(rt, namespace, fleet_name, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
+    await report_impostors(rt.kube, rt.agents.identities, agents, infos)
     view = FleetView(namespace, tuple(agents), infos, creds, fleet_name, spec)
     if view.dialable:
         rt.last_views[(namespace, fleet_name)] = view
@@ -310,15 +320,22 @@ async def load_on(rt: Runtime, view: FleetView, target: Target,
     waiting = backing_off(rt, body, target)
     if waiting is not None:
         return waiting
+    try:
+        credential = await source_credential(
+            body["spec"], view.name, view.spec,
+            lambda name, keys: opened_secret(rt, view.namespace, view.name, name, keys))
+    except FleetProblem as problem:  # nothing sent: not booked, the next look reads it again
+        return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
+                           problem.message)
     if not body["spec"].get("pinned"):
-        return await _load(rt, view, target, body)
+        return await _load(rt, view, target, body, credential)
     # One pinned load at a time per agent: the count of pins and the load that adds one.
     async with rt.pin_lock(target.agent.endpoint):
         refusal = await pin_refusal(rt, view, target, body)
         if refusal:
             return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
                                refusal, served=await served_version(rt, view, target, body))
-        return await _load(rt, view, target, body)
+        return await _load(rt, view, target, body, credential)
 
 
 def pin_cap(info: AgentInfo) -> int:
@@ -349,9 +366,10 @@ async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
             f"one device slot stays for unpinned traffic); not loaded")
 
 
-async def _load(rt: Runtime, view: FleetView, target: Target,
-                body: Mapping[str, Any]) -> AgentResult:
-    """The LoadAdapter call itself and the books (crash book, back-off)."""
+async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
+                credential: SourceCredential | None) -> AgentResult:
+    """The LoadAdapter call itself (with the source's credential) and the books (crash book,
+    back-off)."""
     spec, meta = body["spec"], body["metadata"]
     key, pod = generation_key(body), target.agent.name
     failure: AgentFailure
@@ -361,7 +379,8 @@ async def _load(rt: Runtime, view: FleetView, target: Target,
             name=names.agent_name(meta["namespace"], meta["name"]),
             source_uri=spec["source"]["uri"], sha256=spec["source"].get("sha256", ""),
             pinned=bool(spec.get("pinned", False)), replace=True,
-            exclusive=rt.crashes.isolate(key), namespace=meta["namespace"])
+            exclusive=rt.crashes.isolate(key), namespace=meta["namespace"],
+            credential=credential)
     except AgentError as err:
         if died_under(err):
             rt.crashes.suspect(key, pod, incarnation(target.agent), alone=err.alone,

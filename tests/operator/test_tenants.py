@@ -173,12 +173,15 @@ def test_secrets_must_be_opened_and_refusals_reveal_nothing(
         assert leak not in text, (leak, text)
     assert phase(kube_cluster, ns, "a-f-unopened") == "Pending"
 
-    # The Secret's owner opens it to this one fleet: now (and only now) the token is sent.
+    # The Secret's owner opens it to this one fleet: now (and only now) the operator would send
+    # the token, but first asks the pod to prove it is an agent holding it (issue 15, the
+    # identity check): the database cannot, and still receives nothing.
     kube_cluster.kubectl("label", "secret", "db-password", "-n", ns,
                          "lorafleet.dev/allow-fleet=f-unopened")
-    wait_for(lambda: "Bearer hunter2" in workload.tokens(), 60, "the opened token sent",
+    wait_for(lambda: workload.calls, 60, "the opened fleet's pod asked to prove it is an agent",
              operator)
-    assert set(workload.tokens()) == {"Bearer hunter2"}
+    assert {method for method, _ in workload.calls} == {"/lorafleet.v1.NodeAgent/ProveIdentity"}
+    assert set(workload.tokens()) == {""}
     assert ready_condition(kube_cluster, ns, "a-f-nokey")["reason"] == "SecretNotOpened"
 
 

@@ -1,0 +1,83 @@
+"""A LoraAdapter's source credential: read from a Secret its spec names, sent with the load.
+
+``spec.source.credentials`` = ``{type: Bearer | Basic, secretRef: {name, key}}``. ``Bearer``
+(a Hub token for hf://, or an http(s) bearer token) reads ``secretRef.key`` (default
+``token``); ``Basic`` reads the Secret's ``username`` and ``password`` keys (those of the
+``kubernetes.io/basic-auth`` Secret type). The Secret is read only when it is opened to the
+adapter's fleet, through the one rule for Secrets (``reconcile.opened_secret``), which refuses
+anything else with a message that says nothing about the Secret. Two more rules, here:
+
+* never the fleet's own agent Secrets (its token or TLS Secret): a tenant who may create
+  LoraAdapters could otherwise have the fleet's token sent to a source host;
+* only to fleets whose agents can prove who they are (``spec.auth``: the identity proof, or
+  ``spec.tls``: the verified certificate); otherwise any pod the selector matches would get it.
+
+The value is trimmed like the fleet's token and refused when it cannot be a header value; no
+message, status or log line shows it (the dataclass's repr hides it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from lorafleet_operator.agent_client import SourceCredential
+from lorafleet_operator.failures import FleetProblem
+
+#: The Ready condition's reason for a source credential the operator will not send.
+SOURCE_CREDENTIAL_REFUSED = "SourceCredentialRefused"
+BEARER, BASIC = "Bearer", "Basic"
+DEFAULT_TOKEN_KEY = "token"
+BASIC_KEYS = ("username", "password")
+
+#: Reads an opened Secret's data by name, requiring the keys (``reconcile.opened_secret``).
+SecretReader = Callable[[str, Sequence[str]], Awaitable[Mapping[str, bytes]]]
+
+
+def _header_safe(raw: bytes, what: str) -> str:
+    """A Secret value as a header value: surrounding whitespace trimmed; empty, control or
+    non-ASCII bytes refused (permanent), the message counting them, never showing them."""
+    value = raw.strip(b" \t\r\n\f\v")
+    bad = sum(1 for b in value if not 0x20 <= b <= 0x7E)
+    if not value or bad:
+        problem = "is empty" if not value else f"contains {bad} control or non-ASCII byte(s)"
+        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"the source credential's {what} {problem} "
+                                                      f"after trimming surrounding whitespace; "
+                                                      f"not loaded until the Secret is fixed")
+    return value.decode("ascii")
+
+
+def agent_secrets(fleet_spec: Mapping[str, Any]) -> set[str]:
+    """The Secrets the fleet itself uses towards its agents (token, TLS)."""
+    names = {((fleet_spec.get("auth") or {}).get("tokenSecretRef") or {}).get("name"),
+             ((fleet_spec.get("tls") or {}).get("secretRef") or {}).get("name")}
+    return {n for n in names if n}
+
+
+async def source_credential(adapter_spec: Mapping[str, Any], fleet_name: str,
+                            fleet_spec: Mapping[str, Any],
+                            read: SecretReader) -> SourceCredential | None:
+    """The adapter's source credential (None when its spec names none), read through ``read``;
+    FleetProblem when the operator will not send it (see the module's rules)."""
+    spec = (adapter_spec.get("source") or {}).get("credentials")
+    if not spec:
+        return None
+    ref = spec["secretRef"]
+    if ref["name"] in agent_secrets(fleet_spec):
+        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"Secret {ref['name']!r} holds LoraFleet "
+                                                      f"{fleet_name!r}'s own agent credentials: "
+                                                      f"it is never sent to a source; not loaded")
+    if not fleet_spec.get("auth") and not fleet_spec.get("tls"):
+        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"LoraFleet {fleet_name!r} has neither "
+                                                      f"spec.auth nor spec.tls, so its agents "
+                                                      f"cannot prove who they are: source "
+                                                      f"credentials are sent only to agents "
+                                                      f"that can; not loaded")
+    kind = spec.get("type") or BEARER
+    if kind == BASIC:
+        data = await read(ref["name"], BASIC_KEYS)
+        return SourceCredential(username=_header_safe(data["username"], "username"),
+                                password=_header_safe(data["password"], "password"))
+    key = ref.get("key") or DEFAULT_TOKEN_KEY
+    data = await read(ref["name"], (key,))
+    return SourceCredential(token=_header_safe(data[key], "token"))
