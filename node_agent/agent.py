@@ -54,7 +54,15 @@ from node_agent.errors import (
 )
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry
-from node_agent.sources import ResolvedSource, SourceCredential, SourcePolicy, clean_cache, parse_sha256, resolve_source
+from node_agent.sources import (
+    DownloadProgress,
+    ResolvedSource,
+    SourceCredential,
+    SourcePolicy,
+    clean_cache,
+    parse_sha256,
+    resolve_source,
+)
 from node_agent.text import IncrementalDecoder, StopStrings, eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
 from node_agent.values import DEFAULT_NEW_TOKENS, Description, GeneratedToken, GenerateParams, RankStatus
@@ -87,6 +95,8 @@ class Agent:
         self.config = config
         self.metrics = metrics or AgentMetrics()
         self.registry = Registry()
+        # Names whose source is downloading now, and its progress (ListAdapters shows them).
+        self.downloading: dict[str, DownloadProgress] = {}
         model_dir = Path(engine.config.model_dir)
         self.base_model_name = config.base_model_name or model_dir.resolve().name
         self._config_sha256 = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
@@ -221,7 +231,12 @@ class Agent:
                 current = self.registry.get(name)
                 if current is not None and _unchanged(current, source_uri, expected, pinned):
                     return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
-                source = resolve_source(source_uri, expected, self.config.sources, credential)
+                # One load per name at a time (serialised), so the entry is this load's own.
+                self.downloading[name] = progress = DownloadProgress()
+                try:
+                    source = resolve_source(source_uri, expected, self.config.sources, credential, progress)
+                finally:
+                    del self.downloading[name]
                 with _discarded_on_failure(source):
                     if current is not None and current.source.content == source.content and current.pinned == pinned:
                         source.discard()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.registry import RegistryEntry
 from node_agent.engine import ControlResult
 from node_agent.errors import InvalidRequest
-from node_agent.sources import SourceCredential
+from node_agent.sources import DownloadProgress, SourceCredential
 from node_agent.values import Description, GeneratedToken, GenerateParams
 
 
@@ -78,12 +80,14 @@ def unload_response(result: ControlResult) -> pb.UnloadAdapterResponse:
     )
 
 
-def list_response(adapters: list[RegistryEntry]) -> pb.ListAdaptersResponse:
-    """ListAdapters' reply."""
+def list_response(adapters: list[RegistryEntry], downloading: Mapping[str, DownloadProgress]) -> pb.ListAdaptersResponse:
+    """ListAdapters' reply: the registry, and the loads whose source is downloading now."""
+    progress = {name: p.snapshot() for name, p in list(downloading.items())}
     return pb.ListAdaptersResponse(
         adapters=[
             pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters
-        ]
+        ],
+        downloading=[pb.DownloadProgress(name=name, bytes_done=done, bytes_total=total) for name, (done, total) in progress.items()],
     )
 
 

@@ -221,7 +221,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary()
     def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.ServicerContext) -> pb.ListAdaptersResponse:
-        return convert.list_response(self.agent.list_adapters())
+        return convert.list_response(self.agent.list_adapters(), self.agent.downloading)
 
     @_unary("inference")
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardResponse:

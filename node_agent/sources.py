@@ -301,11 +301,36 @@ def _check_header_safe(value: str, what: str) -> None:
         raise InvalidRequest(f"{what} cannot be sent as a header value: it contains {bad} control or non-ASCII character(s)")
 
 
+class DownloadProgress:
+    """The bytes one source's download has received, and the sizes its server declared so far;
+    written by the downloading thread, read by others (ListAdapters) while it runs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = 0
+        self._total = 0
+
+    def expect(self, size: int) -> None:
+        """A file's declared size (Content-Length) joins the total."""
+        with self._lock:
+            self._total += size
+
+    def count(self, size: int) -> None:
+        with self._lock:
+            self._done += size
+
+    def snapshot(self) -> tuple[int, int]:
+        """(bytes received, bytes declared so far)."""
+        with self._lock:
+            return self._done, self._total
+
+
 def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy,
-                   credential: SourceCredential | None = None) -> ResolvedSource:
+                   credential: SourceCredential | None = None, progress: DownloadProgress | None = None) -> ResolvedSource:
     """Check `uri` against the policy and make a private copy of its adapter. A `credential`
     (http(s) and hf:// sources) is sent to the source's own URLs only: never on a redirect, never
-    logged or repeated in a message; a file:// source with one is refused."""
+    logged or repeated in a message; a file:// source with one is refused. A download counts its
+    bytes into `progress`."""
     shown = redact_uri(uri)
     try:
         parts = urlsplit(uri)
@@ -323,9 +348,9 @@ def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy,
     if scheme == "file":
         source = _resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
     elif scheme in ("http", "https"):
-        source = _download(uri, shown, parts.query or parts.fragment, policy, credential)
+        source = _download(uri, shown, parts.query or parts.fragment, policy, credential, progress)
     elif scheme == "hf":
-        source = _download_hub(uri, shown, policy, credential)
+        source = _download_hub(uri, shown, policy, credential, progress)
     else:
         raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://",
                             "scheme")
@@ -800,15 +825,18 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
                 del _ACTIVE_DOWNLOADS[key]
 
 
-def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, credential: SourceCredential | None) -> ResolvedSource:
+def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, credential: SourceCredential | None,
+              progress: DownloadProgress | None) -> ResolvedSource:
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
     base = uri.rstrip("/")
-    target, content, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}")
+    target, content, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}",
+                                        progress=progress)
     return ResolvedSource(uri, target, content, downloaded=True, owned=True)
 
 
-def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None) -> ResolvedSource:
+def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None,
+                  progress: DownloadProgress | None) -> ResolvedSource:
     hub = parse_hub_uri(uri, shown)
     endpoint = policy.hub_endpoint
 
@@ -816,14 +844,14 @@ def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: Source
         return hub.file_url(endpoint, ADAPTER_WEIGHTS, pinned_commit(hub, answered, shown))
 
     target, content, commit = _fetch_adapter(shown, policy, credential, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
-                                             also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS))
+                                             also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS), progress=progress)
     log.debug("downloaded %s (%s at commit %s) into %s", shown, hub.repo_id, commit or hub.revision, target)
     return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown))
 
 
 def _fetch_adapter(
     shown: str, policy: SourcePolicy, credential: SourceCredential | None, config_url: str, weights_url: Callable[[str | None], str],
-    also_allowed: str | None = None,
+    also_allowed: str | None = None, progress: DownloadProgress | None = None,
 ) -> tuple[Path, Content, str | None]:
     """Download both files into a fresh private directory, under every http(s) check: the config
     first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the config's
@@ -842,7 +870,7 @@ def _fetch_adapter(
                 # No ProxyHandler with environment proxies: every connection is the agent's own, checked.
                 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), redirects)
                 fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s,
-                                          credential=credential, answers=redirects.hops)
+                                          credential=credential, answers=redirects.hops, progress=progress)
                 config_sha = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 _check_downloaded_config(target, shown)
                 commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
@@ -893,7 +921,8 @@ def _reason_phrase(code: int) -> str:
 
 
 def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float,
-           credential: SourceCredential | None = None, answers: list[HTTPMessage] | None = None) -> str:
+           credential: SourceCredential | None = None, answers: list[HTTPMessage] | None = None,
+           progress: DownloadProgress | None = None) -> str:
     """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256. `credential`
     goes to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
     shown = redact_uri(url)
@@ -909,10 +938,14 @@ def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirec
             declared = int(declared_text) if declared_text and declared_text.isdigit() else None
             if declared is not None and declared > cap:
                 raise SourceRefused(f"{shown} is {declared} bytes, over the {cap}-byte cap", "too_large")
+            if progress is not None and declared is not None:
+                progress.expect(declared)
             digest, total = hashlib.sha256(), 0
             while chunk := response.read1(CHUNK_BYTES):
                 total += len(chunk)
                 watchdog.count(len(chunk))
+                if progress is not None:
+                    progress.count(len(chunk))
                 if total > cap:  # a server may omit or understate Content-Length
                     raise SourceRefused(f"{shown} exceeds the {cap}-byte cap", "too_large")
                 digest.update(chunk)

@@ -195,10 +195,22 @@ class ListAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "downloading")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADING_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    downloading: _containers.RepeatedCompositeFieldContainer[DownloadProgress]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., downloading: _Optional[_Iterable[_Union[DownloadProgress, _Mapping]]] = ...) -> None: ...
+
+class DownloadProgress(_message.Message):
+    __slots__ = ("name", "bytes_done", "bytes_total")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes_done: int
+    bytes_total: int
+    def __init__(self, name: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "source_uri", "sha256", "pinned", "ranks")
