@@ -17,6 +17,7 @@ from torch import nn
 
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
+from node_agent.engine.kernels import dense
 from node_agent.engine.distributed import all_gather_last_dim, all_reduce
 from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
 
@@ -132,7 +133,13 @@ class LoraLinear(nn.Module):
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
-        """Read this rank's slices of the base weight (and bias) under `prefix`."""
+        """Read this rank's slices of the base weight (and bias) under `prefix`, then lay the
+        weight out for `dense.linear` (the plain copy is dropped: one copy in memory)."""
+        self.read_base(checkpoint, prefix)
+        self.weight = nn.Parameter(dense.pack(self.weight.detach()), requires_grad=False)
+
+    def read_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Copy this rank's slices of the base weight (and bias) into `weight` and `bias`."""
         raise NotImplementedError
 
     def set_slot(self, slot: int, weights: list[SliceWeights | None]) -> None:
@@ -162,7 +169,7 @@ class ColumnParallelLoraLinear(LoraLinear):
 
     style = ParallelStyle.COLUMN
 
-    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+    def read_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         rows = [checkpoint.read(f"{prefix}.{s.peft_module}.weight", rows=s.out) for s in self.layout.slices]
         self.weight.copy_(torch.cat(rows))
         if self.bias is not None:
@@ -170,7 +177,7 @@ class ColumnParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output columns, base plus LoRA."""
-        out = nn.functional.linear(x, self.weight, self.bias)
+        out = dense.linear(x, self.weight, self.bias)
         self.add_lora(x, out, batch)
         return out
 
@@ -180,7 +187,7 @@ class RowParallelLoraLinear(LoraLinear):
 
     style = ParallelStyle.ROW
 
-    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+    def read_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         (only,) = self.layout.slices
         key = f"{prefix}.{only.peft_module}"
         self.weight.copy_(checkpoint.read(f"{key}.weight", cols=only.inp))
@@ -189,7 +196,7 @@ class RowParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """The full output: partial base plus LoRA, reduced once over the layer's group."""
-        partial = nn.functional.linear(x, self.weight)
+        partial = dense.linear(x, self.weight)
         self.add_lora(x, partial, batch)
         all_reduce(partial, self.group)
         if self.bias is not None:

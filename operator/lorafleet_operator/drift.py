@@ -7,11 +7,13 @@ changes). One check:
 2. lists every agent's registry (ListAdapters), **then** lists the LoraAdapters. In this order
    an adapter loaded by a handler meanwhile is either absent from the registry snapshot (and
    loaded again: idempotent) or already has its resource in the list; never unloaded by mistake;
-3. unloads managed adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource
-   of any fleet selecting that pod wants on that agent's base model;
-4. for each LoraAdapter of this fleet, loads it where it is missing (an agent restarted; a new
-   agent) unless a permanent failure there is still backing off, and writes its status from
-   what the agents now hold;
+3. places this fleet's adapters, oldest first (:mod:`placement`), and unloads managed
+   adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource wants there: of
+   this fleet, where placement did not put them; of any other fleet selecting that pod, with
+   its base model;
+4. for each LoraAdapter of this fleet, loads it where it is placed and missing (an agent
+   restarted; a new agent; room appeared) unless a failure there is still backing off, and
+   writes its status and EndpointSlices from what the agents now hold;
 5. writes the fleet's status (agents, ready agents, members with topology and capacity).
 """
 
@@ -40,32 +42,36 @@ from lorafleet_operator.failures import (
     stalled_loops,
 )
 from lorafleet_operator.fleet import AgentPod, selector_matches
-from lorafleet_operator.publish import publish_status, unchanged
+from lorafleet_operator.placement import Placement
+from lorafleet_operator.publish import publish_fleet_status, publish_status
 from lorafleet_operator.reconcile import (
     FleetView,
+    Registry,
     Target,
     admission,
-    ask_each,
     backing_off,
     condemned,
     error_result,
     failure_key,
     fleet_view,
+    list_registries,
     load_on,
+    place_fleet,
+    placed_targets,
 )
+from lorafleet_operator.routing import publish_slices
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import MAX_AGENT_MESSAGE, AgentResult, AgentState, build_status, condition, now_rfc3339
+from lorafleet_operator.status import (
+    MAX_AGENT_MESSAGE,
+    MAX_LISTED_MEMBERS,
+    AgentResult,
+    AgentState,
+    build_status,
+    condition,
+    now_rfc3339,
+)
 
 log = logging.getLogger("lorafleet.operator.drift")
-
-#: One agent's registry (ListAdapters by name), or the error that stands for it.
-Registry = dict[str, RegistryEntry] | AgentError
-
-
-async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
-    """ListAdapters on every dialable agent at once."""
-    return await ask_each(view.dialable,
-                          lambda agent: rt.agents.list_adapters(agent.endpoint, view.creds))
 
 
 def _live(adapter: Mapping[str, Any]) -> bool:
@@ -73,17 +79,24 @@ def _live(adapter: Mapping[str, Any]) -> bool:
 
 
 def wanted_on(agent: AgentPod, info: AgentInfo, adapters: Sequence[Mapping[str, Any]],
-              fleets: Sequence[Mapping[str, Any]]) -> set[str]:
+              fleets: Sequence[Mapping[str, Any]],
+              placements: Mapping[str, Placement] | None = None) -> set[str]:
     """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it
-    that admits it: :func:`~lorafleet_operator.reconcile.admission`)."""
+    that admits it: :func:`~lorafleet_operator.reconcile.admission`). An adapter that has a
+    placement in ``placements`` (this fleet's) is wanted only where it is placed."""
     selecting = {f["metadata"]["name"]: f.get("spec") or {} for f in fleets
                  if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)}
-    return {names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
-            for a in adapters
-            if _live(a) and a["spec"]["fleetRef"]["name"] in selecting
-            and a["spec"]["baseModel"] == info.base_model
-            and admission(a["spec"]["fleetRef"]["name"], selecting[a["spec"]["fleetRef"]["name"]],
-                          a["spec"]) is None}
+    wanted = set()
+    for a in adapters:
+        name = names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
+        fleet = a["spec"]["fleetRef"]["name"]
+        if not _live(a) or fleet not in selecting or a["spec"]["baseModel"] != info.base_model \
+                or admission(fleet, selecting[fleet], a["spec"]) is not None:
+            continue
+        placement = (placements or {}).get(name)
+        if placement is None or agent.name in placement.placed:
+            wanted.add(name)
+    return wanted
 
 
 def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bool:
@@ -97,27 +110,34 @@ def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bo
 
 def unwanted(view: FleetView, registries: Mapping[str, Registry],
              adapters: Sequence[Mapping[str, Any]],
-             fleets: Sequence[Mapping[str, Any]]) -> list[tuple[AgentPod, str]]:
+             fleets: Sequence[Mapping[str, Any]],
+             placements: Mapping[str, Placement] | None = None,
+             busy: frozenset[str] = frozenset()) -> list[tuple[AgentPod, str]]:
     """(agent, registry name) of every managed adapter no live resource wants there. An agent
-    whose Describe or registry listing failed is left alone: what it holds is unknown."""
+    whose Describe or registry listing failed is left alone: what it holds is unknown; so is
+    an adapter in ``busy`` (a handler is placing it right now)."""
     calls: list[tuple[AgentPod, str]] = []
     for agent in view.dialable:
         registry, info = registries.get(agent.name), view.infos.get(agent.name)
         if not isinstance(info, AgentInfo) or registry is None or isinstance(registry, AgentError):
             continue
-        wanted = wanted_on(agent, info, adapters, fleets)
+        wanted = wanted_on(agent, info, adapters, fleets, placements)
         calls.extend((agent, registry_name) for registry_name in registry
                      if names.is_managed(registry_name, view.namespace)
-                     and registry_name not in wanted)
+                     and registry_name not in wanted and registry_name not in busy)
     return calls
 
 
 async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
                           adapters: Sequence[Mapping[str, Any]],
-                          fleets: Sequence[Mapping[str, Any]]) -> int:
+                          fleets: Sequence[Mapping[str, Any]],
+                          placements: Mapping[str, Placement]) -> int:
     """Unload managed adapters nobody wants (:func:`unwanted`); returns how many were unloaded."""
+    busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.items()
+                     if lock.locked())
 
     async def unload(agent: AgentPod, registry_name: str) -> bool:
+        rt.reservations.finished(agent.endpoint, registry_name, time.monotonic(), loaded=False)
         try:
             reply = await rt.agents.unload(agent.endpoint, view.creds, registry_name)
         except AgentError as err:
@@ -127,8 +147,8 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
         log.info("drift: unloaded %s from %s (no resource wants it)", registry_name, agent.name)
         return reply.success
 
-    done = await asyncio.gather(*(unload(a, n) for a, n in unwanted(view, registries, adapters,
-                                                                     fleets)))
+    done = await asyncio.gather(*(unload(a, n) for a, n in unwanted(
+        view, registries, adapters, fleets, placements, busy)))
     return sum(done)
 
 
@@ -165,8 +185,10 @@ async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: 
 
 
 async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                           body: Mapping[str, Any]) -> str | None:
-    """Repair one adapter and write its status; returns its phase (None if skipped)."""
+                           body: Mapping[str, Any],
+                           placements: Mapping[str, Placement]) -> str | None:
+    """Repair one adapter where it is placed and write its status and EndpointSlices;
+    returns its phase (None if skipped)."""
     meta = body["metadata"]
     lock = rt.lock(meta["namespace"], meta["name"])
     if lock.locked():
@@ -176,16 +198,18 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
         generation = int(meta.get("generation", 0))
         refused = admission(view.name, view.spec, body["spec"])
         if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
+            results: list[AgentResult] = []
             status = build_status([], generation=generation, previous=stored,
                                   pending_reason=refused.reason, pending_message=refused.message)
         else:
-            targets = view.targets(body["spec"]["baseModel"])
+            placement = placements[names.agent_name(meta["namespace"], meta["name"])]
             results = list(await asyncio.gather(*(
                 _agent_result(rt, view, t, registries.get(t.agent.name), body)
-                for t in targets)))
+                for t in placed_targets(view, placement))))
             status = build_status(results, generation=generation, previous=stored,
-                                  crashed=condemned(rt, body))
+                                  crashed=condemned(rt, body), placement=placement)
         await publish_status(rt, body, status)
+        await publish_slices(rt, body, view.spec, view.agents, results)
     return str(status["phase"])
 
 
@@ -237,8 +261,12 @@ def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
         ready = ("True", "AllAgentsReady", answering)
     else:
         ready = ("False", "AgentsNotReady", answering)
+    # At most MAX_LISTED_MEMBERS, those not ready chosen first; the rest only counted.
+    shown = sorted(sorted(members, key=lambda m: (m["ready"], m["pod"]))[:MAX_LISTED_MEMBERS],
+                   key=lambda m: m["pod"])
     return {"observedGeneration": generation, "agents": len(members),
-            "readyAgents": ready_agents, "members": members,
+            "readyAgents": ready_agents, "members": shown,
+            "membersNotListed": len(members) - len(shown),
             "conditions": [condition("Ready", *ready, generation, previous, now)]}
 
 
@@ -249,23 +277,22 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
     try:
         view = await fleet_view(rt, namespace, name, fresh=True)
     except FleetProblem as problem:
-        status = fleet_status(fleet, None, {}, problem)
-        if not unchanged(fleet.get("status") or {}, status):
-            await rt.kube.patch_fleet_status(namespace, name, status)
+        await publish_fleet_status(rt, fleet, fleet_status(fleet, None, {}, problem))
         metrics.DRIFT_CHECKS.inc()
         log.info("drift check of lorafleet %s/%s: %s", namespace, name, problem.message)
         return
     registries = await list_registries(rt, view)
     adapters = await rt.kube.list_adapters(namespace)  # after the registries: see module doc
     fleets = await rt.kube.list_fleets(namespace)
-    unloaded = await remove_unwanted(rt, view, registries, adapters, fleets)
     mine = [a for a in adapters if _live(a) and a["spec"]["fleetRef"]["name"] == name]
-    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a) for a in mine))
+    admitted = [a for a in mine if admission(name, view.spec, a["spec"]) is None]
+    placements = place_fleet(rt, view, registries, admitted, complete=True)
+    unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
+    phases = await asyncio.gather(*(
+        converge_adapter(rt, view, registries, a, placements) for a in mine))
     current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
     own = {names.agent_name(namespace, a["metadata"]["name"]) for a in mine}
-    status = fleet_status(current, view, registries, None, own)
-    if not unchanged(current.get("status") or {}, status):
-        await rt.kube.patch_fleet_status(namespace, name, status)
+    await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))
     metrics.DRIFT_CHECKS.inc()
     counts = {p: phases.count(p) for p in sorted({p for p in phases if p})}
     log.debug("drift check of lorafleet %s/%s: %d agents, %d adapters %s, %d unloaded in %.2fs",

@@ -28,6 +28,9 @@ class AgentPod:
     endpoint: str
     #: Sum of container restarts: an increase means the agent lost its in-memory registry.
     restarts: int
+    #: The pod's IP ("" before it has one) and its named container ports (for routing).
+    ip: str = ""
+    ports: tuple[tuple[str, int], ...] = ()
 
     @property
     def dialable(self) -> bool:
@@ -93,6 +96,12 @@ def _endpoint(pod: Mapping[str, Any], port_name: str) -> str:
     return ""
 
 
+def _ports(pod: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((str(port["name"]), int(port["containerPort"]))
+                        for container in (pod.get("spec") or {}).get("containers") or []
+                        for port in container.get("ports") or [] if port.get("name")))
+
+
 def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -> AgentPod:
     """An AgentPod from a Pod object (as a dict, the API server's JSON)."""
     meta = pod.get("metadata") or {}
@@ -102,6 +111,7 @@ def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -
         labels=dict(meta.get("labels") or {}), ready=_pod_ready(pod),
         endpoint=_endpoint(pod, port_name),
         restarts=sum(int(s.get("restartCount", 0)) for s in statuses),
+        ip=(pod.get("status") or {}).get("podIP") or "", ports=_ports(pod),
     )
 
 

@@ -22,6 +22,7 @@ import kopf
 from lorafleet_operator import metrics, names
 from lorafleet_operator.config import ADAPTERS, ANNOTATION_PREFIX, FINALIZER, FLEETS, GROUP, VERSION
 from lorafleet_operator.failures import (
+    KUBE_API_ERRORS,
     AgentFailure,
     FleetProblem,
     Transient,
@@ -29,6 +30,7 @@ from lorafleet_operator.failures import (
     delete_waits,
     kopf_api_backoffs,
     kopf_retries,
+    kube_reason,
 )
 from lorafleet_operator.publish import post_event, publish_status
 from lorafleet_operator.reconcile import (
@@ -37,12 +39,13 @@ from lorafleet_operator.reconcile import (
     UnloadOutcome,
     condemned,
     fleet_view,
-    load_everywhere,
+    place_and_load,
     retry_due_in,
     unload_everywhere,
     unload_message,
     unload_view,
 )
+from lorafleet_operator.routing import publish_slices, remove_slices
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import Phase, build_status, initial_status
 
@@ -74,8 +77,9 @@ def _runtime(memo: kopf.Memo) -> Runtime:
 
 
 async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
-    """Load the adapter on every target agent and write the status; then let the policy say
-    whether to retry (:func:`~lorafleet_operator.failures.check_load`)."""
+    """Place the adapter, load it on every placed agent, write the status and the
+    EndpointSlices; then let the policy say whether to retry
+    (:func:`~lorafleet_operator.failures.check_load`)."""
     started = time.monotonic()
     meta, spec = body["metadata"], body["spec"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
@@ -88,16 +92,17 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
         try:
             view = await fleet_view(rt, namespace, spec["fleetRef"]["name"])
             view.admit(spec)
-            results = await load_everywhere(rt, view, body)
+            placement, results = await place_and_load(rt, view, {**body, "status": previous})
             crashed = condemned(rt, {**body, "status": previous})
             status = build_status(results, generation=generation, previous=previous,
-                                  crashed=crashed)
+                                  crashed=crashed, placement=placement)
         except FleetProblem as problem:
-            crashed = ""
-            results = []
+            crashed, results, view = "", [], None
             status = build_status([], generation=generation, previous=previous,
                                   pending_reason=problem.reason, pending_message=problem.message)
         await publish_status(rt, {**body, "status": previous}, status)
+        await publish_slices(rt, body, view.spec if view else {}, view.agents if view else (),
+                             results)
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger=trigger, phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(elapsed)
@@ -148,11 +153,12 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
         status = build_status([], generation=meta.get("generation", 0),
                               previous=body.get("status"), deleting=True)
         await publish_status(rt, body, status)
+        await _remove_slices(rt, meta)
         view, problem = await unload_view(rt, namespace, body["spec"]["fleetRef"]["name"])
         if view is None:
             log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name,
                      problem)
-            _forget_adapter(rt, meta)
+            _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
             return
         outcomes = await unload_everywhere(rt, view, names.agent_name(namespace, name))
     failures = [o.failure for o in outcomes if o.failure is not None]
@@ -165,16 +171,36 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
         raise Transient(message)
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
-    _forget_adapter(rt, meta)
+    _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
     log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
              len(outcomes) - len(failures), len(outcomes), elapsed)
 
 
-def _forget_adapter(rt: Runtime, meta: Mapping[str, Any]) -> None:
-    """Drop what this process kept about a deleted adapter (back-offs, crash book, its lock)."""
+async def _remove_slices(rt: Runtime, meta: Mapping[str, Any]) -> None:
+    """Delete the adapter's EndpointSlices at once, so no gateway routes to it while it is
+    unloaded. A failure does not hold the deletion: the slices' owner reference lets the
+    garbage collector remove them."""
+    try:
+        await remove_slices(rt, meta["namespace"], meta["name"], meta.get("uid", ""))
+    except KUBE_API_ERRORS as err:
+        log.warning("endpointslices of loraadapter %s/%s not deleted: Kubernetes API: %s; "
+                    "left to the garbage collector", meta["namespace"], meta["name"],
+                    kube_reason(err))
+
+
+def _forget_adapter(rt: Runtime, meta: Mapping[str, Any], fleet: str) -> None:
+    """Drop what this process kept about a deleted adapter (back-offs, crash book, its lock,
+    its placement demand), and wake its fleet's drift check: the room it leaves goes to the
+    oldest adapter waiting for it."""
     rt.failures.clear_adapter(meta.get("uid", ""))
     rt.crashes.forget(meta.get("uid", ""))
     rt.locks.pop((meta["namespace"], meta["name"]), None)
+    rt.refused_status.pop(("LoraAdapter", meta["namespace"], meta["name"]), None)
+    rt.demands.get((meta["namespace"], fleet), {}).pop(
+        names.agent_name(meta["namespace"], meta["name"]), None)
+    poke = rt.pokes.get((meta["namespace"], fleet))
+    if poke is not None:
+        poke.set()
 
 
 @kopf.on.delete(GROUP, VERSION, FLEETS)
@@ -214,6 +240,8 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     rt.pokes.pop((namespace, fleet), None)
     rt.fleet_locks.pop((namespace, fleet), None)
     rt.last_views.pop((namespace, fleet), None)
+    rt.demands.pop((namespace, fleet), None)
+    rt.refused_status.pop(("LoraFleet", namespace, fleet), None)
     log.info("deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",
              namespace, fleet, len(adapters), len(view.dialable) if view else 0,
              time.monotonic() - started, f" ({unreachable})" if unreachable else "")
@@ -236,6 +264,7 @@ async def _release_adapter(rt: Runtime, view: FleetView | None, fleet: str,
                                   previous=adapter.get("status"), pending_reason=FLEET_DELETED,
                                   pending_message=pending)
             await publish_status(rt, adapter, status)
+            await publish_slices(rt, adapter, view.spec if view else {}, (), [])
     return outcomes
 
 

@@ -65,6 +65,7 @@ class Kube:
     def __init__(self, api: client.ApiClient) -> None:
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.discovery = client.DiscoveryV1Api(api)
 
     async def _run(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> dict[str, Any]:
         kwargs.setdefault("_preload_content", False)
@@ -133,6 +134,30 @@ class Kube:
             "reason": reason, "message": message, "firstTimestamp": now, "lastTimestamp": now,
             "count": 1, "source": {"component": "lorafleet-operator"},
             "reportingComponent": "lorafleet-operator"})
+
+    async def list_endpoint_slices(self, namespace: str,
+                                   label_selector: str) -> list[dict[str, Any]]:
+        body = await self._run(self.discovery.list_namespaced_endpoint_slice, namespace,
+                               label_selector=label_selector)
+        return list(body.get("items") or [])
+
+    async def create_endpoint_slice(self, namespace: str,
+                                    slice_: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._run(self.discovery.create_namespaced_endpoint_slice, namespace,
+                               dict(slice_))
+
+    async def replace_endpoint_slice(self, namespace: str, name: str,
+                                     slice_: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._run(self.discovery.replace_namespaced_endpoint_slice, name,
+                               namespace, dict(slice_))
+
+    async def delete_endpoint_slice(self, namespace: str, name: str) -> None:
+        """Delete an EndpointSlice; one already gone counts as deleted."""
+        try:
+            await self._run(self.discovery.delete_namespaced_endpoint_slice, name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
 
     async def patch_adapter_status(self, namespace: str, name: str,
                                    status: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -26,3 +26,6 @@ UNUSABLE_NAMESPACES = Gauge(
     "lorafleet_unusable_namespaces",
     "Watched namespaces found missing (still watched) or forbidden (skipped) at start-up.",
     ["namespace", "problem"])
+STATUS_REFUSED = Counter(
+    "lorafleet_status_refused_total",
+    "Status patches the API server refused (schema or size); each is sent only once.", ["kind"])

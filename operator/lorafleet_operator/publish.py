@@ -8,12 +8,16 @@ the phase changes: Normal for Ready, Warning for Degraded and Failed; and a Warn
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
+from lorafleet_operator import metrics
 from lorafleet_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -57,15 +61,71 @@ def _reference(body: Mapping[str, Any]) -> kopf.RawBody:
             "metadata": body.get("metadata", {})}
 
 
+#: API answers that refuse a patch for what it is (schema or size), not for the moment:
+#: 400 Bad Request, 413 Request Entity Too Large, 422 Invalid. Sending it again cannot help.
+REFUSED_CODES = frozenset({400, 413, 422})
+
+
+async def _patch_once(rt: Runtime, body: Mapping[str, Any], status: Mapping[str, Any],
+                      patch: Callable[[str, str, Mapping[str, Any]],
+                                      Awaitable[dict[str, Any] | None]]) -> bool:
+    """Send a status patch unless the API server already refused this very patch; a refusal
+    is reported (log line, Warning Event, ``lorafleet_status_refused_total``) and
+    remembered, so the same patch is never sent again (a different status is). Returns
+    whether the status was written."""
+    meta = body["metadata"]
+    kind = str(body.get("kind", ""))
+    key = (kind, meta["namespace"], meta["name"])
+    digest = hashlib.sha256(json.dumps(status, sort_keys=True, default=str).encode()).hexdigest()
+    if rt.refused_status.get(key) == digest:
+        return False
+    try:
+        written = await patch(meta["namespace"], meta["name"], status)
+    except ApiException as err:
+        if err.status not in REFUSED_CODES:
+            raise
+        rt.refused_status[key] = digest
+        metrics.STATUS_REFUSED.labels(kind=kind).inc()
+        reason = f"{err.status} {err.reason}: {(err.body or '')[:MAX_EVENT_MESSAGE // 2]}"
+        log.error("status of %s %s/%s refused by the API server (%s); this status is not "
+                  "sent again", kind, meta["namespace"], meta["name"], reason)
+        await _report_refusal(rt, body, reason)
+        return False
+    rt.refused_status.pop(key, None)
+    return written is not None
+
+
+async def _report_refusal(rt: Runtime, body: Mapping[str, Any], reason: str) -> None:
+    """A Warning Event ``StatusRefused`` on the object (best effort: the log line stays)."""
+    meta = body["metadata"]
+    involved = {"apiVersion": str(body.get("apiVersion", "")), "kind": str(body.get("kind", "")),
+                "name": meta["name"], "uid": meta.get("uid", "")}
+    try:
+        await rt.kube.post_event(meta["namespace"], involved, "Warning", "StatusRefused",
+                                 f"the API server refused the status update: {reason}"
+                                 [:MAX_EVENT_MESSAGE])
+    except ApiException as err:
+        log.warning("event StatusRefused not posted: %s %s", err.status, err.reason)
+
+
 async def publish_status(rt: Runtime, body: Mapping[str, Any],
                          status: Mapping[str, Any]) -> bool:
-    """Write ``status`` unless it is already stored; post an Event on a phase change.
-    Returns whether anything was written."""
+    """Write a LoraAdapter's ``status`` unless it is already stored (or this very patch was
+    refused before); post an Event on a phase change. Returns whether anything was written."""
     previous = dict(body.get("status") or {})
     if unchanged(previous, status):
         return False
-    meta = body["metadata"]
-    written = await rt.kube.patch_adapter_status(meta["namespace"], meta["name"], status)
-    if written is not None:
+    written = await _patch_once(rt, {"kind": "LoraAdapter", **body}, status,
+                                rt.kube.patch_adapter_status)
+    if written:
         post_phase_event(body, previous.get("phase"), status)
-    return written is not None
+    return written
+
+
+async def publish_fleet_status(rt: Runtime, fleet: Mapping[str, Any],
+                               status: Mapping[str, Any]) -> bool:
+    """Write a LoraFleet's ``status`` unless it is already stored, or refused before."""
+    if unchanged(fleet.get("status") or {}, status):
+        return False
+    return await _patch_once(rt, {"kind": "LoraFleet", **fleet}, status,
+                             rt.kube.patch_fleet_status)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ import grpc
 from kubernetes.client.exceptions import ApiException
 
 from lorafleet_common.merge import merge_failure_first
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator import names, sources
 from lorafleet_operator.agent_client import (
     AgentError,
@@ -43,11 +45,14 @@ from lorafleet_operator.failures import (
 from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
 from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.kube import SecretData
+from lorafleet_operator.placement import Candidate, Demand, Placement, place
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+#: One agent's registry (ListAdapters by name), or the error that stands for it.
+Registry = dict[str, RegistryEntry] | AgentError
 
 #: A Secret's owner opens it to every LoraFleet of its namespace with this label ("true"),
 #: or to one of them (the label's value is the fleet's name) ...
@@ -121,19 +126,6 @@ class FleetView:
     @property
     def dialable(self) -> list[AgentPod]:
         return [a for a in self.agents if a.dialable]
-
-    def targets(self, base_model: str) -> list[Target]:
-        """Ready agents serving ``base_model``, plus ready agents whose model is unknown because
-        Describe failed (counted as targets that do not hold the adapter: conservative)."""
-        chosen = []
-        for agent in self.dialable:
-            info = self.infos.get(agent.name)
-            if isinstance(info, AgentInfo):
-                if info.base_model == base_model:
-                    chosen.append(Target(agent, info))
-            elif isinstance(info, AgentError):
-                chosen.append(Target(agent, None, info))
-        return chosen
 
 
 def opened_to(secret: SecretData, fleet: str) -> bool:
@@ -372,16 +364,18 @@ async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str,
     back-off)."""
     spec, meta = body["spec"], body["metadata"]
     key, pod = generation_key(body), target.agent.name
+    name, endpoint = names.agent_name(meta["namespace"], meta["name"]), target.agent.endpoint
     failure: AgentFailure
+    rt.reservations.reserve(endpoint, name)  # counted as held while in flight (placement)
     try:
         reply = await rt.agents.load(
-            target.agent.endpoint, view.creds,
-            name=names.agent_name(meta["namespace"], meta["name"]),
+            endpoint, view.creds, name=name,
             source_uri=spec["source"]["uri"], sha256=spec["source"].get("sha256", ""),
             pinned=bool(spec.get("pinned", False)), replace=True,
             exclusive=rt.crashes.isolate(key), namespace=meta["namespace"],
             credential=credential)
     except AgentError as err:
+        rt.reservations.finished(endpoint, name, time.monotonic(), loaded=False)
         if died_under(err):
             rt.crashes.suspect(key, pod, incarnation(target.agent), alone=err.alone,
                                message=err.message)
@@ -389,6 +383,7 @@ async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str,
             rt.crashes.answered(key, pod, loaded=False)
         failure = err
     else:
+        rt.reservations.finished(endpoint, name, time.monotonic(), loaded=reply.success)
         rt.crashes.answered(key, pod, loaded=reply.success)
         if reply.success:
             return rt.failures.remember(failure_key(body, pod), incarnation(target.agent),
@@ -406,11 +401,90 @@ def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
     return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
 
 
-async def load_everywhere(rt: Runtime, view: FleetView,
-                          body: Mapping[str, Any]) -> list[AgentResult]:
-    """Load on every target agent at once; one result per target."""
-    targets = view.targets(body["spec"]["baseModel"])
-    return list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
+    """ListAdapters on every dialable agent at once; each answer also ends the reservations
+    it now accounts for (:class:`~lorafleet_operator.placement.Reservations`)."""
+    requested_at = time.monotonic()
+    registries = await ask_each(view.dialable,
+                                lambda agent: rt.agents.list_adapters(agent.endpoint, view.creds))
+    for agent in view.dialable:
+        if not isinstance(registries[agent.name], AgentError):
+            rt.reservations.listed(agent.endpoint, requested_at)
+    return registries
+
+
+def candidates(rt: Runtime, view: FleetView,
+               registries: Mapping[str, Registry]) -> list[Candidate]:
+    """The fleet's agents as placement sees them (what each holds: its registry, every
+    namespace's names, plus the loads sent there and not yet listed)."""
+    chosen = []
+    for agent in view.agents:
+        info, registry = view.infos.get(agent.name), registries.get(agent.name)
+        if not agent.dialable or not isinstance(info, AgentInfo) \
+                or not isinstance(registry, Mapping):
+            chosen.append(Candidate(agent.name, agent.endpoint, agent.dialable, known=False))
+            continue
+        chosen.append(Candidate(agent.name, agent.endpoint, True, base_model=info.base_model,
+                                max_lora_rank=info.max_lora_rank,
+                                max_loaded_loras=info.max_loaded_loras,
+                                held=rt.reservations.held(agent.endpoint, registry)))
+    return chosen
+
+
+def demand(rt: Runtime, body: Mapping[str, Any]) -> Demand:
+    """What placement needs of one LoraAdapter: its spec's wants, its last placement (the
+    status) and the agents that refused this generation (the back-off book)."""
+    meta, spec = body["metadata"], body["spec"]
+    uid, generation = meta.get("uid", ""), int(meta.get("generation", 0))
+    last = ((body.get("status") or {}).get("placement") or {}).get("placed") or []
+    refused = frozenset(pod for (key_uid, key_gen, pod), entry in rt.failures.entries.items()
+                        if key_uid == uid and key_gen == generation
+                        and entry.result.state is AgentState.FAILED)
+    replicas, rank = spec.get("replicas"), spec.get("rank")
+    return Demand(names.agent_name(meta["namespace"], meta["name"]), spec["baseModel"],
+                  None if replicas is None else int(replicas), None if rank is None else int(rank),
+                  (str(meta.get("creationTimestamp", "")), meta["name"]), tuple(last), refused)
+
+
+def place_fleet(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
+                bodies: Sequence[Mapping[str, Any]], *, complete: bool) -> dict[str, Placement]:
+    """Place these adapters of the fleet, together with the others it knows of, in creation
+    order (older adapters take room first). ``complete``: ``bodies`` are all of the fleet's
+    live adapters (the drift check), so the book of its demands is replaced; otherwise they
+    are added to it (a handler). Synchronous: decisions of concurrent reconciles never
+    interleave, and each sees the others' loads as reservations."""
+    key = (view.namespace, view.name)
+    fresh = {d.name: d for d in (demand(rt, b) for b in bodies)}
+    book = fresh if complete else {**rt.demands.get(key, {}), **fresh}
+    rt.demands[key] = book
+    return place(candidates(rt, view, registries), book.values())
+
+
+def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
+    """The placed agents as load targets (a Ready pod whose Describe failed stays a target
+    that does not hold the adapter)."""
+    chosen = []
+    for agent in view.dialable:
+        if agent.name not in placement.placed:
+            continue
+        info = view.infos.get(agent.name)
+        if isinstance(info, AgentInfo):
+            chosen.append(Target(agent, info))
+        elif isinstance(info, AgentError):
+            chosen.append(Target(agent, None, info))
+    return chosen
+
+
+async def place_and_load(rt: Runtime, view: FleetView,
+                         body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
+    """Place the adapter (with the fleet's others, oldest first) and load it on every placed
+    agent at once; one result per placed agent."""
+    registries = await list_registries(rt, view)
+    meta = body["metadata"]
+    placement = place_fleet(rt, view, registries, [body], complete=False)[
+        names.agent_name(meta["namespace"], meta["name"])]
+    targets = placed_targets(view, placement)
+    return placement, list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
 
 
 def retry_due_in(rt: Runtime, body: Mapping[str, Any],
@@ -451,6 +525,7 @@ async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> li
     changed since the load). An agent that does not hold the adapter counts as done."""
 
     async def one(agent: AgentPod) -> UnloadOutcome:
+        rt.reservations.finished(agent.endpoint, agent_name, time.monotonic(), loaded=False)
         try:
             reply = await rt.agents.unload(agent.endpoint, view.creds, agent_name)
         except AgentError as err:

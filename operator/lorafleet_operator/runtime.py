@@ -14,6 +14,7 @@ from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
 from lorafleet_operator.failures import CrashBook, LoadRetries
 from lorafleet_operator.kube import Kube
+from lorafleet_operator.placement import Demand, Reservations
 
 if TYPE_CHECKING:  # reconcile builds views with a Runtime in hand: no import cycle at run time
     from lorafleet_operator.reconcile import FleetView
@@ -47,6 +48,17 @@ class Runtime:
     heartbeats: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
+    #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
+    reservations: Reservations = field(default_factory=Reservations)
+    #: (namespace, fleet) -> registry name -> what each of its adapters asks placement for,
+    #: so a handler places its adapter after the older ones (replaced by each drift check).
+    demands: dict[tuple[str, str], dict[str, Demand]] = field(default_factory=dict)
+    #: (namespace, adapter) -> the EndpointSlices last written for it (a digest): written
+    #: again only when they change.
+    slices: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: (kind, namespace, name) -> the digest of the last status patch the API server refused:
+    #: the same patch is never sent again.
+    refused_status: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.failures = LoadRetries(self.settings)

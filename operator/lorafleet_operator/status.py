@@ -15,17 +15,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet_common.merge import merge_failure_first
+from lorafleet_operator.placement import Placement
 
-#: The CRDs' caps: a LoraAdapter's status.message and condition messages, and one agent's
-#: message (LoraAdapter agents[].message, LoraFleet members[].message). Longer messages are
-#: cut, not refused.
-MAX_MESSAGE = 32768
-MAX_AGENT_MESSAGE = 8192
+# The caps that keep a LoraAdapter's and a LoraFleet's status bounded however big the fleet
+# (the one place for them; tests/operator/test_placement.py checks that the CRDs' maxItems
+# and maxLength say the same, and that the largest status they allow stays under
+# STATUS_BUDGET). Longer messages are cut and longer lists shortened, never refused.
+#: status.message and every condition message.
+MAX_MESSAGE = 8192
+#: One agent's message (LoraAdapter agents[].message, LoraFleet members[].message).
+MAX_AGENT_MESSAGE = 1024
+#: Agents listed in a LoraAdapter's agents[] (failing ones first); the rest are counted.
+MAX_LISTED_AGENTS = 32
+#: Pods listed in status.placement.placed, and skipped agents in .skipped (with a message).
+MAX_LISTED_PLACED = 64
+MAX_LISTED_SKIPS = 16
+MAX_SKIP_MESSAGE = 256
+#: Members listed in a LoraFleet's status (not ready ones first); the rest are counted.
+MAX_LISTED_MEMBERS = 64
+#: The largest status the caps allow stays under this (the whole object: at most 256 KiB).
+STATUS_BUDGET = 160 * 1024
 #: The Ready condition's reason for a generation whose loads crashed agents (failures.CrashBook).
 LOAD_CRASHED_AGENT = "LoadCrashedAgent"
 #: The Ready condition's reason when no agent holds the adapter as specified but some still
 #: serve a previous version of it (a failed replace: the agents keep the old weights).
 PREVIOUS_VERSION_SERVED = "PreviousVersionServed"
+#: The Ready condition's reasons when placement found no agent with room (Pending), or fewer
+#: than ``spec.replicas`` (Degraded).
+NO_ROOM = "NoRoom"
+NOT_ENOUGH_ROOM = "NotEnoughRoom"
+#: Listing order of agents[]: failing first, so a capped list never hides a failure.
+_LISTING_ORDER = {"Failed": 0, "Unreachable": 1, "Loaded": 2}
 
 
 class Phase(enum.StrEnum):
@@ -175,6 +195,36 @@ def rfc3339(timestamp: float) -> str:
     return dt.datetime.fromtimestamp(-(-timestamp // 1), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def listed(results: Sequence[AgentResult]) -> list[AgentResult]:
+    """The agents that agents[] lists: at most :data:`MAX_LISTED_AGENTS`, failing ones
+    chosen first (Failed, then Unreachable, then Loaded), shown in pod order."""
+    chosen = sorted(results, key=lambda r: (_LISTING_ORDER.get(str(r.state), 3), r.pod))
+    return sorted(chosen[:MAX_LISTED_AGENTS], key=lambda r: r.pod)
+
+
+def placement_status(placement: Placement) -> dict[str, Any]:
+    """status.placement: where the adapter is placed and why the other agents are not
+    (both lists capped; the counts are whole)."""
+    skips = sorted(placement.skipped, key=lambda s: (s.reason == "ReplicasReached", s.pod))
+    return {"replicas": placement.replicas, "placed": list(placement.placed[:MAX_LISTED_PLACED]),
+            "placedCount": len(placement.placed),
+            "skipped": [{"pod": s.pod, "reason": str(s.reason),
+                         "message": s.message[:MAX_SKIP_MESSAGE]}
+                        for s in skips[:MAX_LISTED_SKIPS]],
+            "skippedCount": len(placement.skipped)}
+
+
+def _placement_outcome(phase: Phase, placement: Placement | None,
+                       ready: tuple[str, str, str]) -> tuple[Phase, tuple[str, str, str]]:
+    """Phase and Ready condition once placement is known: fewer places than ``replicas``
+    asked for make an otherwise Ready adapter Degraded."""
+    if placement is None or placement.replicas is None or phase is not Phase.READY:
+        return phase, ready
+    if len(placement.placed) >= placement.replicas:
+        return phase, ready
+    return Phase.DEGRADED, ("False", NOT_ENOUGH_ROOM, placement.why_not())
+
+
 def build_status(
     results: Sequence[AgentResult],
     *,
@@ -184,31 +234,43 @@ def build_status(
     pending_reason: str = "NoTargetAgents",
     pending_message: str = "no ready agent of the fleet serves this base model",
     crashed: str = "",
+    placement: Placement | None = None,
     now: str | None = None,
 ) -> dict[str, Any]:
     """The whole ``status`` of a LoraAdapter for these per-agent results.
 
     ``previous`` is the status as stored (for lastTransitionTime). ``crashed``: why this
     generation is sent to no agent (its loads crashed agents); the Ready condition then says
-    ``LoadCrashedAgent`` with it. The result is a complete status, written with a merge
-    patch; list fields are replaced whole.
+    ``LoadCrashedAgent`` with it. ``placement``: where it was placed (the results are those
+    agents'); placed nowhere, it is Pending with the reason. The result is a complete status,
+    written with a merge patch; list fields are replaced whole. Every list and message in it
+    is capped (the caps above), so its size is bounded whatever the fleet's.
     """
     now = now or now_rfc3339()
     old_conditions = list((previous or {}).get("conditions") or [])
     ordered = sorted(results, key=lambda r: r.pod)
+    if placement is not None and not placement.placed and not deleting:
+        full = any(s.reason in ("Full", "Refused") for s in placement.skipped)
+        pending_reason = NO_ROOM if full else pending_reason
+        pending_message = placement.why_not() or pending_message
     phase = phase_of(ordered, deleting=deleting)
     ready = _ready_condition(phase, ordered, pending_reason, pending_message, crashed)
+    phase, ready = _placement_outcome(phase, placement, ready)
     degraded = _degraded_condition(ordered)
     agents_ready = sum(r.ok for r in ordered)
     ranks_loaded = sum(r.ranks_loaded for r in ordered)
     ranks_total = sum(r.ranks_total for r in ordered)
     message = merged_message(ordered) or (pending_message if phase is Phase.PENDING else "")
     retries = sorted(r.next_retry for r in ordered if r.next_retry)
+    shown = listed(ordered)
     return {
         "phase": str(phase),
         "observedGeneration": generation,
         "message": message[:MAX_MESSAGE],
-        "agents": [r.to_status() for r in ordered],
+        "agents": [r.to_status() for r in shown],
+        "agentsNotListed": len(ordered) - len(shown),
+        "agentsFailed": sum(r.state is AgentState.FAILED for r in ordered),
+        "agentsUnreachable": sum(r.state is AgentState.UNREACHABLE for r in ordered),
         "agentsReady": agents_ready,
         "agentsTarget": len(ordered),
         "agentsSummary": f"{agents_ready}/{len(ordered)}",
@@ -217,6 +279,8 @@ def build_status(
         "ranksSummary": f"{ranks_loaded}/{ranks_total}",
         # The earliest scheduled retry of a failed agent; None removes it (a merge patch).
         "nextRetryTime": retries[0] if retries else None,
+        # None removes a stored placement (a merge patch) when there was none to make.
+        "placement": placement_status(placement) if placement is not None else None,
         "conditions": [
             condition("Ready", *ready, generation, old_conditions, now),
             condition("Degraded", *degraded, generation, old_conditions, now),

@@ -159,6 +159,8 @@ ALLOWED = [
     ("create", "events"), ("create", "events.events.k8s.io"),
     ("create", "leases.coordination.k8s.io"),
     ("update", "leases.coordination.k8s.io/lorafleet-operator"),
+    ("list", "endpointslices.discovery.k8s.io"), ("create", "endpointslices.discovery.k8s.io"),
+    ("update", "endpointslices.discovery.k8s.io"), ("delete", "endpointslices.discovery.k8s.io"),
 ]
 
 DENIED = [

@@ -1,0 +1,253 @@
+"""Placement: which agents of a fleet hold each adapter (docs/operator.md, "Placement").
+
+The rule, as pure functions over plain values so that it can be tested without a cluster:
+
+* ``spec.replicas`` unset: every fitting agent with room; N: exactly N agents (fewer when
+  fewer fit; none: Pending, with the reason).
+* An agent fits an adapter when it is Ready and answered Describe, serves the adapter's base
+  model and, when the adapter's rank is known (``spec.rank``), has ``max_lora_rank`` at least
+  that. The rank is otherwise known only to the agents, after they read the adapter: an agent
+  that refused this generation (a rank above its limit, or any other refusal) is used only
+  when no other agent fits and has room.
+* Room: an agent holds at most ``max_loaded_loras`` adapters, counting every name in its
+  registry (every namespace, pinned or not, hand-loaded too) and the loads the operator has
+  sent there and not seen finish (:class:`Reservations`).
+* Stable: an adapter stays where it was placed (the status's last placement) and where it is
+  held, as long as that agent fits; it is placed anew only where it lacks replicas. New places
+  are the least-loaded agents with room (ties by pod name). Agents that come and go without
+  holding it never move it.
+* Fleet-wide, in creation order: the adapters of a fleet are placed one after the other,
+  oldest first, each taking the room it is given; so when room appears, the oldest Pending
+  adapter gets it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class SkipReason(enum.StrEnum):
+    """Why an agent of the fleet does not hold an adapter."""
+
+    NOT_READY = "NotReady"
+    BASE_MODEL = "BaseModel"
+    RANK = "RankTooLow"
+    REFUSED = "Refused"
+    FULL = "Full"
+    NOT_NEEDED = "ReplicasReached"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One agent pod of the fleet, as placement sees it."""
+
+    pod: str
+    #: Capacity belongs to the agent process: pods of fleets in several namespaces may dial
+    #: the same one, so room is counted per endpoint.
+    endpoint: str
+    #: The pod is Ready and has an endpoint.
+    dialable: bool
+    #: Describe and ListAdapters answered: base model, limits and ``held`` are known.
+    known: bool = True
+    base_model: str = ""
+    max_lora_rank: int = 0
+    max_loaded_loras: int = 0
+    #: Registry names the agent holds or is being sent (:meth:`Reservations.held`).
+    held: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One adapter to place: its registry name, what it needs, and where it was."""
+
+    name: str
+    base_model: str
+    #: None: every fitting agent with room.
+    replicas: int | None
+    #: The adapter's LoRA rank when the spec states it; None when only the agents know it.
+    rank: int | None
+    #: Creation order: (creationTimestamp, name).
+    order: tuple[str, str]
+    #: Pods of its last placement (the status), kept first while they fit.
+    previous: tuple[str, ...] = ()
+    #: Pods that refused this generation: used only when nothing else fits.
+    refused: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Skip:
+    """An agent of the fleet not chosen for an adapter, and why."""
+
+    pod: str
+    reason: SkipReason
+    message: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one adapter goes: the chosen pods and why each other agent was skipped."""
+
+    name: str
+    #: ``spec.replicas`` (None: every fitting agent with room).
+    replicas: int | None
+    placed: tuple[str, ...]
+    skipped: tuple[Skip, ...]
+    #: Agents of the fleet considered.
+    agents: int
+
+    def why_not(self) -> str:
+        """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
+        have room: each holds 32 of 32" ("" when it has every place it asks for)."""
+        blocking = [s for s in self.skipped if s.reason is not SkipReason.NOT_NEEDED]
+        if self.placed and (self.replicas is None or len(self.placed) >= self.replicas):
+            return ""
+        if not self.agents:
+            return "the fleet has no agent"
+        full = all(s.reason is SkipReason.FULL for s in blocking)
+        head = f"{len(self.placed)} of {self.agents} agents " + ("have room" if full
+                                                                 else "can hold it")
+        if not blocking:
+            return head
+        if len({s.message for s in blocking}) == 1 and len(blocking) > 1:
+            return f"{head}: each {blocking[0].message}"
+        return f"{head}: " + "; ".join(f"{s.pod} {s.message}" for s in blocking)
+
+
+def unfit(agent: Candidate, demand: Demand) -> Skip | None:
+    """Why this (known) agent cannot hold the adapter at all (None: it fits; room is
+    another matter)."""
+    if agent.base_model != demand.base_model:
+        return Skip(agent.pod, SkipReason.BASE_MODEL, f"serves base model {agent.base_model!r}")
+    if demand.rank is not None and agent.max_lora_rank < demand.rank:
+        return Skip(agent.pod, SkipReason.RANK,
+                    f"has max_lora_rank {agent.max_lora_rank} < the adapter's rank {demand.rank}")
+    return None
+
+
+def full_message(held: int, cap: int) -> str:
+    """The skip message of an agent without room."""
+    return f"holds {held} of {cap}"
+
+
+def _sorted_out(demand: Demand, agents: Sequence[Candidate]) -> tuple[
+        list[Candidate], list[Candidate], list[Skip]]:
+    """The agents that fit, those whose fit is unknown now (a Ready pod whose Describe or
+    ListAdapters failed), and the skips of the rest."""
+    fitting: list[Candidate] = []
+    unknown: list[Candidate] = []
+    skipped: list[Skip] = []
+    for agent in agents:
+        if not agent.dialable:
+            skipped.append(Skip(agent.pod, SkipReason.NOT_READY, "is not ready"))
+        elif not agent.known:
+            unknown.append(agent)
+        else:
+            skip = unfit(agent, demand)
+            if skip is None:
+                fitting.append(agent)
+            else:
+                skipped.append(skip)
+    return fitting, unknown, skipped
+
+
+def place_one(demand: Demand, agents: Sequence[Candidate],
+              held: Mapping[str, set[str]]) -> Placement:
+    """Place one adapter given what each endpoint holds (``held``, updated in place with the
+    new places, so the next adapter sees the room this one took).
+
+    An agent whose fit is unknown now (it did not answer) keeps a place it had (it is then
+    reported as unreachable, and retried), and with ``replicas`` unset it is a place as
+    every Ready agent is today; it is never chosen anew for N replicas."""
+    fitting, unknown, skipped = _sorted_out(demand, agents)
+    by_pod = {a.pod: a for a in fitting + unknown}
+
+    def has_room(agent: Candidate) -> bool:
+        return len(held[agent.endpoint]) < agent.max_loaded_loras
+
+    def stays(agent: Candidate) -> bool:
+        return not agent.known or demand.name in held[agent.endpoint] or has_room(agent)
+
+    # Stay: the last placement first (in its order), then other holders by name; an agent
+    # that refused this version competes with the others, last.
+    staying = [by_pod[p] for p in demand.previous
+               if p in by_pod and p not in demand.refused and stays(by_pod[p])]
+    staying += [a for a in fitting if demand.name in held[a.endpoint] and a not in staying
+                and a.pod not in demand.refused]
+    if demand.replicas is None:
+        staying += [a for a in unknown if a not in staying]
+    wanted = len(fitting) + len(unknown) if demand.replicas is None else demand.replicas
+    chosen = staying[:wanted]
+    for agent in staying[wanted:]:
+        skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,
+                            f"is not needed: {wanted} replica(s) placed elsewhere"))
+    for agent in unknown:
+        if agent not in staying:
+            skipped.append(Skip(agent.pod, SkipReason.NOT_READY, "did not answer"))
+    # New places: agents that did not refuse first, least loaded first, ties by pod name.
+    rest = sorted((a for a in fitting if a not in staying),
+                  key=lambda a: (a.pod in demand.refused, len(held[a.endpoint]), a.pod))
+    for agent in rest:
+        if len(chosen) >= wanted:
+            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,
+                                f"is not needed: {wanted} replica(s) placed"))
+        elif not has_room(agent) and demand.name not in held[agent.endpoint]:
+            skipped.append(Skip(agent.pod, SkipReason.FULL,
+                                full_message(len(held[agent.endpoint]), agent.max_loaded_loras)))
+        else:
+            chosen.append(agent)
+    for agent in chosen:
+        if agent.known:
+            held[agent.endpoint].add(demand.name)
+    # A refused agent that is not chosen says so, whatever else kept it out.
+    skipped = [Skip(s.pod, SkipReason.REFUSED, "refused this version of the adapter")
+               if s.pod in demand.refused and s.reason in (SkipReason.NOT_NEEDED, SkipReason.FULL)
+               else s for s in skipped]
+    return Placement(demand.name, demand.replicas, tuple(sorted(a.pod for a in chosen)),
+                     tuple(sorted(skipped, key=lambda s: s.pod)), len(agents))
+
+
+def place(agents: Sequence[Candidate], demands: Iterable[Demand]) -> dict[str, Placement]:
+    """Place every adapter of a fleet, oldest first; by registry name."""
+    held: dict[str, set[str]] = {}
+    for agent in agents:
+        held.setdefault(agent.endpoint, set()).update(agent.held)
+    return {d.name: place_one(d, agents, held) for d in sorted(demands, key=lambda d: d.order)}
+
+
+@dataclass
+class Reservations:
+    """Loads the operator sent and has not yet seen in a registry listing, per agent endpoint.
+
+    A registry listing is a snapshot: a load that finished after it was taken is missing from
+    it, and two reconciles deciding at once would both see the same free room. Placement
+    therefore counts, besides the listing, every load sent to that endpoint that is still in
+    flight, or finished after the listing was requested. A load that failed, or one a later
+    listing shows (or shows gone), is forgotten. Times are the caller's monotonic clock."""
+
+    #: endpoint -> registry name -> when the load finished (None: in flight).
+    loads: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+    def reserve(self, endpoint: str, name: str) -> None:
+        """A load of ``name`` is about to be sent to ``endpoint``."""
+        self.loads.setdefault(endpoint, {})[name] = None
+
+    def finished(self, endpoint: str, name: str, now: float, *, loaded: bool) -> None:
+        """The load ended: held from now on (until a listing says otherwise), or not at all."""
+        if loaded:
+            self.loads.setdefault(endpoint, {})[name] = now
+        else:
+            self.loads.get(endpoint, {}).pop(name, None)
+
+    def listed(self, endpoint: str, requested_at: float) -> None:
+        """A registry listing of ``endpoint`` was requested at ``requested_at``: loads that had
+        finished before it are known from it (held or gone), so their reservations end."""
+        book = self.loads.get(endpoint, {})
+        for name, done in list(book.items()):
+            if done is not None and done < requested_at:
+                del book[name]
+
+    def held(self, endpoint: str, registry: Iterable[str]) -> frozenset[str]:
+        """What the endpoint holds for placement: its listing plus the reserved loads."""
+        return frozenset(registry) | frozenset(self.loads.get(endpoint, {}))

@@ -1,0 +1,211 @@
+"""Routing for gateways: per LoraAdapter, EndpointSlices listing exactly the agent pods whose
+every rank holds it (docs/operator.md, "Routing").
+
+Each slice carries ``kubernetes.io/service-name`` (the fleet's ``spec.routing.serviceName``,
+by default the chart's headless agent Service) and ``lorafleet.dev/adapter``, and is owned by
+the LoraAdapter (garbage-collected with it; deleted explicitly too). All endpoints of one
+slice share its ports, so pods whose gRPC/HTTP port numbers differ go into separate slices
+(one per port set and address family, at most :data:`MAX_ENDPOINTS` endpoints each): a
+reader takes the union of the slices with the adapter's label. With no pod holding the
+adapter one empty slice remains, so "no endpoint" is distinguishable from "not published".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from lorafleet_operator.config import GROUP, VERSION
+from lorafleet_operator.failures import KUBE_API_ERRORS, kube_reason
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.publish import REFUSED_CODES
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import AgentResult
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+MANAGED_BY = "lorafleet-operator"
+#: The adapter's name (shortened with a digest when over a label value's 63 characters; the
+#: full name is in :data:`ADAPTER_ANNOTATION`).
+ADAPTER_LABEL = "lorafleet.dev/adapter"
+ADAPTER_ANNOTATION = "lorafleet.dev/adapter-name"
+#: The Service the slices belong to when the fleet names none: the chart's headless agent
+#: Service of a release named "lorafleet".
+DEFAULT_SERVICE = "lorafleet-agent"
+DEFAULT_HTTP_PORT_NAME = "http"
+#: Endpoints per slice (the EndpointSlice controller's default).
+MAX_ENDPOINTS = 100
+
+
+@dataclass(frozen=True)
+class RoutedPod:
+    """One pod that serves the adapter: where to reach it."""
+
+    pod: str
+    uid: str
+    ip: str
+    #: (slice port name, port): "grpc", and "http" when the pod has the HTTP API port.
+    ports: tuple[tuple[str, int], ...]
+
+
+def _digest(value: object, size: int = 10) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:size]
+
+
+def adapter_label(name: str) -> str:
+    """The ``lorafleet.dev/adapter`` value of an adapter (label values have at most 63
+    characters; a longer name is cut and made unique with a digest)."""
+    return name if len(name) <= 63 else f"{name[:52]}-{_digest(name)}"
+
+
+def _routable(ip: str) -> bool:
+    """Whether an address may be listed: the API server refuses loopback addresses in
+    EndpointSlices (only a local test harness gives pods one; nothing else could reach it)."""
+    try:
+        return not ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
+
+
+def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod],
+                results: Sequence[AgentResult]) -> list[RoutedPod]:
+    """The Ready agent pods that hold the adapter on every rank, with their ports."""
+    holding = {r.pod for r in results if r.ok}
+    grpc_name = fleet_spec.get("grpcPortName") or "grpc"
+    http_name = (fleet_spec.get("routing") or {}).get("httpPortName") or DEFAULT_HTTP_PORT_NAME
+    chosen = []
+    for agent in agents:
+        ports = dict(agent.ports)
+        if agent.name not in holding or not agent.dialable or not _routable(agent.ip) \
+                or grpc_name not in ports:
+            continue
+        routed = [("grpc", ports[grpc_name])]
+        if http_name in ports:
+            routed.append(("http", ports[http_name]))
+        chosen.append(RoutedPod(agent.name, agent.uid, agent.ip, tuple(routed)))
+    return sorted(chosen, key=lambda p: p.pod)
+
+
+def desired_slices(adapter: Mapping[str, Any], service: str,
+                   pods: Sequence[RoutedPod]) -> list[dict[str, Any]]:
+    """The EndpointSlices of one adapter: one per (address family, port set), each at most
+    :data:`MAX_ENDPOINTS` endpoints; one empty slice when no pod holds it."""
+    meta = adapter["metadata"]
+    groups: dict[tuple[str, tuple[tuple[str, int], ...]], list[RoutedPod]] = {}
+    for pod in pods:
+        groups.setdefault(("IPv6" if ":" in pod.ip else "IPv4", pod.ports), []).append(pod)
+    if not groups:
+        groups[("IPv4", ())] = []
+    slices = []
+    for (family, ports), members in sorted(groups.items()):
+        chunks = [members[i:i + MAX_ENDPOINTS] for i in range(0, len(members), MAX_ENDPOINTS)]
+        for index, chunk in enumerate(chunks or [[]]):
+            slices.append(_slice(meta, service, family, ports, chunk, index))
+    return slices
+
+
+def _slice(meta: Mapping[str, Any], service: str, family: str,
+           ports: tuple[tuple[str, int], ...], pods: Sequence[RoutedPod],
+           index: int) -> dict[str, Any]:
+    name = f"{meta['name']}-{_digest([family, ports, index], 8)}"
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {
+            "name": name, "namespace": meta["namespace"],
+            "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY,
+                       ADAPTER_LABEL: adapter_label(meta["name"])},
+            "annotations": {ADAPTER_ANNOTATION: meta["name"]},
+            "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoraAdapter",
+                                 "name": meta["name"], "uid": meta["uid"],
+                                 "controller": True}],
+        },
+        "addressType": family,
+        "endpoints": [{"addresses": [p.ip],
+                       "conditions": {"ready": True, "serving": True, "terminating": False},
+                       "targetRef": {"kind": "Pod", "namespace": meta["namespace"],
+                                     "name": p.pod, "uid": p.uid}} for p in pods],
+        "ports": [{"name": n, "port": port, "protocol": "TCP"} for n, port in ports],
+    }
+
+
+def _selector(name: str) -> str:
+    return f"{ADAPTER_LABEL}={adapter_label(name)},{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def _owned(slices: Sequence[Mapping[str, Any]], uid: str) -> list[Mapping[str, Any]]:
+    return [s for s in slices
+            if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences") or [])]
+
+
+async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Mapping[str, Any],
+                         agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> bool:
+    """Make the adapter's EndpointSlices list exactly the pods that hold it; only when they
+    changed since this process last wrote them. Returns whether anything was written. A
+    transient API error is logged and left to the next reconcile; slices the API server
+    refuses for what they are are logged and not sent again until they change."""
+    meta = adapter["metadata"]
+    service = (fleet_spec.get("routing") or {}).get("serviceName") or DEFAULT_SERVICE
+    wanted = desired_slices(adapter, service, routed_pods(fleet_spec, agents, results))
+    key, digest = (meta["namespace"], meta["name"]), _digest([meta["uid"], wanted])
+    if rt.slices.get(key) == digest:
+        return False
+    try:
+        await _write(rt, meta, wanted)
+    except ApiException as err:
+        if err.status not in REFUSED_CODES:
+            return _not_written(meta, err)
+        # Refused for what it is: the same slices are not sent again (a change is).
+        rt.slices[key] = digest
+        log.error("endpointslices of loraadapter %s/%s refused by the API server: %s %s: %s",
+                  meta["namespace"], meta["name"], err.status, err.reason,
+                  (err.body or "")[:512])
+        return False
+    except KUBE_API_ERRORS as err:
+        return _not_written(meta, err)
+    rt.slices[key] = digest
+    log.info("endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)", meta["namespace"],
+             meta["name"], sum(len(s["endpoints"]) for s in wanted), len(wanted))
+    return True
+
+
+def _not_written(meta: Mapping[str, Any], err: BaseException) -> bool:
+    log.warning("endpointslices of loraadapter %s/%s not written: Kubernetes API: %s; "
+                "again at the next reconcile", meta["namespace"], meta["name"], kube_reason(err))
+    return False
+
+
+async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]]) -> None:
+    """Create or replace the wanted slices, and delete the adapter's others."""
+    existing = {s["metadata"]["name"]: s for s in _owned(
+        await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])),
+        meta["uid"])}
+    for slice_ in wanted:
+        name = slice_["metadata"]["name"]
+        old = existing.pop(name, None)
+        if old is None:
+            await rt.kube.create_endpoint_slice(meta["namespace"], slice_)
+        else:
+            current = {**slice_, "metadata": {**slice_["metadata"],
+                                              "resourceVersion": old["metadata"]["resourceVersion"]}}
+            await rt.kube.replace_endpoint_slice(meta["namespace"], name, current)
+    for name in existing:
+        await rt.kube.delete_endpoint_slice(meta["namespace"], name)
+
+
+async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int:
+    """Delete a deleted adapter's EndpointSlices (the owner reference would let the garbage
+    collector do it too, later); returns how many."""
+    rt.slices.pop((namespace, name), None)
+    owned = _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)
+    for slice_ in owned:
+        await rt.kube.delete_endpoint_slice(namespace, slice_["metadata"]["name"])
+    return len(owned)

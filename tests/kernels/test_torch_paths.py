@@ -1,0 +1,77 @@
+"""The CPU path's two ways to shrink/expand agree, and the base layers' oneDNN matmul equals
+`F.linear` (node_agent/engine/kernels/torch_ops.py, dense.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from node_agent.engine.kernels import dense, torch_ops
+from tests.kernels.test_lora_kernels import decode_slots, make_problem, random_y
+
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def looped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force the loop over active slots (the oracle the all-slots product must equal)."""
+    monkeypatch.setattr(torch_ops, "multiplies_every_slot", lambda batch, num_slots: False)
+
+
+@pytest.mark.parametrize(("token_slots", "dtype", "slot_ranks"), [
+    (decode_slots(8, 8), torch.float32, None),
+    (decode_slots(24, 4), torch.float32, {1: 4}),
+    ([-1, 2, 2, 0, 3, -1, 1], torch.bfloat16, {3: 8}),
+])
+def test_all_slots_product_equals_the_loop(
+    monkeypatch: pytest.MonkeyPatch, token_slots: list[int], dtype: torch.dtype, slot_ranks: dict[int, int] | None
+) -> None:
+    num_slots = max(token_slots) + 1
+    problem = make_problem(token_slots, num_slots=num_slots, dtype=dtype, out_dtype=dtype, slot_ranks=slot_ranks)
+    assert torch_ops.multiplies_every_slot(problem.batch, num_slots), "the case must take the all-slots product"
+    got_y = torch_ops.shrink(problem.x, problem.a_stacks, problem.batch)
+    y = random_y(problem)
+    got = problem.out.clone()
+    torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
+    with monkeypatch.context() as patch:
+        looped(patch)
+        want_y = torch_ops.shrink(problem.x, problem.a_stacks, problem.batch)
+        want = problem.out.clone()
+        torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, want)
+    torch.testing.assert_close(got_y, want_y, **FP32)
+    tol = FP32 if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+    torch.testing.assert_close(got, want, **tol)
+    untargeted = problem.batch.token_slots < 0
+    assert torch.equal(got_y[:, untargeted], torch.zeros_like(got_y[:, untargeted]))
+    assert torch.equal(got[untargeted], problem.out[untargeted]), "a token without an adapter is left as it was"
+
+
+@pytest.mark.parametrize(("token_slots", "num_slots"), [
+    ([0] * 64 + [1] * 64, 4),  # a prefill: long runs of few adapters
+    ([0, 1, 0, 1], 8),  # two adapters only
+    (list(range(8)) * 32, 8),  # many adapters but many tokens: the product would cost more
+])
+def test_the_loop_serves_prefills_and_few_adapters(token_slots: list[int], num_slots: int) -> None:
+    problem = make_problem(token_slots, num_slots=num_slots)
+    assert not torch_ops.multiplies_every_slot(problem.batch, num_slots)
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(0, 24, 16), (1, 24, 16), (8, 5632, 64), (300, 40, 72)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    # A column view: the layers pass slices of wider activations.
+    x = torch.randn(rows, in_features + 8, generator=gen)[:, 4 : 4 + in_features]
+    packed = dense.pack(weight)
+    assert packed.is_mkldnn == torch.backends.mkldnn.is_available()
+    assert packed.shape == weight.shape
+    torch.testing.assert_close(dense.linear(x, packed, b), F.linear(x, weight, b), **FP32)
+
+
+def test_pack_keeps_other_dtypes_as_they_are() -> None:
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    assert dense.pack(weight) is weight
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert torch.equal(dense.linear(x, weight), F.linear(x, weight))

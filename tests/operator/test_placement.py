@@ -1,0 +1,351 @@
+"""Placement (operator/lorafleet_operator/placement.py) and bounded status.
+
+The rule as plain decisions first (no cluster); then the caps against the CRDs, the largest
+status the operator can build against the real API server, a refused status patch sent only
+once; then end to end: the real operator, real agents (tp=2, dp=2, at most 2 adapters each;
+agent-1 allows rank 8 only), the real API server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY
+
+from lorafleet_dev.agents import AgentProcess, AgentSpec
+from lorafleet_dev.synthetic import write_model
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.config import Settings
+from lorafleet_operator.kube import Kube, make_api_client
+from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
+from lorafleet_operator.publish import publish_status
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import (
+    MAX_AGENT_MESSAGE,
+    MAX_LISTED_AGENTS,
+    MAX_LISTED_MEMBERS,
+    MAX_LISTED_PLACED,
+    MAX_LISTED_SKIPS,
+    MAX_MESSAGE,
+    MAX_SKIP_MESSAGE,
+    STATUS_BUDGET,
+    AgentResult,
+    AgentState,
+    ServedVersion,
+    build_status,
+)
+from tests.kube.harness import CHECKOUT, ControlPlane
+from tests.operator.agents import (
+    BASE_MODEL,
+    SHAPE,
+    adapter_manifest,
+    add_agent_pod,
+    apply,
+    fleet_manifest,
+    make_adapter,
+    registry,
+    status,
+)
+from tests.operator.conftest import OperatorProcess, wait_for
+
+# ---- the rule, as plain decisions -------------------------------------------------------
+
+
+def agent(pod: str, held: set[str] | None = None, *, cap: int = 2, rank: int = 16,
+          model: str = "m", dialable: bool = True, known: bool = True) -> Candidate:
+    return Candidate(pod, f"ep-{pod}", dialable, known=known, base_model=model,
+                     max_lora_rank=rank, max_loaded_loras=cap, held=frozenset(held or ()))
+
+
+def want(name: str, *, replicas: int | None = None, rank: int | None = None, order: str = "",
+         previous: tuple[str, ...] = (), refused: frozenset[str] = frozenset()) -> Demand:
+    return Demand(name, "m", replicas, rank, (order or name, name), previous, refused)
+
+
+def test_unset_replicas_is_every_fitting_agent_with_room() -> None:
+    got = place([agent("a0"), agent("a1"), agent("a2", model="other"), agent("a3", {"x", "y"})],
+                [want("n")])["n"]
+    assert got.placed == ("a0", "a1")
+    assert {s.pod: s.reason for s in got.skipped} == {"a2": SkipReason.BASE_MODEL,
+                                                      "a3": SkipReason.FULL}
+    assert got.why_not() == ""  # replicas unset: every agent with room is all it asks for
+
+
+def test_replicas_go_to_the_least_loaded_agents_and_never_exceed_n() -> None:
+    agents = [agent("a0", {"x"}, cap=4), agent("a1", cap=4), agent("a2", {"x", "y"}, cap=4)]
+    got = place(agents, [want("n", replicas=2)])["n"]
+    assert got.placed == ("a0", "a1")
+    assert [(s.pod, s.reason) for s in got.skipped] == [("a2", SkipReason.NOT_NEEDED)]
+
+
+def test_spread_over_a_fleet_in_creation_order() -> None:
+    """Four single-replica adapters on two empty agents: two each, the oldest first."""
+    got = place([agent("a0", cap=8), agent("a1", cap=8)],
+                [want(f"n{i}", replicas=1, order=str(i)) for i in range(4)])
+    assert [got[f"n{i}"].placed for i in range(4)] == [("a0",), ("a1",), ("a0",), ("a1",)]
+
+
+def test_stable_agents_that_come_and_go_never_move_an_adapter() -> None:
+    before = [agent("a0", {"n"}, cap=8), agent("a1", cap=8)]
+    first = place(before, [want("n", replicas=1)])["n"]
+    assert first.placed == ("a0",)
+    # An empty agent appears (and would be the least loaded), another goes away: no move.
+    after = [*before, agent("a2", cap=8), agent("a3", dialable=False)]
+    again = place(after, [want("n", replicas=1, previous=first.placed)])["n"]
+    assert again.placed == ("a0",)
+
+
+def test_placed_again_when_its_agent_stops_being_ready() -> None:
+    got = place([agent("a0", {"n"}, dialable=False), agent("a1")],
+                [want("n", replicas=1, previous=("a0",))])["n"]
+    assert got.placed == ("a1",)
+    assert [(s.pod, s.reason) for s in got.skipped] == [("a0", SkipReason.NOT_READY)]
+
+
+def test_an_agent_that_did_not_answer_keeps_its_place_but_gets_no_new_one() -> None:
+    silent = agent("a0", known=False)
+    assert place([silent, agent("a1")], [want("n", replicas=1, previous=("a0",))])["n"] \
+        .placed == ("a0",)
+    assert place([silent, agent("a1")], [want("n", replicas=1)])["n"].placed == ("a1",)
+    # With replicas unset it is a place, as every Ready agent is (retried while silent).
+    assert place([silent, agent("a1")], [want("n")])["n"].placed == ("a0", "a1")
+
+
+def test_rank_known_from_the_spec_skips_agents_with_a_lower_limit() -> None:
+    got = place([agent("a0", rank=8), agent("a1", {"x"}, rank=16)], [want("n", replicas=1,
+                                                                          rank=16)])["n"]
+    assert got.placed == ("a1",)
+    assert got.skipped[0].message == "has max_lora_rank 8 < the adapter's rank 16"
+
+
+def test_an_agent_that_refused_is_used_only_when_nothing_else_fits() -> None:
+    """The rank unknown: the agent that refused this version gives its place to another."""
+    refused = frozenset({"a0"})
+    got = place([agent("a0"), agent("a1", {"x"})],
+                [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
+    assert got.placed == ("a1",)
+    assert [(s.pod, s.reason) for s in got.skipped] == [("a0", SkipReason.REFUSED)]
+    alone = place([agent("a0"), agent("a1", {"x", "y"})],
+                  [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
+    assert alone.placed == ("a0",)  # nothing else has room: it stays (Failed, retried)
+
+
+def test_fits_nowhere_says_why_and_the_oldest_gets_the_room_first() -> None:
+    full = [agent(f"a{i}", {f"x{j}" for j in range(32)}, cap=32) for i in range(4)]
+    pending = place(full, [want("n", replicas=1)])["n"]
+    assert pending.placed == ()
+    assert pending.why_not() == "0 of 4 agents have room: each holds 32 of 32"
+    one_free = [replace(full[0], held=frozenset(f"x{j}" for j in range(31))), *full[1:]]
+    got = place(one_free, [want("newer", replicas=1, order="2"),
+                           want("older", replicas=1, order="1")])
+    assert (got["older"].placed, got["newer"].placed) == (("a0",), ())
+    mixed = place([agent("a0", {"x", "y"}), agent("a1", rank=8)],
+                  [want("n", replicas=1, rank=16)])["n"]
+    assert mixed.why_not() == ("0 of 2 agents can hold it: a0 holds 2 of 2; a1 has "
+                               "max_lora_rank 8 < the adapter's rank 16")
+
+
+def test_reservations_count_loads_until_a_later_listing_has_them() -> None:
+    book = Reservations()
+    book.reserve("ep", "n")
+    assert book.held("ep", {"x"}) == {"x", "n"}  # in flight: counted
+    book.listed("ep", requested_at=5.0)
+    assert "n" in book.held("ep", ())  # still in flight: a listing cannot know it
+    book.finished("ep", "n", 10.0, loaded=True)
+    book.listed("ep", requested_at=9.0)  # requested before the load ended: may lack it
+    assert "n" in book.held("ep", ())
+    book.listed("ep", requested_at=11.0)  # after: the listing itself says
+    assert book.held("ep", ()) == set()
+    book.reserve("ep", "m")
+    book.finished("ep", "m", 12.0, loaded=False)
+    assert book.held("ep", ()) == set()
+
+
+# ---- bounded status ---------------------------------------------------------------------
+
+
+def _schema(crd: str) -> dict[str, Any]:
+    doc = yaml.safe_load((CHECKOUT.crds / crd).read_text())
+    props: dict[str, Any] = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    return props
+
+
+def test_the_crds_caps_are_the_operators() -> None:
+    """One place for the caps (status.py); the CRDs say the same numbers."""
+    adapter = _schema("lorafleet.dev_loraadapters.yaml")["status"]["properties"]
+    agents = adapter["agents"]
+    placement = adapter["placement"]["properties"]
+    conditions = adapter["conditions"]["items"]["properties"]
+    assert adapter["message"]["maxLength"] == MAX_MESSAGE
+    assert conditions["message"]["maxLength"] == MAX_MESSAGE
+    assert agents["maxItems"] == MAX_LISTED_AGENTS
+    assert agents["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
+    assert placement["placed"]["maxItems"] == MAX_LISTED_PLACED
+    assert placement["skipped"]["maxItems"] == MAX_LISTED_SKIPS
+    assert placement["skipped"]["items"]["properties"]["message"]["maxLength"] == \
+        MAX_SKIP_MESSAGE
+    fleet = _schema("lorafleet.dev_lorafleets.yaml")["status"]["properties"]
+    assert fleet["members"]["maxItems"] == MAX_LISTED_MEMBERS
+    assert fleet["members"]["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
+    assert fleet["conditions"]["items"]["properties"]["message"]["maxLength"] == MAX_MESSAGE
+
+
+def largest_status() -> dict[str, Any]:
+    """The biggest status the operator builds: 2,000 placed agents with 253-character names,
+    every one failing with a long message and still serving a previous version at a
+    2,048-character source, and 2,000 more skipped."""
+    pods = [f"{i:04d}-" + "p" * 248 for i in range(4000)]
+    old = ServedVersion("file:///" + "u" * 2040, "a" * 64)
+    results = [AgentResult(p, AgentState.FAILED, 0, 8, f"{p}: " + "e" * 20000, served=old,
+                           next_retry="2026-01-01T00:00:00Z") for p in pods[:2000]]
+    placement = place([agent(p, {f"x{j}" for j in range(2)} if i >= 2000 else set(), cap=2)
+                       for i, p in enumerate(pods)], [want("n", replicas=2000)])["n"]
+    return build_status(results, generation=1, placement=placement, crashed="c" * 50000)
+
+
+def test_the_largest_status_stays_in_its_budget_and_the_api_server_takes_it(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    status_ = largest_status()
+    assert len(status_["agents"]) == MAX_LISTED_AGENTS
+    assert status_["agentsNotListed"] == 2000 - MAX_LISTED_AGENTS
+    assert status_["agentsFailed"] == 2000
+    assert status_["placement"]["placedCount"] == 2000
+    assert status_["placement"]["skippedCount"] == 2000
+    assert len(json.dumps(status_)) <= STATUS_BUDGET
+    apply(kube_cluster, kube_namespace, adapter_manifest("big", Path("/adapters/big")))
+    kube = Kube(make_api_client(str(kube_cluster.kubeconfig)))
+    asyncio.run(kube.patch_adapter_status(kube_namespace, "big", status_))
+    stored = kube_cluster.kubectl("get", "la", "big", "-n", kube_namespace, "-o", "json").stdout
+    assert len(stored) <= 256 * 1024
+    assert json.loads(stored)["status"]["agentsNotListed"] == 2000 - MAX_LISTED_AGENTS
+
+
+def test_a_refused_status_patch_is_reported_and_never_sent_again(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """A status the API server refuses (here: a summary its CEL rule rejects) is logged,
+    posted as a Warning Event and remembered: the same patch again is not sent (the refusal
+    counter would count a second refusal); a different status is."""
+    apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
+    body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
+    settings = Settings()
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
+                 AgentClients(settings))
+    bad = {**build_status([], generation=1), "agentsSummary": "9/9"}
+
+    def refusals() -> float:
+        value = REGISTRY.get_sample_value("lorafleet_status_refused_total",
+                                          {"kind": "LoraAdapter"})
+        return value or 0.0
+
+    before = refusals()
+    assert asyncio.run(publish_status(rt, body, bad)) is False
+    assert refusals() == before + 1
+    assert asyncio.run(publish_status(rt, body, bad)) is False
+    assert refusals() == before + 1  # not sent again
+    events = kube_cluster.kubectl_json("get", "events", "-n", kube_namespace)["items"]
+    assert [e["reason"] for e in events] == ["StatusRefused"]
+    assert "agentsSummary must equal" in events[0]["message"]
+    assert asyncio.run(publish_status(rt, body, build_status([], generation=1))) is True
+
+
+# ---- end to end -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess],
+                                                                               Path]]:
+    """Two agents that hold at most 2 adapters each; agent-1 allows rank 8 only."""
+    root = tmp_path_factory.mktemp("placement-agents")
+    adapters = root / "adapters"
+    adapters.mkdir()
+    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
+                     base_model_name=BASE_MODEL, max_loaded_loras=2)
+    agents = [AgentProcess("agent-0", spec, root / "logs"),
+              AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
+    for a in agents:
+        a.start()
+    try:
+        for a in agents:
+            a.wait_ready()
+        yield agents, adapters
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def placed(cluster: ControlPlane, ns: str, name: str) -> list[str]:
+    return list((status(cluster, ns, name).get("placement") or {}).get("placed") or [])
+
+
+def with_replicas(manifest: dict[str, Any], replicas: int | None = None,
+                  rank: int | None = None) -> dict[str, Any]:
+    extra = {k: v for k, v in (("replicas", replicas), ("rank", rank)) if v is not None}
+    return {**manifest, "spec": {**manifest["spec"], **extra}}
+
+
+def test_replicas_capacity_rank_pending_and_room_in_creation_order(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+) -> None:
+    (a0, a1), root = small_agents
+    ns = kube_namespace
+    for a in (a0, a1):
+        add_agent_pod(kube_cluster, ns, a)
+    apply(kube_cluster, ns, fleet_manifest())
+    path = make_adapter(root / ns, "w", rank=4)
+    big = make_adapter(root / ns, "big", rank=16)
+
+    def ready(name: str) -> bool:
+        return status(kube_cluster, ns, name).get("phase") == "Ready"
+
+    def held() -> tuple[set[str], set[str]]:
+        return (set(registry(a0, ns)), set(registry(a1, ns)))
+
+    # Rank 16 stated in the spec: only agent-0 allows it, although both are empty.
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("rank16", big), 1, rank=16))
+    wait_for(lambda: ready("rank16"), 90, "rank16 Ready", operator)
+    assert placed(kube_cluster, ns, "rank16") == ["agent-0"]
+    skipped = status(kube_cluster, ns, "rank16")["placement"]["skipped"]
+    assert [(s["pod"], s["reason"]) for s in skipped] == [("agent-1", "RankTooLow")]
+    # Two replicas: both agents. agent-0 is then full (2 of 2).
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("two", path), 2))
+    wait_for(lambda: ready("two"), 90, "two Ready", operator)
+    assert sorted(placed(kube_cluster, ns, "two")) == ["agent-0", "agent-1"]
+    # Replicas unset: the agent with room only; agent-0 is skipped as full.
+    apply(kube_cluster, ns, adapter_manifest("every", path))
+    wait_for(lambda: ready("every"), 90, "every Ready", operator)
+    assert placed(kube_cluster, ns, "every") == ["agent-1"]
+    assert held() == ({f"{ns}.rank16", f"{ns}.two"}, {f"{ns}.two", f"{ns}.every"})
+    # Full everywhere: Pending with the reason, loaded nowhere (not failing on every agent).
+    # Named so that the name order is the reverse of the creation order (the tie-break of
+    # creationTimestamp, which has whole seconds: the newer is made a second later).
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("z-older", path), 1))
+    wait_for(lambda: status(kube_cluster, ns, "z-older").get("phase") == "Pending", 60,
+             "z-older Pending", operator)
+    time.sleep(1.1)
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("a-newer", path), 1))
+    wait_for(lambda: status(kube_cluster, ns, "a-newer").get("phase") == "Pending", 60,
+             "a-newer Pending", operator)
+    ready_condition = status(kube_cluster, ns, "z-older")["conditions"][0]
+    assert (ready_condition["reason"], ready_condition["message"]) == (
+        "NoRoom", "0 of 2 agents have room: each holds 2 of 2")
+    assert held() == ({f"{ns}.rank16", f"{ns}.two"}, {f"{ns}.two", f"{ns}.every"})
+    # Room appears on agent-1: the older of the two Pending adapters takes it.
+    kube_cluster.kubectl("delete", "la", "every", "-n", ns)
+    wait_for(lambda: ready("z-older"), 90, "z-older Ready once room appeared", operator)
+    assert placed(kube_cluster, ns, "z-older") == ["agent-1"]
+    assert status(kube_cluster, ns, "a-newer")["phase"] == "Pending"
+    assert held() == ({f"{ns}.rank16", f"{ns}.two"}, {f"{ns}.two", f"{ns}.z-older"})
+    # Leave the module's agents empty for the next test.
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
+    wait_for(lambda: held() == (set(), set()), 60, "agents emptied", operator)

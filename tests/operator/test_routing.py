@@ -1,0 +1,185 @@
+"""Routing for gateways (operator/lorafleet_operator/routing.py): per LoraAdapter,
+EndpointSlices of exactly the pods whose every rank holds it.
+
+The slices as plain values first; then end to end: the real operator, two real agents (tp=2,
+dp=2) listening on the machine's own address (the API server refuses loopback addresses in
+an EndpointSlice), their pods declaring a gRPC and an HTTP port, the real API server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorafleet_dev.agents import AgentProcess, AgentSpec
+from lorafleet_dev.kubelet import LOCAL_NODE
+from lorafleet_dev.node import machine_ip
+from lorafleet_dev.synthetic import write_model
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.routing import (
+    ADAPTER_LABEL,
+    SERVICE_NAME_LABEL,
+    adapter_label,
+    desired_slices,
+    routed_pods,
+)
+from lorafleet_operator.status import AgentResult, AgentState
+from tests.kube.harness import ControlPlane
+from tests.operator.agents import (
+    BASE_MODEL,
+    FLEET_LABEL,
+    SHAPE,
+    adapter_manifest,
+    apply,
+    fleet_manifest,
+    make_adapter,
+    registry,
+    status,
+)
+from tests.operator.conftest import OperatorProcess, wait_for
+
+ADAPTER = {"metadata": {"name": "a", "namespace": "ns", "uid": "u-1"}}
+HTTP_PORT = 8000
+
+
+def pod(name: str, ip: str, grpc: int, *, ready: bool = True, http: bool = True) -> AgentPod:
+    ports = (("grpc", grpc),) + ((("http", HTTP_PORT),) if http else ())
+    return AgentPod(name, "ns", f"uid-{name}", {}, ready, f"{ip}:{grpc}", 0, ip, ports)
+
+
+def loaded(name: str, ranks: int = 2) -> AgentResult:
+    return AgentResult(name, AgentState.LOADED, ranks, 2)
+
+
+def test_only_pods_that_hold_the_adapter_on_every_rank_are_listed() -> None:
+    agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051),
+              pod("p2", "10.0.0.3", 50051, ready=False), pod("p3", "127.0.0.1", 50051),
+              pod("p4", "10.0.0.5", 50051)]
+    results = [loaded("p0"), loaded("p1", ranks=1), loaded("p2"), loaded("p3"),
+               AgentResult("p4", AgentState.FAILED, 0, 2, "no")]
+    assert [p.pod for p in routed_pods({}, agents, results)] == ["p0"]
+
+
+def test_one_slice_per_port_set_with_the_labels_and_owner() -> None:
+    agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051),
+              pod("p2", "10.0.0.3", 50052, http=False)]
+    slices = desired_slices(ADAPTER, "svc", routed_pods(
+        {}, agents, [loaded(a.name) for a in agents]))
+    assert len(slices) == 2
+    by_ports = {tuple((p["name"], p["port"]) for p in s["ports"]): s for s in slices}
+    both = by_ports[(("grpc", 50051), ("http", HTTP_PORT))]
+    assert [e["targetRef"]["name"] for e in both["endpoints"]] == ["p0", "p1"]
+    assert [e["targetRef"]["name"] for e in by_ports[(("grpc", 50052),)]["endpoints"]] == ["p2"]
+    for s in slices:
+        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "svc"
+        assert s["metadata"]["labels"][ADAPTER_LABEL] == "a"
+        assert s["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    empty = desired_slices(ADAPTER, "svc", [])
+    assert [(s["endpoints"], s["ports"]) for s in empty] == [([], [])]
+
+
+def test_a_long_adapter_name_gets_a_label_value_that_fits() -> None:
+    long = "a" * 189
+    value = adapter_label(long)
+    assert len(value) <= 63 and value != adapter_label("a" * 188)
+    assert adapter_label("short") == "short"
+
+
+# ---- end to end -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess],
+                                                                                Path]]:
+    """Two agents on the machine's own address (pods may not have loopback endpoints)."""
+    root = tmp_path_factory.mktemp("routing-agents")
+    adapters = root / "adapters"
+    adapters.mkdir()
+    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
+                     base_model_name=BASE_MODEL, host=machine_ip())
+    agents = [AgentProcess(f"agent-{i}", spec, root / "logs") for i in range(2)]
+    for a in agents:
+        a.start()
+    try:
+        for a in agents:
+            a.wait_ready()
+        yield agents, adapters
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
+    """The agent's Pod with a gRPC and an HTTP port, Running and Ready at its address."""
+    cluster.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": agent.name, "namespace": ns, "labels": {FLEET_LABEL: "default"}},
+        "spec": {"nodeName": LOCAL_NODE, "terminationGracePeriodSeconds": 0,
+                 "automountServiceAccountToken": False,
+                 "containers": [{"name": "agent", "image": "lorafleet-agent:local",
+                                 "ports": [{"name": "grpc", "containerPort": agent.port},
+                                           {"name": "http", "containerPort": HTTP_PORT}]}]}}))
+    cluster.write_pod_status(ns, agent.name, ready=True, ip=agent.spec.host)
+
+
+def endpoints(cluster: ControlPlane, ns: str, adapter: str) -> dict[str, dict[str, int]]:
+    """pod -> {port name: port} over every EndpointSlice labelled for the adapter."""
+    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
+                                  f"{ADAPTER_LABEL}={adapter}")["items"]
+    listed: dict[str, dict[str, int]] = {}
+    for s in slices:
+        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "lorafleet-agent"
+        for e in s.get("endpoints") or []:
+            listed[e["targetRef"]["name"]] = {p["name"]: p["port"] for p in s.get("ports") or []}
+    return listed
+
+
+def with_replicas(manifest: dict[str, Any], replicas: int) -> dict[str, Any]:
+    return {**manifest, "spec": {**manifest["spec"], "replicas": replicas}}
+
+
+def test_endpointslices_follow_placement_and_pods(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    routed_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+) -> None:
+    """Replicas unset: both pods, with their gRPC and HTTP ports; one replica: one pod. The
+    pod holding the single replica is deleted: the adapter is placed on the other agent and
+    both adapters' slices list only what now holds them. Deleted: its slices are gone."""
+    (a0, a1), root = routed_agents
+    ns = kube_namespace
+    for a in (a0, a1):
+        add_pod(kube_cluster, ns, a)
+    apply(kube_cluster, ns, fleet_manifest())
+    path = make_adapter(root / ns, "w")
+    apply(kube_cluster, ns, adapter_manifest("every", path))
+    wait_for(lambda: status(kube_cluster, ns, "every").get("phase") == "Ready", 90,
+             "every Ready", operator)
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("one", path), 1))
+    wait_for(lambda: status(kube_cluster, ns, "one").get("phase") == "Ready", 90,
+             "one Ready", operator)
+    ports = {a.name: {"grpc": a.port, "http": HTTP_PORT} for a in (a0, a1)}
+    wait_for(lambda: endpoints(kube_cluster, ns, "every") == ports, 30, "every's slices",
+             operator)
+    first = status(kube_cluster, ns, "one")["placement"]["placed"]
+    assert len(first) == 1
+    wait_for(lambda: list(endpoints(kube_cluster, ns, "one")) == first, 30, "one's slices",
+             operator)
+    gone, other = (a0, a1) if first == ["agent-0"] else (a1, a0)
+
+    kube_cluster.kubectl("delete", "pod", gone.name, "-n", ns, "--wait=true")
+    wait_for(lambda: status(kube_cluster, ns, "one")["placement"]["placed"] == [other.name]
+             and status(kube_cluster, ns, "one")["phase"] == "Ready", 60,
+             "one placed again", operator)
+    assert f"{ns}.one" in registry(other, ns)
+    wait_for(lambda: endpoints(kube_cluster, ns, "one") == {other.name: ports[other.name]}, 30,
+             "one's slices follow", operator)
+    wait_for(lambda: endpoints(kube_cluster, ns, "every") == {other.name: ports[other.name]},
+             30, "every's slices follow", operator)
+
+    kube_cluster.kubectl("delete", "la", "one", "-n", ns)
+    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
+                                     f"{ADAPTER_LABEL}=one")["items"] == []
