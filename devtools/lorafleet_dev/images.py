@@ -4,9 +4,16 @@
    python3 and python3-venv: Debian 12's Python is 3.11, what the Containerfile needs), cached
    as ``base-<key>.tar`` where the key hashes the suite, mirror and package list.
 2. The operator image: ``buildah bud --target operator`` of the repository's ``Containerfile``
-   with ``BASE`` naming that root filesystem (committed into a private buildah storage first),
-   written as a docker-archive ``operator-<key>.tar``; the key hashes the base key, the
-   Containerfile, ``.dockerignore`` and every file of the build context it lets in.
+   with ``BASE`` naming that root filesystem (committed into a private, throwaway buildah storage
+   first), written as a docker-archive ``operator-<key>.tar``; the key hashes the base key, the
+   Containerfile, ``.dockerignore`` and the operator's sources (:data:`OPERATOR_SOURCES`: never
+   ``node_agent/``, which its stage does not copy).
+3. The agent image: ``buildah bud --layers --target agent`` in a buildah storage kept between
+   builds (:data:`AGENT_STORAGE`), so its dependency layer (torch, triton, the CUDA libraries:
+   gigabytes) comes from buildah's layer cache while the dependency set is unchanged and a code
+   change rebuilds only the code layer; written as ``agent-<key>.tar`` (the key hashes the base
+   key, the Containerfile, ``.dockerignore`` and every file of the build context). Older agent
+   archives, and older agent images in that storage, are removed once a newer one is built.
 
 Archives live under ``${LORAFLEET_CACHE:-~/.cache/lorafleet}/images/``; a second build with
 the same inputs returns the cached archive at once. :meth:`RealNode.import_image
@@ -44,6 +51,9 @@ BASE_PACKAGES = ("python3", "python3-venv", "passwd")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 #: Host files lent to the build's RUN steps so pip inside reaches the index pip here reaches.
 BUILD_MOUNTS = (Path("/etc/pip.conf"), Path("/etc/ssl/certs/ca-certificates.crt"))
+#: What the Containerfile's operator stages copy (tests/kube/test_image.py keeps them equal): the
+#: operator image's content key hashes only these, so an edit under node_agent/ reuses it.
+OPERATOR_SOURCES = ("pyproject.toml", "README.md", "proto", "common", "operator")
 #: Skipped when hashing the build context (.dockerignore keeps them out of it too).
 _NOT_CONTEXT = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache")
 
@@ -81,11 +91,15 @@ def _run(argv: list[str], what: str, log_path: Path) -> None:
         raise HarnessError(f"{what} failed (exit {proc.returncode}, log {log_path}):\n{tail}")
 
 
-def _context_files(checkout: Checkout) -> list[Path]:
-    """The files .dockerignore lets into the build context: its ``!path`` lines (the file says
-    ``*`` first, then re-includes what the image is built from), caches left out."""
+def _context_roots(checkout: Checkout) -> list[str]:
+    """What .dockerignore lets into the build context: its ``!path`` lines (the file says ``*``
+    first, then re-includes what the images are built from)."""
     ignore = (checkout.root / ".dockerignore").read_text().splitlines()
-    roots = [line[1:].strip().rstrip("/") for line in ignore if line.startswith("!")]
+    return [line[1:].strip().rstrip("/") for line in ignore if line.startswith("!")]
+
+
+def _context_files(checkout: Checkout, roots: list[str]) -> list[Path]:
+    """The files under ``roots`` (paths in the checkout), caches left out."""
     files = []
     for name in roots:
         top = checkout.root / name
@@ -102,18 +116,22 @@ def _digest(parts: list[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-#: Archives of an image unused this long are pruned when another one of it is used.
+#: Operator archives unused this long are pruned when another one is used.
 PRUNE_AFTER_S = 3600.0
+#: Agent archives are gigabytes each, and every edit of the build context makes a new one: one
+#: unused for this long goes when another is used. Long enough for a session that has just been
+#: handed one to open it for import (a deleted archive already open reads on).
+AGENT_PRUNE_AFTER_S = 300.0
 
 
-def _prune(keep: Path) -> None:
+def _prune(keep: Path, unused_s: float) -> None:
     """Touch ``keep`` (its mtime is its last use) and remove archives of the same image unused
-    for :data:`PRUNE_AFTER_S` (each is hundreds of MB; the sources moved on). Recently used ones
+    for ``unused_s`` (each is hundreds of MB or more; the sources moved on). Recently used ones
     stay: another test session may be about to import one; so do partial archives (a build in
     progress). Lock files are rewritten on each use, so an old one is unused too."""
     os.utime(keep)
     prefix = keep.name.split("-", 1)[0] + "-"
-    cutoff = time.time() - PRUNE_AFTER_S
+    cutoff = time.time() - unused_s
     for old in keep.parent.glob(f"{prefix}*"):
         finished = old.name.endswith((".log", ".lock")) or (
             old.name.endswith(".tar") and not old.name.endswith(".partial.tar"))
@@ -123,9 +141,27 @@ def _prune(keep: Path) -> None:
                 old.unlink()
 
 
+def _buildah(storage: Path) -> list[str]:
+    """The buildah command line for a storage of our own (nothing lands in the machine's)."""
+    return ["buildah", f"--root={storage / 'root'}", f"--runroot={storage / 'run'}",
+            "--storage-driver=overlay"]
+
+
+def _image_exists(buildah: list[str], name: str) -> bool:
+    return subprocess.run([*buildah, "inspect", "--type=image", name], capture_output=True,
+                          check=False).returncode == 0
+
+
+def _image_names(buildah: list[str], repository: str) -> list[str]:
+    """Tagged images of ``repository`` in a storage."""
+    proc = subprocess.run([*buildah, "images", "--noheading", "--format={{.Name}}:{{.Tag}}",
+                           repository], capture_output=True, text=True, check=False)
+    return [line for line in proc.stdout.split() if line.startswith(repository + ":")]
+
+
 @dataclass(frozen=True)
 class ImageBuilder:
-    """Builds (or finds cached) the base root filesystem and the operator image."""
+    """Builds (or finds cached) the base root filesystem, the operator and the agent image."""
 
     checkout: Checkout
     mirror: str = DEFAULT_MIRROR
@@ -152,8 +188,16 @@ class ImageBuilder:
 
     def operator_key(self) -> str:
         """Content key of the operator image: the base and every input of its build."""
+        return self._key(list(OPERATOR_SOURCES))
+
+    def agent_key(self) -> str:
+        """Content key of the agent image: the base and the whole build context."""
+        return self._key(_context_roots(self.checkout))
+
+    def _key(self, sources: list[str]) -> str:
         root = self.checkout.root
-        inputs = [root / "Containerfile", root / ".dockerignore", *_context_files(self.checkout)]
+        inputs = [root / "Containerfile", root / ".dockerignore",
+                  *_context_files(self.checkout, sources)]
         return _digest([self.base_key().encode()]
                        + [str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() for p in inputs])
 
@@ -166,30 +210,63 @@ class ImageBuilder:
             if not image.archive.exists():
                 base = self.base_rootfs()
                 started = time.monotonic()
-                self._buildah_build(base, "operator", image)
+                # A private, throwaway storage: the operator image is small, a cold build is quick.
+                storage = Path(tempfile.mkdtemp(prefix="lorafleet-buildah-", dir="/var/tmp"))
+                try:
+                    self._buildah_build(storage, base, "operator", image, layers=False)
+                finally:
+                    subprocess.run([*_buildah(storage), "rm", "--all"], capture_output=True, check=False)
+                    subprocess.run([*_buildah(storage), "rmi", "--all", "--force"], capture_output=True,
+                                   check=False)
+                    unmount_all(storage)
+                    shutil.rmtree(storage, ignore_errors=True)
                 log.info("built %s in %.0fs", image.name, time.monotonic() - started)
-            _prune(image.archive)
+            _prune(image.archive, PRUNE_AFTER_S)
         return image
 
-    def _buildah_build(self, base: Path, target: str, image: BuiltImage) -> None:
+    def agent_image(self) -> BuiltImage:
+        """The agent image (Containerfile target ``agent``), built if not cached: its dependency
+        layer from buildah's layer cache in :data:`AGENT_STORAGE` when the dependency set is
+        unchanged (minutes cold: pip downloads gigabytes)."""
+        key = self.agent_key()
+        repository = "localhost/lorafleet-agent"
+        image = BuiltImage(f"{repository}:{key}", cache_dir() / f"agent-{key}.tar")
+        storage = cache_dir() / AGENT_STORAGE
+        with _locked(image.archive):
+            if not image.archive.exists():
+                base = self.base_rootfs()
+                started = time.monotonic()
+                # One build at a time in the shared storage (buildah locks it too, but two
+                # builds would each pay for the dependency layer).
+                with _locked(storage):
+                    try:
+                        self._buildah_build(storage, base, "agent", image, layers=True)
+                    finally:
+                        _forget_other_images(storage, repository, keep=image.name)
+                log.info("built %s in %.0fs", image.name, time.monotonic() - started)
+            _prune(image.archive, AGENT_PRUNE_AFTER_S)
+        return image
+
+    def _buildah_build(self, storage: Path, base: Path, target: str, image: BuiltImage, *,
+                       layers: bool) -> None:
         if shutil.which("buildah") is None:
             raise HarnessError("buildah is missing (scripts/build-node.sh installs it)")
         log_path = image.archive.with_suffix(".log")
         log_path.unlink(missing_ok=True)
-        # A private, throwaway storage: nothing lands in the machine's containers storage.
-        storage = Path(tempfile.mkdtemp(prefix="lorafleet-buildah-", dir="/var/tmp"))
-        buildah = ["buildah", f"--root={storage / 'root'}", f"--runroot={storage / 'run'}",
-                   "--storage-driver=overlay"]
+        buildah = _buildah(storage)
         base_name = f"localhost/lorafleet-base:{self.base_key()}"
         partial = image.archive.with_suffix(".partial.tar")
         try:
-            container = subprocess.run([*buildah, "from", "scratch"], capture_output=True,
-                                       text=True, check=True).stdout.strip()
-            _run([*buildah, "add", container, str(base), "/"], "buildah add of the base", log_path)
-            _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base",
-                 log_path)
+            # Committed once per storage: a second commit of the same tar would be a new image
+            # and miss every cached layer above it.
+            if not _image_exists(buildah, base_name):
+                container = subprocess.run([*buildah, "from", "scratch"], capture_output=True,
+                                           text=True, check=True).stdout.strip()
+                _run([*buildah, "add", container, str(base), "/"], "buildah add of the base", log_path)
+                _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base",
+                     log_path)
             mounts = [f"--volume={p}:{p}:ro" for p in BUILD_MOUNTS if p.exists()]
-            _run([*buildah, "bud", "--isolation=chroot", "--network=host", "--layers=false",
+            _run([*buildah, "bud", "--isolation=chroot", "--network=host", f"--layers={str(layers).lower()}",
                   *mounts, f"--build-arg=BASE={base_name}", f"--target={target}",
                   f"--tag={image.name}", f"--file={self.checkout.root / 'Containerfile'}",
                   str(self.checkout.root)], f"buildah bud --target {target}", log_path)
@@ -198,9 +275,22 @@ class ImageBuilder:
                  "buildah push to a docker-archive", log_path)
             partial.rename(image.archive)
         finally:
-            subprocess.run([*buildah, "rm", "--all"], capture_output=True, check=False)
-            subprocess.run([*buildah, "rmi", "--all", "--force"], capture_output=True, check=False)
             with contextlib.suppress(OSError):
                 partial.unlink()
-            unmount_all(storage)
-            shutil.rmtree(storage, ignore_errors=True)
+
+
+#: The agent builds' buildah storage under :func:`cache_dir` (its layer cache).
+AGENT_STORAGE = "buildah-agent"
+
+
+def _forget_other_images(storage: Path, repository: str, keep: str) -> None:
+    """Untag every other image of ``repository`` and prune what no tagged image needs: an old
+    dependency layer goes once no image is built on it; the current one stays, as the parent of
+    ``keep``. Build containers and their mounts go too."""
+    buildah = _buildah(storage)
+    subprocess.run([*buildah, "rm", "--all"], capture_output=True, check=False)
+    for name in _image_names(buildah, repository):
+        if name != keep:
+            subprocess.run([*buildah, "rmi", name], capture_output=True, check=False)
+    subprocess.run([*buildah, "rmi", "--prune"], capture_output=True, check=False)
+    unmount_all(storage)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from lorafleet_dev.images import OPERATOR_SOURCES
 from tests.kube.harness import CHECKOUT
 
 ROOT = CHECKOUT.root
@@ -125,10 +126,24 @@ def test_final_stages_carry_no_build_tools(target: str) -> None:
     runs = " ".join(r for s in runtime for r in s.args("RUN"))
     for tool in ("apt-get", "apt ", "gcc", "build-essential", "pip install", "make "):
         assert tool not in runs, (target, tool)
-    builders = [s for s in chain(target) if s.name.startswith("build-")]
+    builders = [s for s in chain(target) if s.name.startswith("build-") and carries_environment(target, s)]
     assert builders, f"{target} copies from no build stage"
     for builder in builders:
         assert any("pip uninstall --yes pip setuptools wheel" in r for r in builder.args("RUN"))
+
+
+def carries_environment(target: str, stage: Stage) -> bool:
+    """Whether the final image holds ``stage``'s virtual environment: ``target`` is built on it
+    or copies its /opt/lorafleet whole (a stage whose pip only installed elsewhere, e.g. the
+    agent's code into /opt/lorafleet/app, is not carried)."""
+    ancestry, current = [], STAGES[target]
+    while True:
+        ancestry.append(current)
+        if current.base not in STAGES:
+            break
+        current = STAGES[current.base]
+    copies = [c for s in ancestry for c in s.args("COPY")]
+    return stage in ancestry or f"--from={stage.name} /opt/lorafleet /opt/lorafleet" in copies
 
 
 def test_the_operator_never_installs_the_agent_extra() -> None:
@@ -138,8 +153,37 @@ def test_the_operator_never_installs_the_agent_extra() -> None:
         assert heavy not in text.lower(), heavy
     assert any(r.endswith("pip install .") or "pip install . " in r
                for s in chain("operator") for r in s.args("RUN"))
+    # The agent installs [project] dependencies plus the agent extra, read from pyproject.toml
+    # into a requirements file (its dependency layer is keyed by that file's content alone),
+    # and then the project itself without dependencies.
     agent_runs = [r for s in chain("agent") for r in s.args("RUN")]
-    assert any('pip install ".[agent]"' in r for r in agent_runs)
+    assert any('p["dependencies"] + p["optional-dependencies"]["agent"]' in r for r in agent_runs)
+    assert any("pip install --requirement /tmp/requirements.txt" in r for r in agent_runs)
+    assert any("pip install --no-deps" in r and r.endswith(" .") for r in agent_runs)
+
+
+def test_the_agent_dependency_layer_sees_only_the_dependency_set() -> None:
+    """The stage installing the agent's dependencies copies nothing but the requirements file
+    (so an edit of code or of pyproject.toml's other tables leaves the layer cached), the final
+    agent image is built on that stage (one layer of gigabytes, not a copy of it), and the
+    code is copied last."""
+    deps = STAGES["build-agent-deps"]
+    assert deps.args("COPY") == ["--from=agent-requirements /src/requirements.txt /tmp/requirements.txt"]
+    assert STAGES["agent-requirements"].args("COPY") == ["pyproject.toml ./"]
+    assert STAGES["agent"].base == "build-agent-deps"
+    assert STAGES["agent"].args("COPY") == ["--from=build-agent-app /opt/lorafleet/app /opt/lorafleet/app"]
+    assert [op for op, _ in STAGES["agent"].instructions][-4:] == ["COPY", "USER", "EXPOSE", "ENTRYPOINT"]
+
+
+def test_the_operator_image_holds_no_agent_code() -> None:
+    """The operator's stages copy only its sources (never node_agent/), which are exactly what
+    lorafleet_dev.images hashes for the operator image's cache key."""
+    sources = [src.rstrip("/") for s in chain("operator") for c in s.args("COPY") if not c.startswith("--from")
+               for src in c.split()[:-1]]
+    assert "node_agent" not in sources
+    assert sorted(sources) == sorted(OPERATOR_SOURCES)
+    runs = " ".join(r for s in chain("operator") for r in s.args("RUN"))
+    assert "rm /opt/lorafleet/bin/lorafleet-agent" in runs
 
 
 def test_oci_labels_name_the_source_and_the_pyproject_version() -> None:
@@ -155,7 +199,9 @@ def test_oci_labels_name_the_source_and_the_pyproject_version() -> None:
 
 
 def test_what_the_build_copies_exists() -> None:
-    for copy in STAGES["build"].args("COPY"):
+    copies = [c for s in STAGES.values() for c in s.args("COPY") if not c.startswith("--from")]
+    assert copies
+    for copy in copies:
         *sources, _dest = copy.split()
         for src in sources:
             assert (ROOT / src).exists(), src
