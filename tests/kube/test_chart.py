@@ -117,6 +117,7 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     selector = fleet["spec"]["selector"]["matchLabels"]
     assert selector["app.kubernetes.io/name"] == "lorafleet-agent"
     assert selector.items() <= pod["metadata"]["labels"].items()
+    assert fleet["spec"]["routing"] == {"serviceName": "lf-lorafleet-agent"}  # the headless one
 
     op = docs[("Deployment", "lf-lorafleet-operator")]["spec"]["template"]["spec"]
     assert op["serviceAccountName"] == "lf-lorafleet-operator"
@@ -522,6 +523,33 @@ def test_http_api_port_is_served_and_exposed(kube_cluster: ControlPlane) -> None
     assert "http" not in {p["port"] for p in docs[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]["ingress"][0]["ports"]}
 
 
+def test_agent_client_service_balances_the_ready_agents(kube_cluster: ControlPlane) -> None:
+    """agent.service: a ClusterIP (or NodePort) Service in front of the agents for clients'
+    gRPC and HTTP calls; only Ready agents (no publishNotReadyAddresses), no metrics port, and
+    labels the ServiceMonitor does not select."""
+    docs = render_docs(kube_cluster, MODEL)
+    svc = docs[("Service", "lf-lorafleet-agent-api")]
+    pod_labels = agent_pod_labels(docs)
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert "publishNotReadyAddresses" not in svc["spec"] and "clusterIP" not in svc["spec"]
+    assert svc["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP"},
+                                    {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    headless = docs[("Service", "lf-lorafleet-agent")]
+    assert not headless["spec"]["selector"].items() <= svc["metadata"]["labels"].items()
+    node_port = render_docs(kube_cluster, MODEL, "agent.service.type=NodePort", "agent.service.grpcNodePort=30051",
+                            "agent.http.enabled=false")[("Service", "lf-lorafleet-agent-api")]["spec"]
+    assert node_port["type"] == "NodePort"
+    assert node_port["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP",
+                                   "nodePort": 30051}]
+    assert ("Service", "lf-lorafleet-agent-api") not in render_docs(kube_cluster, MODEL, "agent.service.enabled=false")
+    assert "agent.service.type" in refusal(kube_cluster, MODEL, "agent.service.type=LoadBalancer").replace("/", ".")
+
+
+def agent_pod_labels(docs: dict[tuple[str, str], Any]) -> dict[str, str]:
+    return dict(docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["metadata"]["labels"])
+
+
 def test_pod_disruption_budget(kube_cluster: ControlPlane) -> None:
     docs = render_docs(kube_cluster, MODEL)
     pdb = docs[("PodDisruptionBudget", "lf-lorafleet-agent")]["spec"]
@@ -680,6 +708,7 @@ def test_notes_tell_how_to_use_the_release(
     notes = out.split("NOTES:", 1)[1]
     for text in (f"kubectl -n {kube_namespace} get la -w", f"helm -n {kube_namespace} test lf",
                  "port-forward pod/lf-lorafleet-agent-0 50051:grpc", "spec:\n    baseModel: tiny-llama",
+                 f"lf-lorafleet-agent-api.{kube_namespace}.svc:50051",
                  "get secret lf-lorafleet-agent-token", "pre-delete hook"):
         assert text in notes, text
 
