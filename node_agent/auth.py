@@ -10,6 +10,7 @@ method (reflection included) needs the token.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import grpc
 
 from lorafleet_common.identity import NONCE_BYTES, identity_proof
 from node_agent.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/lorafleet.v1.NodeAgent/ProveIdentity")
 
@@ -67,12 +70,16 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMe
     return factory(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
 
 
-def prove_identity(token: str | None, nonce: bytes) -> bytes:
-    """This agent's answer to a client's challenge: HMAC-SHA256(token, CONTEXT || nonce), or
-    nothing when the agent has no token (it cannot prove holding one; the client sends none)."""
+def prove_identity(token: str | None, own_pod: str | None, pod: str, nonce: bytes) -> bytes:
+    """This agent's answer to a client's challenge for `pod`: HMAC-SHA256(token, CONTEXT || pod ||
+    0x00 || nonce). Nothing when the agent has no token (it cannot prove holding one), or when it
+    knows its own pod (`own_pod`, --pod-name) and the challenge is for another: a relay."""
     if len(nonce) != NONCE_BYTES:
         raise InvalidRequest(f"an identity challenge is a {NONCE_BYTES}-byte nonce, got {len(nonce)} byte(s)")
-    return identity_proof(token, nonce) if token else b""
+    if own_pod and pod != own_pod:
+        log.warning("identity challenge for pod %r not answered: this agent is %r (--pod-name)", pod, own_pod)
+        return b""
+    return identity_proof(token, pod, nonce) if token else b""
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where http(s) adapter sources are downloaded (none: http(s) refused)")
     parser.add_argument("--auth-token-file", type=Path, metavar="FILE",
                         help="require 'authorization: Bearer <token>' on every call but health")
+    parser.add_argument("--pod-name", metavar="NAMESPACE/NAME",
+                        help="this agent's pod: identity challenges (ProveIdentity) for another pod are not answered, so a "
+                        "pod cannot relay them here (the chart sets it from the downward API; default: any pod)")
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this PEM certificate chain")
     parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
     parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
@@ -306,7 +309,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     if args.exit_linger_s < 0:
         raise UsageError("--exit-linger-s must be 0 or more")
     return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port,
-                         health_listen=args.health_listen,
+                         health_listen=args.health_listen, pod_name=args.pod_name,
                          max_control_calls=args.max_control_calls, max_inference_calls=args.max_inference_calls,
                          reserved_workers=args.reserved_workers, exit_linger_s=args.exit_linger_s)
 

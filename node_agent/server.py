@@ -180,9 +180,10 @@ def _streaming(
 class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     """`lorafleet.v1.NodeAgent` over an `Agent`, with a budget for control and for inference calls."""
 
-    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget, token: str | None = None) -> None:
+    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget, token: str | None = None,
+                 pod_name: str | None = None) -> None:
         self.agent = agent
-        self.token = token  # the bearer token, for ProveIdentity
+        self.token, self.pod_name = token, pod_name  # for ProveIdentity
         self.budgets = {"control": control, "inference": inference}
         self.closing = threading.Event()  # set by AgentServer.stop(): only Describe, ListAdapters, health
 
@@ -229,7 +230,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary()
     def ProveIdentity(self, request: pb.ProveIdentityRequest, context: grpc.ServicerContext) -> pb.ProveIdentityResponse:
-        return pb.ProveIdentityResponse(proof=prove_identity(self.token, request.nonce))
+        return pb.ProveIdentityResponse(proof=prove_identity(self.token, self.pod_name, request.pod, request.nonce))
 
     @_streaming("inference")
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -249,6 +250,9 @@ class ServerOptions:
 
     listen: str = "127.0.0.1:0"  # HOST:PORT; port 0 picks a free one (see AgentServer.port)
     auth_token: str | None = None
+    # "NAMESPACE/NAME" of this agent's pod (--pod-name): identity challenges for another pod are
+    # not answered (a relay). None: answered for any pod (an agent behind several pods).
+    pod_name: str | None = None
     tls: TlsFiles | None = None
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     # HOST:PORT of a plaintext listener serving grpc.health.v1 only, for probes that cannot speak
@@ -393,6 +397,7 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
         control=CallBudget("control", options.max_control_calls, "--max-control-calls"),
         inference=CallBudget("inference", options.max_inference_calls, "--max-inference-calls"),
         token=options.auth_token,
+        pod_name=options.pod_name,
     )
     agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     # Non-blocking Watch: probe streams do not hold worker threads.

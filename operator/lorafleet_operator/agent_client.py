@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
 from lorafleet_operator.config import Settings
+from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.identity import (
     IDENTITY_UNCHECKED,
     NOT_AN_AGENT,
@@ -227,9 +228,9 @@ class AgentClients:
         async with self._total, per_agent:
             yield
 
-    def observe(self, endpoints: Mapping[str, str]) -> None:
-        """The pods now behind these endpoints (endpoint -> pod uid): a new one proves again."""
-        self.identities.observe(endpoints)
+    def observe(self, pods: Sequence[AgentPod]) -> None:
+        """The pods now behind their endpoints: a new one at an endpoint proves again."""
+        self.identities.observe(pods)
 
     async def _ensure_agent(self, endpoint: str, creds: Credentials,
                             stub: agent_pb2_grpc.NodeAgentStub) -> None:
@@ -240,9 +241,9 @@ class AgentClients:
         async with self._proving.setdefault(endpoint, asyncio.Lock()):
             if self.identities.is_proven(endpoint, creds.token):
                 return
-            nonce = new_nonce()
+            nonce, pod = new_nonce(), self.identities.pod_at(endpoint)
             try:
-                reply = await stub.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce),
+                reply = await stub.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod),
                                                  timeout=self._settings.call_deadline_s)
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method="ProveIdentity", code=err.code().name).inc()
@@ -253,7 +254,7 @@ class AgentClients:
                 why = f"ProveIdentity answered {err.code().name}"  # its details are not ours
             else:
                 metrics.AGENT_CALLS.labels(method="ProveIdentity", code="OK").inc()
-                why = check_answer(creds.token, nonce, reply.proof)
+                why = check_answer(creds.token, pod, nonce, reply.proof)
             if why:
                 message = refusal(endpoint, why)
                 self.identities.refused(endpoint, creds.token, message)

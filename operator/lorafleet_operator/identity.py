@@ -2,8 +2,8 @@
 
 A pod the fleet's selector matches is not necessarily an agent: labels are anyone's to set.
 Before the first token-bearing call to an endpoint, the client sends ``ProveIdentity`` (no
-token) with a fresh 32-byte nonce, and accepts the pod only when the answer is
-HMAC-SHA256(token, CONTEXT || nonce) (:mod:`lorafleet_common.identity`). A verified TLS
+token) with a fresh 32-byte nonce and the pod's "NAMESPACE/NAME", and accepts the pod only when
+the answer is HMAC-SHA256(token, CONTEXT || pod || 0x00 || nonce) (:mod:`lorafleet_common.identity`). A verified TLS
 handshake (the fleet's ``spec.tls``: the agent's certificate checked against its CA) counts as
 the proof instead, so no challenge is sent then.
 
@@ -13,8 +13,10 @@ refused with PERMISSION_DENIED (permanent: state Failed, the message says why, n
 sent to it), logged once, and reported once per pod by a Warning Event ``NotAnAgent``.
 A challenge that cannot be delivered (the pod unreachable) is transient and retried.
 
-Limit: a pod that can reach a real agent could relay the challenge to it (the proof is not
-bound to the pod); TLS with verification is the stronger check.
+The pod's name in the proof defeats a relay: a pod that passes the challenge on to a real
+agent gets back a proof for that agent's pod only when the agent knows its own name
+(``--pod-name``, set by the chart) and so refuses another's; an agent started without it (one
+process behind several pods, as in local tests) answers for any pod.
 """
 
 from __future__ import annotations
@@ -61,19 +63,19 @@ def refusal(endpoint: str, why: str) -> str:
             f"token ({why}): nothing was sent to it")
 
 
-def check_answer(token: str, nonce: bytes, proof: bytes) -> str:
+def check_answer(token: str, pod: str, nonce: bytes, proof: bytes) -> str:
     """Why the answer is no proof ("" when it is one)."""
     if not proof:
-        return "it answered no proof: it holds no token"
-    return "" if proof_matches(token, nonce, proof) else "its proof does not match the token"
+        return "it answered no proof: it holds no token, or it is another pod's agent"
+    return "" if proof_matches(token, pod, nonce, proof) else "its proof does not match the token"
 
 
 @dataclass
 class Identities:
     """Which endpoints proved they hold which token, for which pod; pods already reported."""
 
-    #: endpoint -> the pod uid last seen there (from the fleet's pods).
-    pods: dict[str, str] = field(default_factory=dict)
+    #: endpoint -> (uid, "NAMESPACE/NAME") of the pod last seen there (from the fleet's pods).
+    pods: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: endpoint -> (pod uid, token digest) it proved.
     proven: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: pod uids a NotAnAgent Event was posted for.
@@ -81,18 +83,23 @@ class Identities:
     #: (endpoint, token digest) refusals already logged.
     logged: set[tuple[str, str]] = field(default_factory=set)
 
-    def observe(self, endpoints: Mapping[str, str]) -> None:
-        """The pods now at these endpoints (endpoint -> uid); a new pod must prove again."""
-        for endpoint, uid in endpoints.items():
-            if self.pods.get(endpoint) != uid:
-                self.pods[endpoint] = uid
-                self.proven.pop(endpoint, None)
+    def observe(self, pods: Sequence[AgentPod]) -> None:
+        """The pods now at these endpoints; a new pod at one must prove again."""
+        for pod in pods:
+            seen = (pod.uid, f"{pod.namespace}/{pod.name}")
+            if self.pods.get(pod.endpoint) != seen:
+                self.pods[pod.endpoint] = seen
+                self.proven.pop(pod.endpoint, None)
+
+    def pod_at(self, endpoint: str) -> str:
+        """The "NAMESPACE/NAME" of the pod last seen at the endpoint ("" when none was)."""
+        return self.pods.get(endpoint, ("", ""))[1]
 
     def is_proven(self, endpoint: str, token: str) -> bool:
-        return self.proven.get(endpoint) == (self.pods.get(endpoint, ""), token_digest(token))
+        return self.proven.get(endpoint) == (self.pods.get(endpoint, ("", ""))[0], token_digest(token))
 
     def prove(self, endpoint: str, token: str) -> None:
-        self.proven[endpoint] = (self.pods.get(endpoint, ""), token_digest(token))
+        self.proven[endpoint] = (self.pods.get(endpoint, ("", ""))[0], token_digest(token))
 
     def refused(self, endpoint: str, token: str, message: str) -> None:
         """Log a refusal once per endpoint and token."""

@@ -204,7 +204,7 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
             rt.describe_cache[key] = await rt.agents.describe(agent.endpoint, creds)
         return rt.describe_cache[key]
 
-    rt.agents.observe({a.endpoint: a.uid for a in agents if a.dialable})  # a new pod proves again
+    rt.agents.observe([a for a in agents if a.dialable])  # a new pod at an endpoint proves again
     return await ask_each([a for a in agents if a.dialable], describe)
 
 

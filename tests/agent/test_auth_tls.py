@@ -79,19 +79,32 @@ def test_the_right_token_is_accepted(shared):
 
 def test_an_agent_proves_it_holds_the_token_without_being_sent_it(shared):
     """ProveIdentity needs no token (the client asks before it sends one) and answers the MAC of
-    the client's nonce under the token: right for that nonce only, and useless for another; an
-    agent without a token has nothing to prove with (an empty proof)."""
+    the client's pod name and nonce under the token: right for those only; an agent without a
+    token has nothing to prove with (an empty proof)."""
     nonce, other = b"\x01" * NONCE_BYTES, b"\x02" * NONCE_BYTES
     with extra_server(shared, auth_token=TOKEN) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = agent_pb2_grpc.NodeAgentStub(channel)
-        proof = stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce), timeout=30).proof
-        assert proof_matches(TOKEN, nonce, proof) and not proof_matches(TOKEN, other, proof)
-        assert not proof_matches("another-token", nonce, proof)
+        proof = stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/agent-0"), timeout=30).proof
+        assert proof_matches(TOKEN, "ns/agent-0", nonce, proof)
+        assert not proof_matches(TOKEN, "ns/agent-0", other, proof) and not proof_matches(TOKEN, "ns/agent-1", nonce, proof)
+        assert not proof_matches("another-token", "ns/agent-0", nonce, proof)
         short = rpc_error(lambda: stub.ProveIdentity(pb.ProveIdentityRequest(nonce=b"x"), timeout=30))
         assert short.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{NONCE_BYTES}-byte" in short.details()
     with extra_server(shared) as server, grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = agent_pb2_grpc.NodeAgentStub(channel)
-        assert stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce), timeout=30).proof == b""
+        assert stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/agent-0"), timeout=30).proof == b""
+
+
+def test_an_agent_that_knows_its_pod_answers_no_relayed_challenge(shared):
+    """With --pod-name, a challenge for another pod (an impostor relaying the operator's nonce to a
+    real agent) gets no proof; its own pod's challenge is answered."""
+    nonce = b"\x03" * NONCE_BYTES
+    with extra_server(shared, auth_token=TOKEN, pod_name="ns/agent-0") as server, \
+            grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = agent_pb2_grpc.NodeAgentStub(channel)
+        assert stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/impostor"), timeout=30).proof == b""
+        own = stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/agent-0"), timeout=30).proof
+        assert proof_matches(TOKEN, "ns/agent-0", nonce, own)
 
 
 @pytest.fixture(scope="module")

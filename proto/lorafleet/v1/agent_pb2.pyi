@@ -17,10 +17,12 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class ProveIdentityRequest(_message.Message):
-    __slots__ = ("nonce",)
+    __slots__ = ("nonce", "pod")
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
-    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+    pod: str
+    def __init__(self, nonce: _Optional[bytes] = ..., pod: _Optional[str] = ...) -> None: ...
 
 class ProveIdentityResponse(_message.Message):
     __slots__ = ("proof",)

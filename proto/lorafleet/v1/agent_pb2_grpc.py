@@ -118,8 +118,9 @@ class NodeAgentServicer:
 
     def ProveIdentity(self, request, context):
         """Proves that the server is a lorafleet agent holding the fleet's token, before a client sends
-        it: the answer is HMAC-SHA256(token, lorafleet_common.identity.CONTEXT || nonce). Open
-        without the token (like health); an agent without a token answers FAILED_PRECONDITION.
+        it: the answer is HMAC-SHA256(token, CONTEXT || pod || 0x00 || nonce)
+        (lorafleet_common.identity). Open without the token (like health); an agent without a token,
+        or asked for another pod than its own (--pod-name), answers an empty proof.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
