@@ -97,6 +97,12 @@ class Placement:
     #: Agents of the fleet considered.
     agents: int
 
+    @property
+    def waiting(self) -> bool:
+        """Whether it would take more room if some appeared: placed nowhere, on fewer than
+        ``replicas``, or (replicas unset) skipped by a full agent."""
+        return bool(self.why_not()) or any(s.reason is SkipReason.FULL for s in self.skipped)
+
     def why_not(self) -> str:
         """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
         have room: each holds 32 of 32" ("" when it has every place it asks for)."""
@@ -171,22 +177,23 @@ def place_one(demand: Demand, agents: Sequence[Candidate],
 
     # Stay: the last placement first (in its order), then other holders by name; an agent
     # that refused this version competes with the others, last.
-    staying = [by_pod[p] for p in demand.previous
+    staying = [by_pod[p] for p in dict.fromkeys(demand.previous)
                if p in by_pod and p not in demand.refused and stays(by_pod[p])]
-    staying += [a for a in fitting if demand.name in held[a.endpoint] and a not in staying
+    kept = {a.pod for a in staying}
+    staying += [a for a in fitting if demand.name in held[a.endpoint] and a.pod not in kept
                 and a.pod not in demand.refused]
     if demand.replicas is None:
-        staying += [a for a in unknown if a not in staying]
+        staying += [a for a in unknown if a.pod not in kept]
+    kept = {a.pod for a in staying}
     wanted = len(fitting) + len(unknown) if demand.replicas is None else demand.replicas
     chosen = staying[:wanted]
     for agent in staying[wanted:]:
         skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,
                             f"is not needed: {wanted} replica(s) placed elsewhere"))
-    for agent in unknown:
-        if agent not in staying:
-            skipped.append(Skip(agent.pod, SkipReason.NOT_READY, "did not answer"))
+    skipped += [Skip(a.pod, SkipReason.NOT_READY, "did not answer")
+                for a in unknown if a.pod not in kept]
     # New places: agents that did not refuse first, least loaded first, ties by pod name.
-    rest = sorted((a for a in fitting if a not in staying),
+    rest = sorted((a for a in fitting if a.pod not in kept),
                   key=lambda a: (a.pod in demand.refused, len(held[a.endpoint]), a.pod))
     for agent in rest:
         if len(chosen) >= wanted:

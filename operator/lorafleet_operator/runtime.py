@@ -50,8 +50,9 @@ class Runtime:
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
     reservations: Reservations = field(default_factory=Reservations)
-    #: (namespace, fleet) -> registry name -> what each of its adapters asks placement for,
-    #: so a handler places its adapter after the older ones (replaced by each drift check).
+    #: (namespace, fleet) -> registry name -> what its adapters still waiting for room ask
+    #: placement for, so a handler places its adapter after them (renewed by each drift
+    #: check).
     demands: dict[tuple[str, str], dict[str, Demand]] = field(default_factory=dict)
     #: (namespace, adapter) -> the EndpointSlices last written for it (a digest): written
     #: again only when they change.

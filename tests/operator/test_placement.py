@@ -20,13 +20,17 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
-from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.agent_client import AgentClients, AgentInfo, Credentials
 from lorafleet_operator.config import Settings
+from lorafleet_operator.drift import Registry, fleet_status, unwanted
+from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
 from lorafleet_operator.publish import publish_status
+from lorafleet_operator.reconcile import FleetView
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import (
     MAX_AGENT_MESSAGE,
@@ -196,6 +200,50 @@ def test_the_crds_caps_are_the_operators() -> None:
     assert fleet["members"]["maxItems"] == MAX_LISTED_MEMBERS
     assert fleet["members"]["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
     assert fleet["conditions"]["items"]["properties"]["message"]["maxLength"] == MAX_MESSAGE
+
+
+def test_a_big_fleets_status_lists_its_members_capped_not_ready_first() -> None:
+    """LoraFleet: at most MAX_LISTED_MEMBERS members, those not ready chosen first; the rest
+    counted (membersNotListed); agents and readyAgents count every pod."""
+    info = AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32)
+    pods = [AgentPod(f"p{i:03d}", "ns", f"u{i}", {}, i % 10 != 0, f"10.0.0.1:{i + 1}", 0)
+            for i in range(200)]
+    view = FleetView("ns", tuple(pods), {p.name: info for p in pods if p.dialable},
+                     Credentials(), "f")
+    fleet = {"metadata": {"name": "f", "generation": 1}}
+    got = fleet_status(fleet, view, {p.name: {} for p in pods}, None)
+    assert (got["agents"], got["readyAgents"]) == (200, 180)
+    assert len(got["members"]) == MAX_LISTED_MEMBERS
+    assert got["membersNotListed"] == 200 - MAX_LISTED_MEMBERS
+    assert sum(not m["ready"] for m in got["members"]) == 20  # every failing one is listed
+    assert [m["pod"] for m in got["members"]] == sorted(m["pod"] for m in got["members"])
+
+
+def test_the_drift_check_unloads_an_adapter_only_where_placement_dropped_it() -> None:
+    """Replicas lowered from 2 to 1: the agent it is no longer placed on unloads it; another
+    fleet's adapter (no placement here) is still wanted wherever its fleet selects."""
+    info = AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32)
+    pods = [AgentPod(f"agent-{i}", "ns", f"u{i}", {"f": "1"}, True, f"10.0.0.1:{i + 1}", 0)
+            for i in range(2)]
+    view = FleetView("ns", tuple(pods), {p.name: info for p in pods}, Credentials(), "f")
+    spec = {"baseModel": "m", "source": {"uri": "file:///a"}}
+    adapters = [{"metadata": {"namespace": "ns", "name": n}, "spec": {**spec, "fleetRef":
+                                                                       {"name": f}}}
+                for n, f in (("mine", "f"), ("theirs", "g"))]
+    fleets = [{"metadata": {"name": f}, "spec": {"selector": {"matchLabels": {"f": "1"}}}}
+              for f in ("f", "g")]
+    registries: dict[str, Registry] = {p.name: {n: RegistryEntry(n, "file:///a", "", False,
+                                                                 (0, 1))
+                                                for n in ("ns.mine", "ns.theirs")}
+                                       for p in pods}
+    candidates = [agent(p.name, {"ns.mine", "ns.theirs"}, cap=4) for p in pods]
+    placements = place([replace(c, base_model="m") for c in candidates],
+                       [want("ns.mine", replicas=1, previous=("agent-1",))])
+    assert placements["ns.mine"].placed == ("agent-1",)
+    assert [(a.name, n) for a, n in unwanted(view, registries, adapters, fleets, placements)] \
+        == [("agent-0", "ns.mine")]
+    assert unwanted(view, registries, adapters, fleets, placements,
+                    busy=frozenset({"ns.mine"})) == []  # a handler is placing it: left alone
 
 
 def largest_status() -> dict[str, Any]:
