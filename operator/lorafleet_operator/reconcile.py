@@ -448,16 +448,27 @@ def demand(rt: Runtime, body: Mapping[str, Any]) -> Demand:
 
 def place_fleet(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
                 bodies: Sequence[Mapping[str, Any]], *, complete: bool) -> dict[str, Placement]:
-    """Place these adapters of the fleet, together with the others it knows of, in creation
-    order (older adapters take room first). ``complete``: ``bodies`` are all of the fleet's
-    live adapters (the drift check), so the book of its demands is replaced; otherwise they
-    are added to it (a handler). Synchronous: decisions of concurrent reconciles never
-    interleave, and each sees the others' loads as reservations."""
+    """Place these adapters of the fleet in creation order (older adapters take room first).
+
+    ``complete``: ``bodies`` are all of the fleet's live adapters (the drift check). Otherwise
+    (a handler) they are placed after the fleet's adapters still waiting for room (the book
+    the last drift check and handlers left), so a new adapter cannot take room an older one
+    waits for; adapters that have their places need no new room and are not placed again.
+    Synchronous: decisions of concurrent reconciles never interleave, and each sees the
+    others' loads as reservations."""
     key = (view.namespace, view.name)
     fresh = {d.name: d for d in (demand(rt, b) for b in bodies)}
-    book = fresh if complete else {**rt.demands.get(key, {}), **fresh}
-    rt.demands[key] = book
-    return place(candidates(rt, view, registries), book.values())
+    book = rt.demands.setdefault(key, {})
+    placements = place(candidates(rt, view, registries),
+                       fresh.values() if complete else {**book, **fresh}.values())
+    if complete:
+        book.clear()
+    for name, placement in placements.items():
+        if placement.waiting:
+            book[name] = fresh.get(name) or book[name]
+        else:
+            book.pop(name, None)
+    return placements
 
 
 def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
