@@ -6,8 +6,9 @@ Two halves, deliberately apart:
   cached prefix it reuses, what is evicted. The driver's scheduler runs one per DP-attention
   group, so every rank of that group receives the same block tables and slot mappings, never
   computes them itself.
-* `PagedKVCache` is one rank's storage: per layer, K and V for the rank's own KV heads, written
-  at the slots the allocator chose and read by `kernels.paged_attention`.
+* `PagedKVCache` is one rank's storage: per layer, K and V for the rank's own KV heads (for MLA
+  models one latent per token instead), written at the slots the allocator chose and read by
+  `kernels.paged_attention`.
 
 Slot `s` is token `s % block_size` of block `s // block_size`.
 
@@ -28,6 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.sharding import attention_heads
+from node_agent.engine.topology import Topology
 
 # Identity of the weights a sequence runs with, for prefix caching: None is the base model. It
 # must change whenever an adapter name is loaded again with other weights (name plus the
@@ -211,13 +216,18 @@ class BlockAllocator:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Shape of one rank's cache. `num_kv_heads` is this rank's (the sharding module's answer)."""
+    """Shape of one rank's cache. `num_kv_heads` is this rank's (the sharding module's answer).
+
+    `latent`: MLA's cache (DeepSeek-V2/V3), one tensor per layer holding each token's latent
+    (`head_dim` = kv_lora_rank + qk_rope_head_dim, `num_kv_heads` 1) instead of K and V per head.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -225,21 +235,40 @@ class KVCacheLayout:
                 raise KVCacheError(f"KVCacheLayout.{name} must be at least 1, got {getattr(self, name)}")
 
     @property
-    def bytes_per_block(self) -> int:
-        """K and V of one block over every layer."""
+    def tensors_per_layer(self) -> int:
+        """K and V, or MLA's one latent."""
+        return 1 if self.latent else 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token's cache over every layer on this rank."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return self.tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V (or the latent) of one block over every layer."""
+        return self.block_size * self.bytes_per_token
 
     def blocks_for_budget(self, budget_bytes: int) -> int:
         """How many blocks `budget_bytes` holds; an error if not even one."""
         blocks = budget_bytes // self.bytes_per_block
         if blocks < 1:
+            what = "the latent" if self.latent else "K and V"
             raise KVCacheError(
                 f"KV cache budget of {budget_bytes} bytes cannot hold one block of {self.bytes_per_block} bytes "
                 f"({self.block_size} tokens × {self.num_layers} layers × {self.num_kv_heads} KV heads × "
-                f"{self.head_dim} head dim × K and V in {self.dtype})"
+                f"{self.head_dim} head dim × {what} in {self.dtype})"
             )
         return blocks
+
+
+def kv_cache_layout(cfg: ModelConfig, topology: Topology, rank: int, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
+    """The cache one rank holds: its own KV heads (replicated ones included), as the sharding rule
+    gives them; for MLA the latent, once per token whatever the rank's heads."""
+    if cfg.mla is not None:
+        return KVCacheLayout(cfg.num_layers, 1, cfg.mla.latent_dim, block_size, dtype, latent=True)
+    return KVCacheLayout(cfg.num_layers, attention_heads(cfg, topology, rank).kv.width, cfg.head_dim, block_size, dtype)
 
 
 def budget_from_device_memory(free_bytes: int, total_bytes: int, utilization: float) -> int:
@@ -265,7 +294,8 @@ def budget_from_device_memory(free_bytes: int, total_bytes: int, utilization: fl
 
 
 class PagedKVCache:
-    """One rank's K and V blocks: per layer `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """One rank's K and V blocks: per layer `[num_blocks, block_size, num_kv_heads, head_dim]`
+    (an MLA cache: one latent block tensor per layer, `[num_blocks, block_size, 1, latent_dim]`).
 
     Token-major inside a block, heads then head_dim innermost: a write is one `index_copy_` per
     tensor on the flattened slot dim, and the paged kernels read each token's head as one
@@ -278,7 +308,8 @@ class PagedKVCache:
             raise KVCacheError(f"need at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, layout.tensors_per_layer, num_blocks, layout.block_size, layout.num_kv_heads,
+                 layout.head_dim)
         self._storage = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @classmethod
@@ -298,10 +329,28 @@ class PagedKVCache:
 
     def value(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s V blocks (a view)."""
+        if self.layout.latent:
+            raise KVCacheError("an MLA cache holds one latent per token and no V; read latent()")
         return self._storage[layer, 1]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s MLA latents, `[num_blocks, block_size, 1, latent_dim]` (a view)."""
+        if not self.layout.latent:
+            raise KVCacheError("this cache holds K and V per head, no latent")
+        return self._storage[layer, 0]
+
+    def write_latent(self, layer: int, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+        """Store new tokens' latents (`[T, latent_dim]`) at `slot_mapping` (`[T]`)."""
+        dim = self.layout.head_dim
+        if latent.dim() != 2 or latent.shape[1] != dim or slot_mapping.shape != latent.shape[:1]:
+            raise KVCacheError(f"write_latent needs latent [T, {dim}] and slot_mapping [T]; got latent "
+                               f"{tuple(latent.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+        self.latent(layer).view(-1, dim).index_copy_(0, slot_mapping.to(torch.int64), latent.to(self.layout.dtype))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V (`[T, num_kv_heads, head_dim]`) at `slot_mapping` (`[T]`)."""
+        if self.layout.latent:
+            raise KVCacheError("an MLA cache holds latents; use write_latent")
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (heads, dim) or slot_mapping.shape != k.shape[:1]:
             raise KVCacheError(

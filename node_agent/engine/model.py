@@ -1,4 +1,4 @@
-"""Dense decoder (Llama and Qwen3 families) sharded for TP with DP attention (docs/design.md §2).
+"""The decoder (Llama, Qwen3, Qwen-MoE, DeepSeek-V2/V3) sharded for TP with DP attention (docs/design.md §2).
 
 Per layer: each attention group runs norm → QKV → attention → o_proj on its own tokens
 (o_proj reduces inside the attention-TP group only); the groups' hidden states are then
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,8 @@ from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, al
 from node_agent.engine.kernels import LoraBatch, paged_attention
 from node_agent.engine.kv_cache import PagedKVCache
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
+from node_agent.engine.model_config import MLA_ARCHITECTURES, ModelConfig, yarn_mscale
+from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, Routing, SparseMoeBlock
 from node_agent.engine.sharding import (
     EXPERT_KINDS,
     MODULE_KINDS,
@@ -123,12 +124,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, with Llama-3 scaling when the config asks for it."""
+    """RoPE inverse frequencies, with Llama-3 or YaRN scaling when the config asks for it."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = cfg.rope_scaling
     if not scaling:
         return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _yarn_inv_freq(cfg, scaling, inv_freq)
     factor = float(scaling["factor"])
     low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
     old_context = float(scaling["original_max_position_embeddings"])
@@ -138,6 +141,52 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_factor(cfg: ModelConfig, scaling: dict[str, Any]) -> float:
+    """YaRN's stretch factor; without one, max_position_embeddings over the original (DeepSeek-V3)."""
+    factor = scaling.get("factor")
+    if factor is None:
+        return cfg.max_position_embeddings / float(scaling["original_max_position_embeddings"])
+    return float(factor)
+
+
+def _yarn_inv_freq(cfg: ModelConfig, scaling: dict[str, Any], extrapolation: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolated frequencies below the correction range, extrapolated above, a linear ramp
+    between (transformers' `_compute_yarn_parameters`)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    factor = _yarn_factor(cfg, scaling)
+    old_context = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_context / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency extrapolated
+    interpolation = 1.0 / (factor * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for every other RoPE)."""
+    scaling = cfg.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(cfg, scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -234,6 +283,104 @@ class Attention(nn.Module):
         return result
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), written out
+    de-interleaved as transformers' `apply_rotary_pos_emb_interleave` does. Only dot products of
+    rotated queries and keys are used, so the layout of the result is free; x: [T, heads, d]."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * c - odd * s, odd * c + even * s), dim=-1)
+
+
+class LatentAttention(nn.Module):
+    """MLA (DeepSeek-V2/V3) on this rank's heads of one attention group (docs/engine.md).
+
+    q from q_proj, or q_a_proj → q_a_layernorm → q_b_proj; the latent from kv_a_proj_with_mqa
+    (normalised part, then the shared rotary key) is what the KV cache holds, once per token. Each
+    step expands the cached latents of the group's sequences through kv_b_proj into this rank's
+    heads' keys and values, with each sequence's own adapter, so LoRA on kv_b_proj is exact.
+    """
+
+    def __init__(self, setup: RankSetup, layer: int) -> None:
+        super().__init__()
+        cfg = setup.cfg
+        self.mla = mla = cfg.latent()
+        self.layer = layer
+        self.num_heads = attention_heads(cfg, setup.topology, setup.rank).q.width
+        bias = cfg.attention_bias
+        # q_proj, or q_b_proj after q_a_proj → q_a_layernorm (the pool finds each by its kind).
+        self.q_up = setup.lora_linear("q_proj" if mla.q_lora_rank is None else "q_b_proj", False)
+        self.q_down = setup.lora_linear("q_a_proj", bias) if mla.q_lora_rank is not None else None
+        # transformers builds both latent norms with the default eps, not rms_norm_eps.
+        self.q_a_layernorm = (RMSNorm(mla.q_lora_rank, 1e-6, setup.dtype, setup.device)
+                              if mla.q_lora_rank is not None else None)
+        self.kv_a_proj_with_mqa = setup.lora_linear("kv_a_proj_with_mqa", bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6, setup.dtype, setup.device)
+        self.kv_b_proj = setup.lora_linear("kv_b_proj", False)
+        self.o_proj = setup.lora_linear("o_proj", bias)
+
+    def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read this rank's slices of the MLA weights under `prefix` (`model.layers.N.self_attn`)."""
+        for module in (self.q_down, self.q_up, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):
+            if module is not None:
+                module.load_base(checkpoint, prefix)
+        for name, norm in (("q_a_layernorm", self.q_a_layernorm), ("kv_a_layernorm", self.kv_a_layernorm)):
+            if norm is not None:
+                norm.weight.copy_(checkpoint.read(f"{prefix}.{name}.weight"))
+
+    def _rope(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.mla.rope_interleave:
+            return rotate_pairs(x, ctx.cos, ctx.sin)
+        return apply_rope(x, ctx.cos, ctx.sin)
+
+    def _queries(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+        if self.q_down is not None and self.q_a_layernorm is not None:
+            x = self.q_a_layernorm(self.q_down(x, lora))
+        q: torch.Tensor = self.q_up(x, lora)
+        return q
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Attention of this group's new tokens over their sequences' cached latents, o_proj reduced in the group."""
+        mla, tokens, heads = self.mla, x.shape[0], self.num_heads
+        q = self._queries(x, ctx.attn_lora).reshape(tokens, heads, mla.qk_head_dim)
+        q_nope, q_rot = torch.split(q, [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        compressed: torch.Tensor = self.kv_a_proj_with_mqa(x, ctx.attn_lora)
+        latent, k_rot = torch.split(compressed, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        k_rot = self._rope(k_rot[:, None, :], ctx)[:, 0]
+        batch = ctx.attention
+        # Write, then attend: every new token sees itself and all before it in its sequence.
+        batch.kv.write_latent(self.layer, batch.slot_mapping, torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1))
+        rows = [index for index, new in enumerate(batch.query_lens) if new > 0]
+        query_lens = [batch.query_lens[i] for i in rows]
+        context_lens = [batch.context_lens[i] for i in rows]
+        cached = paged_attention.gather_contexts(batch.kv.latent(self.layer), batch.block_tables[rows], context_lens)[:, 0]
+        keys, values = self._expand(cached, self._context_lora(ctx.attn_lora, query_lens, context_lens))
+        queries = torch.cat((q_nope, self._rope(q_rot, ctx)), dim=-1)
+        out = paged_attention.prefill_gathered(queries, keys, values, query_lens, context_lens, mla.softmax_scale)
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, heads * mla.v_head_dim), ctx.attn_lora)
+        return result
+
+    def _expand(self, cached: torch.Tensor, lora: LoraBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents `[L, latent_dim]` → this rank's heads' keys `[L, heads, qk_head_dim]` and values."""
+        mla, length = self.mla, cached.shape[0]
+        latent, k_rot = torch.split(cached, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv: torch.Tensor = self.kv_b_proj(latent, lora)
+        per_head = kv.reshape(length, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, values = torch.split(per_head, [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        keys = torch.cat((k_nope, k_rot[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
+        return keys, values
+
+    @staticmethod
+    def _context_lora(lora: LoraBatch, query_lens: list[int], context_lens: list[int]) -> LoraBatch:
+        """Each cached token's slot: its sequence's (every token of a sequence has the same adapter,
+        and a cached prefix is only ever shared with the same adapter)."""
+        device = lora.token_slots.device
+        firsts = torch.tensor([0, *query_lens[:-1]], dtype=torch.int64, device=device).cumsum(0)[: len(query_lens)]
+        counts = torch.tensor(context_lens, dtype=torch.int64, device=device)
+        return LoraBatch.from_token_slots(torch.repeat_interleave(lora.token_slots[firsts], counts))
+
+
 class MLP(nn.Module):
     """Gated MLP, TP over all ranks; `prefix` names the module kinds ("" dense, "shared_expert.")."""
 
@@ -266,10 +413,14 @@ class MoE(nn.Module):
                              setup.groups.get(MODULE_KINDS[kind].group), setup.capacity, setup.dtype, setup.device)
             for kind in EXPERT_KINDS
         )
+        self.deepseek = cfg.model_type in MLA_ARCHITECTURES
         self.block = SparseMoeBlock(moe.num_experts, moe.top_k, moe.norm_topk_prob, cfg.hidden_size, gate_up, down,
-                                    setup.dtype, setup.device)
+                                    setup.dtype, setup.device, Routing.of(moe, self.deepseek))
         self.full_group = setup.groups.get(MLP_GROUP)
-        self.shared_expert = SharedExpert(setup) if moe.shared_expert_intermediate_size else None
+        self.shared_expert: SharedExpert | MLP | None = None
+        if moe.shared_expert_intermediate_size:
+            # Qwen2-MoE's one gated shared expert, or DeepSeek's ungated shared experts (one MLP).
+            self.shared_expert = SharedExpert(setup) if moe.shared_expert_gated else MLP(setup, prefix="shared_experts.")
 
     def forward(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """Routed experts (one reduction over the full group) plus the shared expert, if any."""
@@ -281,10 +432,14 @@ class MoE(nn.Module):
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         """Read the router, this rank's experts and the shared expert under `prefix` (`model.layers.N.mlp`)."""
         self.block.router.copy_(checkpoint.read(f"{prefix}.gate.weight"))
+        if self.block.routing.kind == "sigmoid_group_limited":
+            self.block.score_bias.copy_(checkpoint.read(f"{prefix}.gate.e_score_correction_bias"))
         self.block.gate_up.load_base(checkpoint, f"{prefix}.experts")
         self.block.down.load_base(checkpoint, f"{prefix}.experts")
-        if self.shared_expert is not None:
+        if isinstance(self.shared_expert, SharedExpert):
             self.shared_expert.load_base(checkpoint, prefix)
+        elif self.shared_expert is not None:
+            self.shared_expert.load_base(checkpoint, f"{prefix}.shared_experts")
 
     def slot_views(self) -> dict[tuple[str, int], ExpertSlotView]:
         """One pool-facing view per (expert kind, global expert id) held here."""
@@ -321,7 +476,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, setup: RankSetup, index: int, sparse: bool) -> None:
         super().__init__()
         cfg = setup.cfg
-        self.self_attn = Attention(setup, index)
+        self.self_attn: Attention | LatentAttention = LatentAttention(setup, index) if cfg.mla else Attention(setup, index)
         self.mlp: MLP | MoE = MoE(setup) if sparse else MLP(setup)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, setup.dtype, setup.device)
@@ -371,6 +526,7 @@ class CausalLM(nn.Module):
         self.decoder_layers = layers  # the same modules, typed (ModuleList items are plain Modules)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.rope_factor = rope_attention_factor(cfg)
 
     def lora_modules(self) -> dict[ModuleKey, LoraSlots]:
         """Every LoRA target the pool fills: (layer, kind) for dense modules, (layer, kind,
@@ -400,6 +556,8 @@ class CausalLM(nn.Module):
         freqs = index[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.norm.weight.dtype
+        if self.rope_factor != 1.0:  # YaRN scales cos and sin in fp32, before the cast
+            return (emb.cos() * self.rope_factor).to(dtype), (emb.sin() * self.rope_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()

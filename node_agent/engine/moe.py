@@ -1,4 +1,4 @@
-"""Routed experts with expert parallelism and expert LoRA (Qwen3-MoE; docs/design.md §2, §3).
+"""Routed experts with expert parallelism and expert LoRA (Qwen-MoE, DeepSeek-V2/V3; docs/design.md §2, §3).
 
 A rank holds only its expert-parallel group's experts (`sharding.local_experts`), each split over
 the MoE-TP group like a dense MLP. LoRA buffers are indexed by *local* expert id; a token routed
@@ -8,6 +8,8 @@ this rank. The block's partial output is reduced once, over the full TP group, b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch import nn
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.lora_layers import LoraCapacity, SliceWeights, add_lora, fill_slot
+from node_agent.engine.model_config import MoEConfig
 from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, Span, lora_fully_sharded, lora_layout
 
 
@@ -88,25 +91,85 @@ class ExpertSlotView:
         return [(list(a.shape[2:]), list(b.shape[2:])) for a, b in zip(self.module.a_stacks, self.module.b_stacks, strict=True)]
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How the router picks experts (`model_config.ROUTINGS`), as each family's transformers router does.
+
+    * "softmax": top-k of the softmax (Qwen-MoE; DeepSeek-V2 "greedy");
+    * "softmax_group_limited": DeepSeek-V2: only experts of the `topk_groups` groups with the
+      highest best score compete;
+    * "sigmoid_group_limited": DeepSeek-V3: sigmoid scores; groups ranked by the sum of their two
+      best bias-corrected scores; experts chosen by bias-corrected score, weighted by the plain one.
+    DeepSeek computes the router logits in fp32 (`fp32_logits`) and scales the weights last.
+    """
+
+    kind: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
+    fp32_logits: bool = False
+
+    @classmethod
+    def of(cls, moe: MoEConfig, deepseek: bool) -> Routing:
+        """The routing of a model's expert config."""
+        return cls(moe.routing, moe.num_groups, moe.topk_groups, moe.routed_scaling_factor, deepseek)
+
+
 class SparseMoeBlock(nn.Module):
     """Router (replicated) + this rank's experts; returns the partial output to be reduced."""
 
     def __init__(self, num_experts: int, top_k: int, norm_topk_prob: bool, hidden: int,
-                 gate_up: ExpertLoraLinear, down: ExpertLoraLinear, dtype: torch.dtype, device: torch.device) -> None:
+                 gate_up: ExpertLoraLinear, down: ExpertLoraLinear, dtype: torch.dtype, device: torch.device,
+                 routing: Routing | None = None) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.routing = routing or Routing()
         self.router = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        # DeepSeek-V3's e_score_correction_bias (zero, and unused, for the other routings).
+        self.score_bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device), requires_grad=False)
         self.gate_up = gate_up
         self.down = down
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids and weights per token, as transformers' Qwen3-MoE router computes them."""
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        """Top-k expert ids and weights per token, as transformers' router of the family computes them."""
+        routing = self.routing
+        if routing.fp32_logits:
+            logits = F.linear(x.float(), self.router.float())
+        else:
+            logits = F.linear(x, self.router)
+        if routing.kind == "sigmoid_group_limited":
+            weights, ids = self._sigmoid_group_limited(logits.sigmoid())
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            if routing.kind == "softmax_group_limited":
+                best = probs.view(-1, routing.num_groups, probs.shape[-1] // routing.num_groups).amax(dim=-1)
+                probs = probs.masked_fill(~self._group_mask(best), 0.0)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        if routing.scaling != 1.0:
+            weights = weights * routing.scaling
         return ids, weights.to(x.dtype)
+
+    def _sigmoid_group_limited(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3: pick by bias-corrected score inside the best groups, weigh by the score itself."""
+        groups = self.routing.num_groups
+        choice = scores + self.score_bias.float()
+        group_scores = choice.view(-1, groups, choice.shape[-1] // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+        ids = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, ids
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, num_experts] bool: the experts of each token's `topk_groups` best groups."""
+        chosen = torch.topk(group_scores, self.routing.topk_groups, dim=-1)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        experts = self.router.shape[0]
+        return mask[:, :, None].expand(-1, -1, experts // self.routing.num_groups).reshape(-1, experts)
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """Route `x` and return this rank's partial expert output (reduced by the caller)."""

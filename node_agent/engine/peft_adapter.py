@@ -27,12 +27,12 @@ from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.sharding import (
     EXPERT_KINDS,
     MODULE_KINDS,
-    PEFT_TO_KIND,
-    SHARED_EXPERT_KINDS,
+    SPARSE_ONLY_KINDS,
     LoraSliceLayout,
     ModuleKey,
     ModuleLayout,
     model_kinds,
+    peft_to_kind,
     unsharded_layout,
 )
 
@@ -42,7 +42,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 # Matched with fullmatch, ASCII only: a key with a newline or a non-ASCII digit names no module.
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight", re.ASCII)
 _MODULE = re.compile(
-    r"model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.shared_expert|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)",
+    r"model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp|mlp\.shared_experts?|mlp\.experts\.(?P<expert>\d+))\.(?P<name>\w+)",
     re.ASCII,
 )
 # PEFT `target_parameters` LoRA on the fused 3-D expert weights: nested wrappers add `.base_layer`.
@@ -517,8 +517,7 @@ class _Matcher:
     def _check_target_names(self) -> None:
         targets = self.config.target_modules
         if targets is not None:
-            kinds = model_kinds(self.cfg)
-            names = {name for (_, name), (kind, _) in PEFT_TO_KIND.items() if kind in kinds}
+            names = {name for (_, name) in peft_to_kind(self.cfg)}
             unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
             if unknown:
                 raise AdapterLoadError(_shorten(
@@ -541,7 +540,7 @@ class _Matcher:
         parent = "mlp.experts" if expert is not None else match["parent"]
         if not _module_exists(self.cfg, layer, parent, name, expert):
             raise AdapterLoadError(f"base model does not have module {module_name}")
-        kind_name, slice_index = PEFT_TO_KIND[(parent, name)]
+        kind_name, slice_index = peft_to_kind(self.cfg)[(parent, name)]
         expected = full[kind_name].slices[slice_index]
         out_features, in_features = expected.out.width, expected.inp.width
         a_shape, b_shape = self.tensors[a_key].shape, self.tensors[b_key].shape
@@ -635,16 +634,15 @@ def _describe(module: ModuleAdapter) -> str:
 
 def _module_exists(cfg: ModelConfig, layer: int, parent: str, name: str, expert: int | None) -> bool:
     """Does the base model have this module? MLP modules depend on whether the layer is sparse."""
-    if (parent, name) not in PEFT_TO_KIND or not 0 <= layer < cfg.num_layers:
+    kinds = peft_to_kind(cfg)
+    if (parent, name) not in kinds or not 0 <= layer < cfg.num_layers:
         return False
-    kind = PEFT_TO_KIND[(parent, name)][0]
-    if kind not in model_kinds(cfg):
-        return False
+    kind = kinds[(parent, name)][0]
     if parent == "self_attn":
         return True
     if expert is not None:
         return _is_sparse(cfg, layer) and expert < cfg.experts().num_experts
-    return _is_sparse(cfg, layer) == (kind in SHARED_EXPERT_KINDS)
+    return _is_sparse(cfg, layer) == (kind in SPARSE_ONLY_KINDS)
 
 
 def _is_sparse(cfg: ModelConfig, layer: int) -> bool:

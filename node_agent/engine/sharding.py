@@ -63,6 +63,18 @@ MODULE_KINDS: dict[str, ModuleKind] = {
                    "mlp.shared_expert"),
         ModuleKind("shared_expert.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_expert"),
         ModuleKind("shared_expert_gate", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("shared_expert_gate",), "mlp"),
+        # DeepSeek's shared experts (plural in its module path; no gate), a full-TP MLP too.
+        ModuleKind("shared_experts.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"),
+                   "mlp.shared_experts"),
+        ModuleKind("shared_experts.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_experts"),
+        # MLA (DeepSeek-V2/V3): the per-head projections split by heads over the attention-TP
+        # group; the two down-projections to the latents every rank of the group holds whole.
+        ModuleKind("q_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("q_proj",), "self_attn"),
+        ModuleKind("q_a_proj", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("q_a_proj",), "self_attn"),
+        ModuleKind("q_b_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("q_b_proj",), "self_attn"),
+        ModuleKind("kv_a_proj_with_mqa", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("kv_a_proj_with_mqa",),
+                   "self_attn"),
+        ModuleKind("kv_b_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("kv_b_proj",), "self_attn"),
         # Embedding and LM head work on one attention group's tokens, so they shard like attention.
         ModuleKind("vocab", ShardGroup.ATTN_TP, ParallelStyle.VOCAB, (), "model"),
         # Which routed experts a rank holds at all (each one then split by the expert kinds above).
@@ -70,16 +82,26 @@ MODULE_KINDS: dict[str, ModuleKind] = {
     )
 }
 DENSE_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+MLP_KINDS = ("gate_up_proj", "down_proj")
 EXPERT_KINDS = ("experts.gate_up_proj", "experts.down_proj")
 SHARED_EXPERT_KINDS = ("shared_expert.gate_up_proj", "shared_expert.down_proj", "shared_expert_gate")
+DEEPSEEK_SHARED_KINDS = ("shared_experts.gate_up_proj", "shared_experts.down_proj")
+MLA_Q_KINDS = ("q_proj",)
+MLA_Q_LORA_KINDS = ("q_a_proj", "q_b_proj")
+MLA_KV_KINDS = ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# Kinds of the MLP position that exist only in sparse layers, beside the routed experts.
+SPARSE_ONLY_KINDS = SHARED_EXPERT_KINDS + DEEPSEEK_SHARED_KINDS
 
-# PEFT module name (e.g. "k_proj") under a parent ("self_attn", "mlp", "mlp.experts")
-# -> (engine module kind, slice index inside it).
-PEFT_TO_KIND: dict[tuple[str, str], tuple[str, int]] = {
-    (kind.parent, peft): (kind.name, index)
-    for kind in MODULE_KINDS.values()
-    for index, peft in enumerate(kind.peft_modules)
-}
+
+def peft_to_kind(cfg: ModelConfig) -> dict[tuple[str, str], tuple[str, int]]:
+    """PEFT module name (e.g. "k_proj") under a parent ("self_attn", "mlp", "mlp.experts") ->
+    (engine module kind, slice index inside it), for the kinds `cfg`'s model has. (A model's
+    kinds never give one PEFT name twice; q_proj is a slice of qkv_proj or MLA's own kind.)"""
+    return {
+        (MODULE_KINDS[name].parent, peft): (name, index)
+        for name in model_kinds(cfg)
+        for index, peft in enumerate(MODULE_KINDS[name].peft_modules)
+    }
 
 # The engine's key of one LoRA target: (layer, kind) for a dense module, (layer, kind, global
 # expert id) for one routed expert's projection.
@@ -187,11 +209,17 @@ def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: st
     if kind.name == "qkv_proj":
         return ModuleLayout(kind, shard, cfg.hidden_size, _qkv_slices(cfg, shard))
     if kind.name == "o_proj":
-        inp = even_span(cfg.q_size, shard, "num_attention_heads * head_dim")
-        return ModuleLayout(kind, shard, cfg.q_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
-    if kind.style is ParallelStyle.REPLICATED:  # shared_expert_gate
-        gate = SliceLayout(kind.peft_modules[0], Span(0, 1), Span(0, cfg.hidden_size))
-        return ModuleLayout(kind, shard, cfg.hidden_size, (gate,))
+        # By whole heads: the rank's heads' value columns (head_dim, or MLA's v_head_dim, each).
+        heads = even_span(cfg.num_heads, shard, "num_attention_heads")
+        per_head = cfg.attn_out_size // cfg.num_heads
+        inp = Span(heads.start * per_head, heads.width * per_head)
+        return ModuleLayout(kind, shard, cfg.attn_out_size, (SliceLayout("o_proj", Span(0, cfg.hidden_size), inp),))
+    if kind.name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        return _mla_head_layout(cfg, kind, shard)
+    if kind.style is ParallelStyle.REPLICATED:  # shared_expert_gate, q_a_proj, kv_a_proj_with_mqa
+        out_width = _replicated_out(cfg, kind.name)
+        whole = SliceLayout(kind.peft_modules[0], Span(0, out_width), Span(0, cfg.hidden_size))
+        return ModuleLayout(kind, shard, cfg.hidden_size, (whole,))
     if kind.style not in (ParallelStyle.COLUMN, ParallelStyle.ROW):
         raise ValueError(f"module kind {kind_name} has no linear layout")
     intermediate, what = _intermediate(cfg, kind.name)
@@ -201,6 +229,31 @@ def module_layout(cfg: ModelConfig, topology: Topology, rank: int, kind_name: st
         return ModuleLayout(kind, shard, cfg.hidden_size, tuple(SliceLayout(m, out, full) for m in kind.peft_modules))
     inp = even_span(intermediate, shard, what)  # down_proj, experts.down_proj
     return ModuleLayout(kind, shard, intermediate, (SliceLayout("down_proj", Span(0, cfg.hidden_size), inp),))
+
+
+def _replicated_out(cfg: ModelConfig, kind_name: str) -> int:
+    """Output features of a module every rank holds whole."""
+    if kind_name == "shared_expert_gate":
+        return 1
+    mla = cfg.latent()
+    if kind_name == "q_a_proj":
+        if mla.q_lora_rank is None:
+            raise ValueError("q_lora_rank is unset: the model has no q_a_proj")
+        return mla.q_lora_rank
+    return mla.latent_dim
+
+
+def _mla_head_layout(cfg: ModelConfig, kind: ModuleKind, shard: Shard) -> ModuleLayout:
+    """q_proj / q_b_proj / kv_b_proj: output rows of the rank's heads (each head's rows contiguous)."""
+    mla = cfg.latent()
+    heads = even_span(cfg.num_heads, shard, "num_attention_heads")
+    if kind.name == "kv_b_proj":
+        per_head, in_features = mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank
+    else:
+        per_head = mla.qk_head_dim
+        in_features = cfg.hidden_size if kind.name == "q_proj" else _replicated_out(cfg, "q_a_proj")
+    out = Span(heads.start * per_head, heads.width * per_head)
+    return ModuleLayout(kind, shard, in_features, (SliceLayout(kind.peft_modules[0], out, Span(0, in_features)),))
 
 
 def unsharded_layout(cfg: ModelConfig, kind_name: str) -> ModuleLayout:
@@ -214,6 +267,8 @@ def _intermediate(cfg: ModelConfig, kind_name: str) -> tuple[int, str]:
         return cfg.experts().intermediate_size, "moe_intermediate_size"
     if kind_name in SHARED_EXPERT_KINDS:
         return cfg.experts().shared_expert_intermediate_size, "shared_expert_intermediate_size"
+    if kind_name in DEEPSEEK_SHARED_KINDS:
+        return cfg.experts().shared_expert_intermediate_size, "moe_intermediate_size * n_shared_experts"
     return cfg.intermediate_size, "intermediate_size"
 
 
@@ -233,10 +288,19 @@ def vocab_span(cfg: ModelConfig, topology: Topology, rank: int) -> Span:
 
 
 def model_kinds(cfg: ModelConfig) -> tuple[str, ...]:
-    """The LoRA module kinds a model has: dense ones, plus the expert ones for an MoE model."""
+    """The LoRA module kinds a model has: its attention's (q/k/v heads or MLA's), the dense MLP's,
+    plus the expert ones for an MoE model."""
+    if cfg.mla is None:
+        attention: tuple[str, ...] = ("qkv_proj", "o_proj")
+    else:
+        attention = (MLA_Q_KINDS if cfg.mla.q_lora_rank is None else MLA_Q_LORA_KINDS) + MLA_KV_KINDS
     if not cfg.moe:
-        return DENSE_KINDS
-    return DENSE_KINDS + EXPERT_KINDS + (SHARED_EXPERT_KINDS if cfg.moe.shared_expert_intermediate_size else ())
+        return attention + MLP_KINDS
+    if not cfg.moe.shared_expert_intermediate_size:
+        shared: tuple[str, ...] = ()
+    else:
+        shared = SHARED_EXPERT_KINDS if cfg.moe.shared_expert_gated else DEEPSEEK_SHARED_KINDS
+    return attention + MLP_KINDS + EXPERT_KINDS + shared
 
 
 @dataclass(frozen=True)
@@ -248,8 +312,12 @@ class AttentionHeads:
 
 
 def attention_heads(cfg: ModelConfig, topology: Topology, rank: int) -> AttentionHeads:
-    """This rank's query and KV heads in its attention-TP group."""
-    return _heads(cfg, kind_shard(topology, rank, "qkv_proj"))
+    """This rank's query and KV heads in its attention-TP group (MLA: its heads; `kv` is the one
+    latent every rank of the group holds whole)."""
+    shard = kind_shard(topology, rank, "qkv_proj")
+    if cfg.mla is not None:
+        return AttentionHeads(even_span(cfg.num_heads, shard, "num_attention_heads"), Span(0, 1))
+    return _heads(cfg, shard)
 
 
 def _heads(cfg: ModelConfig, shard: Shard) -> AttentionHeads:

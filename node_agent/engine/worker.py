@@ -23,7 +23,7 @@ from node_agent.engine.adapter_files import ContentChanged, HeldFiles
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import init_process_groups
 from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.kv_cache import KVCacheLayout, PagedKVCache, budget_from_device_memory
+from node_agent.engine.kv_cache import PagedKVCache, budget_from_device_memory, kv_cache_layout
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
@@ -45,7 +45,6 @@ from node_agent.engine.protocol import (
 )
 from node_agent.engine.sampler import sample
 from node_agent.engine.scheduler import ScheduledSequence
-from node_agent.engine.sharding import attention_heads
 from node_agent.engine.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -93,9 +92,9 @@ class RankWorker:
         self.modules = self.model.lora_modules()
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
         self.pool = LoraPool(self.modules, config.max_loras_per_batch, config.max_loaded_loras)
-        # The rank's own KV heads, as the sharding rule gives them (replicated heads included).
-        self.kv_layout = KVCacheLayout(self.cfg.num_layers, attention_heads(self.cfg, config.topology, rank).kv.width,
-                                       self.cfg.head_dim, config.block_size, self.dtype)
+        # The rank's own KV heads, as the sharding rule gives them (replicated heads included),
+        # or MLA's latent once per token.
+        self.kv_layout = kv_cache_layout(self.cfg, config.topology, rank, config.block_size, self.dtype)
         self.kv_cache_bytes = config.kv_cache_bytes
         if config.gpu_memory_utilization is not None:
             # Sized after the weights and the LoRA slots are allocated, so they count as in use.

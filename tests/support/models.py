@@ -78,6 +78,22 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Qwen2-MoE: a shared expert with a sigmoid gate beside the routed ones; q/k/v biases.
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    # DeepSeek-V2: MLA without q_lora_rank (v_head_dim 10 != qk_head_dim 12), YaRN with both
+    # mscales (so cos/sin and the softmax scale are both rescaled); layer 0 dense, layer 1 four
+    # routed experts (softmax top-2, scaled) beside one shared expert.
+    "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=1.5,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.8,
+                                             beta_fast=32, beta_slow=1)),
+    # DeepSeek-V3: q_a_proj → q_a_layernorm → q_b_proj; sigmoid routing over 8 experts in 4
+    # groups (2 chosen) with e_score_correction_bias, renormalised and scaled by 2.5.
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 
 
@@ -103,6 +119,10 @@ def quiet_transformers() -> None:
 
 def _family(family: str):
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2MoeConfig,
@@ -118,6 +138,8 @@ def _family(family: str):
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+        "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     }
     if family not in families:
         raise ValueError(f"unknown family {family!r}; expected one of {sorted(families)}")
@@ -164,6 +186,10 @@ def make_tiny_model(
                 param.copy_(0.05 * randn(gen, param.shape))
             else:
                 param.copy_(init_std * randn(gen, param.shape))
+        # DeepSeek-V3's router bias is a buffer (zero at init): drawn too, so routing reads it.
+        for name, buffer in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * randn(gen, buffer.shape))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_kwargs: dict[str, Any] = {}

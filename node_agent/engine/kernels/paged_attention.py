@@ -69,16 +69,55 @@ def prefill(
             continue
         k = gather_kv(key_cache, block_tables[index], total)
         v = gather_kv(value_cache, block_tables[index], total)
-        # Bottom-right aligned causal mask: query r sits at position total - new + r. (SDPA's
-        # is_causal aligns top-left, which is only right when nothing is cached.)
-        positions = torch.arange(total - new, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
-        rows = q[start : start + new].transpose(0, 1).float()
-        attended = F.scaled_dot_product_attention(
-            rows, k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[start : start + new] = attended.transpose(0, 1).to(q.dtype)
+        out[start : start + new] = _causal(q[start : start + new], k, v, scale)
         start += new
+    return out
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's `new` query rows (its last tokens) over its `total` keys, in fp32, as `q`'s dtype.
+
+    Bottom-right aligned causal mask: query r sits at position total - new + r. (SDPA's is_causal
+    aligns top-left, which is only right when nothing is cached.)
+    """
+    new, total = q.shape[0], k.shape[0]
+    positions = torch.arange(total - new, total, device=q.device)
+    mask = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    return attended.transpose(0, 1).to(q.dtype)
+
+
+def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: Sequence[int]) -> torch.Tensor:
+    """Every listed sequence's cached tokens, sequence after sequence: `[sum(context_lens), *cache.shape[2:]]`."""
+    parts = [gather_kv(cache, block_tables[index], total) for index, total in enumerate(context_lens)]
+    return torch.cat(parts) if parts else cache.new_zeros((0, *cache.shape[2:]))
+
+
+def prefill_gathered(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    scale: float,
+) -> torch.Tensor:
+    """`prefill` over keys and values already gathered and expanded per sequence (MLA expands its
+    cached latent into every head's K and V each step): `keys` `[sum(context_lens), heads, dk]`,
+    `values` `[sum(context_lens), heads, dv]` (dv may differ from dk). Returns `[T, heads, dv]`."""
+    if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0] or sum(context_lens) != keys.shape[0]:
+        raise ValueError(f"query_lens {list(query_lens)} / context_lens {list(context_lens)} must cover q's "
+                         f"{q.shape[0]} and the keys' {keys.shape[0]} rows")
+    out = q.new_empty((q.shape[0], q.shape[1], values.shape[2]))
+    start = first = 0
+    for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if not 0 < new <= total:
+            raise ValueError(f"sequence {index}: {new} new tokens but a context of {total}")
+        out[start : start + new] = _causal(q[start : start + new], keys[first : first + total],
+                                           values[first : first + total], scale)
+        start, first = start + new, first + total
     return out
 
 
