@@ -1,0 +1,236 @@
+"""Fleet-scale benchmark (issue 13): 1,000 LoraAdapters on 64 agents, the real control plane and
+the real operator against SIMULATED agents, printed side by side from one run.
+
+The agents are simulated (lorafleet_dev.simagents): one load-generator process serving 64 gRPC
+endpoints, each the real ``lorafleet.v1.NodeAgent`` server over the real agent, registry and
+engine driver (validation, command lock, failure-first merge of 8 ranks' replies, rollback), with
+in-process ranks that hold no weights. Only this benchmark uses them. The control plane
+(lorafleet_dev.controlplane) and the ``lorafleet-operator`` process are real; the agents' Pods
+are stand-ins (lorafleet_dev.kubelet) pointing at the simulated endpoints.
+
+Cases: ``replicas`` unset (every agent holds every adapter: 64,000 loads) and ``replicas: 4``;
+each with every agent healthy, then with 10% of the agents (6 of 64) refusing every load on one
+rank. Reported per case: seconds from the apply (one request) until every adapter has settled
+(Ready when all agents are healthy; Ready, Degraded or Failed with failing agents), the
+operator's CPU seconds and peak RSS over the case, API requests per adapter (the API server's
+``apiserver_request_total``, less the benchmark's own polls), the largest LoraAdapter object,
+and, with failing agents, the requests per adapter in a further quiet window (a hot loop shows
+there). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
+
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N]`.
+On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
+cores: read the figures as an upper bound of what the operator needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorafleet_dev.checkout import Checkout
+from lorafleet_dev.controlplane import ControlPlane, find_bin_dir
+from lorafleet_dev.processes import free_port
+from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
+
+log = logging.getLogger("bench_fleet_scale")
+CHECKOUT = Checkout.at(Path(__file__).resolve().parents[1])
+SHAPE = SyntheticModel()
+POLL_S = 1.0
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# With failing agents an adapter cannot be Ready everywhere: it has settled once its phase says
+# what every agent answered.
+SETTLED = ("Ready", "Degraded", "Failed")
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """What one case measured."""
+
+    name: str
+    settled_s: float
+    phases: dict[str, int]
+    cpu_s: float
+    peak_rss_mib: float
+    requests_per_adapter: float
+    largest_object_kib: float
+    quiet_requests_per_adapter: float | None
+
+
+def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
+    spec: dict[str, object] = {"baseModel": "tiny", "source": {"uri": f"file://{path}"}, "fleetRef": {"name": "default"}}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter", "metadata": {"name": name}, "spec": spec}
+
+
+def request_total(cluster: ControlPlane) -> float:
+    """Every request the API server has counted since it started."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(float(m.group(1)) for m in re.finditer(r"^apiserver_request_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Bench:
+    """The control plane, the operator and a simulated fleet, and the cases run on them."""
+
+    def __init__(self, root: Path, cluster: ControlPlane, agents: int, adapters: dict[str, Path]) -> None:
+        self.root, self.cluster, self.agents, self.adapters = root, cluster, agents, adapters
+        self.model = write_model(root / "model", SHAPE)
+        self.ns = cluster.create_namespace("bench")
+        self.fleet: subprocess.Popen[bytes] | None = None
+        self.operator: subprocess.Popen[bytes] | None = None
+        self.polls = 0
+
+    def start_fleet(self, failing: int) -> None:
+        """(Re)start the simulated agents and their stand-in Pods."""
+        self.stop_fleet()
+        ports_file = self.root / f"ports-{failing}.json"
+        with open(self.root / "simagents.log", "ab") as out:
+            self.fleet = subprocess.Popen(
+                [sys.executable, "-m", "lorafleet_dev.simagents", "--model", str(self.model),
+                 "--adapter-root", str(self.root / "adapters"), "--base-model-name", "tiny",
+                 "--count", str(self.agents), "--failing", str(failing), "--ports-file", str(ports_file)],
+                stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not ports_file.exists():
+            if self.fleet.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"simulated agents did not start; see {self.root / 'simagents.log'}")
+            time.sleep(0.2)
+        ports = json.loads(ports_file.read_text())
+        self.cluster.kubectl("delete", "pods", "--all", "-n", self.ns, "--grace-period=0", "--force", "--wait=true")
+        for index, port in enumerate(ports):
+            self.cluster.create_agent_pod(self.ns, f"sim-{index:02d}", port)
+
+    def stop_fleet(self) -> None:
+        if self.fleet is not None and self.fleet.poll() is None:
+            self.fleet.send_signal(signal.SIGTERM)
+            self.fleet.wait(60)
+        self.fleet = None
+
+    def start_operator(self) -> None:
+        self.cluster.apply(json.dumps({
+            "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet", "metadata": {"name": "default"},
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}}}), self.ns)
+        env = {**self.cluster.tool_env(), "LORAFLEET_WATCH_NAMESPACES": self.ns, "LORAFLEET_LEASE_NAMESPACE": self.ns,
+               "LORAFLEET_METRICS_PORT": str(free_port()), "LORAFLEET_HEALTH_PORT": str(free_port()),
+               "LORAFLEET_LOG_LEVEL": "WARNING"}
+        with open(self.root / "operator.log", "ab") as out:
+            self.operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def stop_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.terminate()
+            self.operator.wait(60)
+
+    def items(self) -> list[dict[str, Any]]:
+        self.polls += 1
+        return list(self.cluster.kubectl_json("get", "la", "-n", self.ns)["items"])
+
+    def run_case(self, name: str, replicas: int | None, failing: int, quiet_s: float, timeout_s: float) -> CaseResult:
+        assert self.operator is not None
+        log.info("case %s", name)
+        manifest = json.dumps({"apiVersion": "v1", "kind": "List",
+                               "items": [adapter_manifest(n, p, replicas) for n, p in self.adapters.items()]})
+        requests_before, polls_before = request_total(self.cluster), self.polls
+        cpu_before = process_cpu_s(self.operator.pid)
+        started = time.perf_counter()
+        self.cluster.apply(manifest, self.ns)
+        phases = self.wait_settled(failing > 0, started, timeout_s)
+        settled = time.perf_counter() - started
+        items = self.items()
+        largest = max(len(json.dumps(item)) for item in items) / 1024
+        own = self.polls - polls_before + 2  # the apply and the metrics read
+        requests = (request_total(self.cluster) - requests_before - own) / len(self.adapters)
+        quiet = None
+        if quiet_s:
+            before, polls = request_total(self.cluster), self.polls
+            time.sleep(quiet_s)
+            quiet = (request_total(self.cluster) - before - (self.polls - polls) - 1) / len(self.adapters)
+        result = CaseResult(name, settled, phases, process_cpu_s(self.operator.pid) - cpu_before,
+                            peak_rss_mib(self.operator.pid), requests, largest, quiet)
+        self.cluster.kubectl("delete", "la", "--all", "-n", self.ns, "--wait=true", "--timeout=900s")
+        return result
+
+    def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
+        while True:
+            phases: dict[str, int] = {}
+            for item in self.items():
+                phase = str((item.get("status") or {}).get("phase", ""))
+                phases[phase] = phases.get(phase, 0) + 1
+            settled = phases.get("Ready", 0) == len(self.adapters) if not failing else (
+                sum(phases.get(phase, 0) for phase in SETTLED) == len(self.adapters))
+            if settled:
+                return phases
+            if time.perf_counter() - started > timeout_s:
+                log.warning("not settled after %.0fs: %s", timeout_s, phases)
+                return phases
+            time.sleep(POLL_S)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--agents", type=int, default=64)
+    parser.add_argument("--replicas", type=int, default=4, help="the placed case's spec.replicas")
+    parser.add_argument("--quiet-s", type=float, default=30.0, help="window after settling, with failing agents")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on a case after this long")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    failing = max(1, args.agents // 10)
+    results: list[CaseResult] = []
+    with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
+        root = Path(tmp)
+        adapters = {f"a{i:04d}": write_adapter(root / "adapters" / f"a{i:04d}", SHAPE, rank=8, seed=i)
+                    for i in range(args.adapters)}
+        cluster = ControlPlane.start(find_bin_dir(CHECKOUT))
+        bench = Bench(root, cluster, args.agents, adapters)
+        try:
+            cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
+            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                            "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
+            for fails in (0, failing):
+                bench.start_fleet(fails)
+                bench.start_operator()
+                label = f"{fails} of {args.agents} agents failing"
+                for replicas in (None, args.replicas):
+                    case = f"replicas {'unset' if replicas is None else replicas}, {label}"
+                    results.append(bench.run_case(case, replicas, fails, args.quiet_s if fails else 0.0, args.timeout_s))
+                    log.info("%s", results[-1])
+                bench.stop_operator()
+        finally:
+            bench.stop_operator()
+            bench.stop_fleet()
+            cluster.stop()
+    print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane and operator:")
+    print(f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
+          f"{'quiet req/ad':>13}  phases")
+    for r in results:
+        quiet = "" if r.quiet_requests_per_adapter is None else f"{r.quiet_requests_per_adapter:.2f}"
+        print(f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
+              f"{r.largest_object_kib:>12.1f}{quiet:>13}  {r.phases}")
+
+
+if __name__ == "__main__":
+    main()
