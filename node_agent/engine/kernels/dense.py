@@ -23,7 +23,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight` ([out, in]) in the layout `linear` reads fastest: oneDNN's, for a CPU fp32
     weight; otherwise `weight` itself."""
     if (weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES or weight.numel() == 0
-            or not torch.backends.mkldnn.is_available()):
+            or not torch._C._has_mkldnn):
         return weight
     packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
     return packed
