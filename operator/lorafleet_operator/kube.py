@@ -1,4 +1,5 @@
-"""The Kubernetes API calls the operator makes outside kopf's own (lists, status, secrets).
+"""The Kubernetes API calls the operator makes outside kopf's own (lists, status, secrets,
+EndpointSlices).
 
 The official client is synchronous, so each call runs in a worker thread; responses are read as
 plain JSON dicts (``_preload_content=False``), the same shape kopf hands to handlers, instead of
