@@ -87,6 +87,19 @@ BAD_SPECS = [
                  ['unknown field "spec.source.bucket"'], id="unknown-source-field"),
     pytest.param(adapter("pinned-string", pinned="yes"),
                  ["spec.pinned", "boolean"], id="pinned-not-bool"),
+    pytest.param(with_source("hf-norepo", uri="hf://org"),
+                 ["hf:// URIs are hf://ORG/REPO[@REVISION][/SUBDIR]"], id="hf-no-repository"),
+    pytest.param(with_source("hf-query", uri="hf://org/repo?revision=x"),
+                 ["hf:// URIs are hf://ORG/REPO[@REVISION][/SUBDIR]"], id="hf-query"),
+    pytest.param(with_source("file-creds", uri="file:///var/lib/lorafleet/adapters/a",
+                             credentials={"secretRef": {"name": "s"}}),
+                 ["file:// sources take no credentials"], id="file-credentials"),
+    pytest.param(with_source("basic-key", uri="https://h/a",
+                             credentials={"type": "Basic", "secretRef": {"name": "s", "key": "k"}}),
+                 ["secretRef.key names a Bearer token"], id="basic-with-key"),
+    pytest.param(with_source("creds-kind", uri="https://h/a",
+                             credentials={"type": "Digest", "secretRef": {"name": "s"}}),
+                 ["spec.source.credentials.type", "Unsupported value"], id="unknown-credential-type"),
 ]
 
 
@@ -302,6 +315,8 @@ def test_fleet_defaults_and_status(kube_cluster: ControlPlane, kube_namespace: s
                  "spec.auth.tokenSecretRef.name: Required value", id="secret-ref-no-name"),
     pytest.param({"selector": SELECTOR, "port": 50051},
                  'unknown field "spec.port"', id="unknown-field"),
+    pytest.param({"selector": SELECTOR, "sources": {"allow": ["hf://org"]}},
+                 "spec.sources.allow[0]", id="hf-prefix-without-slash"),
 ])
 def test_bad_fleet_is_refused(
     kube_cluster: ControlPlane, kube_namespace: str, spec: dict[str, Any], message: str
