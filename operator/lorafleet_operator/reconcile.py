@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_common.merge import merge_failure_first
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_operator import names, sources
+from lorafleet_operator import names, progress, sources
 from lorafleet_operator.agent_client import (
     AgentError,
     AgentInfo,
@@ -46,7 +46,7 @@ from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
 from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.kube import SecretData
 from lorafleet_operator.placement import Candidate, Demand, Placement, place
-from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.runtime import Listing, Runtime
 from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 
 log = logging.getLogger(__name__)
@@ -401,16 +401,27 @@ def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
     return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
 
 
-async def list_registries(rt: Runtime, view: FleetView) -> dict[str, Registry]:
+async def list_registries(rt: Runtime, view: FleetView, *,
+                          fresh: bool = True) -> dict[str, Registry]:
     """ListAdapters on every dialable agent at once; each answer also ends the reservations
-    it now accounts for (:class:`~lorafleet_operator.placement.Reservations`)."""
-    requested_at = time.monotonic()
-    registries = await ask_each(view.dialable,
-                                lambda agent: rt.agents.list_adapters(agent.endpoint, view.creds))
-    for agent in view.dialable:
-        if not isinstance(registries[agent.name], AgentError):
-            rt.reservations.listed(agent.endpoint, requested_at)
-    return registries
+    it now accounts for (:class:`~lorafleet_operator.placement.Reservations`). Unless
+    ``fresh``, an agent listed less than a drift interval ago by the same pod is not asked
+    again: its last listing plus the reservations since says what it holds (placement in a
+    handler; the drift check always lists afresh)."""
+
+    async def listing(agent: AgentPod) -> dict[str, RegistryEntry]:
+        life = (agent.uid, agent.restarts)
+        cached = rt.registries.get(agent.endpoint)
+        if not fresh and cached is not None and cached.life == life \
+                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
+            return dict(cached.entries)
+        requested_at = time.monotonic()
+        registry = await rt.agents.list_adapters(agent.endpoint, view.creds)
+        rt.reservations.listed(agent.endpoint, requested_at)
+        rt.registries[agent.endpoint] = Listing(requested_at, life, registry)
+        return registry
+
+    return await ask_each(view.dialable, listing)
 
 
 def candidates(rt: Runtime, view: FleetView,
@@ -489,13 +500,16 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
 async def place_and_load(rt: Runtime, view: FleetView,
                          body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
     """Place the adapter (with the fleet's others, oldest first) and load it on every placed
-    agent at once; one result per placed agent."""
-    registries = await list_registries(rt, view)
+    agent at once, their download progress in the Ready condition meanwhile; one result per
+    placed agent."""
+    registries = await list_registries(rt, view, fresh=False)
     meta = body["metadata"]
     placement = place_fleet(rt, view, registries, [body], complete=False)[
         names.agent_name(meta["namespace"], meta["name"])]
     targets = placed_targets(view, placement)
-    return placement, list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    async with progress.reporting(rt, view, targets, body):
+        results = list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    return placement, results
 
 
 def retry_due_in(rt: Runtime, body: Mapping[str, Any],

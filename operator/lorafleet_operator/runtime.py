@@ -7,9 +7,11 @@ the agents. Losing all of it (a restart) costs at most one extra round of calls.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
 from lorafleet_operator.failures import CrashBook, LoadRetries
@@ -18,6 +20,15 @@ from lorafleet_operator.placement import Demand, Reservations
 
 if TYPE_CHECKING:  # reconcile builds views with a Runtime in hand: no import cycle at run time
     from lorafleet_operator.reconcile import FleetView
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One agent's registry as last listed: when it was asked, by which pod life."""
+
+    requested_at: float
+    life: tuple[str, int]
+    entries: Mapping[str, RegistryEntry]
 
 
 @dataclass
@@ -48,6 +59,8 @@ class Runtime:
     heartbeats: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
+    #: agent endpoint -> its last registry listing (placement in handlers reuses it).
+    registries: dict[str, Listing] = field(default_factory=dict)
     #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
     reservations: Reservations = field(default_factory=Reservations)
     #: (namespace, fleet) -> registry name -> what its adapters still waiting for room ask
