@@ -18,7 +18,7 @@ from torch import nn
 
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, all_reduce
-from node_agent.engine.kernels import LoraBatch, paged_attention
+from node_agent.engine.kernels import LoraBatch, dense, paged_attention
 from node_agent.engine.kv_cache import PagedKVCache
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
 from node_agent.engine.model_config import MLA_ARCHITECTURES, ModelConfig, yarn_mscale
@@ -201,10 +201,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the (padded) vocabulary split over the attention-TP group."""
+    """Rows of the (padded) vocabulary split over the attention-TP group. `head_only`: the LM
+    head of an untied model, whose weight only `logits` reads (laid out for `dense.linear`)."""
 
-    def __init__(self, setup: RankSetup) -> None:
+    def __init__(self, setup: RankSetup, head_only: bool = False) -> None:
         super().__init__()
+        self.head_only = head_only
         cfg = setup.cfg
         self.span = vocab_span(cfg, setup.topology, setup.rank)
         self.vocab_size = cfg.vocab_size
@@ -216,6 +218,8 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, checkpoint: Checkpoint, key: str) -> None:
         """Read this rank's rows of the embedding (or LM head) `key`."""
         self.weight.copy_(checkpoint.read(key, rows=self.span))
+        if self.head_only:
+            self.weight = nn.Parameter(dense.pack(self.weight.detach()), requires_grad=False)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings of `tokens`: each rank looks up its rows, a sum over the group assembles them."""
@@ -226,7 +230,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: this rank's vocabulary columns, gathered over the group, padding dropped."""
-        local = F.linear(hidden, self.weight)
+        local = dense.linear(hidden, self.weight)
         return all_gather_last_dim(local, self.group)[:, : self.vocab_size]
 
 
@@ -519,7 +523,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         setup = RankSetup(cfg, topology, rank, groups, capacity, dtype, device)
         self.embed_tokens = VocabParallelEmbedding(setup)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup, head_only=True)
         sparse = cfg.moe.sparse_layers if cfg.moe else frozenset()
         layers = [DecoderLayer(setup, index, index in sparse) for index in range(cfg.num_layers)]
         self.layers = nn.ModuleList(layers)
