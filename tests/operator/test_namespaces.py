@@ -122,3 +122,42 @@ def test_deleting_a_watched_namespace_completes_and_the_rest_keep_working(
         for kind in ("clusterrole", "clusterrolebinding"):
             kube_cluster.kubectl("delete", kind, f"lf-lorafleet-operator-{home}",
                                  "--ignore-not-found")
+
+
+def test_a_forbidden_namespace_is_skipped_and_the_rest_keep_working(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
+    adapters: Path, tmp_path: Path,
+) -> None:
+    """The operator is told to watch a namespace its RBAC does not open (the chart's grants
+    bound inside its own namespace only). A watch there would be refused forever, and kopf's
+    failing watcher used to stop every namespace; now that namespace is reported (log, metric,
+    a Warning Event on the Lease) and skipped, and the operator's own namespace works."""
+    home = kube_namespace
+    closed = kube_cluster.create_namespace(prefix="closed")
+    op: OperatorProcess | None = None
+    try:
+        install_rbac(kube_cluster, home, [home])
+        # The cluster-wide grants, but only inside `home`: a RoleBinding to the ClusterRole.
+        granted = f"lf-lorafleet-operator-{home}"
+        kube_cluster.kubectl("delete", "clusterrolebinding", granted)
+        kube_cluster.kubectl("create", "rolebinding", "lf-home-only", "-n", home, f"--clusterrole={granted}",
+                             f"--serviceaccount={home}:lf-lorafleet-operator")
+        kubeconfig = service_account_kubeconfig(kube_cluster, home, "lf-lorafleet-operator",
+                                                tmp_path / "sa.kubeconfig")
+        op = start_operator(kube_cluster, home, tmp_path, kubeconfig=kubeconfig,
+                            env={"LORAFLEET_WATCH_NAMESPACES": f"{home},{closed}"})
+        apply(kube_cluster, home, adapter_manifest("open", make_adapter(adapters, "open")))
+        wait_phase(kube_cluster, home, "open", "Ready", op)
+        assert f"watched namespace {closed} is forbidden" in op.log()
+        key = f'lorafleet_unusable_namespaces{{namespace="{closed}",problem="forbidden"}}'
+        assert op.metrics()[key] == 1
+        events = kube_cluster.kubectl_json("get", "events", "-n", home,
+                                           "--field-selector", "reason=WatchedNamespaceUnusable")
+        assert any(closed in e["message"] and "forbidden" in e["message"] for e in events["items"]), events
+        kube_cluster.kubectl("delete", "la", "--all", "-n", home, "--wait=true", "--timeout=60s")
+        for agent in fleet:
+            assert registry(agent, home) == {}
+    finally:
+        if op is not None:
+            op.stop()
+        kube_cluster.delete_namespace(closed)
