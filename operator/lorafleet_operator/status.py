@@ -202,11 +202,15 @@ def listed(results: Sequence[AgentResult]) -> list[AgentResult]:
     return sorted(chosen[:MAX_LISTED_AGENTS], key=lambda r: r.pod)
 
 
-def placement_status(placement: Placement) -> dict[str, Any]:
+def placement_status(placement: Placement, previous: Mapping[str, Any]) -> dict[str, Any]:
     """status.placement: where the adapter is placed and why the other agents are not
-    (both lists capped; the counts are whole)."""
+    (both lists capped; the counts are whole). ``replicas`` is left out when unset, and
+    written as None (a merge patch removes it) only when the stored one (``previous``) has it:
+    a nested None that is never stored would make every status look changed."""
     skips = sorted(placement.skipped, key=lambda s: (s.reason == "ReplicasReached", s.pod))
-    return {"replicas": placement.replicas, "placed": list(placement.placed[:MAX_LISTED_PLACED]),
+    replicas = ({"replicas": placement.replicas}
+                if placement.replicas is not None or "replicas" in previous else {})
+    return {**replicas, "placed": list(placement.placed[:MAX_LISTED_PLACED]),
             "placedCount": len(placement.placed),
             "skipped": [{"pod": s.pod, "reason": str(s.reason),
                          "message": s.message[:MAX_SKIP_MESSAGE]}
@@ -280,7 +284,8 @@ def build_status(
         # The earliest scheduled retry of a failed agent; None removes it (a merge patch).
         "nextRetryTime": retries[0] if retries else None,
         # None removes a stored placement (a merge patch) when there was none to make.
-        "placement": placement_status(placement) if placement is not None else None,
+        "placement": (placement_status(placement, (previous or {}).get("placement") or {})
+                      if placement is not None else None),
         "conditions": [
             condition("Ready", *ready, generation, old_conditions, now),
             condition("Degraded", *degraded, generation, old_conditions, now),

@@ -306,6 +306,29 @@ def test_a_refused_status_patch_is_reported_and_never_sent_again(
     assert asyncio.run(publish_status(rt, body, build_status([], generation=1))) is True
 
 
+def test_a_placed_status_read_back_is_not_written_again(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """The drift check rebuilds every status each round: one the API server stores must
+    compare equal when rebuilt (a merge patch drops nested None values), or it would be
+    written every round. Replicas unset, then set, then unset again (removed)."""
+    apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
+    settings = Settings()
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
+                 AgentClients(settings))
+    results = [AgentResult("a0", AgentState.LOADED, 2, 2)]
+    for replicas in (None, 1, None):
+        placement = place([agent("a0")], [want("n", replicas=replicas)])["n"]
+        for written in (True, False):
+            body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
+            stored = body.get("status") or {}
+            new = build_status(results, generation=1, previous=stored, placement=placement,
+                               now="2026-01-01T00:00:00Z")
+            assert asyncio.run(publish_status(rt, body, new)) is written, (replicas, written)
+        stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)["status"]
+        assert stored["placement"].get("replicas") == replicas
+
+
 # ---- end to end -------------------------------------------------------------------------
 
 
