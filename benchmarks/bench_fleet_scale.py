@@ -142,7 +142,12 @@ class Bench:
     def stop_operator(self) -> None:
         if self.operator is not None and self.operator.poll() is None:
             self.operator.terminate()
-            self.operator.wait(60)
+            try:
+                self.operator.wait(60)
+            except subprocess.TimeoutExpired:
+                log.warning("the operator did not exit within 60 s of SIGTERM; killed")
+                self.operator.kill()
+                self.operator.wait()
 
     def items(self) -> list[dict[str, Any]]:
         self.polls += 1
