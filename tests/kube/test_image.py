@@ -1,8 +1,9 @@
 """The image definition (Containerfile, .dockerignore) and the dependency split it relies on.
 
-Nothing on the development machine can build an image, so these tests read the definition:
-its stages and targets, the base as a build argument, the non-root user, the OCI labels, the
-entry points, that the operator's stages never install the `agent` extra, and that the build
+These tests read the definition (tests/kube/test_real_node.py builds and runs both images): its
+stages and targets, the base as a build argument, the non-root user, the OCI labels, the entry
+points, that the operator's stages never install the `agent` extra nor copy node_agent/, the
+agent's layering (dependencies keyed by the dependency set, code on top), and that the build
 context leaves out what the images must not contain. The dependency split is checked against
 the code: every third-party module the operator side imports comes from `[project]
 dependencies` (or what they require), and none of the agent's heavy packages is among them.
