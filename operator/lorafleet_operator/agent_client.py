@@ -325,6 +325,16 @@ class AgentClients:
             self._settings.load_deadline_s)
         return _control_reply(reply)
 
+    async def downloads(self, endpoint: str, creds: Credentials) -> dict[str, tuple[int, int]]:
+        """The loads whose source the agent is downloading now: name -> (bytes received, bytes
+        the source declared so far); the agent answers without waiting on the loads."""
+        reply = await self._call(
+            endpoint, creds, "ListAdapters",
+            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md,
+                                            timeout=t),
+            self._settings.call_deadline_s)
+        return {d.name: (d.bytes_done, d.bytes_total) for d in reply.downloading}
+
     async def list_adapters(self, endpoint: str, creds: Credentials) -> dict[str, RegistryEntry]:
         reply = await self._call(
             endpoint, creds, "ListAdapters",

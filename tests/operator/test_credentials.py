@@ -10,7 +10,9 @@ with a real agent, the real operator, and real HTTP servers on loopback.
   without a word about it;
 * no credential value in any status, Event, or the operator's and the agent's logs;
 * a stand-in pod the fleet selects that is not an agent (a plain gRPC server recording every
-  call's metadata) never receives the fleet's token, and is reported.
+  call's metadata) never receives the fleet's token, and is reported;
+* a download held halfway (tests/agent/test_source_progress.py's `HalfThenHold`) shows its
+  bytes in the Ready condition's message until it completes.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import pytest
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_dev.agents import AgentProcess, AgentSpec
-from lorafleet_dev.synthetic import write_model
+from lorafleet_dev.synthetic import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_model
+from lorafleet_operator.progress import describe
 from tests.agent import test_source_credentials as http_sources
 from tests.agent import test_source_hub as hub_sources
 from tests.agent.helpers import running
+from tests.agent.test_source_progress import HalfThenHold
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,
@@ -82,7 +86,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
                      base_model_name=BASE_MODEL, tp=1, dp=1,
                      extra_args=("--cache-dir", str(root / "cache"), "--hub-endpoint", hub.endpoint,
-                                 "--auth-token-file", str(root / "token")))
+                                 "--auth-token-file", str(root / "token"),
+                                 # a held download waits for the test, not for a minimum rate
+                                 "--download-min-bytes-per-s", "0"))
     agent = AgentProcess("cred-agent", spec, root / "logs")
     with running(hub), running(hub.cdn), running(private), running(other):
         agent.start()
@@ -237,3 +243,28 @@ def test_the_token_goes_only_to_pods_that_prove_they_are_agents(
     assert status(kube_cluster, ns, "plain")["phase"] == "Degraded"
     assert_nowhere(kube_cluster, ns, operator, env, env.token)
     assert base64.b64encode(env.token.encode()).decode() not in json.dumps(events)
+
+
+def test_a_long_download_shows_its_progress_in_the_ready_condition(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    env: Env, operator: OperatorProcess,
+) -> None:
+    """The source sends the config and half the weights, then holds the rest: meanwhile the
+    Ready condition's message shows the agent's bytes of the declared total; once released the
+    adapter is Ready and the message says no more about downloading."""
+    ns = kube_namespace
+    add_agent_pod(kube_cluster, ns, env.agent)
+    adapter = env.private.root / "ad"
+    config, weights = (adapter / ADAPTER_CONFIG).stat().st_size, (adapter / ADAPTER_WEIGHTS).stat().st_size
+    with running(HalfThenHold(env.private.root)) as half:
+        try:
+            token_fleet(kube_cluster, ns, env, [half.url("")])
+            apply(kube_cluster, ns, remote("slow", half.url("ad")))
+            shown = f"cred-agent {describe(config + weights // 2, config + weights)}"
+            wait_for(lambda: shown in ready(kube_cluster, ns, "slow").get("message", ""), 60,
+                     "the progress in the Ready condition", operator)
+            assert ready(kube_cluster, ns, "slow")["message"].startswith("Loading: downloading the source")
+        finally:
+            half.release.set()
+        wait_for(lambda: status(kube_cluster, ns, "slow").get("phase") == "Ready", 90, "slow Ready", operator)
+    assert "downloading" not in ready(kube_cluster, ns, "slow").get("message", "")
