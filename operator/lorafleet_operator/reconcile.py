@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_common.merge import merge_failure_first
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_operator import names, sources
+from lorafleet_operator import names, progress, sources
 from lorafleet_operator.agent_client import (
     AgentError,
     AgentInfo,
@@ -500,13 +500,16 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
 async def place_and_load(rt: Runtime, view: FleetView,
                          body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
     """Place the adapter (with the fleet's others, oldest first) and load it on every placed
-    agent at once; one result per placed agent."""
+    agent at once, their download progress in the Ready condition meanwhile; one result per
+    placed agent."""
     registries = await list_registries(rt, view, fresh=False)
     meta = body["metadata"]
     placement = place_fleet(rt, view, registries, [body], complete=False)[
         names.agent_name(meta["namespace"], meta["name"])]
     targets = placed_targets(view, placement)
-    return placement, list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    async with progress.reporting(rt, view, targets, body):
+        results = list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    return placement, results
 
 
 def retry_due_in(rt: Runtime, body: Mapping[str, Any],
