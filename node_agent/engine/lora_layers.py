@@ -17,8 +17,8 @@ from torch import nn
 
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.kernels import dense
 from node_agent.engine.distributed import all_gather_last_dim, all_reduce
+from node_agent.engine.kernels import dense
 from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
 
 
