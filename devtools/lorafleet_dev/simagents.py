@@ -121,12 +121,7 @@ class SimulatedEngine(Engine):
         return []
 
     def close(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            with self._work:
-                self._stopping = True
-                self._work.notify_all()
-            loop.join()
+        self._stop_step_loop()
 
 
 @dataclass(frozen=True)

@@ -333,13 +333,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the step loop (pending generations fail), then every rank (politely, then by force)."""
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            with self._work:
-                self._stopping = True
-                self._work.notify_all()
-            loop.join()
-            self._fail_requests(list(self._requests), EngineError("engine is not serving: it was closed"))
+        self._stop_step_loop()
         for conn, process in zip(self._conns, self._processes, strict=True):
             if process.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -353,6 +347,15 @@ class Engine:
         for conn in self._conns:
             conn.close()
         self._processes, self._conns = [], []
+
+    def _stop_step_loop(self) -> None:
+        loop = getattr(self, "_loop", None)  # absent when the ranks never started
+        if loop is not None:
+            with self._work:
+                self._stopping = True
+                self._work.notify_all()
+            loop.join()
+            self._fail_requests(list(self._requests), EngineError("engine is not serving: it was closed"))
 
     def __enter__(self) -> Engine:
         return self

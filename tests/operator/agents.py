@@ -3,9 +3,11 @@ the agents hold (the registries are the truth the operator's status must equal).
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,20 @@ from tests.kube.harness import ControlPlane
 SHAPE = SyntheticModel()
 BASE_MODEL = "tiny-llama"
 FLEET_LABEL = "lorafleet.dev/fleet"
+
+
+@contextlib.contextmanager
+def serving(agents: Sequence[AgentProcess]) -> Iterator[None]:
+    """Start these agents, wait until every one serves, and stop them all on the way out."""
+    for agent in agents:
+        agent.start()
+    try:
+        for agent in agents:
+            agent.wait_ready()
+        yield
+    finally:
+        for agent in agents:
+            agent.stop()
 
 
 def make_adapter(root: Path, name: str, *, rank: int = 4, seed: int = 0) -> Path:

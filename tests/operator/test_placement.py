@@ -56,6 +56,7 @@ from tests.operator.agents import (
     fleet_manifest,
     make_adapter,
     registry,
+    serving,
     status,
 )
 from tests.operator.conftest import OperatorProcess, wait_for
@@ -343,15 +344,8 @@ def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lis
                      base_model_name=BASE_MODEL, max_loaded_loras=2)
     agents = [AgentProcess("agent-0", spec, root / "logs"),
               AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
-    for a in agents:
-        a.start()
-    try:
-        for a in agents:
-            a.wait_ready()
+    with serving(agents):
         yield agents, adapters
-    finally:
-        for a in agents:
-            a.stop()
 
 
 def placed(cluster: ControlPlane, ns: str, name: str) -> list[str]:

@@ -38,6 +38,7 @@ from tests.operator.agents import (
     fleet_manifest,
     make_adapter,
     registry,
+    serving,
     status,
 )
 from tests.operator.conftest import OperatorProcess, wait_for
@@ -102,15 +103,8 @@ def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[li
     spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
                      base_model_name=BASE_MODEL, host=machine_ip())
     agents = [AgentProcess(f"agent-{i}", spec, root / "logs") for i in range(2)]
-    for a in agents:
-        a.start()
-    try:
-        for a in agents:
-            a.wait_ready()
+    with serving(agents):
         yield agents, adapters
-    finally:
-        for a in agents:
-            a.stop()
 
 
 def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
