@@ -124,6 +124,7 @@ class LoraLinear(nn.Module):
         out_width, in_width = layout.base_shape
         self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_width, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # `dense.pack` of the weight, once loaded
         self.a_stacks = [
             torch.zeros(capacity.slots, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
         ]
@@ -133,10 +134,10 @@ class LoraLinear(nn.Module):
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
-        """Read this rank's slices of the base weight (and bias) under `prefix`, then lay the
-        weight out for `dense.linear` (the plain copy is dropped: one copy in memory)."""
+        """Read this rank's slices of the base weight (and bias) under `prefix`, and the
+        weight's copy for `dense.linear`."""
         self.read_base(checkpoint, prefix)
-        self.weight = nn.Parameter(dense.pack(self.weight.detach()), requires_grad=False)
+        self.packed = dense.pack(self.weight.detach())
 
     def read_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         """Copy this rank's slices of the base weight (and bias) into `weight` and `bias`."""
@@ -177,7 +178,7 @@ class ColumnParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output columns, base plus LoRA."""
-        out = dense.linear(x, self.weight, self.bias)
+        out = dense.linear(x, self.weight, self.packed, self.bias)
         self.add_lora(x, out, batch)
         return out
 
@@ -196,7 +197,7 @@ class RowParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """The full output: partial base plus LoRA, reduced once over the layer's group."""
-        partial = dense.linear(x, self.weight)
+        partial = dense.linear(x, self.weight, self.packed)
         self.add_lora(x, partial, batch)
         all_reduce(partial, self.group)
         if self.bias is not None:

@@ -201,12 +201,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the (padded) vocabulary split over the attention-TP group. `head_only`: the LM
-    head of an untied model, whose weight only `logits` reads (laid out for `dense.linear`)."""
+    """Rows of the (padded) vocabulary split over the attention-TP group; `serves_logits`: it is
+    (also) the LM head, whose weight gets `dense.pack`'s copy."""
 
-    def __init__(self, setup: RankSetup, head_only: bool = False) -> None:
+    def __init__(self, setup: RankSetup, serves_logits: bool) -> None:
         super().__init__()
-        self.head_only = head_only
+        self.serves_logits = serves_logits
+        self.packed: torch.Tensor | None = None
         cfg = setup.cfg
         self.span = vocab_span(cfg, setup.topology, setup.rank)
         self.vocab_size = cfg.vocab_size
@@ -218,8 +219,8 @@ class VocabParallelEmbedding(nn.Module):
     def load(self, checkpoint: Checkpoint, key: str) -> None:
         """Read this rank's rows of the embedding (or LM head) `key`."""
         self.weight.copy_(checkpoint.read(key, rows=self.span))
-        if self.head_only:
-            self.weight = nn.Parameter(dense.pack(self.weight.detach()), requires_grad=False)
+        if self.serves_logits:
+            self.packed = dense.pack(self.weight.detach())
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings of `tokens`: each rank looks up its rows, a sum over the group assembles them."""
@@ -230,7 +231,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: this rank's vocabulary columns, gathered over the group, padding dropped."""
-        local = dense.linear(hidden, self.weight)
+        local = dense.linear(hidden, self.weight, self.packed)
         return all_gather_last_dim(local, self.group)[:, : self.vocab_size]
 
 
@@ -522,8 +523,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         setup = RankSetup(cfg, topology, rank, groups, capacity, dtype, device)
-        self.embed_tokens = VocabParallelEmbedding(setup)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup, head_only=True)
+        self.embed_tokens = VocabParallelEmbedding(setup, serves_logits=cfg.tie_word_embeddings)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(setup, serves_logits=True)
         sparse = cfg.moe.sparse_layers if cfg.moe else frozenset()
         layers = [DecoderLayer(setup, index, index in sparse) for index in range(cfg.num_layers)]
         self.layers = nn.ModuleList(layers)

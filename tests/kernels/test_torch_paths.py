@@ -58,20 +58,29 @@ def test_the_loop_serves_prefills_and_few_adapters(token_slots: list[int], num_s
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(0, 24, 16), (1, 24, 16), (8, 5632, 64), (300, 40, 72)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+def test_linear_with_the_packed_copy_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     b = torch.randn(out_features, generator=gen) if bias else None
     # A column view: the layers pass slices of wider activations.
     x = torch.randn(rows, in_features + 8, generator=gen)[:, 4 : 4 + in_features]
     packed = dense.pack(weight)
-    assert packed.is_mkldnn == torch._C._has_mkldnn
-    assert packed.shape == weight.shape
-    torch.testing.assert_close(dense.linear(x, packed, b), F.linear(x, weight, b), **FP32)
+    assert packed is not None and packed.is_mkldnn and packed.shape == weight.shape
+    torch.testing.assert_close(dense.linear(x, weight, packed, b), F.linear(x, weight, b), **FP32)
 
 
-def test_pack_keeps_other_dtypes_as_they_are() -> None:
+def test_one_row_reads_the_plain_weight() -> None:
+    # Several rows go through the packed copy, one row through the plain weight (MKL's GEMV is
+    # faster there): a packed copy of another weight shows which one was read.
+    weight, other = torch.randn(6, 4), torch.randn(6, 4)
+    x = torch.randn(1, 4)
+    assert torch.equal(dense.linear(x, weight, dense.pack(other)), F.linear(x, weight))
+    rows = torch.randn(3, 4)
+    torch.testing.assert_close(dense.linear(rows, weight, dense.pack(other)), F.linear(rows, other), **FP32)
+
+
+def test_pack_makes_no_copy_of_other_dtypes() -> None:
     weight = torch.randn(8, 4, dtype=torch.bfloat16)
-    assert dense.pack(weight) is weight
+    assert dense.pack(weight) is None
     x = torch.randn(3, 4, dtype=torch.bfloat16)
-    assert torch.equal(dense.linear(x, weight), F.linear(x, weight))
+    assert torch.equal(dense.linear(x, weight, None), F.linear(x, weight))
