@@ -14,13 +14,23 @@ from typing import Any
 import grpc
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
-from lorafleet_dev.agents import AgentProcess
-from lorafleet_dev.synthetic import ADAPTER_WEIGHTS, SyntheticModel, write_adapter
+from lorafleet_dev.agents import AgentProcess, AgentSpec
+from lorafleet_dev.synthetic import ADAPTER_WEIGHTS, SyntheticModel, write_adapter, write_model
 from tests.kube.harness import ControlPlane
 
 SHAPE = SyntheticModel()
 BASE_MODEL = "tiny-llama"
 FLEET_LABEL = "lorafleet.dev/fleet"
+
+
+def agent_spec(root: Path, **settings: Any) -> tuple[AgentSpec, Path]:
+    """The tiny model under `root`, an empty adapter root beside it, and an agent spec serving
+    them (with `settings` of AgentSpec); returns the spec and the adapter root."""
+    adapters = root / "adapters"
+    adapters.mkdir()
+    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
+                     base_model_name=BASE_MODEL, **settings)
+    return spec, adapters
 
 
 @contextlib.contextmanager

@@ -21,8 +21,7 @@ import yaml
 from prometheus_client import REGISTRY
 
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_dev.agents import AgentProcess, AgentSpec
-from lorafleet_dev.synthetic import write_model
+from lorafleet_dev.agents import AgentProcess
 from lorafleet_operator.agent_client import AgentClients, AgentInfo, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import Registry, fleet_status, unwanted
@@ -48,10 +47,9 @@ from lorafleet_operator.status import (
 )
 from tests.kube.harness import CHECKOUT, ControlPlane
 from tests.operator.agents import (
-    BASE_MODEL,
-    SHAPE,
     adapter_manifest,
     add_agent_pod,
+    agent_spec,
     apply,
     fleet_manifest,
     make_adapter,
@@ -338,10 +336,7 @@ def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lis
                                                                                Path]]:
     """Two agents that hold at most 2 adapters each; agent-1 allows rank 8 only."""
     root = tmp_path_factory.mktemp("placement-agents")
-    adapters = root / "adapters"
-    adapters.mkdir()
-    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
-                     base_model_name=BASE_MODEL, max_loaded_loras=2)
+    spec, adapters = agent_spec(root, max_loaded_loras=2)
     agents = [AgentProcess("agent-0", spec, root / "logs"),
               AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
     with serving(agents):

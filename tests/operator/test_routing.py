@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from lorafleet_dev.agents import AgentProcess, AgentSpec
+from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.node import machine_ip
-from lorafleet_dev.synthetic import write_model
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.routing import (
     ADAPTER_LABEL,
@@ -30,10 +29,9 @@ from lorafleet_operator.routing import (
 from lorafleet_operator.status import AgentResult, AgentState
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
-    BASE_MODEL,
     FLEET_LABEL,
-    SHAPE,
     adapter_manifest,
+    agent_spec,
     apply,
     fleet_manifest,
     make_adapter,
@@ -98,10 +96,7 @@ def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[li
                                                                                 Path]]:
     """Two agents on the machine's own address (pods may not have loopback endpoints)."""
     root = tmp_path_factory.mktemp("routing-agents")
-    adapters = root / "adapters"
-    adapters.mkdir()
-    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
-                     base_model_name=BASE_MODEL, host=machine_ip())
+    spec, adapters = agent_spec(root, host=machine_ip())
     agents = [AgentProcess(f"agent-{i}", spec, root / "logs") for i in range(2)]
     with serving(agents):
         yield agents, adapters

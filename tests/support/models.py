@@ -271,6 +271,17 @@ def make_adapter(
     return out_dir
 
 
+def add_expert_loras(tensors: dict[str, torch.Tensor], gen: torch.Generator, layer: int, experts: int,
+                     hidden: int, inter: int, r: int, std: float) -> None:
+    """Random per-expert PEFT LoRA (gate, up and down of every expert of `layer`) into `tensors`."""
+    for expert in range(experts):
+        for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+                                 "down_proj": (hidden, inter)}.items():
+            key = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{name}"
+            tensors[f"{key}.lora_A.weight"] = std * randn(gen, (r, inp))
+            tensors[f"{key}.lora_B.weight"] = std * randn(gen, (out, r))
+
+
 def make_per_expert_adapter(
     model_dir: Path | str,
     out_dir: Path | str,
@@ -298,12 +309,7 @@ def make_per_expert_adapter(
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config["num_hidden_layers"]):
         if layer not in dense:
-            for expert in range(experts):
-                for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-                                         "down_proj": (hidden, inter)}.items():
-                    key = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{name}"
-                    tensors[f"{key}.lora_A.weight"] = std * randn(gen, (r, inp))
-                    tensors[f"{key}.lora_B.weight"] = std * randn(gen, (out, r))
+            add_expert_loras(tensors, gen, layer, experts, hidden, inter, r, std)
         for name in attention:
             assert name == "q_proj", "only q_proj is generated here"
             key = f"{PEFT_PREFIX}model.layers.{layer}.self_attn.{name}"
