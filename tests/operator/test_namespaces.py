@@ -55,6 +55,17 @@ def namespace_exists(cluster: ControlPlane, ns: str) -> bool:
     return status == 200
 
 
+def assert_reported_unusable(cluster: ControlPlane, op: OperatorProcess, lease_ns: str, ns: str,
+                             problem: str) -> None:
+    """The operator reported watched namespace `ns` as `problem`: a log line, the metric, and a
+    Warning Event on its Lease."""
+    assert f"watched namespace {ns} is {problem}" in op.log()
+    assert op.metrics()[f'lorafleet_unusable_namespaces{{namespace="{ns}",problem="{problem}"}}'] == 1
+    events = cluster.kubectl_json("get", "events", "-n", lease_ns, "--field-selector", "reason=WatchedNamespaceUnusable")
+    assert any(ns in e["message"] and problem in e["message"] and e["involvedObject"]["kind"] == "Lease"
+               for e in events["items"]), events
+
+
 def test_deleting_a_watched_namespace_completes_and_the_rest_keep_working(
     kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
     adapters: Path, tmp_path: Path,
@@ -101,13 +112,7 @@ def test_deleting_a_watched_namespace_completes_and_the_rest_keep_working(
         apply(kube_cluster, home, adapter_manifest("later", make_adapter(adapters, "later")))
         wait_phase(kube_cluster, home, "later", "Ready", op)
         # The deleted namespace is reported (log, metric, a Warning Event on the Lease) ...
-        assert f"watched namespace {doomed} is missing" in op.log()
-        key = f'lorafleet_unusable_namespaces{{namespace="{doomed}",problem="missing"}}'
-        assert op.metrics()[key] == 1
-        events = kube_cluster.kubectl_json("get", "events", "-n", home,
-                                           "--field-selector", "reason=WatchedNamespaceUnusable")
-        assert any(doomed in e["message"] and e["involvedObject"]["kind"] == "Lease"
-                   for e in events["items"]), events
+        assert_reported_unusable(kube_cluster, op, home, doomed, "missing")
         # ... and kopf's liveness endpoint answers for the running loop (one drift loop).
         with urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=10) as resp:
             assert json.load(resp) == {"driftLoops": 1}
@@ -148,12 +153,7 @@ def test_a_forbidden_namespace_is_skipped_and_the_rest_keep_working(
                             env={"LORAFLEET_WATCH_NAMESPACES": f"{home},{closed}"})
         apply(kube_cluster, home, adapter_manifest("open", make_adapter(adapters, "open")))
         wait_phase(kube_cluster, home, "open", "Ready", op)
-        assert f"watched namespace {closed} is forbidden" in op.log()
-        key = f'lorafleet_unusable_namespaces{{namespace="{closed}",problem="forbidden"}}'
-        assert op.metrics()[key] == 1
-        events = kube_cluster.kubectl_json("get", "events", "-n", home,
-                                           "--field-selector", "reason=WatchedNamespaceUnusable")
-        assert any(closed in e["message"] and "forbidden" in e["message"] for e in events["items"]), events
+        assert_reported_unusable(kube_cluster, op, home, closed, "forbidden")
         kube_cluster.kubectl("delete", "la", "--all", "-n", home, "--wait=true", "--timeout=60s")
         for agent in fleet:
             assert registry(agent, home) == {}
