@@ -285,6 +285,40 @@ def test_agent_source_allowlist_values_become_the_agents_flags(kube_cluster: Con
     assert pinning == {"allowed": True}
 
 
+def test_hub_repositories_and_endpoint_are_the_fleet_owners(kube_cluster: ControlPlane) -> None:
+    """hf:// repositories go to the chart's LoraFleet (the operator's check) beside the http(s)
+    prefixes, never to the agents' --allow-source (http(s) only); the hub endpoint (a mirror
+    here) goes to the agents' --hub-endpoint."""
+    from node_agent.cli import build_parser
+
+    docs = render_docs(kube_cluster, MODEL, "agent.sources.allow={https://hub.example/mirror/}",
+                       "agent.sources.allowHub={hf://acme/,hf://other/sql-lora}",
+                       "agent.sources.hubEndpoint=https://hub.example/mirror")
+    container = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert args.hub_endpoint == "https://hub.example/mirror"
+    assert args.allow_source == ["https://hub.example/mirror/"]
+    fleet = docs[("LoraFleet", "default")]["spec"]
+    assert fleet["sources"] == {"allow": ["https://hub.example/mirror/", "hf://acme/", "hf://other/sql-lora"]}
+    # The default endpoint is the Hub's.
+    default = agent_pod(render_docs(kube_cluster, MODEL))["containers"][0]
+    assert build_parser().parse_args(default["command"][1:] + default["args"]).hub_endpoint == "https://huggingface.co"
+
+
+def test_agents_know_their_own_pod(kube_cluster: ControlPlane) -> None:
+    """--pod-name is the pod's NAMESPACE/NAME from the downward API (Kubernetes expands the
+    $(VAR) references from the container's env), so an agent answers identity challenges for
+    its own pod only (tests/kube/test_real_node.py asks a real agent pod)."""
+    from node_agent.cli import build_parser
+
+    container = agent_pod(render_docs(kube_cluster, MODEL))["containers"][0]
+    args = build_parser().parse_args(container["command"][1:] + container["args"])
+    assert args.pod_name == "$(POD_NAMESPACE)/$(POD_NAME)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
 # ---- refusals: values.schema.json and templates/_validate.tpl --------------------------------
 
 REFUSALS = [
@@ -326,6 +360,14 @@ REFUSALS = [
      "the agents' model has more than one source (agent.model.pvc.claimName, agent.model.hostPath.path)"),
     (("agent.model.pvc.subPath=../up",), "agent.model.pvc.subPath (../up) must be a relative path"),
     (("tls.enabled=true",), "tls.enabled=true needs tls.secretName"),
+    (("agent.sources.allowHub={hf://acme}",), "at '/agent/sources/allowHub/0': 'hf://acme' does not match pattern"),
+    (("agent.sources.allowHub={https://huggingface.co/acme/}",), "at '/agent/sources/allowHub/0'"),
+    (("agent.sources.hubEndpoint=ftp://hub.example",), "at '/agent/sources/hubEndpoint'"),
+    (("agent.sources.allowHub={hf://acme/}",),
+     "agent.sources.allowHub has hf://acme/, but no agent.sources.allow prefix covers its URLs at "
+     "agent.sources.hubEndpoint (https://huggingface.co/acme/): add one such as https://huggingface.co/"),
+    (("agent.sources.allowHub={hf://acme/lora}", "agent.sources.allow={https://huggingface.co/other/}"),
+     "agent.sources.allowHub has hf://acme/lora, but no agent.sources.allow prefix covers"),
 ]
 
 DOWNLOAD_REFUSALS = [

@@ -57,6 +57,18 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- fail "agent.model.download.url must be http(s)://HOST/PATH without credentials, query or fragment (credentials belong in no URL)" -}}
 {{- end -}}
 {{- end -}}
+{{- $src := $a.sources -}}
+{{- range $src.allowHub -}}
+{{- /* The agents fetch hf://ORG/REPO/... from HUB/ORG/REPO/resolve/...: some allow prefix must
+       cover the repositories' URLs, or every hf:// load the fleet admits fails on the agents. */ -}}
+{{- $base := printf "%s/%s" (trimSuffix "/" $src.hubEndpoint) (trimPrefix "hf://" .) -}}
+{{- if not (hasSuffix "/" $base) }}{{ $base = printf "%s/" $base }}{{ end -}}
+{{- $covered := false -}}
+{{- range $src.allow }}{{ if hasPrefix . $base }}{{ $covered = true }}{{ end }}{{ end -}}
+{{- if not $covered -}}
+{{- fail (printf "agent.sources.allowHub has %s, but no agent.sources.allow prefix covers its URLs at agent.sources.hubEndpoint (%s): add one such as %s/ (and the file CDN hosts the Hub redirects to), or the agents refuse every hf:// load" . $base (trimSuffix "/" $src.hubEndpoint)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
 {{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt (docs/deploy.md, TLS)" -}}
