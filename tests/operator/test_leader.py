@@ -1,13 +1,21 @@
-"""Leader election on a real Lease: one leader at a time, takeover after expiry or release."""
+"""Leader election on a real Lease: one leader at a time, takeover after expiry or release; a
+leader whose reconcile loop fails releases the Lease and exits (the real operator, a real kopf
+failure on the real API server)."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-from lorafleet_operator.config import Settings
+from lorafleet_operator.config import ADAPTERS, GROUP, VERSION, Settings
 from lorafleet_operator.kube import make_api_client
 from lorafleet_operator.leader import LeaderElector
 from tests.kube.harness import ControlPlane
+from tests.operator.agents import apply, fleet_manifest
+from tests.operator.conftest import start_operator, wait_for
 
 
 def elector(cluster: ControlPlane, namespace: str, identity: str) -> LeaderElector:
@@ -49,3 +57,60 @@ def test_release_hands_over_at_once(kube_cluster: ControlPlane, kube_namespace: 
     assert holder(kube_cluster, kube_namespace) == ""
     assert b.try_acquire_or_renew()  # no waiting for expiry
     assert holder(kube_cluster, kube_namespace) == "b"
+
+
+@contextmanager
+def adapters_not_served(cluster: ControlPlane, namespace: str) -> Iterator[None]:
+    """The LoraAdapter CRD's version taken out of service (``served: false``: nothing stored is
+    lost) and put back on the way out, each time until the API server answers so."""
+    url = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{ADAPTERS}"
+
+    def serve(served: bool) -> None:
+        patch = [{"op": "replace", "path": "/spec/versions/0/served", "value": served}]
+        cluster.kubectl("patch", "crd", f"{ADAPTERS}.{GROUP}", "--type=json",
+                        "-p", json.dumps(patch))
+        wait_for(lambda: cluster.request("GET", url)[0] == (200 if served else 404), 60,
+                 f"{ADAPTERS} served={served}")
+
+    serve(False)
+    try:
+        yield
+    finally:
+        serve(True)
+
+
+def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    tmp_path: Path,
+) -> None:
+    """A real failure of kopf's loop: the resource it watches stops being served (404). kopf
+    retries 403, 429 and 5xx without end (the operator's back-off policy), but a watch
+    answered 404 ends its watcher and with it kopf's root task; the leader must then not keep
+    renewing a Lease it does nothing with. It exits 1 by itself (the API server stays up, the
+    Lease is never lost) and leaves the Lease released: holder cleared, which an expiry never
+    does, so a standby takes over at once."""
+    ns = kube_namespace
+    op = start_operator(kube_cluster, ns, tmp_path)
+    apply(kube_cluster, ns, fleet_manifest())
+    # kopf's loop runs: the fleet's drift daemon wrote its status.
+    wait_for(lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns)
+             .get("status", {}).get("conditions"), 60, "the fleet's status", op)
+    lease = "lorafleet-operator"
+    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"][
+        "holderIdentity"] == "op-0"
+    with adapters_not_served(kube_cluster, ns):
+        try:
+            code = op.popen.wait(120)
+        finally:
+            op.stop()
+    log = op.log()
+    assert code == 1, log[-4000:]
+    assert "kopf's reconcile loop failed; releasing the lease and exiting" in log
+    assert "lost leadership" not in log
+    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"][
+        "holderIdentity"] == ""
+    standby = start_operator(kube_cluster, ns, tmp_path, identity="op-1")
+    try:
+        assert "waiting for leadership" not in standby.log()
+    finally:
+        standby.stop()
