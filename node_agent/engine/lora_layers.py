@@ -8,6 +8,7 @@ not apply a previous batch's adapters.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,13 +81,17 @@ def add_lora(
     lora: tuple[LoraSliceLayout, ...],
     fully_sharded: bool,
     group: dist.ProcessGroup | None,
+    a_joined: torch.Tensor | None = None,
 ) -> None:
     """Add the LoRA delta of `x` into this rank's (unreduced) base output `out`, in place.
 
     The one place for the collectives of both LoRA modes (docs/design.md §3), used by dense and
-    expert layers alike. `fully_sharded` is `sharding.lora_fully_sharded` of the layer.
+    expert layers alike. `fully_sharded` is `sharding.lora_fully_sharded` of the layer;
+    `a_joined` is `a_stacks` as one tensor when they are its row blocks (`kernels.shrink`).
     """
-    shrunk = kernels.shrink(x, a_stacks, batch)
+    if not batch.active_slots:
+        return  # no token uses an adapter: the delta is zero, and so would every collective's be
+    shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
     if fully_sharded and style is ParallelStyle.ROW:
         # Complete the shrink first, then this rank adds only its own block of output columns;
         # the base reduction afterwards assembles the LoRA output with the base.
@@ -125,13 +130,23 @@ class LoraLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_width, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # `dense.pack` of the weight, once loaded
-        self.a_stacks = [
-            torch.zeros(capacity.slots, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
-        ]
+        # Every slice's A as consecutive row blocks of one tensor, so the CPU path's shrink
+        # serves all slices (q, k, v; gate, up) with one product (`torch_ops.shrink`'s `joined`).
+        self.a_joined = self._joined_a_stacks(capacity.slots, dtype, device)
+        starts = list(itertools.accumulate((s.a_rank.width for s in self.lora), initial=0))
+        self.a_stacks = [self.a_joined[:, start:stop] for start, stop in itertools.pairwise(starts)]
         self.b_stacks = [
             torch.zeros(capacity.slots, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora
         ]
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
+
+    def _joined_a_stacks(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`[slots, Σ rank widths, in]`, zeroed: every slice's A stack as its row block. All slices
+        of a layer share the input width; the layout checks it."""
+        widths = {s.a_in.width for s in self.lora}
+        if len(widths) != 1:
+            raise ValueError(f"{self.layout.kind.name}: LoRA slices with different input widths {sorted(widths)}")
+        return torch.zeros(slots, sum(s.a_rank.width for s in self.lora), widths.pop(), dtype=dtype, device=device)
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
         """Read this rank's slices of the base weight (and bias) under `prefix`, and the
@@ -158,7 +173,7 @@ class LoraLinear(nn.Module):
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
         """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
         add_lora(x, out, self.a_stacks, self.b_stacks, self.scales, batch, self.style, self.lora,
-                 self.gathers_shrink, self.group)
+                 self.gathers_shrink, self.group, self.a_joined)
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from node_agent.engine.kernels import dense, torch_ops
-from tests.kernels.test_lora_kernels import decode_slots, make_problem, random_y
+from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem, random_y
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -84,3 +84,60 @@ def test_pack_makes_no_copy_of_other_dtypes() -> None:
     assert dense.pack(weight) is None
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     assert torch.equal(dense.linear(x, weight, None), F.linear(x, weight))
+
+
+def float64_reference(problem: Problem, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """shrink's result and `out` after expand of `y`, token by token in float64."""
+    slots = problem.batch.token_slots.tolist()
+    rank = problem.a_stacks[0].shape[1]
+    shrunk = torch.zeros(len(problem.a_stacks), len(slots), rank, dtype=torch.float64)
+    out = problem.out.double().clone()
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        offset = 0
+        for index, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks, strict=True)):
+            shrunk[index, t] = a[slot].double() @ problem.x[t].double()
+            width = b.shape[1]
+            out[t, offset : offset + width] += (b[slot].double() @ y[index, t].double()) * float(problem.scales[index, slot])
+            offset += width
+    return shrunk, out
+
+
+def joined_views(a_stacks: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stacks copied into one tensor as consecutive row blocks, as `LoraLinear` holds them."""
+    joined = torch.cat(a_stacks, dim=1)
+    rank = a_stacks[0].shape[1]
+    return joined, [joined[:, i * rank : (i + 1) * rank] for i in range(len(a_stacks))]
+
+
+@pytest.mark.parametrize("token_slots", [
+    [3],  # one decoding sequence: matrix-vector products
+    [2] * 5,  # one adapter for every token (a prefill): no zeroed rows
+    [-1, 1, 1, -1],  # one run of an adapter among base tokens
+    [0, 1, 0, 2, 1, -1],  # rows of a slot that are not consecutive: gathered and put back
+    decode_slots(8, 8),  # the all-slots product
+], ids=["one-row", "one-adapter", "run-among-base", "scattered", "all-slots"])
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "separate"])
+def test_every_cpu_path_equals_the_float64_reference(token_slots: list[int], joined: bool) -> None:
+    problem = make_problem(token_slots, num_slots=8)
+    a_joined, a_stacks = joined_views(problem.a_stacks) if joined else (None, problem.a_stacks)
+    y = random_y(problem)
+    want_y, want = float64_reference(problem, y)
+    got_y = torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined)
+    got = problem.out.clone()
+    torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
+    torch.testing.assert_close(got_y.double(), want_y, **FP32)
+    torch.testing.assert_close(got.double(), want, **FP32)
+    untargeted = problem.batch.token_slots < 0
+    assert torch.equal(got[untargeted], problem.out[untargeted]), "a token without an adapter is left as it was"
+
+
+def test_scattered_rows_into_a_16_bit_output() -> None:
+    # The rows of a slot that are not one run take the gather path, into bf16 as in fp32.
+    problem = make_problem([0, 1, 0, -1], num_slots=4, dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    y = random_y(problem)
+    _, want = float64_reference(problem, y)
+    got = problem.out.clone()
+    torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7)

@@ -25,27 +25,27 @@ def use_triton(tensor: torch.Tensor) -> bool:
     mode = os.environ.get(MODE_ENV, "auto").lower()
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"{MODE_ENV} must be auto, torch or triton, not {mode!r}")
+    if mode == "torch" or (mode == "auto" and not tensor.is_cuda):
+        return False  # decided without reading TRITON_INTERPRET (this runs for every module)
     interpreting = os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
-    if mode == "torch":
-        return False
     if tensor.is_cuda:
         # The interpreter copies each argument to the host separately, which breaks the kernels'
         # offsets between slice stacks; a process that interprets keeps CUDA on the torch path.
         return not interpreting
-    if mode == "triton":
-        if not interpreting:
-            raise RuntimeError(f"{MODE_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
-        return True
-    return False
+    if not interpreting:  # mode triton on a CPU tensor
+        raise RuntimeError(f"{MODE_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
+    return True
 
 
-def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch) -> torch.Tensor:
-    """See `torch_ops.shrink`."""
+def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch,
+           joined: torch.Tensor | None = None) -> torch.Tensor:
+    """See `torch_ops.shrink`; `joined` serves the torch path only (the triton kernel covers
+    every slice in one launch already)."""
     if use_triton(x):
         from node_agent.engine.kernels import triton_ops
 
         return triton_ops.shrink(x, a_stacks, batch)
-    return torch_ops.shrink(x, a_stacks, batch)
+    return torch_ops.shrink(x, a_stacks, batch, joined)
 
 
 def expand(
