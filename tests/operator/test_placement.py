@@ -9,6 +9,7 @@ agent-1 allows rank 8 only), the real API server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from prometheus_client import REGISTRY
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess
+from lorafleet_dev.node import machine_ip
 from lorafleet_operator.agent_client import AgentClients, AgentInfo, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import Registry, fleet_status, unwanted
@@ -30,6 +32,7 @@ from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
 from lorafleet_operator.publish import publish_status
 from lorafleet_operator.reconcile import FleetView
+from lorafleet_operator.routing import ADAPTER_LABEL
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import (
     MAX_AGENT_MESSAGE,
@@ -47,8 +50,8 @@ from lorafleet_operator.status import (
 )
 from tests.kube.harness import CHECKOUT, ControlPlane
 from tests.operator.agents import (
+    FLEET_LABEL,
     adapter_manifest,
-    add_agent_pod,
     agent_spec,
     apply,
     fleet_manifest,
@@ -334,13 +337,20 @@ def test_a_placed_status_read_back_is_not_written_again(
 @pytest.fixture(scope="module")
 def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess],
                                                                                Path]]:
-    """Two agents that hold at most 2 adapters each; agent-1 allows rank 8 only."""
+    """Two agents that hold at most 2 adapters each; agent-1 allows rank 8 only. On the
+    machine's own address: the API server refuses loopback endpoints in EndpointSlices."""
     root = tmp_path_factory.mktemp("placement-agents")
-    spec, adapters = agent_spec(root, max_loaded_loras=2)
+    spec, adapters = agent_spec(root, max_loaded_loras=2, host=machine_ip())
     agents = [AgentProcess("agent-0", spec, root / "logs"),
               AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
     with serving(agents):
         yield agents, adapters
+
+
+def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
+    """The agent's Pod of the default fleet, Ready at the agent's address."""
+    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: "default"},
+                             ip=agent.spec.host)
 
 
 def placed(cluster: ControlPlane, ns: str, name: str) -> list[str]:
@@ -360,7 +370,7 @@ def test_replicas_capacity_rank_pending_and_room_in_creation_order(
     (a0, a1), root = small_agents
     ns = kube_namespace
     for a in (a0, a1):
-        add_agent_pod(kube_cluster, ns, a)
+        add_pod(kube_cluster, ns, a)
     apply(kube_cluster, ns, fleet_manifest())
     path = make_adapter(root / ns, "w", rank=4)
     big = make_adapter(root / ns, "big", rank=16)
@@ -409,3 +419,49 @@ def test_replicas_capacity_rank_pending_and_room_in_creation_order(
     # Leave the module's agents empty for the next test.
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
     wait_for(lambda: held() == (set(), set()), 60, "agents emptied", operator)
+
+
+def test_replicas_changed_on_a_ready_adapter_are_honoured(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+) -> None:
+    """spec.replicas of a Ready adapter goes 2 -> 1 -> 2 (issue 13): each time the placement,
+    the agents' registries (unloaded from the dropped agent, loaded again on it) and the
+    adapter's EndpointSlices follow, and the adapter stays Ready throughout what it says."""
+    (a0, a1), root = small_agents
+    ns = kube_namespace
+    for a in (a0, a1):
+        add_pod(kube_cluster, ns, a)
+    apply(kube_cluster, ns, fleet_manifest())
+    manifest = adapter_manifest("r", make_adapter(root / ns, "r"))
+
+    def follows(pods: list[str]) -> bool:
+        """Ready, placed on exactly `pods`, held by them only, routed to them only."""
+        st = status(kube_cluster, ns, "r")
+        return (st.get("phase") == "Ready" and placed(kube_cluster, ns, "r") == pods
+                and [a.name for a in (a0, a1) if registry(a, ns) == {f"{ns}.r": [0, 1]}]
+                == pods and sorted(routed(kube_cluster, ns, "r")) == pods)
+
+    for replicas, pods in ((2, ["agent-0", "agent-1"]), (1, ["agent-0"]),
+                           (2, ["agent-0", "agent-1"])):
+        apply(kube_cluster, ns, with_replicas(manifest, replicas))
+        wait_for(functools.partial(follows, pods), 90, f"replicas {replicas} on {pods}", operator)
+        st = status(kube_cluster, ns, "r")
+        assert st["placement"]["replicas"] == replicas
+        assert (st["agentsSummary"], st["observedGeneration"]) == (
+            f"{len(pods)}/{len(pods)}",
+            kube_cluster.kubectl_json("get", "la", "r", "-n", ns)["metadata"]["generation"])
+        if replicas == 1:  # the kept agent is the first of the last placement
+            assert [(s["pod"], s["reason"]) for s in st["placement"]["skipped"]] == [
+                ("agent-1", "ReplicasReached")]
+            assert registry(a1, ns) == {}
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
+    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied",
+             operator)
+
+
+def routed(cluster: ControlPlane, ns: str, adapter: str) -> list[str]:
+    """The pods listed by the adapter's EndpointSlices (docs/operator.md, Routing)."""
+    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
+                                  f"{ADAPTER_LABEL}={adapter}")["items"]
+    return [e["targetRef"]["name"] for s in slices for e in s.get("endpoints") or []]
