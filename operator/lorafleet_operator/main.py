@@ -37,11 +37,13 @@ HANDLER_MODULES = ("lorafleet_operator.handlers", "lorafleet_operator.drift")
 
 
 def configure_logging(level: str) -> None:
-    """Our loggers at ``level``; kopf's own chatter (a line per handler) only when debugging."""
+    """Our loggers at ``level``; kopf's own chatter (a line per handler) and the access log
+    of ``/healthz`` (a line per liveness probe, every few seconds) only when debugging."""
     logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level != "DEBUG":
-        for name in ("kopf", "kopf.objects", "kopf.activities", "kopf.reactor"):
+        for name in ("kopf", "kopf.objects", "kopf.activities", "kopf.reactor",
+                     "aiohttp.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
