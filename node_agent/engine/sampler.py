@@ -147,7 +147,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list[Sampl
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if greedy:
+    if len(greedy) == len(rows):
+        tokens = logits.argmax(dim=-1)  # every row greedy: no gather and scatter of rows
+    elif greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
     if drawn:
         tokens[drawn] = _draw(logits[drawn], [rows[i] for i in drawn])

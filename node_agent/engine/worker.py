@@ -250,12 +250,17 @@ class RankWorker:
         group's for the MLP (which runs TP over all ranks), RoPE at the tokens' positions."""
         offset = sum(counts[: self.coords.attn_dp_rank])
         cos, sin = self.model.rope_tables(positions)
+        mlp_lora = LoraBatch.from_token_slots(self._ids(all_slots))
+        # Without DP attention the group's tokens are all tokens: one batch (and the views the
+        # kernels derive from it once) serves attention and MLP alike.
+        attn_lora = mlp_lora if len(counts) == 1 else LoraBatch.from_token_slots(
+            self._ids(all_slots[offset : offset + counts[self.coords.attn_dp_rank]]))
         return ForwardContext(
             group_token_counts=counts,
             attn_dp_rank=self.coords.attn_dp_rank,
             attn_tp_rank=self.coords.attn_tp_rank,
-            attn_lora=LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + counts[self.coords.attn_dp_rank]])),
-            mlp_lora=LoraBatch.from_token_slots(self._ids(all_slots)),
+            attn_lora=attn_lora,
+            mlp_lora=mlp_lora,
             cos=cos,
             sin=sin,
             attention=attention,

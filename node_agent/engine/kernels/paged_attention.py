@@ -131,23 +131,27 @@ def decode_torch(
 ) -> torch.Tensor:
     """One query token per sequence (`q` `[num_seqs, heads, head_dim]`) over its whole context.
 
-    Batched over sequences: every context is gathered to the longest one and the rest masked.
-    Each context length must be at least 1 (the token itself). Computes in fp32.
+    Batched over sequences: every context is gathered to the longest one, and the rest masked
+    when the lengths differ. Each KV head's group of query heads are its query rows in one SDPA
+    call (no repeat of K/V, no causal mask: a decode token sees its whole context). Each context
+    length must be at least 1 (the token itself). Computes in fp32.
     """
     check_inputs(q, key_cache, value_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    longest = int(context_lens.max())
+    lengths = context_lens.tolist()
+    longest = max(lengths)
     tables = block_tables[:, : -(-longest // block_size)].to(torch.int64)
-    k = key_cache[tables].flatten(1, 2).float()  # [S, L, kv_heads, D]
-    v = value_cache[tables].flatten(1, 2).float()
+    k = key_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [S, kv_heads, L, D]
+    v = value_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()
+    mask = None
+    if min(lengths) < longest:
+        within = torch.arange(longest, device=q.device)[None, :] < context_lens.to(q.device)[:, None]
+        mask = within[:, None, None, :]
     grouped = q.reshape(num_seqs, kv_heads, num_heads // kv_heads, head_dim).float()
-    scores = torch.einsum("shgd,sthd->shgt", grouped, k) * scale
-    past_end = torch.arange(k.shape[1], device=q.device)[None, :] >= context_lens.to(q.device)[:, None]
-    scores = scores.masked_fill(past_end[:, None, None, :], float("-inf"))
-    attended = torch.einsum("shgt,sthd->shgd", scores.softmax(dim=-1), v)
+    attended = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
     return attended.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
