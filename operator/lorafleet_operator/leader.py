@@ -30,6 +30,8 @@ from lorafleet_operator.kube import read_json
 log = logging.getLogger("lorafleet.operator.leader")
 
 GROUP, VERSION, PLURAL = "coordination.k8s.io", "v1", "leases"
+#: Writes a release tries before giving up on a Lease that keeps changing under it.
+RELEASE_ATTEMPTS = 3
 
 
 def micro_time(now: dt.datetime | None = None) -> str:
@@ -155,16 +157,24 @@ class LeaderElector:
                 return
 
     def release(self) -> None:
-        """Give the Lease up (holder cleared) so another replica takes over at once."""
+        """Give the Lease up (holder cleared) so another replica takes over at once. A write
+        that conflicts (a renewal of ours still in flight landed after the read) is tried
+        again on the Lease as it is now, as long as this replica holds it."""
         if not self.leading:
             return
         try:
-            lease = self._get()
-            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+            for _ in range(RELEASE_ATTEMPTS):
+                lease = self._get()
+                if not lease or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+                    break
                 lease["spec"].update(holderIdentity="", leaseDurationSeconds=1,
                                      renewTime=micro_time())
-                self._replace(lease)
-                log.info("released lease %s/%s", self.namespace, self.name)
+                if self._replace(lease):
+                    log.info("released lease %s/%s", self.namespace, self.name)
+                    break
+            else:
+                log.warning("leader election: release failed: lease %s/%s changed at each of "
+                            "%d attempts", self.namespace, self.name, RELEASE_ATTEMPTS)
         except ApiException as err:
             log.warning("leader election: release failed: %s %s", err.status, err.reason)
         self.leading = False

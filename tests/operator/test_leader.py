@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lorafleet_operator.config import ADAPTERS, GROUP, VERSION, Settings
 from lorafleet_operator.kube import make_api_client
@@ -57,6 +58,38 @@ def test_release_hands_over_at_once(kube_cluster: ControlPlane, kube_namespace: 
     assert holder(kube_cluster, kube_namespace) == ""
     assert b.try_acquire_or_renew()  # no waiting for expiry
     assert holder(kube_cluster, kube_namespace) == "b"
+
+
+class Interleaved(LeaderElector):
+    """An elector after whose next read of the Lease a real write of it lands (``then``)."""
+
+    then: Callable[[], object] | None = None
+
+    def _get(self) -> dict[str, Any] | None:
+        lease = super()._get()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return lease
+
+
+def test_a_renewal_in_flight_does_not_undo_the_release(
+    kube_cluster: ControlPlane, kube_namespace: str
+) -> None:
+    """Stopping the hold loop cancels its task, not the renewal its thread is running; that
+    renewal can land between the release's read and its write. The release's write then
+    conflicts, and used to be dropped (with "released lease" logged): the Lease stayed held
+    until it expired. Now the release is tried again on the Lease as it is."""
+    settings = Settings(lease_name="lf-test", lease_namespace=kube_namespace, identity="a",
+                        lease_duration_s=2.0)
+    a = Interleaved(make_api_client(str(kube_cluster.kubeconfig)), settings)
+    assert a.try_acquire_or_renew()
+    a.leading = True
+    a.then = elector(kube_cluster, kube_namespace, "a").try_acquire_or_renew  # the renewal
+    a.release()
+    assert a.then is None  # the renewal did land in between
+    assert holder(kube_cluster, kube_namespace) == ""
+    assert elector(kube_cluster, kube_namespace, "b").try_acquire_or_renew()
 
 
 @contextmanager
