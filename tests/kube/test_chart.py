@@ -668,10 +668,11 @@ def serve_directory(root: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def fetch_model(url: str, sha: str, model_dir: Path, allow_http: bool = True) -> subprocess.CompletedProcess[str]:
+def fetch_model(url: str, sha: str, model_dir: Path, allow_http: bool = True,
+                python: str = sys.executable) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MODEL_URL": url, "MODEL_SHA256": sha, "MODEL_DIR": str(model_dir),
            "MODEL_ALLOW_HTTP": "1" if allow_http else "0", "MODEL_TIMEOUT_S": "30"}
-    return subprocess.run([sys.executable, str(CHART / "files" / "fetch-model.py")], env=env,
+    return subprocess.run([python, str(CHART / "files" / "fetch-model.py")], env=env,
                           capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -688,41 +689,53 @@ def make_archive(path: Path, files: dict[str, bytes], top: str = "", link: str =
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_fetch_model_checks_and_unpacks(tmp_path: Path) -> None:
+#: The init container's interpreters: this environment's, and Debian 12's 3.11.2 (the images'
+#: base in the tests, lorafleet_dev.images), which has no tarfile extraction filters.
+INTERPRETERS = [pytest.param(sys.executable, id="venv"), pytest.param("/usr/bin/python3", id="debian-3.11.2")]
+
+
+@pytest.mark.parametrize("python", INTERPRETERS)
+def test_fetch_model_checks_and_unpacks(tmp_path: Path, python: str) -> None:
     """The init container's program, run here against a loopback HTTP server."""
     served = tmp_path / "srv"
     served.mkdir()
     files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\0" * 4096}
     good = make_archive(served / "m.tar.gz", files, top="tiny-llama/")
     linked = make_archive(served / "link.tgz", files, link="evil")
+    escaping = make_archive(served / "up.tgz", {**files, "../../escape": b"x"})
+    absolute = make_archive(served / "abs.tgz", {**files, "/tmp/lorafleet-absolute": b"x"})
     server, base = serve_directory(served)
     try:
         model = tmp_path / "model"
         model.mkdir()
         (model / "stale").write_text("left by an interrupted attempt")
-        proc = fetch_model(f"{base}/m.tar.gz", good, model)
+        proc = fetch_model(f"{base}/m.tar.gz", good, model, python=python)
         assert proc.returncode == 0, proc.stderr
         assert sorted(p.name for p in model.iterdir()) == [".lorafleet-model-sha256", "config.json",
                                                              "model.safetensors"]
         assert (model / "model.safetensors").read_bytes() == files["model.safetensors"]
-        again = fetch_model(f"{base}/m.tar.gz", good, model)
+        again = fetch_model(f"{base}/m.tar.gz", good, model, python=python)
         assert again.returncode == 0 and "already in" in again.stdout
 
         for url, sha, allow, message in (
             (f"{base}/m.tar.gz", "0" * 64, True, "sha256 mismatch: the archive has " + good),
             (f"{base}/m.tar.gz", good, False, "the scheme must be https (agent.model.download.allowHttp=true"),
             (f"{base}/link.tgz", linked, True, "the archive's 'evil' is not a regular file or directory"),
+            (f"{base}/up.tgz", escaping, True, "the archive's '../../escape' lies outside the model directory"),
+            (f"{base}/abs.tgz", absolute, True, "the archive's '/tmp/lorafleet-absolute' lies outside"),
             (f"{base}/missing.tgz", good, True, "download failed: HTTP Error 404"),
             (base.replace("http://", "http://u:secret@") + "/m.tar.gz", good, True, "credentials in a URL"),
             (f"{base}/m.tar.gz?x=1", good, True, "a query or fragment is refused"),
         ):
             target = tmp_path / f"t{abs(hash(url + sha))}"
             target.mkdir()
-            proc = fetch_model(url, sha, target, allow)
+            proc = fetch_model(url, sha, target, allow, python=python)
             assert proc.returncode == 1, (url, proc.stdout)
             assert message in proc.stderr, proc.stderr
             assert "secret" not in proc.stderr
             assert not (target / ".lorafleet-model-sha256").exists()
+        # Nothing was written outside the model directories.
+        assert not (tmp_path / "escape").exists() and not Path("/tmp/lorafleet-absolute").exists()
     finally:
         server.shutdown()
 

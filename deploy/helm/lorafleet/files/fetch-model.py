@@ -23,7 +23,7 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 MARKER = ".lorafleet-model-sha256"
 CHUNK = 1 << 20
@@ -88,18 +88,32 @@ def download(url: str, dest: Path, allow_http: bool, deadline: float) -> str:
     return digest.hexdigest()
 
 
+def checked_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The archive's members when each is a regular file or a directory inside the model
+    directory, with no setuid, setgid or sticky bit and no group or other write permission.
+    Checked here, not only by tarfile's "data" filter: Python 3.11 before 3.11.4 (Debian 12's
+    3.11.2, the image's base in the tests) has no extraction filters."""
+    members = tar.getmembers()
+    for member in members:
+        if not (member.isfile() or member.isdir()):
+            raise Refused(f"the archive's {member.name!r} is not a regular file or directory")
+        name = PurePosixPath(member.name)
+        if name.is_absolute() or ".." in name.parts:
+            raise Refused(f"the archive's {member.name!r} lies outside the model directory")
+        member.mode &= 0o755
+    return members
+
+
 def unpack(archive: Path, into: Path) -> None:
     """Extract regular files and directories only, then move the model directory's entries up."""
     staging = into / ".unpack"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    # tarfile's own "data" filter on top where this Python has it.
+    extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
     try:
         with tarfile.open(archive, "r:*") as tar:
-            members = tar.getmembers()
-            for member in members:
-                if not (member.isfile() or member.isdir()):
-                    raise Refused(f"the archive's {member.name!r} is not a regular file or directory")
-            tar.extractall(staging, members=members, filter="data")
+            tar.extractall(staging, members=checked_members(tar), **extra)
     except (tarfile.TarError, OSError) as exc:
         raise Refused(f"the archive cannot be unpacked: {exc}") from None
     root = staging
