@@ -84,24 +84,29 @@ class Authority:
 
     def issue(
         self, common_name: str, server: bool, *, organization: str | None = None,
-        extra_ips: Sequence[str] = (),
+        extra_ips: Sequence[str] = (), dns_names: Sequence[str] = (), client_too: bool = False,
     ) -> KeyPair:
-        """A new key and a certificate for it: a server's (valid for :data:`SERVER_NAMES` and
-        ``extra_ips``) or a client's; ``organization`` becomes the subject's O (Kubernetes
-        reads it as a group)."""
+        """A new key and a certificate for it: a server's (valid for :data:`SERVER_NAMES`,
+        ``dns_names`` and ``extra_ips``; with ``client_too`` also for client authentication, as
+        the chart's agent certificate, which the operator presents as its client certificate)
+        or a client's; ``organization`` becomes the subject's O (Kubernetes reads it as a
+        group)."""
         attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
         if organization:
             attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
         key = ec.generate_private_key(ec.SECP256R1())
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else [ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server and client_too:
+            usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
         builder = (
             self._builder(x509.Name(attributes), key.public_key())
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(ca=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
         if server:
-            names = [*SERVER_NAMES, *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips)]
+            names = [*SERVER_NAMES, *(x509.DNSName(name) for name in dns_names),
+                     *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips)]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), pem_private_key(key))

@@ -9,9 +9,10 @@ the operator (Deployment -> ReplicaSet -> scheduler -> kubelet -> container, tal
 server through the ``kubernetes`` Service with its ServiceAccount token), two agents
 (StatefulSet, on the CPU, a tiny synthetic model and adapter from hostPath volumes, Ready through
 their gRPC probes) and the uninstall hook Job. One install serves every step, in the order a
-user meets them: install, an adapter, an agent pod replaced, Generate through the agents'
-Service, upgrade, uninstall. (``helm test`` is not run here: its pod finds the agents through
-cluster DNS, which this node has none of.)
+user meets them: install, an agent proving only its own pod, an adapter, an agent pod replaced,
+Generate through the agents' Service, an upgrade that turns mutual TLS on and moves the model to
+the download init container (served over http from this machine), uninstall. (``helm test`` is
+not run here: its pod finds the agents through cluster DNS, which this node has none of.)
 
 A machine where the node cannot start (not root, no overlayfs, binaries not built) fails this
 module with the reason; it never skips.
@@ -20,9 +21,15 @@ module with the reason; it never skips.
 from __future__ import annotations
 
 import base64
+import contextlib
+import hashlib
+import http.server
 import json
+import secrets
 import shutil
+import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,8 +40,10 @@ import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_common.identity import NONCE_BYTES, proof_matches
 from lorafleet_dev.images import BuiltImage, ImageBuilder
 from lorafleet_dev.node import RealNode, check_machine, find_node_bin_dir, machine_ip
+from lorafleet_dev.pki import Authority, KeyPair
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError
 
@@ -111,14 +120,32 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, diagnose: Ca
         time.sleep(0.5)
 
 
-def stub(address: str) -> tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]:
-    channel = grpc.insecure_channel(address)
+@dataclass(frozen=True)
+class ClientTls:
+    """How a client dials agents serving the chart's TLS: the CA it trusts, its certificate
+    (none: it has no client certificate) and the name it verifies (the chart's tls.serverName)."""
+
+    ca: bytes
+    client: KeyPair | None
+    server_name: str
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        key, cert = (self.client.key, self.client.cert) if self.client else (None, None)
+        return grpc.ssl_channel_credentials(self.ca, key, cert)
+
+
+def stub(address: str, tls: ClientTls | None = None) -> tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]:
+    if tls is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, tls.credentials(),
+                                      options=[("grpc.ssl_target_name_override", tls.server_name)])
     return channel, agent_pb2_grpc.NodeAgentStub(channel)
 
 
-def registry(address: str, token: str) -> dict[str, list[int]]:
+def registry(address: str, token: str, tls: ClientTls | None = None) -> dict[str, list[int]]:
     """What the agent at ``address`` itself holds (name -> ranks): the truth the status reports."""
-    channel, agent = stub(address)
+    channel, agent = stub(address, tls)
     with channel:
         reply = agent.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10,
                                    metadata=(("authorization", f"Bearer {token}"),))
@@ -156,6 +183,52 @@ def probe_results(node: RealNode, ns: str, container: str, probe_type: str) -> d
             result = line.split('result="', 1)[1].split('"', 1)[0]
             counts[result] = counts.get(result, 0) + float(line.rsplit(" ", 1)[1])
     return counts
+
+
+def model_archive(model: Path, directory: Path) -> tuple[Path, str]:
+    """``tar -C MODEL -czf model.tar.gz .`` (as docs/deploy.md says to make one) and its sha256."""
+    archive = directory / "model.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(model, arcname=".")
+    archive.chmod(0o644)
+    return archive, hashlib.sha256(archive.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def serving(path: Path, host: str) -> Iterator[tuple[str, list[str]]]:
+    """Serve ``path``'s directory over http on ``host`` (this machine's address: the pods reach
+    it through their bridge); yields the URL of ``path`` and the paths GET requested so far."""
+    requested: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(path.parent), **kwargs)
+
+        def do_GET(self) -> None:
+            requested.append(self.path)
+            super().do_GET()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # the requests are kept in ``requested``; the log would only be noise
+
+    server = http.server.ThreadingHTTPServer((host, 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}/{path.name}", requested
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def tls_secret(name: str, ca: Authority, pair: KeyPair) -> str:
+    """The chart's TLS Secret (tls.crt, tls.key, ca.crt), opened to the fleet ``default``."""
+    data = {"tls.crt": pair.cert, "tls.key": pair.key, "ca.crt": ca.pem}
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "labels": {"lorafleet.dev/allow-fleet": "default"}},
+        "data": {k: base64.b64encode(v).decode() for k, v in data.items()}})
 
 
 def install_args(real: RealCluster) -> list[str]:
@@ -222,6 +295,18 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             anonymous.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
+        # Each agent knows its own pod (the chart's --pod-name from the downward API): an
+        # identity challenge for its own pod is answered with the token's proof, one for the
+        # other agent's pod is not (a pod relaying challenges to a real agent gets nothing).
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        own, other = (f"{ns}/{p['metadata']['name']}" for p in agents)
+        channel, first = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
+        with channel:
+            proofs = {pod: first.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=10).proof
+                      for pod in (own, other)}
+        assert proof_matches(token, own, nonce, proofs[own]), proofs
+        assert proofs[other] == b"", proofs
+
         # A LoraAdapter applied with kubectl: Ready, and its per-agent, per-rank status equals
         # what each agent pod's registry holds.
         cluster.apply(json.dumps({
@@ -281,13 +366,61 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             assert direct[0] and direct[0] == direct[1], direct
             assert generate(f"{cluster_ip}:{GRPC_PORT}", token, adapter) == direct[0]
 
-        # helm upgrade changes a value; the Deployment rolls out a new operator pod.
+        # helm upgrade: the operator's log level, mutual TLS on (a throwaway CA; one certificate
+        # for the agents' server side and the operator's client side, verified under
+        # tls.serverName since the operator dials pod IPs), and the model from the download
+        # init container instead of the hostPath (an archive served over http from this
+        # machine). The Deployment rolls out a new operator pod, the StatefulSet new agents.
         old_pod = operator["metadata"]["name"]
-        upgrade = cluster.helm(
-            "upgrade", RELEASE, str(CHECKOUT.chart), "--namespace", ns, "--reuse-values",
-            "--set", "operator.logLevel=DEBUG", "--wait", "--timeout=180s",
-            check=False, timeout_s=240)
-        assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
+        old_agents = {p["metadata"]["uid"] for p in pods(cluster, ns, "lorafleet-agent")}
+        ca = Authority("lorafleet-real-node-ca")
+        server_name = f"{FULLNAME}-agent.{ns}.svc"
+        cluster.apply(tls_secret("agent-tls", ca, ca.issue(server_name, server=True, dns_names=(server_name,),
+                                                           client_too=True)), ns)
+        archive, sha = model_archive(real_cluster.data / "model", real_cluster.data)
+        with serving(archive, cluster.advertise_ip) as (model_url, requested):
+            upgrade = cluster.helm(
+                "upgrade", RELEASE, str(CHECKOUT.chart), "--namespace", ns, "--reuse-values",
+                "--set", "operator.logLevel=DEBUG",
+                "--set", "tls.enabled=true", "--set", "tls.secretName=agent-tls", "--set", f"tls.serverName={server_name}",
+                "--set", "agent.model.hostPath.path=", "--set", f"agent.model.download.url={model_url}",
+                "--set", f"agent.model.download.sha256={sha}", "--set", "agent.model.download.allowHttp=true",
+                "--wait", "--timeout=480s", check=False, timeout_s=540)
+            assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
+
+            def upgraded() -> list[dict[str, Any]]:
+                found = pods(cluster, ns, "lorafleet-agent")
+                fresh = [p for p in found if ready(p) and p["metadata"]["uid"] not in old_agents]
+                return fresh if len(found) == len(fresh) == 2 else []
+
+            new_agents = wait_for("both agents replaced by the upgrade and Ready", upgraded, 300, diagnose)
+            # Each new pod's model came through its init container: downloaded from here,
+            # sha256-checked and unpacked into the emptyDir the agent serves from.
+            for pod in new_agents:
+                (init,) = pod["status"]["initContainerStatuses"]
+                assert (init["name"], init["state"]["terminated"]["exitCode"]) == ("fetch-model", 0), init
+                model_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+                assert "emptyDir" in model_volume and "hostPath" not in model_volume, model_volume
+            assert requested.count(f"/{archive.name}") >= 2, requested
+
+        # The agents now speak TLS only and require a client certificate from the CA: the
+        # operator reloaded the adapter onto the new pods over it (each registry, read with
+        # such a certificate, holds it on its rank; the status says Ready on both). A client
+        # without TLS, or with the CA but no certificate or another CA's, is refused.
+        client = ClientTls(ca.pem, ca.issue("real-node-test", server=False), server_name)
+        tls_addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in new_agents]
+        for address in tls_addresses:
+            wait_for(f"the adapter on the upgraded agent {address}",
+                     lambda address=address: registry(address, token, client) == {held: [0]}, 180, diagnose)
+        st = wait_for("LoraAdapter support Ready on both upgraded agents", loaded_everywhere, 120, diagnose)
+        assert st["ranksSummary"] == "2/2", st
+        stranger = Authority("someone else").issue("real-node-test", server=False)
+        for who, tls in (("a plaintext client", None),
+                         ("a client without a certificate", ClientTls(ca.pem, None, server_name)),
+                         ("a client with another CA's certificate", ClientTls(ca.pem, stranger, server_name))):
+            with pytest.raises(grpc.RpcError) as refused:
+                registry(tls_addresses[0], token, tls)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (who, refused.value)
         cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns,
                         "--timeout=120s")
 
@@ -310,14 +443,16 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
 
         # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
-        # Service) has the operator unload everything; nothing is left, nothing is stuck.
+        # Service) has the operator unload everything (over TLS now); nothing of the release is
+        # left, nothing is stuck. The TLS Secret is the user's, not the chart's: it stays.
         uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait",
                                  "--timeout=240s", check=False, timeout_s=300)
         assert uninstall.returncode == 0, f"{uninstall.stderr}\n{diagnose()}"
+        users = {"secrets": ["agent-tls"]}
         for kind in ("loraadapters", "lorafleets", "deployments", "statefulsets", "services", "jobs",
                      "secrets", "poddisruptionbudgets", "roles", "rolebindings"):
-            left = cluster.kubectl_json("get", kind, "-n", ns)["items"]
-            assert [i["metadata"]["name"] for i in left] == [], f"{kind} left: {left}"
+            left = [i["metadata"]["name"] for i in cluster.kubectl_json("get", kind, "-n", ns)["items"]]
+            assert left == users.get(kind, []), f"{kind} left: {left}"
         left_sas = {i["metadata"]["name"] for i in cluster.kubectl_json("get", "serviceaccounts", "-n", ns)["items"]}
         assert left_sas == {"default"}
         wait_for("every pod of the release gone",
