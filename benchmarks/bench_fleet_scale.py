@@ -17,7 +17,7 @@ operator's CPU seconds and peak RSS over the case, API requests per adapter (the
 and, with failing agents, the requests per adapter in a further quiet window (a hot loop shows
 there). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
 
-Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N]`.
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]`.
 On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
 cores: read the figures as an upper bound of what the operator needs.
 """
@@ -175,7 +175,8 @@ class Bench:
             quiet = (request_total(self.cluster) - before - (self.polls - polls) - 1) / len(self.adapters)
         result = CaseResult(name, settled, phases, process_cpu_s(self.operator.pid) - cpu_before,
                             peak_rss_mib(self.operator.pid), requests, largest, quiet)
-        self.cluster.kubectl("delete", "la", "--all", "-n", self.ns, "--wait=true", "--timeout=900s")
+        self.cluster.kubectl("delete", "la", "--all", "-n", self.ns, "--wait=true", "--timeout=1800s",
+                             timeout_s=1860)
         return result
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
@@ -201,6 +202,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4, help="the placed case's spec.replicas")
     parser.add_argument("--quiet-s", type=float, default=30.0, help="window after settling, with failing agents")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on a case after this long")
+    parser.add_argument("--placed-only", action="store_true",
+                        help="only the replicas N cases (replicas unset means adapters x agents loads: "
+                             "64,000 at the default size, minutes of the simulator's CPU)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     failing = max(1, args.agents // 10)
@@ -219,7 +223,7 @@ def main() -> None:
                 bench.start_fleet(fails)
                 bench.start_operator()
                 label = f"{fails} of {args.agents} agents failing"
-                for replicas in (None, args.replicas):
+                for replicas in ((args.replicas,) if args.placed_only else (None, args.replicas)):
                     case = f"replicas {'unset' if replicas is None else replicas}, {label}"
                     results.append(bench.run_case(case, replicas, fails, args.quiet_s if fails else 0.0, args.timeout_s))
                     log.info("%s", results[-1])

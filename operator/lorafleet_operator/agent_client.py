@@ -77,6 +77,12 @@ def _reason(err: grpc.aio.AioRpcError) -> str:
     return ""
 
 
+@contextlib.asynccontextmanager
+async def _nothing() -> AsyncIterator[set[str]]:
+    """The gate of a call that is not a load: no overlap to learn."""
+    yield set()
+
+
 class LoadGate:
     """The loads in flight on one agent. A load enters shared (any number at once) or
     exclusive (alone: it waits until no load runs, and none starts while it runs or waits).
@@ -184,12 +190,22 @@ class AgentClients:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._channels: dict[tuple[str, Credentials], grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, Credentials], agent_pb2_grpc.NodeAgentStub] = {}
         self._per_agent: dict[str, asyncio.Semaphore] = {}
         self._remote: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._loads: dict[str, LoadGate] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
         self.identities = Identities()
         self._proving: dict[str, asyncio.Lock] = {}
+
+    def _stub(self, endpoint: str, creds: Credentials) -> agent_pb2_grpc.NodeAgentStub:
+        """The stub over the channel to ``endpoint`` (one per channel: a stub builds a callable
+        per method, too much to repeat for each of thousands of calls)."""
+        key = (endpoint, creds)
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = agent_pb2_grpc.NodeAgentStub(self._channel(endpoint, creds))
+        return stub
 
     def _channel(self, endpoint: str, creds: Credentials) -> grpc.aio.Channel:
         key = (endpoint, creds)
@@ -211,6 +227,7 @@ class AgentClients:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._stubs.clear()
 
     @contextlib.asynccontextmanager
     async def _slots(self, endpoint: str, remote_of: str) -> AsyncIterator[None]:
@@ -263,17 +280,23 @@ class AgentClients:
 
     async def _call(self, endpoint: str, creds: Credentials, method: str,
                     invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
-                    deadline_s: float, remote_of: str = "") -> T:
-        stub = agent_pb2_grpc.NodeAgentStub(self._channel(endpoint, creds))
+                    deadline_s: float, remote_of: str = "",
+                    load: tuple[LoadGate, str, bool] | None = None) -> T:
+        """One call under its bounds (:meth:`_slots`). A ``load`` (the agent's gate, the
+        adapter's name, exclusive or not) enters the gate once it holds its slot: the loads
+        that overlap it are those sent to the agent meanwhile, never those still waiting for a
+        slot; a failure says whether it was alone there (``AgentError.alone``)."""
+        stub = self._stub(endpoint, creds)
         metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
-        async with self._slots(endpoint, remote_of):
+        async with self._slots(endpoint, remote_of), \
+                (load[0].enter(load[1], exclusive=load[2]) if load else _nothing()) as overlap:
             await self._ensure_agent(endpoint, creds, stub)
             try:
                 result = await invoke(stub, metadata, deadline_s)
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method=method, code=err.code().name).inc()
                 raise AgentError(err.code(), err.details() or err.code().name,
-                                 reason=_reason(err)) from None
+                                 reason=_reason(err), alone=not overlap) from None
         metrics.AGENT_CALLS.labels(method=method, code="OK").inc()
         return result
 
@@ -305,16 +328,11 @@ class AgentClients:
             request.source_basic.password = credential.password
         elif credential is not None:
             request.source_token = credential.token
-        gate = self._loads.setdefault(endpoint, LoadGate())
-        async with gate.enter(name, exclusive=exclusive) as overlap:
-            try:
-                reply = await self._call(
-                    endpoint, creds, "LoadAdapter",
-                    lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
-                    self._settings.load_deadline_s, remote_of=remote_of)
-            except AgentError as err:
-                err.alone = not overlap
-                raise
+        reply = await self._call(
+            endpoint, creds, "LoadAdapter",
+            lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
+            self._settings.load_deadline_s, remote_of=remote_of,
+            load=(self._loads.setdefault(endpoint, LoadGate()), name, exclusive))
         return _control_reply(reply)
 
     async def unload(self, endpoint: str, creds: Credentials, name: str) -> ControlReply:

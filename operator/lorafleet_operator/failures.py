@@ -242,6 +242,12 @@ class LoadRetries:
             return None
         return entry
 
+    def failing_pods(self) -> frozenset[str]:
+        """The agent pods with a failed load in the book (of any adapter, not yet retried
+        with success): placement gives new adapters to the others first."""
+        return frozenset(pod for (_, _, pod), entry in self.entries.items()
+                         if entry.result.state is AgentState.FAILED)
+
     def due_in(self, keys: Iterable[FailureKey]) -> float | None:
         """Seconds until the first of these keys' retries is due (0 when one is due now);
         None when none of them is backing off."""

@@ -37,28 +37,11 @@ class AgentPod:
         return self.ready and bool(self.endpoint)
 
 
-def selector_string(selector: Mapping[str, Any]) -> str:
-    """A metav1.LabelSelector as the ``labelSelector`` query string the API server takes."""
-    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        if op == "In":
-            parts.append(f"{key} in ({','.join(values)})")
-        elif op == "NotIn":
-            parts.append(f"{key} notin ({','.join(values)})")
-        elif op == "Exists":
-            parts.append(key)
-        elif op == "DoesNotExist":
-            parts.append(f"!{key}")
-        else:
-            raise ValueError(f"unknown selector operator {op!r}")
-    return ",".join(parts)
-
-
 def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     """Whether a metav1.LabelSelector selects these labels (same semantics as the API server).
 
-    Used to decide which fleets want a pod without another list call per fleet.
+    The operator selects a fleet's agents among the pods it watches (its pod index) with it,
+    never with a list call per reconcile.
     """
     for key, value in (selector.get("matchLabels") or {}).items():
         if labels.get(key) != value:
@@ -100,6 +83,28 @@ def _ports(pod: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted((str(port["name"]), int(port["containerPort"]))
                         for container in (pod.get("spec") or {}).get("containers") or []
                         for port in container.get("ports") or [] if port.get("name")))
+
+
+def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a Pod object that :func:`agents_of` reads (same shape, the rest dropped):
+    what the operator keeps of every pod it watches (its pod index), instead of listing a
+    fleet's pods at each reconcile."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels",
+                                          "deletionTimestamp") if k in meta},
+        "status": {
+            "phase": status.get("phase"), "podIP": status.get("podIP"),
+            "conditions": [{"type": c.get("type"), "status": c.get("status")}
+                           for c in status.get("conditions") or []],
+            "containerStatuses": [{"restartCount": s.get("restartCount", 0)}
+                                  for s in status.get("containerStatuses") or []],
+        },
+        "spec": {"containers": [{"ports": [{"name": port.get("name"),
+                                            "containerPort": port.get("containerPort")}
+                                           for port in c.get("ports") or []]}
+                                for c in (pod.get("spec") or {}).get("containers") or []]},
+    }
 
 
 def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -> AgentPod:

@@ -32,6 +32,7 @@ from lorafleet_operator.failures import (
     kopf_retries,
     kube_reason,
 )
+from lorafleet_operator.fleet import pod_summary
 from lorafleet_operator.publish import post_event, publish_status
 from lorafleet_operator.reconcile import (
     FLEET_DELETED,
@@ -52,12 +53,24 @@ from lorafleet_operator.status import Phase, build_status, initial_status
 log = logging.getLogger("lorafleet.operator")
 
 
+@kopf.index("", "v1", "pods")
+def agent_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[str, dict[str, Any]]:
+    """kopf's index of the watched namespaces' pods (by namespace; :func:`pod_summary` of
+    each): fleet views read their agents from it instead of listing pods at every
+    reconcile. kopf fills it from the pod watch before any handler runs, and updates it
+    before the pod event handler below pokes a drift check."""
+    return {namespace or "": pod_summary(body)}
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     """kopf settings: our own finalizer and annotation names, no cluster-wide scans (the
     chart's RBAC is namespaced), Events only when we post them, and the policy's endless
     back-off for kopf's own failed API requests (its default gives up after ~1 minute, and a
-    watch that gives up stops the operator)."""
+    watch that gives up stops the operator). The pod index (live, kopf keeps it current)
+    goes into the runtime."""
+    pods: kopf.Index[str, Any] = kwargs["agent_pods"]  # kopf names each index's kwarg so
+    _runtime(memo).pods = pods
     settings.networking.error_backoffs = kopf_api_backoffs(_runtime(memo).settings)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(

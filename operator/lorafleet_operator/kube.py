@@ -92,11 +92,6 @@ class Kube:
                                GROUP, VERSION, namespace, ADAPTERS)
         return list(body.get("items") or [])
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        body = await self._run(self.core.list_namespaced_pod, namespace,
-                               label_selector=label_selector)
-        return list(body.get("items") or [])
-
     async def get_secret(self, namespace: str, name: str) -> SecretData:
         """A Secret's labels, annotations and data (decoded), read by name. Raises
         ApiException (404 when missing, 403 when the operator may not read it)."""

@@ -14,7 +14,8 @@ The rule, as pure functions over plain values so that it can be tested without a
   sent there and not seen finish (:class:`Reservations`).
 * Stable: an adapter stays where it was placed (the status's last placement) and where it is
   held, as long as that agent fits; it is placed anew only where it lacks replicas. New places
-  are the least-loaded agents with room (ties by pod name). Agents that come and go without
+  are the least-loaded agents with room (ties by pod name), agents where a load of any adapter
+  failed lately (the back-off book) after the others. Agents that come and go without
   holding it never move it.
 * Fleet-wide, in creation order: the adapters of a fleet are placed one after the other,
   oldest first, each taking the room it is given; so when room appears, the oldest Pending
@@ -56,6 +57,10 @@ class Candidate:
     max_loaded_loras: int = 0
     #: Registry names the agent holds or is being sent (:meth:`Reservations.held`).
     held: frozenset[str] = frozenset()
+    #: A load of some adapter failed there lately (the back-off book): new places go to
+    #: agents without one first, so an agent that refuses every load, and so holds nothing,
+    #: does not look the least loaded to every new adapter.
+    failing: bool = False
 
 
 @dataclass(frozen=True)
@@ -192,9 +197,11 @@ def place_one(demand: Demand, agents: Sequence[Candidate],
                             f"is not needed: {wanted} replica(s) placed elsewhere"))
     skipped += [Skip(a.pod, SkipReason.NOT_READY, "did not answer")
                 for a in unknown if a.pod not in kept]
-    # New places: agents that did not refuse first, least loaded first, ties by pod name.
+    # New places: agents that did not refuse it first, then those with no failed load of any
+    # adapter, least loaded first, ties by pod name.
     rest = sorted((a for a in fitting if a.pod not in kept),
-                  key=lambda a: (a.pod in demand.refused, len(held[a.endpoint]), a.pod))
+                  key=lambda a: (a.pod in demand.refused, a.failing, len(held[a.endpoint]),
+                                 a.pod))
     for agent in rest:
         if len(chosen) >= wanted:
             skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,

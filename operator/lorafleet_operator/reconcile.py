@@ -42,7 +42,7 @@ from lorafleet_operator.failures import (
     failure_message,
     incarnation,
 )
-from lorafleet_operator.fleet import AgentPod, agents_of, selector_string
+from lorafleet_operator.fleet import AgentPod, agents_of
 from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.kube import SecretData
 from lorafleet_operator.placement import Candidate, Demand, Placement, place
@@ -52,7 +52,7 @@ from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 #: One agent's registry (ListAdapters by name), or the error that stands for it.
-Registry = dict[str, RegistryEntry] | AgentError
+Registry = Mapping[str, RegistryEntry] | AgentError
 
 #: A Secret's owner opens it to every LoraFleet of its namespace with this label ("true"),
 #: or to one of them (the label's value is the fleet's name) ...
@@ -196,13 +196,21 @@ async def ask_each(agents: Sequence[AgentPod],
 
 async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentials,
                        *, fresh: bool) -> dict[str, AgentInfo | AgentError]:
-    """Describe every dialable agent (cached per pod incarnation unless ``fresh``)."""
+    """Describe every dialable agent (cached per pod incarnation unless ``fresh``; reconciles
+    that find no answer cached share the call in flight)."""
+
+    async def ask(agent: AgentPod, key: tuple[str, int, str]) -> AgentInfo:
+        info = rt.describe_cache[key] = await rt.agents.describe(agent.endpoint, creds)
+        return info
 
     async def describe(agent: AgentPod) -> AgentInfo:
         key = (agent.uid, agent.restarts, agent.endpoint)
-        if fresh or key not in rt.describe_cache:
-            rt.describe_cache[key] = await rt.agents.describe(agent.endpoint, creds)
-        return rt.describe_cache[key]
+        if fresh:
+            return await ask(agent, key)
+        cached = rt.describe_cache.get(key)
+        if cached is not None:
+            return cached
+        return await rt.describes.get(key, lambda: ask(agent, key))
 
     rt.agents.observe([a for a in agents if a.dialable])  # a new pod at an endpoint proves again
     return await ask_each([a for a in agents if a.dialable], describe)
@@ -219,8 +227,7 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
         raise FleetProblem(FLEET_DELETED, f"LoraFleet {fleet_name!r} is being deleted: its "
                                           f"adapters are unloaded from its agents")
     spec = fleet.get("spec") or {}
-    pods = await rt.kube.list_pods(namespace, selector_string(spec.get("selector") or {}))
-    agents = agents_of(spec, pods)
+    agents = agents_of(spec, list(rt.pods.get(namespace, ())))
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
     creds = await credentials(rt, namespace, fleet_name, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
@@ -407,19 +414,28 @@ async def list_registries(rt: Runtime, view: FleetView, *,
     it now accounts for (:class:`~lorafleet_operator.placement.Reservations`). Unless
     ``fresh``, an agent listed less than a drift interval ago by the same pod is not asked
     again: its last listing plus the reservations since says what it holds (placement in a
-    handler; the drift check always lists afresh)."""
+    handler; the drift check always lists afresh). Handlers that find no such listing share
+    the one in flight for that pod (:class:`~lorafleet_operator.runtime.SharedCalls`): a
+    thousand adapters created at once ask each agent once, not a thousand times. The
+    listings returned are shared and read-only."""
 
-    async def listing(agent: AgentPod) -> dict[str, RegistryEntry]:
-        life = (agent.uid, agent.restarts)
-        cached = rt.registries.get(agent.endpoint)
-        if not fresh and cached is not None and cached.life == life \
-                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
-            return dict(cached.entries)
+    async def ask(agent: AgentPod) -> Listing:
         requested_at = time.monotonic()
         registry = await rt.agents.list_adapters(agent.endpoint, view.creds)
         rt.reservations.listed(agent.endpoint, requested_at)
-        rt.registries[agent.endpoint] = Listing(requested_at, life, registry)
-        return registry
+        listing = Listing(requested_at, (agent.uid, agent.restarts), registry)
+        rt.registries[agent.endpoint] = listing
+        return listing
+
+    async def listing(agent: AgentPod) -> Mapping[str, RegistryEntry]:
+        if fresh:
+            return (await ask(agent)).entries
+        life = (agent.uid, agent.restarts)
+        cached = rt.registries.get(agent.endpoint)
+        if cached is not None and cached.life == life \
+                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
+            return cached.entries
+        return (await rt.listings.get((agent.endpoint, life), lambda: ask(agent))).entries
 
     return await ask_each(view.dialable, listing)
 
@@ -429,6 +445,7 @@ def candidates(rt: Runtime, view: FleetView,
     """The fleet's agents as placement sees them (what each holds: its registry, every
     namespace's names, plus the loads sent there and not yet listed)."""
     chosen = []
+    failing = rt.failures.failing_pods()
     for agent in view.agents:
         info, registry = view.infos.get(agent.name), registries.get(agent.name)
         if not agent.dialable or not isinstance(info, AgentInfo) \
@@ -438,7 +455,8 @@ def candidates(rt: Runtime, view: FleetView,
         chosen.append(Candidate(agent.name, agent.endpoint, True, base_model=info.base_model,
                                 max_lora_rank=info.max_lora_rank,
                                 max_loaded_loras=info.max_loaded_loras,
-                                held=rt.reservations.held(agent.endpoint, registry)))
+                                held=rt.reservations.held(agent.endpoint, registry),
+                                failing=agent.name in failing))
     return chosen
 
 

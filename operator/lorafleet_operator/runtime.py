@@ -7,9 +7,9 @@ the agents. Losing all of it (a restart) costs at most one extra round of calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
@@ -31,6 +31,36 @@ class Listing:
     entries: Mapping[str, RegistryEntry]
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+@dataclass
+class SharedCalls(Generic[K, V]):
+    """One call in flight per key, its answer shared by every caller that comes while it runs
+    (a "single flight"): a thousand reconciles that need the same agent's registry at once
+    make one ListAdapters call, not a thousand."""
+
+    running: dict[K, asyncio.Future[V]] = field(default_factory=dict)
+
+    async def get(self, key: K, call: Callable[[], Awaitable[V]]) -> V:
+        """The answer of the call in flight for ``key``, or of ``call()`` started now. Its
+        error reaches every caller; a caller that gives up (cancelled) does not cancel it for
+        the others."""
+        future = self.running.get(key)
+        if future is None:
+            future = asyncio.ensure_future(call())
+            self.running[key] = future
+            future.add_done_callback(lambda done: self._done(key, done))
+        return await asyncio.shield(future)
+
+    def _done(self, key: K, done: asyncio.Future[V]) -> None:
+        if self.running.get(key) is done:
+            del self.running[key]
+        if not done.cancelled():
+            done.exception()  # retrieved here: when every caller gave up, nobody else reads it
+
+
 @dataclass
 class Runtime:
     """The process's settings, clients, caches and locks (kopf's ``memo["runtime"]``)."""
@@ -46,6 +76,8 @@ class Runtime:
     crashes: CrashBook = field(init=False)
     #: (pod uid, restarts, endpoint) -> the agent's Describe.
     describe_cache: dict[tuple[str, int, str], AgentInfo] = field(default_factory=dict)
+    #: The same key -> the Describe in flight, shared by the reconciles that need it meanwhile.
+    describes: SharedCalls[tuple[str, int, str], AgentInfo] = field(default_factory=SharedCalls)
     #: One lock per LoraFleet: its drift check and its deletion never run at once.
     fleet_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     #: (namespace, fleet) -> set to run that fleet's drift check now instead of at its interval.
@@ -57,10 +89,17 @@ class Runtime:
     pin_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     #: (namespace, fleet) -> when its drift loop last finished a round (monotonic): liveness.
     heartbeats: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: namespace -> its pods (:func:`~lorafleet_operator.fleet.pod_summary` of each): kopf's
+    #: pod index, live (``handlers.agent_pods``).
+    pods: Mapping[str, Iterable[Mapping[str, Any]]] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     #: agent endpoint -> its last registry listing (placement in handlers reuses it).
     registries: dict[str, Listing] = field(default_factory=dict)
+    #: (agent endpoint, pod life) -> the registry listing in flight there, shared by the
+    #: handlers that need one meanwhile.
+    listings: SharedCalls[tuple[str, tuple[str, int]], Listing] = field(
+        default_factory=SharedCalls)
     #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
     reservations: Reservations = field(default_factory=Reservations)
     #: (namespace, fleet) -> registry name -> what its adapters still waiting for room ask
