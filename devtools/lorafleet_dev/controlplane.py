@@ -55,13 +55,16 @@ BASE_CONTROLLERS = (
     "root-ca-certificate-publisher-controller",
 )
 #: Added when a real node joins (:mod:`lorafleet_dev.node`): workloads become pods, Jobs (Helm
-#: hooks) run, and node-lifecycle keeps the Node's not-ready/unreachable taints in step with its
-#: Ready condition. Still no podgc: stand-in pods bound to a node without a Node object may
-#: coexist with real ones.
+#: hooks) run, node-lifecycle keeps the Node's not-ready/unreachable taints in step with its
+#: Ready condition, and claims bind to statically provisioned volumes (the binder; the two
+#: protection controllers release the finalizers the API server puts on claims and volumes, or
+#: a namespace holding a claim would never finish deleting). Still no podgc: stand-in pods
+#: bound to a node without a Node object may coexist with real ones.
 NODE_CONTROLLERS = (
     "deployment-controller", "replicaset-controller", "statefulset-controller",
     "job-controller", "disruption-controller", "endpointslice-controller",
-    "node-lifecycle-controller",
+    "node-lifecycle-controller", "persistentvolume-binder-controller",
+    "persistentvolumeclaim-protection-controller", "persistentvolume-protection-controller",
 )
 
 

@@ -7,8 +7,9 @@ images built from the repository's Containerfile (lorafleet_dev.images, cached b
 agent's dependency layer by the dependency set). The chart then runs everything as real pods:
 the operator (Deployment -> ReplicaSet -> scheduler -> kubelet -> container, talking to the API
 server through the ``kubernetes`` Service with its ServiceAccount token), two agents
-(StatefulSet, on the CPU, a tiny synthetic model and adapter from hostPath volumes, Ready through
-their gRPC probes) and the uninstall hook Job. One install serves every step, in the order a
+(StatefulSet, on the CPU, a tiny synthetic model from a PersistentVolumeClaim — a hostPath
+PersistentVolume bound by the controller manager's binder — and adapters from a hostPath volume,
+Ready through their gRPC probes) and the uninstall hook Job. One install serves every step, in the order a
 user meets them: install, an agent proving only its own pod, an adapter, an agent pod replaced,
 Generate through the agents' Service, an upgrade that turns mutual TLS on and moves the model to
 the download init container (served over http from this machine), uninstall. (``helm test`` is
@@ -231,9 +232,27 @@ def tls_secret(name: str, ca: Authority, pair: KeyPair) -> str:
         "data": {k: base64.b64encode(v).decode() for k, v in data.items()}})
 
 
-def install_args(real: RealCluster) -> list[str]:
+def model_claim(cluster: ControlPlane, ns: str, model: Path) -> str:
+    """A PersistentVolumeClaim of ``ns`` bound to a hostPath PersistentVolume of the model
+    directory (static provisioning: the controller manager's binder binds the pair, the
+    scheduler waits for it, the kubelet mounts it). Returns the claim's name."""
+    claim = "model"
+    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-model"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                  "claimRef": {"namespace": ns, "name": claim},
+                  "hostPath": {"path": str(model), "type": "Directory"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{ns}-model",
+                  "resources": {"requests": {"storage": "1Gi"}}}}]}), ns)
+    return claim
+
+
+def install_args(real: RealCluster, claim: str) -> list[str]:
     """``helm install`` flags: the locally built images (never pulled: there is no registry),
-    the model and the adapters from hostPath volumes, agents sized for this machine."""
+    the model from the claim, the adapters from a hostPath volume, agents sized for this
+    machine."""
     op_repo, op_tag = real.operator.name.rsplit(":", 1)
     agent_repo, agent_tag = real.agent.name.rsplit(":", 1)
     values: dict[str, Any] = {
@@ -241,7 +260,7 @@ def install_args(real: RealCluster) -> list[str]:
         "image.agent.repository": agent_repo, "image.agent.tag": agent_tag,
         "image.pullPolicy": "Never",
         "agent.baseModel": BASE_MODEL,
-        "agent.model.hostPath.path": str(real.data / "model"),
+        "agent.model.pvc.claimName": claim,
         "agent.adapterVolume": {"hostPath": {"path": str(real.data / "adapters"), "type": "Directory"}},
         **AGENT_VALUES,
     }
@@ -268,10 +287,14 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         return f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}"
 
     try:
+        claim = model_claim(cluster, ns, real_cluster.data / "model")
         install = cluster.helm("install", RELEASE, str(CHECKOUT.chart), "--namespace", ns,
-                               *install_args(real_cluster), "--wait", "--timeout=400s",
+                               *install_args(real_cluster, claim), "--wait", "--timeout=400s",
                                check=False, timeout_s=460)
         assert install.returncode == 0, f"{install.stderr}\n{diagnose()}"
+        # The model came from the claim: bound to its volume, mounted by the agents.
+        bound = cluster.kubectl_json("get", "pvc", claim, "-n", ns)
+        assert bound["status"]["phase"] == "Bound" and bound["spec"]["volumeName"] == f"{ns}-model", bound
 
         # Every pod is real: scheduled onto the node, its containers run by containerd, Ready
         # through the kubelet's own probes (the agents' gRPC health probes, counted in its metrics).
@@ -383,7 +406,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                 "upgrade", RELEASE, str(CHECKOUT.chart), "--namespace", ns, "--reuse-values",
                 "--set", "operator.logLevel=DEBUG",
                 "--set", "tls.enabled=true", "--set", "tls.secretName=agent-tls", "--set", f"tls.serverName={server_name}",
-                "--set", "agent.model.hostPath.path=", "--set", f"agent.model.download.url={model_url}",
+                "--set", "agent.model.pvc.claimName=", "--set", f"agent.model.download.url={model_url}",
                 "--set", f"agent.model.download.sha256={sha}", "--set", "agent.model.download.allowHttp=true",
                 "--wait", "--timeout=480s", check=False, timeout_s=540)
             assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
@@ -448,9 +471,9 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait",
                                  "--timeout=240s", check=False, timeout_s=300)
         assert uninstall.returncode == 0, f"{uninstall.stderr}\n{diagnose()}"
-        users = {"secrets": ["agent-tls"]}
+        users = {"secrets": ["agent-tls"], "persistentvolumeclaims": [claim]}
         for kind in ("loraadapters", "lorafleets", "deployments", "statefulsets", "services", "jobs",
-                     "secrets", "poddisruptionbudgets", "roles", "rolebindings"):
+                     "secrets", "persistentvolumeclaims", "poddisruptionbudgets", "roles", "rolebindings"):
             left = [i["metadata"]["name"] for i in cluster.kubectl_json("get", kind, "-n", ns)["items"]]
             assert left == users.get(kind, []), f"{kind} left: {left}"
         left_sas = {i["metadata"]["name"] for i in cluster.kubectl_json("get", "serviceaccounts", "-n", ns)["items"]}
@@ -466,3 +489,4 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
     finally:
         cluster.delete_namespace(ns)
+        cluster.kubectl("delete", "pv", f"{ns}-model", "--ignore-not-found", check=False)
