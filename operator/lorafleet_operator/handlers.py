@@ -69,7 +69,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     back-off for kopf's own failed API requests (its default gives up after ~1 minute, and a
     watch that gives up stops the operator). The pod index (live, kopf keeps it current)
     goes into the runtime."""
-    pods: kopf.Index[str, Any] = kwargs["agent_pods"]  # kopf names each index's kwarg so
+    # kopf hands every handler each index as a kwarg named after its function.
+    pods: kopf.Index[str, Any] = kwargs["agent_pods"]
     _runtime(memo).pods = pods
     settings.networking.error_backoffs = kopf_api_backoffs(_runtime(memo).settings)
     settings.persistence.finalizer = FINALIZER
