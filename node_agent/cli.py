@@ -24,11 +24,14 @@ from node_agent.engine import (
     Engine,
     EngineConfig,
     EngineError,
+    GeneratedStep,
     SamplingParams,
     SchedulerError,
     SequenceInput,
+    TokenLogprobs,
     Topology,
 )
+from node_agent.engine.sampler import MAX_LOGPROBS
 from node_agent.errors import InvalidRequest
 from node_agent.http_api import HttpApiServer, HttpOptions, split_listen
 from node_agent.hub import DEFAULT_HUB_ENDPOINT
@@ -178,13 +181,15 @@ def run_forward(args: argparse.Namespace) -> None:
     log.info("wrote %d logits tensors to %s", len(logits), args.output)
 
 
-_REQUEST_FIELDS = {"tokens", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"}
+_REQUEST_FIELDS = {"tokens", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                   "logprobs"}
 
 
-def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, SamplingParams]]:
+def read_generate_requests(path: Path, logprobs: int | None = None) -> list[tuple[list[int], str | None, SamplingParams]]:
     """IN.json of `generate`: a JSON list of {"tokens": [...], "adapter": NAME or null,
     "max_tokens": N, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null,
-    "stop_token_ids": []} (only "tokens" required)."""
+    "stop_token_ids": [], "logprobs": N or null} (only "tokens" required; a request without
+    "logprobs" takes `logprobs`, the --logprobs flag)."""
     requests = []
     for index, (item, adapter) in enumerate(read_input_items(path, "request")):
         unknown = sorted(set(item) - _REQUEST_FIELDS)
@@ -197,7 +202,7 @@ def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, Samp
             params = SamplingParams(
                 temperature=item.get("temperature", 0.0), top_p=item.get("top_p", 1.0), top_k=item.get("top_k", 0),
                 min_p=item.get("min_p", 0.0), seed=item.get("seed"), max_tokens=item.get("max_tokens", DEFAULT_NEW_TOKENS),
-                stop_token_ids=tuple(stop),
+                stop_token_ids=tuple(stop), logprobs=item.get("logprobs", logprobs),
             )
         except (TypeError, ValueError) as error:
             raise UsageError(f"input request {index}: {error}") from error
@@ -205,8 +210,26 @@ def read_generate_requests(path: Path) -> list[tuple[list[int], str | None, Samp
     return requests
 
 
+def generation_output(steps: list[GeneratedStep]) -> dict[str, Any]:
+    """One OUT.json entry: the generated ids and the finish reason, and, when the request asked
+    for logprobs, one entry per token as OpenAI's chat API lays them out (token ids, not text)."""
+    finish = steps[-1].finish
+    out: dict[str, Any] = {"tokens": [step.token_id for step in steps], "finish_reason": finish.value if finish else None}
+    if steps[0].logprobs is not None:
+        out["logprobs"] = [token_logprobs(step.token_id, step.logprobs) for step in steps if step.logprobs is not None]
+    return out
+
+
+def token_logprobs(token_id: int, logprobs: TokenLogprobs) -> dict[str, Any]:
+    """{"token": id, "logprob": x, "top_logprobs": [{"token": id, "logprob": x}, ...]}, highest first."""
+    top = [{"token": t, "logprob": lp} for t, lp in zip(logprobs.top_ids, logprobs.top_logprobs, strict=True)]
+    return {"token": token_id, "logprob": logprobs.logprob, "top_logprobs": top}
+
+
 def run_generate(args: argparse.Namespace) -> None:
-    requests = read_generate_requests(args.input)
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise UsageError(f"--logprobs must be in [0, {MAX_LOGPROBS}], got {args.logprobs}")
+    requests = read_generate_requests(args.input, args.logprobs)
     names = adapter_names(args)
     unknown = sorted({adapter for _, adapter, _ in requests if adapter is not None} - set(names))
     if unknown:
@@ -219,11 +242,7 @@ def run_generate(args: argparse.Namespace) -> None:
             engine.load_adapter(name, path)
         # Every request at once: the scheduler batches them.
         generations = [engine.submit(tokens, adapter, params) for tokens, adapter, params in requests]
-        results = []
-        for generation in generations:
-            steps = list(generation.tokens())
-            finish = steps[-1].finish
-            results.append({"tokens": [step.token_id for step in steps], "finish_reason": finish.value if finish else None})
+        results = [generation_output(list(generation.tokens())) for generation in generations]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results) + "\n")
     log.info("wrote %d generations to %s", len(results), args.output)
@@ -413,14 +432,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start an engine with the given topology on this machine, load the adapters, submit every "
         "input request at once to the scheduler (continuous batching over the DP groups) and write, in input "
         'order, [{"tokens": [generated ids], "finish_reason": "stop" | "length"}, ...] to OUT.json. Only the '
-        "request's own stop_token_ids stop it (the model's EOS is not added).",
+        "request's own stop_token_ids stop it (the model's EOS is not added). A request with logprobs N also gets "
+        '"logprobs": one {"token": id, "logprob": x, "top_logprobs": [{"token": id, "logprob": x}, ...]} per generated '
+        "token: the log-softmax of the model's logits before temperature and filtering, the N most likely tokens "
+        "highest first (lower id first on ties).",
     )
     add_engine_arguments(generate)
     generate.add_argument("--adapter", action="append", default=[], type=parse_adapter, metavar="NAME=DIR",
                           help="a PEFT adapter directory to load under NAME (repeatable)")
     generate.add_argument("--input", required=True, type=Path, metavar="IN.json",
                           help='JSON list of {"tokens": [...], "adapter": NAME or null, "max_tokens": N, "temperature": 0.0, '
-                               '"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop_token_ids": []} (only tokens required)')
+                               '"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop_token_ids": [], "logprobs": null} '
+                               '(only tokens required)')
+    generate.add_argument("--logprobs", type=int, metavar="N",
+                          help=f"per generated token, its logprob and the N (0-{MAX_LOGPROBS}) most likely tokens' in OUT.json, "
+                               'for every request without its own "logprobs" (default: none)')
     generate.add_argument("--output", required=True, type=Path, metavar="OUT.json", help="where to write the generations")
     generate.set_defaults(run=run_generate)
     serve = commands.add_parser(

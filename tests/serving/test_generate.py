@@ -286,7 +286,32 @@ def test_a_full_waiting_queue_refuses_with_queue_full(artifacts):
         gen.close()
 
 
-def test_the_generate_command_writes_each_requests_tokens_in_input_order(artifacts, tmp_path):
+@torch.no_grad()
+def reference_logprobs(model_dir: Path, adapters: dict[str, Path], req: Req, generated: list[int], top_n: int) -> list[dict[str, Any]]:
+    """The `generate` command's logprobs entries from transformers + peft: the log-softmax of
+    the logits that predicted each generated token, and the `top_n` most likely (stable order)."""
+    model = _hf_model(model_dir, None if req.adapter is None else adapters[req.adapter])
+    ids = torch.tensor([req.tokens + generated[:-1]])
+    logprobs = model(input_ids=ids).logits[0, len(req.tokens) - 1:].float().log_softmax(dim=-1)
+    values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
+    top = [zip(top_ids[i, :top_n].tolist(), values[i, :top_n].tolist(), strict=True) for i in range(len(generated))]
+    return [{"token": token, "logprob": logprobs[i, token].item(), "top_logprobs": [{"token": t, "logprob": v} for t, v in top[i]]}
+            for i, token in enumerate(generated)]
+
+
+def assert_logprobs_close(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Same tokens in the same order, every logprob within 1e-4."""
+    def ids(entries: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
+        return [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in entries]
+
+    def values(entries: list[dict[str, Any]]) -> torch.Tensor:
+        return torch.tensor([v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))])
+
+    assert ids(got) == ids(want)
+    assert torch.allclose(values(got), values(want), atol=1e-4, rtol=0)
+
+
+def test_the_generate_command_writes_each_requests_tokens_and_logprobs_in_input_order(artifacts, tmp_path):
     import json
     import subprocess
     import sys
@@ -299,9 +324,11 @@ def test_the_generate_command_writes_each_requests_tokens_in_input_order(artifac
     items: list[dict[str, Any]] = [{"tokens": r.tokens, "adapter": r.adapter, "max_tokens": r.max_tokens} for r in reqs]
     stop = reference_generate(model_dir, adapters, reqs[0])[2]
     items[0]["stop_token_ids"] = [stop]
+    items[1]["logprobs"] = None  # a request's own field wins over --logprobs
+    items[2]["logprobs"] = 5
     (tmp_path / "in.json").write_text(json.dumps(items))
     command = [sys.executable, "-m", "node_agent.cli", "generate", "--model", str(model_dir), "--tp", "2", "--dp", "2",
-               "--block-size", "4", "--max-num-batched-tokens", "8", "--max-num-seqs", "4",
+               "--block-size", "4", "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--logprobs", "3",
                "--input", str(tmp_path / "in.json"), "--output", str(tmp_path / "out.json")]
     command += [f"--adapter={name}={path}" for name, path in adapters.items()]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
@@ -309,13 +336,21 @@ def test_the_generate_command_writes_each_requests_tokens_in_input_order(artifac
     out = json.loads((tmp_path / "out.json").read_text())
     want = [reference_generate(model_dir, adapters, r) for r in reqs]
     cut = want[0].index(stop) + 1
-    assert out == [{"tokens": want[0][:cut], "finish_reason": "stop"},
-                   {"tokens": want[1], "finish_reason": "length"}, {"tokens": want[2], "finish_reason": "length"}]
+    assert [{k: v for k, v in o.items() if k != "logprobs"} for o in out] == [
+        {"tokens": want[0][:cut], "finish_reason": "stop"},
+        {"tokens": want[1], "finish_reason": "length"}, {"tokens": want[2], "finish_reason": "length"}]
+    assert "logprobs" not in out[1]
+    assert_logprobs_close(out[0]["logprobs"], reference_logprobs(model_dir, adapters, reqs[0], want[0][:cut], 3))
+    assert_logprobs_close(out[2]["logprobs"], reference_logprobs(model_dir, adapters, reqs[2], want[2], 5))
     (tmp_path / "bad.json").write_text(json.dumps([{"tokens": [1], "adapter": "missing"}]))
     command[command.index(str(tmp_path / "in.json"))] = str(tmp_path / "bad.json")
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "lorafleet-agent: error: an input request names adapter 'missing', which no --adapter gives"]
+    command[command.index("--logprobs") + 1] = "21"
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "lorafleet-agent: error: --logprobs must be in [0, 20], got 21"]
 
 
 def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
