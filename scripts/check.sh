@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 echo "check: ruff" >&2
 ruff check .
 echo "check: mypy" >&2
-mypy
+# One cache for every checkout on the machine (mypy checks each cached file's hash, so another
+# checkout's entries are reused only for identical sources): a fresh clone, as CI's, then
+# checks in seconds instead of half a minute or more.
+MYPY_CACHE_DIR=${MYPY_CACHE_DIR:-${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}/mypy} mypy
 echo "check: import-linter" >&2
 # Through the checkout's interpreter, which sees the editable install's package mapping.
 python -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
