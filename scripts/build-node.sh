@@ -3,37 +3,44 @@
 # plane: kubelet, kube-scheduler and kube-proxy (k8s.io/kubernetes, the same version as the
 # control plane), containerd 2.x with ctr and its runc shim (github.com/containerd/containerd/v2)
 # and a pause program for the sandbox image. runc and the CNI plugins come from Debian's packages
-# (runc, containernetworking-plugins), installed with apt-get when missing.
+# (runc, containernetworking-plugins), installed with apt-get when missing. Beside them the
+# cluster's DNS server: CoreDNS (github.com/coredns/coredns) with only the plugins the node's
+# DNS uses (bind, ready, errors, kubernetes, forward), in a cache of its own.
 #
-# The binaries land in a cache keyed by the versions and are reused when present:
+# The binaries land in caches keyed by the versions and are reused when present:
 #   ${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}/node-<k8s>-containerd-<containerd>/bin/
-# A cold build takes about 4 minutes on 2 cores after build-kube.sh (Go's build cache is shared);
-# a second run returns in well under a second.
+#   ${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}/coredns-<coredns>/bin/coredns
+# A cold build takes about 4 minutes on 2 cores after build-kube.sh (Go's build cache is shared)
+# and CoreDNS a few more; a second run returns in well under a second.
 #
 # Usage:
 #   scripts/build-node.sh                  build if needed, print progress on stderr
-#   scripts/build-node.sh --print-bin-dir  build if needed, then print only the bin dir on stdout
-#   scripts/build-node.sh --print-bin-dir --no-build
-#                                          print the bin dir if built, else fail (exit 1) at once
+#   scripts/build-node.sh --print-bin-dir  build if needed, then print only the node's bin dir
+#   scripts/build-node.sh --print-coredns-bin-dir
+#                                          build if needed, then print only CoreDNS's bin dir
+#   either with --no-build                 print the dir if both are built, else fail (exit 1)
 #
-# Versions: LORAFLEET_K8S_VERSION (shared with build-kube.sh), LORAFLEET_CONTAINERD_VERSION.
+# Versions: LORAFLEET_K8S_VERSION (shared with build-kube.sh), LORAFLEET_CONTAINERD_VERSION,
+# LORAFLEET_COREDNS_VERSION.
 set -euo pipefail
 
 k8s_version=${LORAFLEET_K8S_VERSION:-v1.35.4}
 # containerd 2.2 is the release line supported with Kubernetes 1.34-1.35.
 containerd_version=${LORAFLEET_CONTAINERD_VERSION:-v2.2.9}
+# The newest CoreDNS the Go module proxy served on 2026-12-01 (its go.mod needs Go 1.26).
+coredns_version=${LORAFLEET_COREDNS_VERSION:-v1.15.0}
 cache_root=${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}
-prefix="$cache_root/node-$k8s_version-containerd-$containerd_version"
-bin_dir="$prefix/bin"
-marker="$prefix/.complete"
+node_prefix="$cache_root/node-$k8s_version-containerd-$containerd_version"
+coredns_prefix="$cache_root/coredns-$coredns_version"
 
-print_bin_dir=0
+print_dir=""
 no_build=0
 for arg in "$@"; do
     case "$arg" in
-        --print-bin-dir) print_bin_dir=1 ;;
+        --print-bin-dir) print_dir="$node_prefix/bin" ;;
+        --print-coredns-bin-dir) print_dir="$coredns_prefix/bin" ;;
         --no-build) no_build=1 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "build-node: unknown argument: $arg" >&2; exit 2 ;;
     esac
 done
@@ -41,7 +48,11 @@ done
 log() { echo "build-node: $*" >&2; }
 
 finish() {
-    if [ "$print_bin_dir" = 1 ]; then echo "$bin_dir"; else log "binaries in $bin_dir"; fi
+    if [ -n "$print_dir" ]; then
+        echo "$print_dir"
+    else
+        log "binaries in $node_prefix/bin and $coredns_prefix/bin"
+    fi
 }
 
 # Debian packages the node needs at run time (not cached by us: apt-get is idempotent).
@@ -66,36 +77,21 @@ ensure_packages() {
 }
 
 ensure_packages
-if [ -f "$marker" ]; then
+if [ -f "$node_prefix/.complete" ] && [ -f "$coredns_prefix/.complete" ]; then
     finish
     exit 0
 fi
 if [ "$no_build" = 1 ]; then
-    log "not built yet: $bin_dir (run scripts/build-node.sh; about 4 minutes cold)"
+    for p in "$node_prefix" "$coredns_prefix"; do
+        [ -f "$p/.complete" ] || log "not built yet: $p/bin (run scripts/build-node.sh; minutes cold)"
+    done
     exit 1
 fi
 
-mkdir -p "$prefix"
-# A concurrent second build waits for the first and then finds the marker.
-exec 9>"$prefix/.lock"
-if ! flock -n 9; then
-    log "another build holds $prefix/.lock; waiting for it"
-    flock 9
-fi
-if [ -f "$marker" ]; then
-    finish
-    exit 0
-fi
-
-command -v go >/dev/null || { log "the go command is required (Go >= 1.25)"; exit 1; }
+command -v go >/dev/null || { log "the go command is required (Go >= 1.26)"; exit 1; }
 export GOFLAGS="-mod=mod -buildvcs=false"
 export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
 export CGO_ENABLED=0
-src="$prefix/src"
-stage="$prefix/stage"
-rm -rf "$stage"
-mkdir -p "$src" "$stage"
-start=$(date +%s)
 
 module_field() { # <module@version> <field>
     go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)[sys.argv[1]])' "$2"
@@ -200,19 +196,93 @@ EOF
     (cd "$wrapper" && go build -trimpath -ldflags "-s -w" -o "$stage/pause" .)
 }
 
-log "building into $prefix"
-build_pause
-build_containerd
-build_kubernetes_node
+build_coredns() {
+    # A main package of our own instead of CoreDNS's: its core/plugin imports every plugin (the
+    # cloud DNS ones bring the AWS, Azure and Google SDKs); ours imports five and names them, in
+    # the order of CoreDNS's plugin.cfg, as the only directives a Corefile may use.
+    local ver=$coredns_version wrapper="$src/coredns" go_line
+    go_line=$(grep -m1 -E '^go [0-9]' "$(module_field "github.com/coredns/coredns@$ver" GoMod)")
+    rm -rf "$wrapper"
+    mkdir -p "$wrapper"
+    {
+        echo "// Generated by scripts/build-node.sh: CoreDNS $ver with the test node's plugins."
+        echo "module lorafleet.local/corednsbuild"
+        echo
+        echo "$go_line"
+        echo
+        echo "require github.com/coredns/coredns $ver"
+    } > "$wrapper/go.mod"
+    cat > "$wrapper/main.go" <<'GO'
+// Command coredns is CoreDNS with the plugins the lorafleet test node's cluster DNS uses.
+package main
 
-for b in kubelet kube-scheduler kube-proxy containerd ctr containerd-shim-runc-v2 pause; do
-    [ -x "$stage/$b" ] || { log "missing $b after build"; exit 1; }
-done
-"$stage/kubelet" --version >&2
-"$stage/containerd" --version >&2
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
 
-rm -rf "$bin_dir"
-mv "$stage" "$bin_dir"
-touch "$marker"
-log "done in $(( $(date +%s) - start ))s"
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+	dnsserver.Directives = []string{"bind", "ready", "errors", "kubernetes", "forward"}
+}
+
+func main() {
+	coremain.Run()
+}
+GO
+    log "coredns $ver: resolving modules"
+    (cd "$wrapper" && go mod tidy)
+    log "coredns $ver: compiling"
+    (cd "$wrapper" && go build -trimpath -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$ver" \
+        -o "$stage/coredns" .)
+    "$stage/coredns" -version >&2
+}
+
+build_node() {
+    build_pause
+    build_containerd
+    build_kubernetes_node
+    local b
+    for b in kubelet kube-scheduler kube-proxy containerd ctr containerd-shim-runc-v2 pause; do
+        [ -x "$stage/$b" ] || { log "missing $b after build"; exit 1; }
+    done
+    "$stage/kubelet" --version >&2
+    "$stage/containerd" --version >&2
+}
+
+# build_once PREFIX FUNCTION: unless PREFIX/.complete exists, run FUNCTION (it writes into
+# $stage and may use $src) and move what it wrote to PREFIX/bin. A concurrent second build
+# waits for the first on PREFIX/.lock and then finds the marker.
+build_once() {
+    local prefix=$1 build=$2 start
+    [ -f "$prefix/.complete" ] && return 0
+    mkdir -p "$prefix"
+    exec 9>"$prefix/.lock"
+    if ! flock -n 9; then
+        log "another build holds $prefix/.lock; waiting for it"
+        flock 9
+    fi
+    if [ ! -f "$prefix/.complete" ]; then
+        log "building into $prefix"
+        start=$(date +%s)
+        src="$prefix/src"
+        stage="$prefix/stage"
+        rm -rf "$stage"
+        mkdir -p "$src" "$stage"
+        "$build"
+        rm -rf "$prefix/bin"
+        mv "$stage" "$prefix/bin"
+        touch "$prefix/.complete"
+        log "$prefix: done in $(( $(date +%s) - start ))s"
+    fi
+    exec 9>&-
+}
+
+build_once "$node_prefix" build_node
+build_once "$coredns_prefix" build_coredns
 finish
