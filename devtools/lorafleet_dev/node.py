@@ -1,10 +1,12 @@
-"""A real Kubernetes node for tests: containerd + runc + CNI bridge, kubelet, kube-scheduler and
-kube-proxy, joined to a :class:`~lorafleet_dev.controlplane.ControlPlane` started with
-``node_ip`` (its API server then listens on the machine's own address, which pods can reach).
+"""A real Kubernetes node for tests: containerd + runc + CNI bridge, kubelet, kube-scheduler,
+kube-proxy and the cluster's DNS (CoreDNS, :mod:`lorafleet_dev.dns`), joined to a
+:class:`~lorafleet_dev.controlplane.ControlPlane` started with ``node_ip`` (its API server then
+listens on the machine's own address, which pods can reach).
 
-The binaries come from ``scripts/build-node.sh`` (:func:`find_node_bin_dir`); runc and the CNI
-plugins are Debian's. Everything the node writes lives under one work dir (containerd's root and
-state, the kubelet's root, pod logs, CNI configuration and IP allocations), except what the
+The binaries come from ``scripts/build-node.sh`` (:func:`find_node_bin_dir`,
+:func:`~lorafleet_dev.dns.find_coredns_bin_dir`); runc and the CNI plugins are Debian's.
+Everything the node writes lives under one work dir (containerd's root and state, the kubelet's
+root, pod logs, CNI configuration and IP allocations, CoreDNS's files), except what the
 kernel keeps machine-wide: the bridge interface, network namespaces (mounted under containerd's
 state dir), cgroups (under :data:`CGROUP_PARENT`), the kubelet's and kube-proxy's iptables
 rules and a few kernel settings (docs/kube-test-harness.md, "A real node"). :meth:`RealNode.stop`
@@ -16,7 +18,8 @@ needs root, overlayfs, runc, the CNI plugins, iptables and a memory cgroup
 Typical use (``tests/kube/test_real_node.py``)::
 
     with ControlPlane.start(kube_bin, node_ip=machine_ip()) as cluster, \\
-            RealNode.start(cluster, find_node_bin_dir(checkout)) as node:
+            RealNode.start(cluster, find_node_bin_dir(checkout),
+                           find_coredns_bin_dir(checkout)) as node:
         node.import_image(archive)
 """
 
@@ -41,6 +44,7 @@ from typing import IO, Any
 
 from lorafleet_dev.checkout import Checkout
 from lorafleet_dev.controlplane import ControlPlane
+from lorafleet_dev.dns import CLUSTER_DOMAIN, start_coredns
 from lorafleet_dev.mounts import mounts_under, unmount_all
 from lorafleet_dev.oci import write_image_archive
 from lorafleet_dev.processes import ChildProcess, HarnessError, built_bin_dir, free_port
@@ -174,6 +178,8 @@ class RealNode:
 
     cluster: ControlPlane
     bin_dir: Path
+    #: Where build-node.sh put CoreDNS (a cache of its own, keyed by CoreDNS's version).
+    dns_bin_dir: Path
     work_dir: Path
     name: str
     ip: str
@@ -191,9 +197,12 @@ class RealNode:
     # ---- lifecycle --------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, cluster: ControlPlane, bin_dir: Path, *, name: str = "lorafleet-node",
-              ready_timeout_s: float = 120.0, lock_timeout_s: float = 480.0) -> RealNode:
-        """Start the node's processes and wait until its Node is Ready and untainted.
+    def start(cls, cluster: ControlPlane, bin_dir: Path, dns_bin_dir: Path, *,
+              name: str = "lorafleet-node", ready_timeout_s: float = 120.0,
+              lock_timeout_s: float = 480.0) -> RealNode:
+        """Start the node's processes and wait until its Node is Ready and untainted. The
+        cluster's DNS (CoreDNS from ``dns_bin_dir``) serves on the node's address, port 53, and
+        the kubelet gives pods that address as their nameserver.
 
         ``cluster`` must have been started with ``node_ip`` (pods reach its API server there).
         A failed start stops whatever did start and raises with the failing log's tail. Only
@@ -206,7 +215,7 @@ class RealNode:
         lock = _lock_machine(lock_timeout_s)
         # On disk, not /dev/shm: image layers are hundreds of MB.
         work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-node-", dir="/var/tmp"))
-        node = cls(cluster, bin_dir, work_dir, name, cluster.advertise_ip, _lock=lock)
+        node = cls(cluster, bin_dir, dns_bin_dir, work_dir, name, cluster.advertise_ip, _lock=lock)
         try:
             node._boot(ready_timeout_s)
         except BaseException:
@@ -224,6 +233,8 @@ class RealNode:
         self.import_image(self._pause_archive())
         self._start_kube_proxy(logs)
         self._start_scheduler(logs)
+        self._procs.append(start_coredns(self.cluster, self.dns_bin_dir, self.ip,
+                                         self.work_dir / "coredns", logs, timeout_s))
         self._start_kubelet(logs, timeout_s)
         log.info("node %s ready in %.1fs (work dir %s)", self.name,
                  time.monotonic() - started, self.work_dir)
@@ -394,6 +405,10 @@ state = '{root}/state'
             "serializeImagePulls": False,
             "maxPods": 50,
             "staticPodPath": "",
+            # ClusterFirst pods get CoreDNS (on this machine's address) as their nameserver and
+            # the cluster's search domains; the machine's own resolv.conf gives the rest.
+            "clusterDNS": [self.ip],
+            "clusterDomain": CLUSTER_DOMAIN,
             "resolvConf": "/etc/resolv.conf",
         }
 
@@ -454,7 +469,8 @@ state = '{root}/state'
             return str(reply.read().decode())
 
     def logs(self, name: str, lines: int = 60) -> str:
-        """The tail of one component's log (containerd, kubelet, kube-scheduler, kube-proxy)."""
+        """The tail of one component's log (containerd, kubelet, kube-scheduler, kube-proxy,
+        coredns)."""
         for proc in self._procs:
             if proc.name == name:
                 return proc.log_tail(lines)
@@ -513,11 +529,11 @@ state = '{root}/state'
         return found
 
     def _own_processes(self) -> list[tuple[int, str]]:
-        """Running programs of our bin dir whose arguments name our work dir: this node's
-        containerd, kubelet, kube-proxy and shims (kube-scheduler names only the cluster's
-        kubeconfig; it is a ChildProcess, stopped and reaped). Pods' processes are in the
-        cgroups (see :meth:`leftovers`). Nobody else's process matches, however it is named."""
-        program = str(self.bin_dir).encode() + b"/"
+        """Running programs of our bin dirs whose arguments name our work dir: this node's
+        containerd, kubelet, kube-proxy, CoreDNS and shims (kube-scheduler names only the
+        cluster's kubeconfig; it is a ChildProcess, stopped and reaped). Pods' processes are in
+        the cgroups (see :meth:`leftovers`). Nobody else's process matches, however it is named."""
+        programs = tuple(str(d).encode() + b"/" for d in (self.bin_dir, self.dns_bin_dir))
         work_dir = str(self.work_dir).encode()
         found = []
         for pid_dir in Path("/proc").iterdir():
@@ -525,7 +541,7 @@ state = '{root}/state'
                 continue
             with contextlib.suppress(OSError):
                 argv = (pid_dir / "cmdline").read_bytes().split(b"\0")
-                if argv[0].startswith(program) and any(work_dir in a for a in argv[1:]):
+                if argv[0].startswith(programs) and any(work_dir in a for a in argv[1:]):
                     command = b" ".join(argv).decode(errors="replace")
                     found.append((int(pid_dir.name), command[:120]))
         return found

@@ -2,7 +2,8 @@
 
 The module starts its own control plane listening on the machine's address (pods must reach it),
 a real node beside it (lorafleet_dev.node: containerd + runc + CNI bridge, kubelet,
-kube-scheduler, kube-proxy; built by scripts/build-node.sh) and loads the operator and agent
+kube-scheduler, kube-proxy, CoreDNS as the cluster's DNS; built by scripts/build-node.sh) and
+loads the operator and agent
 images built from the repository's Containerfile (lorafleet_dev.images, cached by content; the
 agent's dependency layer by the dependency set). The chart then runs everything as real pods:
 the operator (Deployment -> ReplicaSet -> scheduler -> kubelet -> container, talking to the API
@@ -12,8 +13,8 @@ PersistentVolume bound by the controller manager's binder — and adapters from 
 Ready through their gRPC probes) and the uninstall hook Job. One install serves every step, in the order a
 user meets them: install, an agent proving only its own pod, an adapter, an agent pod replaced,
 Generate through the agents' Service, an upgrade that turns mutual TLS on and moves the model to
-the download init container (served over http from this machine), uninstall. (``helm test`` is
-not run here: its pod finds the agents through cluster DNS, which this node has none of.)
+the download init container (served over http from this machine), ``helm test`` (its pod finds
+the agents by the headless Service's cluster DNS name), uninstall.
 
 A machine where the node cannot start (not root, no overlayfs, binaries not built) fails this
 module with the reason; it never skips.
@@ -26,6 +27,7 @@ import contextlib
 import hashlib
 import http.server
 import json
+import re
 import secrets
 import shutil
 import tarfile
@@ -39,9 +41,11 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_common.identity import NONCE_BYTES, proof_matches
+from lorafleet_dev.dns import find_coredns_bin_dir
 from lorafleet_dev.images import BuiltImage, ImageBuilder
 from lorafleet_dev.node import RealNode, check_machine, find_node_bin_dir, machine_ip
 from lorafleet_dev.pki import Authority, KeyPair
@@ -82,7 +86,7 @@ class RealCluster:
 def real_cluster(kube_bin_dir: Path) -> Iterator[RealCluster]:
     try:
         check_machine()
-        node_bin_dir = find_node_bin_dir(CHECKOUT)
+        node_bin_dir, dns_bin_dir = find_node_bin_dir(CHECKOUT), find_coredns_bin_dir(CHECKOUT)
         builder = ImageBuilder(CHECKOUT)
         operator, agent = builder.operator_image(), builder.agent_image()
         ip = machine_ip()
@@ -95,7 +99,7 @@ def real_cluster(kube_bin_dir: Path) -> Iterator[RealCluster]:
         for path in [data, *data.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         with ControlPlane.start(kube_bin_dir, node_ip=ip) as cluster:
-            node = RealNode.start(cluster, node_bin_dir)
+            node = RealNode.start(cluster, node_bin_dir, dns_bin_dir)
             try:
                 node.import_image(operator.archive)
                 node.import_image(agent.archive)
@@ -249,6 +253,23 @@ def model_claim(cluster: ControlPlane, ns: str, model: Path) -> str:
     return claim
 
 
+def wrong_token_test_pod(cluster: ControlPlane, ns: str, secret: str) -> dict[str, Any]:
+    """The release's own ``helm test`` pod (from ``helm get hooks``) under another name, its
+    token from ``secret`` and a 5 s deadline: what the hook does when the token is wrong."""
+    hooks = yaml.safe_load_all(cluster.helm("get", "hooks", RELEASE, "--namespace", ns).stdout)
+    (pod,) = [h for h in hooks if h and h["kind"] == "Pod"
+              and h["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    pod["metadata"]["name"] += "-wrong-token"
+    del pod["metadata"]["annotations"]
+    (container,) = pod["spec"]["containers"]
+    for env in container["env"]:
+        if env["name"] == "TIMEOUT_S":
+            env["value"] = "5"
+    (auth,) = [v for v in pod["spec"]["volumes"] if v["name"] == "auth"]
+    auth["secret"]["secretName"] = secret
+    return dict(pod)
+
+
 def install_args(real: RealCluster, claim: str) -> list[str]:
     """``helm install`` flags: the locally built images (never pulled: there is no registry),
     the model from the claim, the adapters from a hostPath volume, agents sized for this
@@ -284,7 +305,8 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             out = cluster.kubectl("logs", "-n", ns, "-l", f"app.kubernetes.io/name={name}", "--tail=30",
                                   "--all-containers", "--prefix", check=False)
             logs += f"{name} log:\n{out.stdout or out.stderr}\n"
-        return f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}"
+        return (f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}\n"
+                f"coredns:\n{node.logs('coredns', 20)}")
 
     try:
         claim = model_claim(cluster, ns, real_cluster.data / "model")
@@ -464,6 +486,30 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                  90, diagnose)
         (restarted,) = pods(cluster, ns, "lorafleet-operator")
         assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
+
+        # helm test: the chart's test pod resolves the agents by the headless Service's cluster
+        # DNS name (CoreDNS on the node, from the resolv.conf the kubelet wrote) and checks each
+        # one (health SERVING, Describe over mutual TLS with the token); it needs REPLICAS (2)
+        # addresses. helm deletes the pod once it has succeeded.
+        tested = cluster.helm("test", RELEASE, "--namespace", ns, "--timeout=300s", check=False, timeout_s=360)
+        assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), \
+            f"{tested.stdout}\n{tested.stderr}\n{diagnose()}"
+        # The same pod with a wrong token fails, naming each agent it resolved as refusing it.
+        cluster.kubectl("create", "secret", "generic", "wrong-token", "-n", ns, "--from-literal=token=not-the-token")
+        wrong = wrong_token_test_pod(cluster, ns, "wrong-token")
+        cluster.apply(json.dumps(wrong), ns)
+        wrong_name = wrong["metadata"]["name"]
+
+        def finished() -> str:
+            phase = cluster.kubectl_json("get", "pod", wrong_name, "-n", ns).get("status", {}).get("phase", "")
+            return str(phase) if phase in ("Succeeded", "Failed") else ""
+
+        assert wait_for("the wrong-token test pod to finish", finished, 180, diagnose) == "Failed"
+        refusals = cluster.kubectl("logs", wrong_name, "-n", ns).stdout
+        for pod in new_agents:
+            assert re.search(rf"^agent {re.escape(pod['status']['podIP'])}: UNAUTHENTICATED", refusals, re.M), refusals
+        cluster.kubectl("delete", "pod", wrong_name, "-n", ns, "--wait=true")
+        cluster.kubectl("delete", "secret", "wrong-token", "-n", ns)
 
         # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
         # Service) has the operator unload everything (over TLS now); nothing of the release is
