@@ -8,13 +8,14 @@
 (b) a forward with 8 distinct adapters in the batch vs the same forward with no adapter, on a
     generated model of hidden size 1024 with 4 layers.
 
-Run: `. scripts/bootstrap.sh && python benchmarks/bench_engine.py [--repeats N]`.
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_engine.py [--repeats N] [--load-only]`.
 CPU timings on a shared machine are noisy: read the ratios, not the absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -35,14 +36,20 @@ SHAPE = BENCHMARK_MODEL
 RANK = 16
 
 
-def timed(function, repeats: int) -> float:
-    """Median seconds of `repeats` calls."""
+def timed(function, repeats: int, clock=time.perf_counter) -> float:
+    """Median seconds of `repeats` calls, by `clock` (wall time unless told)."""
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         function()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)
+
+
+def rank_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the ranks' main threads (where commands run) used so far, from
+    /proc/PID/schedstat (nanoseconds, Linux; /proc/PID/stat counts in 10-ms ticks)."""
+    return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
 
 
 def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict[ModuleKey, tuple[LoraSliceLayout, ...]]:
@@ -84,6 +91,7 @@ def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     file_bytes = (adapter / "adapter_model.safetensors").stat().st_size
     read_once = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats)
+    read_once_cpu = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats, time.thread_time)
     cfg = ModelConfig.from_dir(model)
     layouts = rank_layouts(cfg, Topology(4, 1), 0)
     validate_once = timed(lambda: verify_adapter(adapter, cfg, RANK, None), repeats)
@@ -93,18 +101,28 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
         first = engine.load_adapter("bench", adapter).ranks
         engine.unload_adapter("bench")
-        samples = []
+        samples, driver_cpu, ranks_cpu = [], [], []
         for _ in range(repeats):
+            cpu_before = time.thread_time(), rank_cpu_seconds(engine.pids)
             start = time.perf_counter()
             engine.load_adapter("bench", adapter)
             samples.append(time.perf_counter() - start)
+            driver_cpu.append(time.thread_time() - cpu_before[0])
+            ranks_cpu.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
             engine.unload_adapter("bench")
         load_tp4 = statistics.median(samples)
+        load_driver, load_ranks = statistics.median(driver_cpu), statistics.median(ranks_cpu)
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
     print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x")
     print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>10.1f} ms   ratio {rank_once / read_once:.2f}x")
     print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
+    # CPU time barely depends on other load on the machine; with the ranks sharing the cores,
+    # the driver's part and the ranks' part spread over the cores bound the wall time from below.
+    cores = os.cpu_count() or 1
+    floor = load_driver + load_ranks / min(cores, 4)
+    print(f"{'  its CPU: driver / four ranks':<34}{load_driver * 1e3:>10.2f} / {load_ranks * 1e3:.2f} ms; "
+          f"floor on {cores} cores {floor * 1e3:.2f} ms ({floor / read_once_cpu:.2f}x the read's CPU time)")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}")
     for reply in first:
         shard, growth = reply.shard_bytes, reply.peak_rss_growth_bytes
@@ -133,6 +151,7 @@ def bench_forward(root: Path, model: Path, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per figure (median; default 5)")
+    parser.add_argument("--load-only", action="store_true", help="run (a) only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
@@ -140,7 +159,8 @@ def main() -> None:
         model = write_model(root / "model", SHAPE)
         adapter = write_adapter(root / "adapter", SHAPE, rank=RANK)
         bench_load(root, model, adapter, args.repeats)
-        bench_forward(root, model, args.repeats)
+        if not args.load_only:
+            bench_forward(root, model, args.repeats)
 
 
 if __name__ == "__main__":

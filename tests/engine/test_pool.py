@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import read_adapter_spec
+from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_spec
 from node_agent.engine.pool import LoraPool, PoolError
-from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, module_layout
+from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, lora_layout, module_layout
 from node_agent.engine.topology import Topology
 from tests.engine.helpers import read_shard
 
@@ -133,3 +136,42 @@ def test_identical_operations_give_identical_decisions(setup):
             pool.add(name, shards[name], pinned=False)
         results.append([pool.prepare(batch) for batch in sequence])
     assert results[0] == results[1]
+
+
+FILE_AND_ENGINE_DTYPES = [
+    (torch.bfloat16, torch.bfloat16),  # moved as 16-bit integers (numpy has no bfloat16)
+    (torch.float16, torch.float16),
+    (torch.float64, torch.float64),
+    (torch.float16, torch.float32),  # converted by torch
+    (torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("file_dtype", "engine_dtype"), FILE_AND_ENGINE_DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_shards_hold_the_files_values_in_every_dtype(setup, tmp_path, file_dtype, engine_dtype):
+    """A rank's shard, for every pair of file and engine dtype, holds exactly the file's values:
+    the column slices of row-parallel A (read through a staging buffer) as well as whole rows.
+    The values are multiples of 1/256 below 1, exact in every float dtype, so each shard upcast
+    to fp32 equals the shard of the same adapter written in fp32."""
+    cfg, adapters = setup
+    generator = torch.Generator().manual_seed(3)
+    tensors = {key: (torch.randint(-200, 200, tensor.shape, generator=generator) / 256)
+               for key, tensor in load_file(adapters["a"] / WEIGHTS_FILE).items()}
+    paths = {}
+    for dtype in (torch.float32, file_dtype):
+        path = tmp_path / str(dtype).split(".")[1]
+        shutil.copytree(adapters["a"], path, dirs_exist_ok=True)
+        save_file({key: value.to(dtype) for key, value in tensors.items()}, str(path / WEIGHTS_FILE))
+        paths[dtype] = path
+    topology = Topology(4)
+    for rank in range(topology.tp_size):
+        layouts = {(0, kind): lora_layout(module_layout(cfg, topology, rank, kind), MAX_RANK, False) for kind in DENSE_KINDS}
+        reference = read_shard(read_adapter_spec(paths[torch.float32], cfg, MAX_RANK), layouts)
+        shard = read_shard(read_adapter_spec(paths[file_dtype], cfg, MAX_RANK), layouts, engine_dtype)
+        assert reference.weights.keys() == shard.weights.keys()
+        for key, parts in reference.weights.items():
+            for want, got in zip(parts, shard.weights[key], strict=True):
+                assert want is not None and got is not None
+                assert got.a.dtype == got.b.dtype == engine_dtype
+                assert torch.equal(got.a.float(), want.a) and torch.equal(got.b.float(), want.b), (rank, key)
+                assert want.a.any() and want.b.any(), (rank, key)
