@@ -2,7 +2,7 @@
 every rank holds it (docs/operator.md, "Routing").
 
 Each slice carries ``kubernetes.io/service-name`` (the fleet's ``spec.routing.serviceName``,
-by default the chart's headless agent Service) and ``lorafleet.dev/adapter``, and is owned by
+by default the chart's selector-less adapter Service) and ``lorafleet.dev/adapter``, and is owned by
 the LoraAdapter (garbage-collected with it; deleted explicitly too). All endpoints of one
 slice share its ports, so pods whose gRPC/HTTP port numbers differ go into separate slices
 (one per port set and address family, at most :data:`MAX_ENDPOINTS` endpoints each): a
@@ -38,9 +38,10 @@ MANAGED_BY = "lorafleet-operator"
 #: full name is in :data:`ADAPTER_ANNOTATION`).
 ADAPTER_LABEL = "lorafleet.dev/adapter"
 ADAPTER_ANNOTATION = "lorafleet.dev/adapter-name"
-#: The Service the slices belong to when the fleet names none: the chart's headless agent
-#: Service of a release named "lorafleet".
-DEFAULT_SERVICE = "lorafleet-agent"
+#: The Service the slices belong to when the fleet names none: the chart's selector-less
+#: adapter Service of a release named "lorafleet" (the CRD's default says the same). Not the
+#: agents' own Service: it has a selector, and its DNS name would list the slices' pods again.
+DEFAULT_SERVICE = "lorafleet-adapters"
 DEFAULT_HTTP_PORT_NAME = "http"
 #: Endpoints per slice (the EndpointSlice controller's default).
 MAX_ENDPOINTS = 100

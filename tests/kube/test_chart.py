@@ -117,7 +117,7 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     selector = fleet["spec"]["selector"]["matchLabels"]
     assert selector["app.kubernetes.io/name"] == "lorafleet-agent"
     assert selector.items() <= pod["metadata"]["labels"].items()
-    assert fleet["spec"]["routing"] == {"serviceName": "lf-lorafleet-agent"}  # the headless one
+    assert fleet["spec"]["routing"] == {"serviceName": "lf-lorafleet-adapters"}  # selector-less
 
     op = docs[("Deployment", "lf-lorafleet-operator")]["spec"]["template"]["spec"]
     assert op["serviceAccountName"] == "lf-lorafleet-operator"
@@ -587,6 +587,28 @@ def test_agent_client_service_balances_the_ready_agents(kube_cluster: ControlPla
                                    "nodePort": 30051}]
     assert ("Service", "lf-lorafleet-agent-api") not in render_docs(kube_cluster, MODEL, "agent.service.enabled=false")
     assert "agent.service.type" in refusal(kube_cluster, MODEL, "agent.service.type=LoadBalancer").replace("/", ".")
+
+
+def test_adapter_endpointslices_have_a_service_of_their_own(kube_cluster: ControlPlane) -> None:
+    """The LoraFleet's spec.routing.serviceName is a headless Service without a selector, with
+    the slices' port names (grpc, http): the endpointslice controller leaves it alone, and the
+    agents' own headless Service (which has a selector) is not the one the adapter slices name,
+    so its DNS name does not list their endpoints again. Not selected by the ServiceMonitor."""
+    docs = render_docs(kube_cluster, MODEL)
+    service_name = docs[("LoraFleet", "default")]["spec"]["routing"]["serviceName"]
+    assert service_name == "lf-lorafleet-adapters"
+    svc = docs[("Service", service_name)]
+    assert svc["spec"] == {"clusterIP": "None",
+                           "ports": [{"name": "grpc", "port": 50051, "protocol": "TCP"},
+                                     {"name": "http", "port": 8000, "protocol": "TCP"}]}
+    agents = docs[("Service", "lf-lorafleet-agent")]
+    assert "selector" in agents["spec"] and service_name != "lf-lorafleet-agent"
+    assert not agents["spec"]["selector"].items() <= svc["metadata"]["labels"].items()
+    no_http = render_docs(kube_cluster, MODEL, "agent.http.enabled=false", "agent.grpcPort=50099")
+    assert no_http[("Service", service_name)]["spec"]["ports"] == [
+        {"name": "grpc", "port": 50099, "protocol": "TCP"}]
+    # No fleet of the chart's: no Service for its slices either.
+    assert ("Service", service_name) not in render_docs(kube_cluster, MODEL, "fleet.create=false")
 
 
 def agent_pod_labels(docs: dict[tuple[str, str], Any]) -> dict[str, str]:

@@ -121,7 +121,7 @@ def endpoints(cluster: ControlPlane, ns: str, adapter: str) -> dict[str, dict[st
                                   f"{ADAPTER_LABEL}={adapter}")["items"]
     listed: dict[str, dict[str, int]] = {}
     for s in slices:
-        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "lorafleet-agent"
+        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "lorafleet-adapters"  # the default
         for e in s.get("endpoints") or []:
             listed[e["targetRef"]["name"]] = {p["name"]: p["port"] for p in s.get("ports") or []}
     return listed
