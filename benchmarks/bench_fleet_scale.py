@@ -14,8 +14,11 @@ rank. Reported per case: seconds from the apply (one request) until every adapte
 (Ready when all agents are healthy; Ready, Degraded or Failed with failing agents), the
 operator's CPU seconds and peak RSS over the case, API requests per adapter (the API server's
 ``apiserver_request_total``, less the benchmark's own polls), the largest LoraAdapter object,
-and, with failing agents, the requests per adapter in a further quiet window (a hot loop shows
-there). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
+with failing agents the requests per adapter in a further quiet window (a hot loop shows
+there), and the deletion of every adapter that ends the case (one request): seconds until all
+are gone and the operator's peak RSS during it alone (its VmHWM reset first; every deletion
+unloads from all agents, so 1,000 adapters x 64 agents is 64,000 unloads whatever the
+replicas). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
 
 Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]`.
 On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
@@ -65,6 +68,10 @@ class CaseResult:
     requests_per_adapter: float
     largest_object_kib: float
     quiet_requests_per_adapter: float | None
+    #: Deleting every adapter (one request): seconds until all are gone, and the operator's
+    #: peak RSS during the deletion alone.
+    deleted_s: float
+    delete_peak_rss_mib: float
 
 
 def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
@@ -83,6 +90,11 @@ def request_total(cluster: ControlPlane) -> float:
 def process_cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start the process's peak RSS (VmHWM) afresh from its current RSS (proc(5): clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -173,11 +185,14 @@ class Bench:
             before, polls = request_total(self.cluster), self.polls
             time.sleep(quiet_s)
             quiet = (request_total(self.cluster) - before - (self.polls - polls) - 1) / len(self.adapters)
-        result = CaseResult(name, settled, phases, process_cpu_s(self.operator.pid) - cpu_before,
-                            peak_rss_mib(self.operator.pid), requests, largest, quiet)
+        cpu_s, peak = process_cpu_s(self.operator.pid) - cpu_before, peak_rss_mib(self.operator.pid)
+        reset_peak_rss(self.operator.pid)
+        deleting = time.perf_counter()
         self.cluster.kubectl("delete", "la", "--all", "-n", self.ns, "--wait=true", "--timeout=1800s",
                              timeout_s=1860)
-        return result
+        deleted = time.perf_counter() - deleting
+        return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
+                          peak_rss_mib(self.operator.pid))
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -234,11 +249,11 @@ def main() -> None:
             cluster.stop()
     print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane and operator:")
     print(f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
-          f"{'quiet req/ad':>13}  phases")
+          f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}  phases")
     for r in results:
         quiet = "" if r.quiet_requests_per_adapter is None else f"{r.quiet_requests_per_adapter:.2f}"
         print(f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
-              f"{r.largest_object_kib:>12.1f}{quiet:>13}  {r.phases}")
+              f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}  {r.phases}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ One channel per (endpoint, credentials), reused across reconciles; every call ha
 deadline and goes through two semaphores (per agent and in all), so a fan-out over many
 adapters and agents stays bounded. Loads of remote (http(s)) sources, which can take as long
 as a download, go through their own semaphore per (agent, namespace) instead: one tenant's
-slow or black-holed downloads never hold the slots other adapters' calls need. gRPC failures become :class:`AgentError`, carrying the
-status code that :mod:`failures` classifies.
+slow or black-holed downloads never hold the slots other adapters' calls need. Unloads wait
+in a queue per agent (:class:`UnloadQueue`) drained by as many workers as the agent has call
+slots, so thousands of deletions at once hold a future each rather than a suspended call.
+gRPC failures become :class:`AgentError`, carrying the status code that :mod:`failures`
+classifies.
 
 The fleet's token goes to an endpoint only after it proved it is an agent holding it (or over a
 verified TLS channel): :mod:`identity`, checked here before every token-bearing call.
@@ -184,6 +187,23 @@ def _control_reply(reply: Any) -> ControlReply:
     )
 
 
+#: An unload's outcome as its callers get it: the agent's reply, or the call's error.
+UnloadAnswer = ControlReply | AgentError
+
+
+@dataclass
+class UnloadQueue:
+    """The unloads waiting for one agent, oldest first: (name, credentials) -> the future all
+    their callers wait on. At most ``per_agent_concurrency`` workers drain it, so a waiting
+    unload is a future, not a suspended call (64,000 waiting calls held about 400 MiB)."""
+
+    waiting: dict[tuple[str, Credentials], asyncio.Future[UnloadAnswer]] = field(
+        default_factory=dict)
+    #: Workers draining it now. A worker leaves (this count drops) in the same step in which
+    #: it finds the queue empty, so an unload queued after that always gets a new worker.
+    workers: int = 0
+
+
 class AgentClients:
     """Channels and bounded, deadline-carrying calls to every agent the operator talks to."""
 
@@ -194,6 +214,8 @@ class AgentClients:
         self._per_agent: dict[str, asyncio.Semaphore] = {}
         self._remote: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._loads: dict[str, LoadGate] = {}
+        self._unloads: dict[str, UnloadQueue] = {}
+        self._unload_workers: set[asyncio.Task[None]] = set()  # held until done (asyncio's refs are weak)
         self._total = asyncio.Semaphore(settings.total_concurrency)
         self.identities = Identities()
         self._proving: dict[str, asyncio.Lock] = {}
@@ -342,6 +364,51 @@ class AgentClients:
             lambda s, md, t: s.UnloadAdapter(request, metadata=md, timeout=t),
             self._settings.load_deadline_s)
         return _control_reply(reply)
+
+    async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]
+                          ) -> list[UnloadAnswer]:
+        """UnloadAdapter of each (endpoint, credentials, name), queued on its agent
+        (:class:`UnloadQueue`); the outcomes in the same order. An unload of the same name
+        still waiting on that agent (another deletion's, the drift check's) is shared, not
+        sent twice. A caller that gives up (cancelled) leaves the queued unloads to run."""
+        futures = [self._queue_unload(*call) for call in calls]
+        if futures:
+            await asyncio.wait(futures)  # unlike gather, cancelling the caller cancels none
+        return [future.result() for future in futures]
+
+    def _queue_unload(self, endpoint: str, creds: Credentials,
+                      name: str) -> asyncio.Future[UnloadAnswer]:
+        queue = self._unloads.setdefault(endpoint, UnloadQueue())
+        future = queue.waiting.get((name, creds))
+        if future is None:
+            future = queue.waiting[(name, creds)] = asyncio.get_running_loop().create_future()
+            if queue.workers < self._settings.per_agent_concurrency:
+                queue.workers += 1
+                worker = asyncio.create_task(self._drain_unloads(endpoint, queue))
+                self._unload_workers.add(worker)
+                worker.add_done_callback(self._unload_workers.discard)
+        return future
+
+    async def _drain_unloads(self, endpoint: str, queue: UnloadQueue) -> None:
+        """One worker of an agent's unload queue: the oldest waiting unload, one at a time,
+        until none waits."""
+        try:
+            while queue.waiting:
+                key = next(iter(queue.waiting))
+                future = queue.waiting.pop(key)
+                try:
+                    outcome: UnloadAnswer = await self.unload(endpoint, key[1], key[0])
+                except AgentError as err:
+                    outcome = err
+                except asyncio.CancelledError:  # the operator stops: nothing will answer it
+                    future.cancel()
+                    raise
+                except Exception as err:  # not the agent's answer: its callers see it raised
+                    future.set_exception(err)
+                    continue
+                future.set_result(outcome)
+        finally:
+            queue.workers -= 1
 
     async def downloads(self, endpoint: str, creds: Credentials) -> dict[str, tuple[int, int]]:
         """The loads whose source the agent is downloading now: name -> (bytes received, bytes

@@ -48,14 +48,16 @@ from lorafleet_operator.reconcile import (
     FleetView,
     Registry,
     Target,
+    adapter_credential,
     admission,
     backing_off,
     condemned,
+    credential_refusal,
     error_result,
     failure_key,
     fleet_view,
     list_registries,
-    load_on,
+    load_each,
     place_fleet,
     placed_targets,
 )
@@ -135,27 +137,27 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
     """Unload managed adapters nobody wants (:func:`unwanted`); returns how many were unloaded."""
     busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.items()
                      if lock.locked())
-
-    async def unload(agent: AgentPod, registry_name: str) -> bool:
+    calls = unwanted(view, registries, adapters, fleets, placements, busy)
+    for agent, registry_name in calls:
         rt.reservations.finished(agent.endpoint, registry_name, time.monotonic(), loaded=False)
-        try:
-            reply = await rt.agents.unload(agent.endpoint, view.creds, registry_name)
-        except AgentError as err:
-            log.warning("drift: unloading %s from %s failed: %s", registry_name, agent.name, err)
-            return False
+    answers = await rt.agents.unload_each([(a.endpoint, view.creds, n) for a, n in calls])
+    unloaded = 0
+    for (agent, registry_name), answer in zip(calls, answers, strict=True):
+        if isinstance(answer, AgentError):
+            log.warning("drift: unloading %s from %s failed: %s", registry_name, agent.name,
+                        answer)
+            continue
         metrics.DRIFT_REPAIRS.labels(action="unload").inc()
         log.info("drift: unloaded %s from %s (no resource wants it)", registry_name, agent.name)
-        return reply.success
-
-    done = await asyncio.gather(*(unload(a, n) for a, n in unwanted(
-        view, registries, adapters, fleets, placements, busy)))
-    return sum(done)
+        unloaded += answer.success
+    return unloaded
 
 
-async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: Registry | None,
-                        body: Mapping[str, Any]) -> AgentResult:
-    """What this agent holds of the adapter after repairing it if needed (and allowed: not
-    condemned, not backing off)."""
+def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None,
+                    body: Mapping[str, Any]) -> AgentResult | None:
+    """What this agent holds of the adapter when no load is to be sent there now (it holds
+    the spec; its Describe or listing failed; the generation is condemned; the last load
+    here is backing off); None when it needs a load."""
     if target.error is not None:
         return error_result(target, target.error)
     if registry is None:
@@ -174,14 +176,29 @@ async def _agent_result(rt: Runtime, view: FleetView, target: Target, registry: 
     verdict = condemned(rt, body)
     if verdict:  # its loads crashed agents: sent to none until the spec changes
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
-    waiting = backing_off(rt, body, target)
-    if waiting is not None:  # the last load here failed and its back-off has not passed
-        return waiting
-    result = await load_on(rt, view, target, body)
-    metrics.DRIFT_REPAIRS.labels(action="load").inc()
-    log.info("drift: loaded %s/%s on %s: %s%s", meta["namespace"], meta["name"],
-             target.agent.name, result.state, f" ({result.message})" if result.message else "")
-    return result
+    return backing_off(rt, body, target)  # the last load here failed, its back-off not passed
+
+
+async def repair(rt: Runtime, view: FleetView, targets: Sequence[Target],
+                 registries: Mapping[str, Registry],
+                 body: Mapping[str, Any]) -> tuple[list[AgentResult], FleetProblem | None]:
+    """Each target's result after loading the adapter where it is missing and a load is
+    allowed: those loads together through the handlers' path
+    (:func:`~lorafleet_operator.reconcile.load_each`, with the download progress); and the
+    credential refusal that is the adapter's status, if any (the Secret is read only when a
+    load is due: so at each drift check while it is refused)."""
+    known = [held_or_waiting(rt, t, registries.get(t.agent.name), body) for t in targets]
+    missing = [t for t, result in zip(targets, known, strict=True) if result is None]
+    credential = await adapter_credential(rt, view, body) if missing else None
+    loaded = await load_each(rt, view, missing, body, credential) if missing else []
+    meta = body["metadata"]
+    for result in loaded:
+        metrics.DRIFT_REPAIRS.labels(action="load").inc()
+        log.info("drift: loaded %s/%s on %s: %s%s", meta["namespace"], meta["name"], result.pod,
+                 result.state, f" ({result.message})" if result.message else "")
+    fresh = iter(loaded)
+    results = [result if result is not None else next(fresh) for result in known]
+    return results, credential_refusal(credential, results)
 
 
 async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
@@ -203,11 +220,16 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
                                   pending_reason=refused.reason, pending_message=refused.message)
         else:
             placement = placements[names.agent_name(meta["namespace"], meta["name"])]
-            results = list(await asyncio.gather(*(
-                _agent_result(rt, view, t, registries.get(t.agent.name), body)
-                for t in placed_targets(view, placement))))
-            status = build_status(results, generation=generation, previous=stored,
-                                  crashed=condemned(rt, body), placement=placement)
+            results, refusal = await repair(rt, view, placed_targets(view, placement),
+                                            registries, body)
+            if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
+                results = []
+                status = build_status([], generation=generation, previous=stored,
+                                      pending_reason=refusal.reason,
+                                      pending_message=refusal.message)
+            else:
+                status = build_status(results, generation=generation, previous=stored,
+                                      crashed=condemned(rt, body), placement=placement)
         await publish_status(rt, body, status)
         await publish_slices(rt, body, view.spec, view.agents, results)
     return str(status["phase"])

@@ -305,12 +305,41 @@ async def served_version(rt: Runtime, view: FleetView, target: Target,
     return ServedVersion(entry.source_uri, entry.sha256) if entry is not None else None
 
 
-async def load_on(rt: Runtime, view: FleetView, target: Target,
-                  body: Mapping[str, Any]) -> AgentResult:
+#: An adapter's source credential as read for its loads: the value, none named, or why the
+#: operator will not send it (:func:`adapter_credential`).
+CredentialOutcome = SourceCredential | FleetProblem | None
+
+
+async def adapter_credential(rt: Runtime, view: FleetView,
+                             body: Mapping[str, Any]) -> CredentialOutcome:
+    """The adapter's source credential (:mod:`~lorafleet_operator.credentials`), read once
+    for all of its loads of this look; the refusal when the operator will not send it (a
+    Secret not opened to the fleet, its own agent Secret, ...): nothing is sent then, and
+    nothing booked, so the next look reads the Secret again."""
+    try:
+        return await source_credential(
+            body["spec"], view.name, view.spec,
+            lambda name, keys: opened_secret(rt, view.namespace, view.name, name, keys))
+    except FleetProblem as problem:
+        return problem
+
+
+def credential_refusal(credential: CredentialOutcome,
+                       results: Sequence[AgentResult]) -> FleetProblem | None:
+    """The credential refusal that is the adapter's status: refused while no agent serves
+    it. The adapter is then Pending with the refusal's reason (``SecretNotOpened``: its
+    message says what the Secret's owner does), not Failed: no agent refused anything."""
+    if isinstance(credential, FleetProblem) and not any(r.serving for r in results):
+        return credential
+    return None
+
+
+async def load_on(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
+                  credential: CredentialOutcome) -> AgentResult:
     """LoadAdapter on one target (replace=True: the spec is the truth for managed names),
     unless the generation is condemned or its last failure there is backing off; the outcome
     is booked in the crash book and the back-off book. A failed load the agent answered also
-    says which version the agent still serves."""
+    says which version the agent still serves. A refused ``credential`` sends nothing."""
     verdict = condemned(rt, body)
     if verdict:
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
@@ -319,13 +348,9 @@ async def load_on(rt: Runtime, view: FleetView, target: Target,
     waiting = backing_off(rt, body, target)
     if waiting is not None:
         return waiting
-    try:
-        credential = await source_credential(
-            body["spec"], view.name, view.spec,
-            lambda name, keys: opened_secret(rt, view.namespace, view.name, name, keys))
-    except FleetProblem as problem:  # nothing sent: not booked, the next look reads it again
+    if isinstance(credential, FleetProblem):  # nothing sent: not booked
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
-                           problem.message)
+                           credential.message)
     if not body["spec"].get("pinned"):
         return await _load(rt, view, target, body, credential)
     # One pinned load at a time per agent: the count of pins and the load that adds one.
@@ -518,16 +543,28 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
 async def place_and_load(rt: Runtime, view: FleetView,
                          body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
     """Place the adapter (with the fleet's others, oldest first) and load it on every placed
-    agent at once, their download progress in the Ready condition meanwhile; one result per
-    placed agent."""
+    agent at once (:func:`load_each`); one result per placed agent. Raises the credential's
+    refusal when no agent serves the adapter (:func:`credential_refusal`)."""
     registries = await list_registries(rt, view, fresh=False)
     meta = body["metadata"]
     placement = place_fleet(rt, view, registries, [body], complete=False)[
         names.agent_name(meta["namespace"], meta["name"])]
-    targets = placed_targets(view, placement)
-    async with progress.reporting(rt, view, targets, body):
-        results = list(await asyncio.gather(*(load_on(rt, view, t, body) for t in targets)))
+    credential = await adapter_credential(rt, view, body)
+    results = await load_each(rt, view, placed_targets(view, placement), body, credential)
+    refusal = credential_refusal(credential, results)
+    if refusal is not None:
+        raise refusal
     return placement, results
+
+
+async def load_each(rt: Runtime, view: FleetView, targets: Sequence[Target],
+                    body: Mapping[str, Any], credential: CredentialOutcome) -> list[AgentResult]:
+    """:func:`load_on` every target at once, their download progress in the Ready condition
+    while the loads run (:func:`progress.reporting`): the one path of the handlers' loads and
+    the drift check's repairs."""
+    async with progress.reporting(rt, view, targets, body):
+        return list(await asyncio.gather(*(
+            load_on(rt, view, t, body, credential) for t in targets)))
 
 
 def retry_due_in(rt: Runtime, body: Mapping[str, Any],
@@ -565,14 +602,20 @@ def unload_message(outcomes: Sequence[UnloadOutcome]) -> str:
 
 async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> list[UnloadOutcome]:
     """Unload from every dialable agent of the fleet, whatever its model (the spec may have
-    changed since the load). An agent that does not hold the adapter counts as done."""
-
-    async def one(agent: AgentPod) -> UnloadOutcome:
+    changed since the load). An agent that does not hold the adapter counts as done. The
+    unloads wait in their agents' queues (:meth:`~lorafleet_operator.agent_client.AgentClients.unload_each`),
+    so a thousand deletions at once hold a future per agent each, not a suspended call."""
+    agents = view.dialable
+    for agent in agents:
         rt.reservations.finished(agent.endpoint, agent_name, time.monotonic(), loaded=False)
-        try:
-            reply = await rt.agents.unload(agent.endpoint, view.creds, agent_name)
-        except AgentError as err:
-            return UnloadOutcome(agent.name, None if err.code == grpc.StatusCode.NOT_FOUND else err)
-        return UnloadOutcome(agent.name, None if reply.success else reply)
+    answers = await rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents])
+    return [UnloadOutcome(agent.name, unload_failure(answer))
+            for agent, answer in zip(agents, answers, strict=True)]
 
-    return list(await asyncio.gather(*(one(a) for a in view.dialable)))
+
+def unload_failure(answer: ControlReply | AgentError) -> AgentFailure | None:
+    """How an unload failed (None: done; an agent that does not hold the name counts as
+    done)."""
+    if isinstance(answer, AgentError):
+        return None if answer.code == grpc.StatusCode.NOT_FOUND else answer
+    return None if answer.success else answer

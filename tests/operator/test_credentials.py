@@ -193,8 +193,14 @@ def test_http_credentials_go_only_to_allowed_hosts_and_unopened_secrets_say_noth
         wait_for(lambda n=name: status(kube_cluster, ns, n).get("phase") == "Ready", 90, f"{name} Ready", operator)
     wait_for(lambda: ready(kube_cluster, ns, "outside").get("reason") == "SourceNotAllowed", 60,
              "outside refused", operator)
-    for name in ("refused-missing", "refused-db", "refused-keyless", "own-token"):
-        wait_for(lambda n=name: status(kube_cluster, ns, n).get("phase") == "Failed", 60, f"{name} Failed", operator)
+    # Nothing sent and no agent refused anything: Pending, the reason and message saying what
+    # the Secret's owner does (before: Failed on every agent).
+    refused = {"refused-missing": "SecretNotOpened", "refused-db": "SecretNotOpened",
+               "refused-keyless": "SecretNotOpened", "own-token": "SourceCredentialRefused"}
+    for name, reason in refused.items():
+        wait_for(lambda n=name, r=reason: (status(kube_cluster, ns, n).get("phase"),
+                                           ready(kube_cluster, ns, n).get("reason")) == ("Pending", r),
+                 60, f"{name} Pending {reason}", operator)
     assert {auth for _, auth in env.private.seen} == {http_sources.BASIC, f"Bearer {http_sources.TOKEN}"}
     assert env.other.seen and {auth for _, auth in env.other.seen} == {None}, env.other.seen
     assert not [path for path, _ in env.other.seen if path.startswith("/outside/")], "a host the fleet does not allow"
@@ -204,8 +210,14 @@ def test_http_credentials_go_only_to_allowed_hosts_and_unopened_secrets_say_noth
     (text,) = shown
     for leak in ("not found", "404", "403", "forbidden", "lacks", "other", "exist"):
         assert leak not in text.lower(), (leak, text)
+    assert "opened to lorafleet (label lorafleet.dev/allow-fleet" in text
     assert "own agent credentials" in status(kube_cluster, ns, "own-token")["message"]
     assert registry(env, ns) == {f"{ns}.basic", f"{ns}.moved"}
+    # The Secret's owner adds the key: a drift check reads the Secret again and loads it.
+    apply(kube_cluster, ns, secret("keyless", {"other": b"x", "token": http_sources.TOKEN.encode()}, OPENED))
+    wait_for(lambda: status(kube_cluster, ns, "refused-keyless").get("phase") == "Ready", 90,
+             "refused-keyless Ready once its Secret holds the key", operator)
+    assert registry(env, ns) == {f"{ns}.basic", f"{ns}.moved", f"{ns}.refused-keyless"}
     assert_nowhere(kube_cluster, ns, operator, env, http_sources.TOKEN, http_sources.PASSWORD,
                    http_sources.BASIC.split()[1], "db-s3cret-value", env.token)
 
@@ -268,3 +280,32 @@ def test_a_long_download_shows_its_progress_in_the_ready_condition(
             half.release.set()
         wait_for(lambda: status(kube_cluster, ns, "slow").get("phase") == "Ready", 90, "slow Ready", operator)
     assert "downloading" not in ready(kube_cluster, ns, "slow").get("message", "")
+
+
+def test_a_download_the_drift_check_started_shows_its_progress_too(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    env: Env, operator: OperatorProcess,
+) -> None:
+    """The adapter is created before its fleet has an agent (Pending: the handler loads
+    nothing); the agent's pod then appears and the drift check places and loads it. That load
+    shows its bytes in the Ready condition's message like a handler's (one path). Before: a
+    load the drift check started showed none."""
+    ns = kube_namespace
+    adapter = env.private.root / "ad"
+    config, weights = (adapter / ADAPTER_CONFIG).stat().st_size, (adapter / ADAPTER_WEIGHTS).stat().st_size
+    with running(HalfThenHold(env.private.root)) as half:
+        try:
+            token_fleet(kube_cluster, ns, env, [half.url("")])
+            apply(kube_cluster, ns, remote("late", half.url("ad")))
+            wait_for(lambda: status(kube_cluster, ns, "late").get("phase") == "Pending", 60,
+                     "late Pending without agents", operator)
+            add_agent_pod(kube_cluster, ns, env.agent)
+            shown = f"cred-agent {describe(config + weights // 2, config + weights)}"
+            wait_for(lambda: shown in ready(kube_cluster, ns, "late").get("message", ""), 60,
+                     "the drift check's load progress in the Ready condition", operator)
+            assert "drift: loaded" not in operator.log()  # the load is still running
+        finally:
+            half.release.set()
+        wait_for(lambda: status(kube_cluster, ns, "late").get("phase") == "Ready", 90, "late Ready", operator)
+    assert f"drift: loaded {ns}/late on cred-agent: Loaded" in operator.log()
+    assert "downloading" not in ready(kube_cluster, ns, "late").get("message", "")

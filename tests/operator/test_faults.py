@@ -22,6 +22,7 @@ LoraAdapter wants. Waits are for conditions (generous deadlines), never fixed sl
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import http.server
@@ -41,6 +42,11 @@ import pytest
 
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
+from lorafleet_operator.agent_client import AgentClients, Credentials
+from lorafleet_operator.config import Settings
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.reconcile import FleetView, UnloadOutcome, unload_everywhere
+from lorafleet_operator.runtime import Runtime
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,
@@ -411,6 +417,76 @@ def test_a_partitioned_agent_does_not_flap_and_is_repaired_afterwards(
     assert all(states.get("agent-0") == "Loaded" for _, states in steady), steady
     newcomer = [states for _, states in watch.history("newcomer") if states]  # after 1st visit
     assert newcomer and all(states.get("agent-0") == "Loaded" for states in newcomer), newcomer
+
+
+# ---- 3b. deletions: bounded fan-out, failures merged, completion ------------------------------
+
+def test_deletions_with_an_agent_cut_off_complete_with_its_failure_merged(
+    kube_cluster: ControlPlane, fleet: Fleet, operator: OperatorProcess,
+) -> None:
+    """Adapters deleted together while agent-1 is black-holed: every deletion completes (after
+    LORAFLEET_DELETE_RETRIES) with an UnloadIncomplete Event naming agent-1 and its error, merged
+    failure-first; agent-0 holds none of them; the drift check unloads agent-1's orphans once it
+    answers again."""
+    ns = fleet.ns
+    doomed = [f"doomed-{i}" for i in range(4)]
+    apply(kube_cluster, ns, *(make(fleet, name, seed=i) for i, name in enumerate(doomed)))
+    for name in doomed:
+        wait_phase(kube_cluster, ns, name, "Ready", operator)
+    fleet.proxy.blackhole()
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=false")
+    wait_for(lambda: not adapters_of(kube_cluster, ns), 120, "every deletion to complete",
+             operator)
+    assert registry(fleet.agents[0], ns) == {}
+    assert set(registry(fleet.agents[1], ns)) == {f"{ns}.{name}" for name in doomed}
+
+    def incomplete() -> dict[str, str]:
+        events = kube_cluster.kubectl_json("get", "events", "-n", ns, "--field-selector",
+                                           "reason=UnloadIncomplete")["items"]
+        return {e["involvedObject"]["name"]: e["message"] for e in events}
+
+    wait_for(lambda: set(incomplete()) == set(doomed), 30, "an UnloadIncomplete Event each",
+             operator)
+    for name, message in incomplete().items():
+        assert message.startswith("not unloaded from agent-1: "), (name, message)
+        assert "Deadline Exceeded" in message, (name, message)
+    fleet.proxy.pass_through()
+    wait_converged(kube_cluster, fleet, operator)
+    assert registry(fleet.agents[1], ns) == {}
+
+
+def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
+    fault_env: FaultEnv,
+) -> None:
+    """500 deletions at once over the two real agents: their unloads wait in each agent's queue
+    (a future each), drained by at most per-agent-concurrency workers, so the operator holds
+    about one task per deletion, not one suspended call per (deletion, agent) — 64,000 such calls
+    (1,000 adapters x 64 agents) held about 400 MiB. Every unload then completes (the agents
+    hold none of the names: NOT_FOUND counts as done). Before: 1,000 more tasks."""
+    deletions = 500
+    settings = Settings()
+
+    async def run() -> tuple[int, list[list[UnloadOutcome]]]:
+        rt = Runtime(settings, None, AgentClients(settings))  # unloads need no Kubernetes API
+        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0)
+                     for a in fault_env.agents)
+        view = FleetView("t", pods, {}, Credentials(), "default", {})
+        started = [asyncio.ensure_future(unload_everywhere(rt, view, f"t.a{i:04d}"))
+                   for i in range(deletions)]
+        for _ in range(3):  # every deletion runs up to its first wait (FIFO scheduling)
+            await asyncio.sleep(0)
+        tasks = len(asyncio.all_tasks())
+        try:
+            return tasks, list(await asyncio.gather(*started))
+        finally:
+            await rt.agents.close()
+
+    tasks, outcomes = asyncio.run(run())
+    workers = len(fault_env.agents) * settings.per_agent_concurrency
+    # This test, the deletions, the queues' workers and gRPC's own task of each call sent.
+    assert tasks <= 1 + deletions + 2 * workers, tasks
+    assert all(o.ok for per_deletion in outcomes for o in per_deletion), outcomes[0]
+    assert [[o.pod for o in per] for per in outcomes] == [["agent-0", "agent-1"]] * deletions
 
 
 # ---- 4. the API server answering 429, then 500 --------------------------------------------------
