@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # The real control plane (kube-apiserver, etcd, kubectl, helm) built from Go modules; cached.
 bash scripts/build-kube.sh
 # The real node beside it (kubelet, kube-scheduler, kube-proxy, containerd; runc and CNI plugins
-# from Debian): tests/kube/test_real_node.py. Cached by version.
+# from Debian; CoreDNS for cluster DNS): tests/kube/test_real_node.py. Cached by version.
 bash scripts/build-node.sh
 # Lint, types and import layers first: a failure there fails the suite.
 bash scripts/check.sh
