@@ -1,5 +1,6 @@
-"""The CPU path's two ways to shrink/expand agree, and the base layers' oneDNN matmul equals
-`F.linear` (node_agent/engine/kernels/torch_ops.py, dense.py)."""
+"""The CPU path's shrink/expand equal a per-token reference, a slot's rows become slices, and
+the base layers' oneDNN matmul equals `F.linear` (node_agent/engine/kernels/torch_ops.py,
+batch.py, dense.py)."""
 
 from __future__ import annotations
 
@@ -7,53 +8,65 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node_agent.engine.kernels import dense, torch_ops
+from node_agent.engine.kernels import LoraBatch, dense, torch_ops
 from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem, random_y
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def looped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force the loop over active slots (the oracle the all-slots product must equal)."""
-    monkeypatch.setattr(torch_ops, "multiplies_every_slot", lambda batch, num_slots: False)
+def per_token(problem: Problem, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shrink and the expanded `out` computed one token at a time in fp32."""
+    slots = problem.batch.token_slots.tolist()
+    shrunk = torch.zeros(len(problem.a_stacks), len(slots), problem.a_stacks[0].shape[1])
+    out = problem.out.float().clone()
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        offset = 0
+        for i, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks, strict=True)):
+            shrunk[i, t] = a[slot].float() @ problem.x[t].float()
+            width = b.shape[1]
+            out[t, offset : offset + width] += (b[slot].float() @ y[i, t]) * problem.scales[i, slot]
+            offset += width
+    return shrunk, out
 
 
-@pytest.mark.parametrize(("token_slots", "dtype", "slot_ranks"), [
-    (decode_slots(8, 8), torch.float32, None),
-    (decode_slots(24, 4), torch.float32, {1: 4}),
-    ([-1, 2, 2, 0, 3, -1, 1], torch.bfloat16, {3: 8}),
+@pytest.mark.parametrize(("token_slots", "dtype", "slot_ranks", "joined"), [
+    (decode_slots(8, 8), torch.float32, None, True),  # one row per slot: matrix-vector products
+    (list(range(8)), torch.float32, {3: 4}, False),
+    ([0, 0, 1, 1, 0, 0, 2, -1, 1], torch.float32, None, True),  # runs of two rows: slices
+    (decode_slots(24, 4), torch.float32, {1: 4}, True),  # more than MAX_RUNS_AS_SLICES runs: indices
+    ([-1, 2, 2, 0, 3, -1, 1], torch.bfloat16, {3: 8}, False),
 ])
-def test_all_slots_product_equals_the_loop(
-    monkeypatch: pytest.MonkeyPatch, token_slots: list[int], dtype: torch.dtype, slot_ranks: dict[int, int] | None
+def test_shrink_and_expand_equal_a_per_token_reference(
+    token_slots: list[int], dtype: torch.dtype, slot_ranks: dict[int, int] | None, joined: bool
 ) -> None:
-    num_slots = max(token_slots) + 1
-    problem = make_problem(token_slots, num_slots=num_slots, dtype=dtype, out_dtype=dtype, slot_ranks=slot_ranks)
-    assert torch_ops.multiplies_every_slot(problem.batch, num_slots), "the case must take the all-slots product"
-    got_y = torch_ops.shrink(problem.x, problem.a_stacks, problem.batch)
+    problem = make_problem(token_slots, num_slots=max(token_slots) + 1, dtype=dtype, out_dtype=dtype,
+                           slot_ranks=slot_ranks)
+    stacks = torch.cat(problem.a_stacks, dim=1) if joined else None
+    a_stacks = [stacks[:, i * 16 : (i + 1) * 16] for i in range(3)] if stacks is not None else problem.a_stacks
+    got_y = torch_ops.shrink(problem.x, a_stacks, problem.batch, stacks)
     y = random_y(problem)
     got = problem.out.clone()
     torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
-    with monkeypatch.context() as patch:
-        looped(patch)
-        want_y = torch_ops.shrink(problem.x, problem.a_stacks, problem.batch)
-        want = problem.out.clone()
-        torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, want)
-    torch.testing.assert_close(got_y, want_y, **FP32)
+    want_y, want = per_token(problem, y)
     tol = FP32 if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
-    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_y, want_y, **tol)
+    torch.testing.assert_close(got.float(), want, **tol)
     untargeted = problem.batch.token_slots < 0
     assert torch.equal(got_y[:, untargeted], torch.zeros_like(got_y[:, untargeted]))
     assert torch.equal(got[untargeted], problem.out[untargeted]), "a token without an adapter is left as it was"
 
 
-@pytest.mark.parametrize(("token_slots", "num_slots"), [
-    ([0] * 64 + [1] * 64, 4),  # a prefill: long runs of few adapters
-    ([0, 1, 0, 1], 8),  # two adapters only
-    (list(range(8)) * 32, 8),  # many adapters but many tokens: the product would cost more
-])
-def test_the_loop_serves_prefills_and_few_adapters(token_slots: list[int], num_slots: int) -> None:
-    problem = make_problem(token_slots, num_slots=num_slots)
-    assert not torch_ops.multiplies_every_slot(problem.batch, num_slots)
+def test_a_slots_rows_are_slices_of_its_runs_up_to_a_limit() -> None:
+    batch = LoraBatch.from_token_slots(torch.tensor([1, 0, 1, 1, -1, 0, 2, 2, 1]))
+    assert batch.slot_rows == ((0, slice(1, 2)), (0, slice(5, 6)), (1, slice(0, 1)), (1, slice(2, 4)),
+                               (1, slice(8, 9)), (2, slice(6, 8)))
+    many = LoraBatch.from_token_slots(torch.tensor([0, 1] * 5))  # five runs of slot 0
+    (slot0, rows0), (slot1, rows1) = many.slot_rows
+    assert (slot0, slot1) == (0, 1)
+    assert isinstance(rows0, torch.Tensor) and rows0.tolist() == [0, 2, 4, 6, 8]
+    assert isinstance(rows1, torch.Tensor) and rows1.tolist() == [1, 3, 5, 7, 9]
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(0, 24, 16), (1, 24, 16), (8, 5632, 64), (300, 40, 72)])

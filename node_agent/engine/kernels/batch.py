@@ -10,14 +10,10 @@ import torch
 # The rows of one slot: a slice when they are one run of consecutive tokens, else their indices.
 Rows = slice | torch.Tensor
 
-
-@dataclass(frozen=True)
-class OwnSlots:
-    """Each token's row, its own slot (0 for "no adapter") and 1.0, or 0.0 for "no adapter"."""
-
-    rows: torch.Tensor
-    slots: torch.Tensor
-    keep: torch.Tensor
+# A slot whose rows form at most this many runs of consecutive tokens gets one slice per run
+# (the rows of a few decoding sequences): slices cost no gather or scatter, and a one-row slice
+# takes a matrix-vector product (docs/kernels.md, "The CPU path").
+MAX_RUNS_AS_SLICES = 4
 
 
 @dataclass(frozen=True)
@@ -27,8 +23,8 @@ class LoraBatch:
     Segments are maximal runs of consecutive tokens with the same slot; kernels parallelise over
     them. An empty batch (an idle DP group) has zero tokens and zero segments.
 
-    `slot_rows` and `own_slots` are the torch path's views of the same batch, computed once
-    and shared by every module of a step (a step's batch is the same for all its layers).
+    `slot_rows` is the torch path's view of the same batch, computed once and shared by every
+    module of a step (a step's batch is the same for all its layers).
     """
 
     token_slots: torch.Tensor  # [T] int32
@@ -45,25 +41,19 @@ class LoraBatch:
 
     @functools.cached_property
     def slot_rows(self) -> tuple[tuple[int, Rows], ...]:
-        """Per active slot (ascending), the rows that use it: a slice when they are consecutive,
-        else an int64 index tensor on the batch's device."""
+        """Per active slot (ascending), the rows that use it: one slice per run of consecutive
+        rows when there are at most `MAX_RUNS_AS_SLICES` runs (a slot may then appear several
+        times), else one int64 index tensor on the batch's device."""
         cpu = self.token_slots.cpu()
         found: list[tuple[int, Rows]] = []
         for slot in self.active_slots:
             rows = torch.nonzero(cpu == slot).flatten()
-            first, last = int(rows[0]), int(rows[-1])
-            if last - first + 1 == rows.shape[0]:
-                found.append((slot, slice(first, last + 1)))
+            runs = _runs(rows.tolist())
+            if len(runs) <= MAX_RUNS_AS_SLICES:
+                found.extend((slot, run) for run in runs)
             else:
                 found.append((slot, rows.to(self.token_slots.device)))
         return tuple(found)
-
-    @functools.cached_property
-    def own_slots(self) -> OwnSlots:
-        """Each token's own slot, for the all-slots product (`torch_ops`)."""
-        slots = self.token_slots
-        return OwnSlots(torch.arange(self.num_tokens, device=slots.device), slots.long().clamp(min=0),
-                        (slots >= 0).float())
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoraBatch:
@@ -90,3 +80,16 @@ class LoraBatch:
             max_seg_len=int(lens.max()),
             active_slots=active,
         )
+
+
+def _runs(rows: list[int]) -> list[slice]:
+    """Ascending row numbers as slices of consecutive rows."""
+    runs: list[slice] = []
+    start = previous = rows[0]
+    for row in rows[1:]:
+        if row != previous + 1:
+            runs.append(slice(start, previous + 1))
+            start = row
+        previous = row
+    runs.append(slice(start, previous + 1))
+    return runs
