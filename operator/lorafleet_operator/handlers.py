@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -62,6 +62,32 @@ def agent_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[str, di
     return {namespace or "": pod_summary(body)}
 
 
+class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's annotation diff base, built without deep-copying what it throws away.
+
+    kopf builds an object's essence (spec, labels, annotations) at every watch event by
+    deep-copying the whole body and then dropping ``status`` and the rest of ``metadata``
+    (managed fields included): with an adapter's status written several times per load, that
+    copy was about 7% of the operator's main-thread CPU at 300 adapters x 64 agents (py-spy,
+    2026-12-01). The essence is the same: kopf's own build over the body without them."""
+
+    def build(self, *, body: kopf.Body,
+              extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
+        """The essence kopf compares (as its own build makes it); extra fields (which may name
+        status fields) take kopf's own path over the whole body."""
+        if extra_fields or not set(body) <= {"apiVersion", "kind", "metadata", "spec", "status"}:
+            return super().build(body=body, extra_fields=extra_fields)
+        meta = body.get("metadata") or {}
+        reduced = kopf.RawBody(metadata={})
+        if "labels" in meta:
+            reduced["metadata"]["labels"] = meta["labels"]
+        if "annotations" in meta:
+            reduced["metadata"]["annotations"] = meta["annotations"]
+        if "spec" in body:
+            reduced["spec"] = body["spec"]
+        return super().build(body=kopf.Body(reduced))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
     """kopf settings: our own finalizer and annotation names, no cluster-wide scans (the
@@ -76,7 +102,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = SpecDiffBase(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     settings.scanning.disabled = True
     settings.posting.loggers = False
