@@ -240,8 +240,11 @@ class FaultProxy:
                 if self._mode is Mode.BLACKHOLE:
                     conn.lost = True
                     continue
+                # Under the lock: both directions' pumps count at once, and `+=` alone can lose
+                # an update. Before sending: once a peer has the bytes, they are counted.
+                with self._lock:
+                    self.forwarded += len(data)
                 dst.sendall(data)
-                self.forwarded += len(data)
         except OSError:
             pass
         with self._lock:
