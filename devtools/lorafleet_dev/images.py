@@ -66,10 +66,15 @@ class BuiltImage:
     archive: Path
 
 
+def cache_root() -> Path:
+    """``${LORAFLEET_CACHE:-~/.cache/lorafleet}``: the image archives and the real node's image
+    store (:func:`lorafleet_dev.node.store_dir`) live under it."""
+    return Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
+
+
 def cache_dir() -> Path:
     """Where image archives are cached (created if missing)."""
-    root = Path(os.environ.get("LORAFLEET_CACHE", Path.home() / ".cache" / "lorafleet"))
-    path = root / "images"
+    path = cache_root() / "images"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -5,9 +5,11 @@ listens on the machine's own address, which pods can reach).
 
 The binaries come from ``scripts/build-node.sh`` (:func:`find_node_bin_dir`,
 :func:`~lorafleet_dev.dns.find_coredns_bin_dir`); runc and the CNI plugins are Debian's.
-Everything the node writes lives under one work dir (containerd's root and state, the kubelet's
-root, pod logs, CNI configuration and IP allocations, CoreDNS's files), except what the
-kernel keeps machine-wide: the bridge interface, network namespaces (mounted under containerd's
+Everything the node writes lives under one work dir (containerd's state, the kubelet's root, pod
+logs, CNI configuration and IP allocations, CoreDNS's files), except containerd's root, the
+image store (:func:`store_dir`: content, snapshots, metadata; kept between nodes so an image is
+imported and unpacked once, its records of containers, sandboxes and leases removed at stop
+and at start), and what the kernel keeps machine-wide: the bridge interface, network namespaces (mounted under containerd's
 state dir), cgroups (under :data:`CGROUP_PARENT`), the kubelet's and kube-proxy's iptables
 rules and a few kernel settings (docs/kube-test-harness.md, "A real node"). :meth:`RealNode.stop`
 takes all of that down again and reports what it could not (:meth:`RealNode.leftovers`). Since
@@ -45,8 +47,9 @@ from typing import IO, Any
 from lorafleet_dev.checkout import Checkout
 from lorafleet_dev.controlplane import ControlPlane
 from lorafleet_dev.dns import CLUSTER_DOMAIN, start_coredns
+from lorafleet_dev.images import cache_root
 from lorafleet_dev.mounts import mounts_under, unmount_all
-from lorafleet_dev.oci import write_image_archive
+from lorafleet_dev.oci import ArchiveImage, read_archive_image, write_image_archive
 from lorafleet_dev.processes import ChildProcess, HarnessError, built_bin_dir, free_port
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,17 @@ CTR_NAMESPACE = "k8s.io"
 MACHINE_LOCK = Path("/run/lock/lorafleet-node.lock")
 KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops",
                    "net/ipv4/ip_forward")
+
+
+#: containerd's per-task and CRI per-container directories under its root: state of one run's
+#: containers (all removed by then), never wanted by the next node.
+_RUN_DIRS = ("io.containerd.runtime.v2.task", "io.containerd.grpc.v1.cri")
+
+
+def store_dir() -> Path:
+    """The node's image store, containerd's root, kept between nodes (one node at a time uses
+    it: :data:`MACHINE_LOCK`): the imported images and their unpacked snapshots."""
+    return cache_root() / "node-containerd"
 
 
 def find_node_bin_dir(checkout: Checkout) -> Path:
@@ -183,11 +197,15 @@ class RealNode:
     work_dir: Path
     name: str
     ip: str
+    #: containerd's root (:func:`store_dir`), kept after :meth:`stop`.
+    store: Path
     #: The kubelet's HTTPS port on ``ip`` (its API: logs, exec, metrics).
     kubelet_port: int = field(default_factory=free_port)
     _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _kernel_settings: dict[str, str] = field(default_factory=dict, repr=False)
     _lock: IO[str] | None = field(default=None, repr=False)
+    #: containerd's records of this run found at :meth:`stop` after removing them (none).
+    _store_left: list[str] = field(default_factory=list, repr=False)
 
     @property
     def containerd_socket(self) -> Path:
@@ -199,7 +217,7 @@ class RealNode:
     @classmethod
     def start(cls, cluster: ControlPlane, bin_dir: Path, dns_bin_dir: Path, *,
               name: str = "lorafleet-node", ready_timeout_s: float = 120.0,
-              lock_timeout_s: float = 480.0) -> RealNode:
+              lock_timeout_s: float = 480.0, store: Path | None = None) -> RealNode:
         """Start the node's processes and wait until its Node is Ready and untainted. The
         cluster's DNS (CoreDNS from ``dns_bin_dir``) serves on the node's address, port 53, and
         the kubelet gives pods that address as their nameserver.
@@ -207,6 +225,7 @@ class RealNode:
         ``cluster`` must have been started with ``node_ip`` (pods reach its API server there).
         A failed start stops whatever did start and raises with the failing log's tail. Only
         one node runs on a machine at a time; a second waits up to ``lock_timeout_s``.
+        ``store`` is containerd's root (default :func:`store_dir`), whose images stay.
         """
         check_machine()
         if cluster.advertise_ip == "127.0.0.1":
@@ -215,7 +234,8 @@ class RealNode:
         lock = _lock_machine(lock_timeout_s)
         # On disk, not /dev/shm: image layers are hundreds of MB.
         work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-node-", dir="/var/tmp"))
-        node = cls(cluster, bin_dir, dns_bin_dir, work_dir, name, cluster.advertise_ip, _lock=lock)
+        node = cls(cluster, bin_dir, dns_bin_dir, work_dir, name, cluster.advertise_ip,
+                   store or store_dir(), _lock=lock)
         try:
             node._boot(ready_timeout_s)
         except BaseException:
@@ -240,23 +260,52 @@ class RealNode:
                  time.monotonic() - started, self.work_dir)
 
     def _start_containerd(self, logs: Path, timeout_s: float) -> None:
-        root = self.work_dir / "containerd"
+        """Start containerd on the kept store, with no record of an earlier node's containers:
+        a run that could not stop cleanly (killed) left some, which are removed and containerd
+        started again, so that its CRI plugin does not recover them."""
+        for name in _RUN_DIRS:
+            shutil.rmtree(self.store / name, ignore_errors=True)
+        config = self._write_containerd_config()
+        self._spawn_containerd(config, logs, timeout_s)
+        if stale := self._store_records():
+            log.warning("removing %d records an earlier node left in %s: %s", len(stale),
+                        self.store, stale[:5])
+            self._forget_containers()
+            containerd = self._procs.pop()
+            containerd.stop()
+            self._spawn_containerd(config, logs, timeout_s)
+            if stale := self._store_records():
+                raise HarnessError(f"containerd's store {self.store} keeps records: {stale}")
+
+    def _spawn_containerd(self, config: Path, logs: Path, timeout_s: float) -> None:
+        proc = self._spawn("containerd", [str(self.bin_dir / "containerd"), "--config", str(config)],
+                           logs)
+        proc.wait_until("containerd's socket", lambda: self._ctr("version").returncode == 0,
+                        timeout_s, 0.2)
+
+    def _write_containerd_config(self) -> Path:
+        state = self.work_dir / "containerd"
         cni_conf = self.work_dir / "cni" / "net.d"
         cni_conf.mkdir(parents=True)
         self._write_cni_config(cni_conf)
-        config = root / "config.toml"
-        root.mkdir(exist_ok=True)
+        state.mkdir(exist_ok=True)
+        self.store.mkdir(parents=True, exist_ok=True)
+        config = state / "config.toml"
         config.write_text(f"""\
 version = 3
-root = '{root}/root'
-state = '{root}/state'
+root = '{self.store}'
+state = '{state}/state'
 
 [grpc]
   address = '{self.containerd_socket}'
 
 [plugins.'io.containerd.internal.v1.opt']
   # Otherwise containerd creates /opt/containerd.
-  path = '{root}/opt'
+  path = '{state}/opt'
+
+[plugins.'io.containerd.gc.v1.scheduler']
+  # Collect at once after a deletion (a replaced image's snapshots, the records stop removes).
+  deletion_threshold = 1
 
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = 'overlayfs'
@@ -276,7 +325,7 @@ state = '{root}/state'
   [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
     BinaryName = '{RUNC}'
     # runc's state under ours, not /run/containerd/runc.
-    Root = '{root}/state/runc'
+    Root = '{state}/state/runc'
     SystemdCgroup = false
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ['{CNI_BIN_DIR}']
@@ -288,10 +337,7 @@ state = '{root}/state'
 [plugins.'io.containerd.nri.v1.nri']
   disable = true
 """)
-        proc = self._spawn("containerd", [str(self.bin_dir / "containerd"), "--config", str(config)],
-                           logs)
-        proc.wait_until("containerd's socket", lambda: self._ctr("version").returncode == 0,
-                        timeout_s, 0.2)
+        return config
 
     def _write_cni_config(self, conf_dir: Path) -> None:
         conflist = {
@@ -435,16 +481,73 @@ state = '{root}/state'
              *args], capture_output=True, text=True, timeout=timeout_s, check=False,
         )
 
-    def import_image(self, archive: Path) -> None:
-        """``ctr images import`` an image archive (OCI or docker-archive) for the kubelet. The
-        layers' blobs are dropped once unpacked (the agent image's are gigabytes; the snapshots
-        are what containers run from), so the image is held once, not twice."""
+    def import_image(self, archive: Path) -> bool:
+        """Make the image of an archive (OCI or docker-archive) the kubelet's: ``ctr images
+        import`` unless the store already holds that name with the archive's config digest,
+        unpacked. The layers' blobs are dropped once unpacked (the agent image's are gigabytes;
+        the snapshots are what containers run from), so the image is held once, not twice.
+        Other tags of the same repository are removed then (the image replaced them; their
+        snapshots go unless the new image shares them). Returns whether it imported."""
+        image = read_archive_image(archive)
+        if self._holds(image):
+            log.info("%s already in the node's store", image.name)
+            return False
         started = time.monotonic()
         proc = self._ctr("images", "import", "--local", "--all-platforms", "--discard-unpacked-layers", str(archive),
                          timeout_s=900.0)
         if proc.returncode != 0:
             raise HarnessError(f"ctr images import {archive} failed:\n{proc.stderr}")
         log.info("imported %s in %.1fs", archive.name, time.monotonic() - started)
+        repository = image.name.rsplit(":", 1)[0]
+        for name in self.images():
+            if name != image.name and name.rsplit(":", 1)[0] == repository:
+                self._ctr("images", "rm", "--sync", name)
+                log.info("removed %s from the node's store (replaced by %s)", name, image.name)
+        return True
+
+    def _holds(self, image: ArchiveImage) -> bool:
+        """Whether ``image.name`` is in the store with the same config and its top snapshot."""
+        listed = self._ctr("images", "list", f"name=={image.name}").stdout.splitlines()[1:]
+        if not listed:
+            return False
+        target = json.loads(self._ctr("content", "get", listed[0].split()[2]).stdout or "{}")
+        if "manifests" in target:  # an index: the image's one manifest
+            (only,) = target["manifests"]
+            target = json.loads(self._ctr("content", "get", only["digest"]).stdout or "{}")
+        return bool(target.get("config", {}).get("digest") == image.config_digest
+                    and self._ctr("snapshots", "info", image.chain_id).returncode == 0)
+
+    def _listed(self, *args: str) -> list[str]:
+        """The first column of a ``ctr ... list`` table, its header left out."""
+        return [line.split()[0] for line in self._ctr(*args).stdout.splitlines()[1:] if line.strip()]
+
+    def _store_records(self) -> list[str]:
+        """containerd's records of containers: tasks, containers, pod sandboxes, leases and
+        active (writable) snapshots. Between nodes there are none; the images' committed
+        snapshots are what the store keeps."""
+        found = [f"task {t}" for t in self.running_containers()]
+        found += [f"container {c}" for c in self._ctr("containers", "list", "--quiet").stdout.split()]
+        found += [f"sandbox {s}" for s in self._listed("sandboxes", "list")]
+        found += [f"lease {lease}" for lease in self._ctr("leases", "list", "--quiet").stdout.split()]
+        found += [f"active snapshot {line.split()[0]}"
+                  for line in self._ctr("snapshots", "list").stdout.splitlines()[1:]
+                  if line.split()[-1:] == ["Active"]]
+        return found
+
+    def _forget_containers(self, timeout_s: float = 30.0) -> None:
+        """Remove every task (killed), container (its snapshot with it), sandbox and lease
+        from the store, and wait until the collector has removed the snapshots they held."""
+        for task in self.running_containers():
+            self._ctr("tasks", "delete", "--force", task)
+        for container in self._ctr("containers", "list", "--quiet").stdout.split():
+            self._ctr("containers", "delete", container)
+        for sandbox in self._listed("sandboxes", "list"):
+            self._ctr("sandboxes", "remove", "--force", sandbox)
+        for lease in self._ctr("leases", "list", "--quiet").stdout.split():
+            self._ctr("leases", "delete", lease)
+        deadline = time.monotonic() + timeout_s
+        while self._store_records() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def images(self) -> list[str]:
         """Names of the images containerd holds for the kubelet."""
@@ -480,15 +583,26 @@ state = '{root}/state'
 
     def stop(self) -> list[str]:
         """Delete the node's pods, stop every process, and remove what they left on the machine:
-        mounts, network namespaces, the bridge, cgroups, iptables rules, the work dir; and
-        put back the kernel settings it changed. Returns :meth:`leftovers` as found before the
-        machine lock is released (after that, the next node's things would be counted)."""
+        containerd's records of them (the store keeps only images), mounts, network namespaces,
+        the bridge, cgroups, iptables rules, the work dir; and put back the kernel settings it
+        changed. Returns :meth:`leftovers` as found before the machine lock is released (after
+        that, the next node's things would be counted)."""
         self._drain()
+        containerd = [p for p in self._procs if p.name == "containerd"]
         for proc in reversed(self._procs):
+            if proc.name != "containerd":
+                proc.stop()
+        if any(p.popen.poll() is None for p in containerd):
+            # With the kubelet gone nothing makes new ones; what containerd still records of
+            # this run must not reach the next node.
+            self._forget_containers()
+            self._store_left = self._store_records()
+        for proc in containerd:
             proc.stop()
         self._procs.clear()
         self._kill_leftover_shims()
         unmount_all(self.work_dir)
+        unmount_all(self.store)
         subprocess.run(["ip", "link", "delete", BRIDGE], check=False, capture_output=True)
         subprocess.run([str(self.bin_dir / "kube-proxy"), "--cleanup"], check=False,
                        capture_output=True)
@@ -508,11 +622,14 @@ state = '{root}/state'
 
     def leftovers(self) -> list[str]:
         """What of this node is still on the machine (after :meth:`stop`: nothing), described:
-        processes of its binaries or naming its work dir, mounts under it (overlay snapshots,
-        network namespaces, volumes), the bridge, cgroups, kube-* iptables chains, changed
-        kernel settings, the work dir."""
+        processes of its binaries or naming its work dir, mounts under it or the store
+        (overlay snapshots, network namespaces, volumes), containerd's records of its
+        containers (tasks, containers, sandboxes, leases, writable snapshots, as :meth:`stop`
+        found them before stopping containerd), the bridge, cgroups, kube-* iptables chains,
+        changed kernel settings, the work dir."""
         found = [f"process {pid}: {cmd}" for pid, cmd in self._own_processes()]
-        found += [f"mount {point}" for point in mounts_under(self.work_dir)]
+        found += [f"mount {point}" for point in mounts_under(self.work_dir) + mounts_under(self.store)]
+        found += [f"containerd record: {record}" for record in self._store_left]
         if Path("/sys/class/net", BRIDGE).exists():
             found.append(f"network interface {BRIDGE}")
         found += [f"cgroup {h / CGROUP_PARENT}" for h in _cgroup_dirs()

@@ -1,6 +1,10 @@
 """OCI image archives written directly (no image builder): a tar of an OCI image layout with one
 uncompressed layer, named by the ``io.containerd.image.name`` annotation that
 ``ctr images import`` reads. Enough for the node's pause image, which is one static binary.
+
+:func:`read_archive_image` reads back what an archive (this kind, or a docker-archive as buildah
+writes) holds: its name, config digest and layers' chain ID, which the node's image store
+compares with what it already holds.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import platform
 import tarfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +68,52 @@ def write_image_archive(
                  "manifests": [manifest_desc]}
         _add(layout, "index.json", json.dumps(index).encode(), 0o644)
         _add(layout, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode(), 0o644)
+
+
+@dataclass(frozen=True)
+class ArchiveImage:
+    """What an image archive holds: the name it is imported as, the digest of its config (the
+    image's identity) and its layers' uncompressed digests (``rootfs.diff_ids``)."""
+
+    name: str
+    config_digest: str
+    diff_ids: tuple[str, ...]
+
+    @property
+    def chain_id(self) -> str:
+        """The OCI chain ID of the top layer: the key of the image's unpacked snapshot."""
+        chain = self.diff_ids[0]
+        for diff_id in self.diff_ids[1:]:
+            chain = "sha256:" + hashlib.sha256(f"{chain} {diff_id}".encode()).hexdigest()
+        return chain
+
+
+def read_archive_image(path: Path) -> ArchiveImage:
+    """The image of a docker-archive (``manifest.json``) or an OCI archive (``index.json``,
+    named by the ``io.containerd.image.name`` annotation). Only the small members are read;
+    the layers are skipped over (tarfile seeks past them)."""
+    with tarfile.open(path, mode="r:") as archive:
+        def member(name: str) -> bytes:
+            file = archive.extractfile(name)
+            if file is None:
+                raise ValueError(f"{path}: {name} is not a file")
+            return file.read()
+
+        names = archive.getnames()
+        if "manifest.json" in names:
+            (entry,) = json.loads(member("manifest.json"))
+            (name,) = entry["RepoTags"]
+            config_bytes = member(entry["Config"])
+        else:
+            (manifest_desc,) = json.loads(member("index.json"))["manifests"]
+            name = manifest_desc["annotations"]["io.containerd.image.name"]
+            manifest = json.loads(member(_blob_path(manifest_desc["digest"])))
+            config_bytes = member(_blob_path(manifest["config"]["digest"]))
+    config = json.loads(config_bytes)
+    return ArchiveImage(name, "sha256:" + hashlib.sha256(config_bytes).hexdigest(),
+                        tuple(config["rootfs"]["diff_ids"]))
+
+
+def _blob_path(digest: str) -> str:
+    algorithm, hex_digest = digest.split(":", 1)
+    return f"blobs/{algorithm}/{hex_digest}"

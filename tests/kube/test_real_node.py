@@ -5,7 +5,8 @@ a real node beside it (lorafleet_dev.node: containerd + runc + CNI bridge, kubel
 kube-scheduler, kube-proxy, CoreDNS as the cluster's DNS; built by scripts/build-node.sh) and
 loads the operator and agent
 images built from the repository's Containerfile (lorafleet_dev.images, cached by content; the
-agent's dependency layer by the dependency set). The chart then runs everything as real pods:
+agent's dependency layer by the dependency set) into the node's image store, which keeps them
+between runs (an unchanged image is not imported again). The chart then runs everything as real pods:
 the operator (Deployment -> ReplicaSet -> scheduler -> kubelet -> container, talking to the API
 server through the ``kubernetes`` Service with its ServiceAccount token), two agents
 (StatefulSet, on the CPU, a tiny synthetic model from a PersistentVolumeClaim — a hostPath
@@ -27,6 +28,7 @@ import contextlib
 import hashlib
 import http.server
 import json
+import logging
 import re
 import secrets
 import shutil
@@ -51,6 +53,8 @@ from lorafleet_dev.node import RealNode, check_machine, find_node_bin_dir, machi
 from lorafleet_dev.pki import Authority, KeyPair
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError
+
+log = logging.getLogger(__name__)
 
 RELEASE = "lf"
 FULLNAME = f"{RELEASE}-lorafleet"
@@ -101,8 +105,12 @@ def real_cluster(kube_bin_dir: Path) -> Iterator[RealCluster]:
         with ControlPlane.start(kube_bin_dir, node_ip=ip) as cluster:
             node = RealNode.start(cluster, node_bin_dir, dns_bin_dir)
             try:
-                node.import_image(operator.archive)
-                node.import_image(agent.archive)
+                # Imported unless the node's store (kept between runs) holds them already; a
+                # second import of the same archive is always a no-op.
+                for image in (operator, agent):
+                    node.import_image(image.archive)
+                    assert not node.import_image(image.archive), image.name
+                    assert image.name in node.images()
                 yield RealCluster(cluster, node, operator, agent, data)
             finally:
                 left = node.stop()
@@ -111,6 +119,19 @@ def real_cluster(kube_bin_dir: Path) -> Iterator[RealCluster]:
             assert left == []
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+class Laps:
+    """Logs how long each step of the test took (``--log-cli-level=INFO`` shows them): where
+    the test's time goes, for docs/kube-test-harness.md's timings. Nothing is asserted on it."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        now = time.monotonic()
+        log.info("step %s: %.1fs", step, now - self._last)
+        self._last = now
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float, diagnose: Callable[[], str]) -> Any:
@@ -296,6 +317,7 @@ def install_args(real: RealCluster, claim: str) -> list[str]:
 def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster) -> None:
     cluster, node = real_cluster.cluster, real_cluster.node
     ns = cluster.create_namespace(prefix="real")
+    lap = Laps()
 
     def diagnose() -> str:
         listing = cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
@@ -314,6 +336,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                                *install_args(real_cluster, claim), "--wait", "--timeout=400s",
                                check=False, timeout_s=460)
         assert install.returncode == 0, f"{install.stderr}\n{diagnose()}"
+        lap("helm install --wait")
         # The model came from the claim: bound to its volume, mounted by the agents.
         bound = cluster.kubectl_json("get", "pvc", claim, "-n", ns)
         assert bound["status"]["phase"] == "Bound" and bound["spec"]["volumeName"] == f"{ns}-model", bound
@@ -351,6 +374,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                       for pod in (own, other)}
         assert proof_matches(token, own, nonce, proofs[own]), proofs
         assert proofs[other] == b"", proofs
+        lap("pods, probes, token, identity")
 
         # A LoraAdapter applied with kubectl: Ready, and its per-agent, per-rank status equals
         # what each agent pod's registry holds.
@@ -379,11 +403,13 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             entry = next(a for a in st["agents"] if a["pod"] == pod["metadata"]["name"])
             assert (entry["state"], entry["ranksLoaded"], entry["ranksTotal"]) == ("Loaded", 1, 1), entry
             assert registry(f"{pod['status']['podIP']}:{GRPC_PORT}", token) == {held: [0]}
+        lap("adapter Ready on both agents")
 
         # An agent pod deleted: the StatefulSet makes a new one (same name, new uid), which
         # starts empty; the operator's drift check loads the adapter onto it again.
         victim = agents[0]
         cluster.kubectl("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=true")
+        lap("agent pod deleted")
 
         def replacement() -> dict[str, Any]:
             for pod in pods(cluster, ns, "lorafleet-agent"):
@@ -393,11 +419,13 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             return {}
 
         new_agent = wait_for("the StatefulSet's new agent pod Ready", replacement, 300, diagnose)
+        lap("replacement agent Ready")
         new_address = f"{new_agent['status']['podIP']}:{GRPC_PORT}"
         wait_for("the adapter back on the new agent pod", lambda: registry(new_address, token) == {held: [0]},
                  180, diagnose)
         st = wait_for("LoraAdapter support Ready on both agents again", loaded_everywhere, 120, diagnose)
         assert st["ranksSummary"] == "2/2", st
+        lap("adapter reloaded onto the replacement")
 
         # Generate through the agents' client Service, its ClusterIP reached from this machine
         # through kube-proxy's rules (no kubectl exec, no port-forward): the same greedy tokens
@@ -410,6 +438,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             direct = [generate(address, token, adapter) for address in addresses]
             assert direct[0] and direct[0] == direct[1], direct
             assert generate(f"{cluster_ip}:{GRPC_PORT}", token, adapter) == direct[0]
+        lap("Generate through the Service")
 
         # helm upgrade: the operator's log level, mutual TLS on (a throwaway CA; one certificate
         # for the agents' server side and the operator's client side, verified under
@@ -432,6 +461,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                 "--set", f"agent.model.download.sha256={sha}", "--set", "agent.model.download.allowHttp=true",
                 "--wait", "--timeout=480s", check=False, timeout_s=540)
             assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
+            lap("helm upgrade --wait (TLS, download)")
 
             def upgraded() -> list[dict[str, Any]]:
                 found = pods(cluster, ns, "lorafleet-agent")
@@ -466,6 +496,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             with pytest.raises(grpc.RpcError) as refused:
                 registry(tls_addresses[0], token, tls)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (who, refused.value)
+        lap("adapter reloaded over TLS, refusals")
         cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns,
                         "--timeout=120s")
 
@@ -486,6 +517,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                  90, diagnose)
         (restarted,) = pods(cluster, ns, "lorafleet-operator")
         assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
+        lap("new operator pod, liveness")
 
         # helm test: the chart's test pod resolves the agents by the headless Service's cluster
         # DNS name (CoreDNS on the node, from the resolv.conf the kubelet wrote) and checks each
@@ -494,6 +526,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         tested = cluster.helm("test", RELEASE, "--namespace", ns, "--timeout=300s", check=False, timeout_s=360)
         assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), \
             f"{tested.stdout}\n{tested.stderr}\n{diagnose()}"
+        lap("helm test")
         # The same pod with a wrong token fails, naming each agent it resolved as refusing it.
         cluster.kubectl("create", "secret", "generic", "wrong-token", "-n", ns, "--from-literal=token=not-the-token")
         wrong = wrong_token_test_pod(cluster, ns, "wrong-token")
@@ -510,6 +543,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             assert re.search(rf"^agent {re.escape(pod['status']['podIP'])}: UNAUTHENTICATED", refusals, re.M), refusals
         cluster.kubectl("delete", "pod", wrong_name, "-n", ns, "--wait=true")
         cluster.kubectl("delete", "secret", "wrong-token", "-n", ns)
+        lap("wrong-token test pod")
 
         # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
         # Service) has the operator unload everything (over TLS now); nothing of the release is
@@ -517,6 +551,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait",
                                  "--timeout=240s", check=False, timeout_s=300)
         assert uninstall.returncode == 0, f"{uninstall.stderr}\n{diagnose()}"
+        lap("helm uninstall --wait")
         users = {"secrets": ["agent-tls"], "persistentvolumeclaims": [claim]}
         for kind in ("loraadapters", "lorafleets", "deployments", "statefulsets", "services", "jobs",
                      "secrets", "persistentvolumeclaims", "poddisruptionbudgets", "roles", "rolebindings"):
@@ -533,6 +568,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
                      if e["involvedObject"]["name"].startswith(f"{FULLNAME}-uninstall-")}
         assert len(hook_pods) == 1, started["items"]
         wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
+        lap("nothing of the release left")
     finally:
         cluster.delete_namespace(ns)
         cluster.kubectl("delete", "pv", f"{ns}-model", "--ignore-not-found", check=False)
