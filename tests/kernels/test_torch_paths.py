@@ -14,19 +14,20 @@ from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem,
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def per_token(problem: Problem, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shrink and the expanded `out` computed one token at a time in fp32."""
+def per_token(problem: Problem, y: torch.Tensor, dtype: torch.dtype = torch.float32,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shrink and the expanded `out` computed one token at a time in `dtype`."""
     slots = problem.batch.token_slots.tolist()
-    shrunk = torch.zeros(len(problem.a_stacks), len(slots), problem.a_stacks[0].shape[1])
-    out = problem.out.float().clone()
+    shrunk = torch.zeros(len(problem.a_stacks), len(slots), problem.a_stacks[0].shape[1], dtype=dtype)
+    out = problem.out.to(dtype).clone()
     for t, slot in enumerate(slots):
         if slot < 0:
             continue
         offset = 0
         for i, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks, strict=True)):
-            shrunk[i, t] = a[slot].float() @ problem.x[t].float()
+            shrunk[i, t] = a[slot].to(dtype) @ problem.x[t].to(dtype)
             width = b.shape[1]
-            out[t, offset : offset + width] += (b[slot].float() @ y[i, t]) * problem.scales[i, slot]
+            out[t, offset : offset + width] += (b[slot].to(dtype) @ y[i, t].to(dtype)) * float(problem.scales[i, slot])
             offset += width
     return shrunk, out
 
@@ -99,24 +100,6 @@ def test_pack_makes_no_copy_of_other_dtypes() -> None:
     assert torch.equal(dense.linear(x, weight, None), F.linear(x, weight))
 
 
-def float64_reference(problem: Problem, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """shrink's result and `out` after expand of `y`, token by token in float64."""
-    slots = problem.batch.token_slots.tolist()
-    rank = problem.a_stacks[0].shape[1]
-    shrunk = torch.zeros(len(problem.a_stacks), len(slots), rank, dtype=torch.float64)
-    out = problem.out.double().clone()
-    for t, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        offset = 0
-        for index, (a, b) in enumerate(zip(problem.a_stacks, problem.b_stacks, strict=True)):
-            shrunk[index, t] = a[slot].double() @ problem.x[t].double()
-            width = b.shape[1]
-            out[t, offset : offset + width] += (b[slot].double() @ y[index, t].double()) * float(problem.scales[index, slot])
-            offset += width
-    return shrunk, out
-
-
 def joined_views(a_stacks: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The stacks copied into one tensor as consecutive row blocks, as `LoraLinear` holds them."""
     joined = torch.cat(a_stacks, dim=1)
@@ -136,7 +119,7 @@ def test_every_cpu_path_equals_the_float64_reference(token_slots: list[int], joi
     problem = make_problem(token_slots, num_slots=8)
     a_joined, a_stacks = joined_views(problem.a_stacks) if joined else (None, problem.a_stacks)
     y = random_y(problem)
-    want_y, want = float64_reference(problem, y)
+    want_y, want = per_token(problem, y, torch.float64)
     got_y = torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined)
     got = problem.out.clone()
     torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
@@ -150,7 +133,7 @@ def test_scattered_rows_into_a_16_bit_output() -> None:
     # The rows of a slot that are not one run take the gather path, into bf16 as in fp32.
     problem = make_problem([0, 1, 0, -1], num_slots=4, dtype=torch.bfloat16, out_dtype=torch.bfloat16)
     y = random_y(problem)
-    _, want = float64_reference(problem, y)
+    _, want = per_token(problem, y, torch.float64)
     got = problem.out.clone()
     torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
     torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7)
