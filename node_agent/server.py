@@ -242,6 +242,7 @@ DEFAULT_MAX_CONTROL_CALLS = 16
 DEFAULT_MAX_INFERENCE_CALLS = 32
 DEFAULT_RESERVED_WORKERS = 8
 DEFAULT_EXIT_LINGER_S = 5.0
+RESPONSE_FLUSH_S = 5.0  # stop(): the longest wait for responses of calls that already returned
 
 
 @dataclass(frozen=True)
@@ -340,7 +341,11 @@ class AgentServer:
         for budget in self.servicer.budgets.values():
             budget.wait_idle(deadline)
         self.health.enter_graceful_shutdown()
-        self.server.stop(0).wait()
+        # A call leaves its budget when its handler returns, before gRPC has sent the response:
+        # what is left of the grace (at most RESPONSE_FLUSH_S) lets those responses go out
+        # instead of being cancelled; stop() returns as soon as no call is left.
+        flush = min(RESPONSE_FLUSH_S, max(0.0, deadline - time.monotonic()))
+        self.server.stop(flush).wait()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         if self._metrics is not None:
