@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+#: The LoraFleet CRD's default of ``spec.grpcPortName`` (its source; tests/operator/test_routing.py
+#: compares), for fleet specs that did not come through the API server.
 DEFAULT_PORT_NAME = "grpc"
 
 

@@ -39,8 +39,11 @@ MANAGED_BY = "lorafleet-operator"
 ADAPTER_LABEL = "lorafleet.dev/adapter"
 ADAPTER_ANNOTATION = "lorafleet.dev/adapter-name"
 #: The Service the slices belong to when the fleet names none: the chart's selector-less
-#: adapter Service of a release named "lorafleet" (the CRD's default says the same). Not the
-#: agents' own Service: it has a selector, and its DNS name would list the slices' pods again.
+#: adapter Service of a release named "lorafleet". Not the agents' own Service: it has a
+#: selector, and its DNS name would list the slices' pods again. The LoraFleet CRD's default
+#: is the source: the API server fills it in only when ``spec.routing`` is there, so this and
+#: :data:`DEFAULT_HTTP_PORT_NAME` stand in when it is left out, with the CRD's values
+#: (tests/operator/test_routing.py compares them).
 DEFAULT_SERVICE = "lorafleet-adapters"
 DEFAULT_HTTP_PORT_NAME = "http"
 #: Endpoints per slice (the EndpointSlice controller's default).

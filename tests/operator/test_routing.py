@@ -14,20 +14,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.node import machine_ip
-from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.fleet import DEFAULT_PORT_NAME, AgentPod
 from lorafleet_operator.routing import (
     ADAPTER_LABEL,
+    DEFAULT_HTTP_PORT_NAME,
+    DEFAULT_SERVICE,
     SERVICE_NAME_LABEL,
     adapter_label,
     desired_slices,
     routed_pods,
 )
 from lorafleet_operator.status import AgentResult, AgentState
-from tests.kube.harness import ControlPlane
+from tests.kube.harness import CHECKOUT, ControlPlane
 from tests.operator.agents import (
     FLEET_LABEL,
     adapter_manifest,
@@ -52,6 +55,19 @@ def pod(name: str, ip: str, grpc: int, *, ready: bool = True, http: bool = True)
 
 def loaded(name: str, ranks: int = 2) -> AgentResult:
     return AgentResult(name, AgentState.LOADED, ranks, 2)
+
+
+def test_the_operators_fleet_defaults_are_the_crds() -> None:
+    """The LoraFleet CRD is the one source of the fleet's defaults. The API server fills them
+    in only inside an object that is there (``spec.routing`` is optional and has no default of
+    its own), so the operator's constants stand in for a fleet that leaves the object out:
+    they must be the CRD's values, not a second choice of them."""
+    doc = yaml.safe_load((CHECKOUT.crds / "lorafleet.dev_lorafleets.yaml").read_text())
+    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    routing = spec["properties"]["routing"]["properties"]
+    assert routing["serviceName"]["default"] == DEFAULT_SERVICE
+    assert routing["httpPortName"]["default"] == DEFAULT_HTTP_PORT_NAME
+    assert spec["properties"]["grpcPortName"]["default"] == DEFAULT_PORT_NAME
 
 
 def test_only_pods_that_hold_the_adapter_on_every_rank_are_listed() -> None:
@@ -121,7 +137,7 @@ def endpoints(cluster: ControlPlane, ns: str, adapter: str) -> dict[str, dict[st
                                   f"{ADAPTER_LABEL}={adapter}")["items"]
     listed: dict[str, dict[str, int]] = {}
     for s in slices:
-        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "lorafleet-adapters"  # the default
+        assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == DEFAULT_SERVICE  # the default
         for e in s.get("endpoints") or []:
             listed[e["targetRef"]["name"]] = {p["name"]: p["port"] for p in s.get("ports") or []}
     return listed
