@@ -3,7 +3,8 @@
 (a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks), the validation the
     driver does once for it, and what one rank does (read its shard of the verified files; one
     process), vs reading the same file once; the load's CPU time (the driver's thread and the
-    ranks' main threads) and the wall-time floor it sets on this machine's cores;
+    ranks' main threads) and the wall-time floor it sets on this machine's cores; the bytes
+    each rank reads per load (its shard's rows, from the page cache: no rank hashes the file);
     each rank's peak RSS growth during the engine's first load and during a second one beside
     it (new memory too, without the first's one-time growth), and the loader's own peak
     allocation for one rank's shard (tracemalloc, one process), vs that shard;
@@ -22,6 +23,7 @@ import statistics
 import tempfile
 import time
 import tracemalloc
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
 from node_agent.engine.adapter_files import HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import read_adapter_shard
+from node_agent.engine.protocol import Load
 from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
 SHAPE = BENCHMARK_MODEL
@@ -52,6 +55,12 @@ def rank_cpu_seconds(pids: list[int]) -> float:
     """CPU seconds the ranks' main threads (where commands run) used so far, from
     /proc/PID/schedstat (nanoseconds, Linux; /proc/PID/stat counts in 10-ms ticks)."""
     return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
+
+
+def rank_read_chars(pids: list[int]) -> list[int]:
+    """Bytes each rank process has read so far through read system calls (`rchar` of
+    /proc/PID/io: files and its command pipe alike, whether or not from the page cache)."""
+    return [int(Path(f"/proc/{pid}/io").read_text().split("rchar:")[1].split()[0]) for pid in pids]
 
 
 def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict[ModuleKey, tuple[LoraSliceLayout, ...]]:
@@ -107,13 +116,18 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         engine.unload_adapter("bench-2")
         engine.unload_adapter("bench")
         samples, driver_cpu, ranks_cpu = [], [], []
+        reads: list[list[int]] = [[] for _ in engine.pids]
+        # What a rank's pipe delivers for a load: the pickled command (as the driver sends it) and its length.
+        command_bytes = len(ForkingPickler.dumps(Load("bench", verified, False))) + 4
         for _ in range(repeats):
-            cpu_before = time.thread_time(), rank_cpu_seconds(engine.pids)
+            cpu_before, read_before = (time.thread_time(), rank_cpu_seconds(engine.pids)), rank_read_chars(engine.pids)
             start = time.perf_counter()
             engine.load_adapter("bench", adapter)
             samples.append(time.perf_counter() - start)
             driver_cpu.append(time.thread_time() - cpu_before[0])
             ranks_cpu.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
+            for rank_reads, after, before in zip(reads, rank_read_chars(engine.pids), read_before, strict=True):
+                rank_reads.append(after - before - command_bytes)
             engine.unload_adapter("bench")
         load_tp4 = statistics.median(samples)
         load_driver, load_ranks = statistics.median(driver_cpu), statistics.median(ranks_cpu)
@@ -130,10 +144,12 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
           f"floor on {cores} cores {floor * 1e3:.2f} ms ({floor / read_once_cpu:.2f}x the read's CPU time)")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"
           "   (first load; second load beside it)")
-    for reply, beside in zip(first, second, strict=True):
+    for reply, beside, rank_reads in zip(first, second, reads, strict=True):
         shard, growth, then = reply.shard_bytes, reply.peak_rss_growth_bytes, beside.peak_rss_growth_bytes
+        read = statistics.median(rank_reads)
         print(f"{reply.rank:<6}{shard / 2**20:>12.2f}{growth / 2**20:>10.2f}; {then / 2**20:>.2f}"
-              f"{growth / shard:>10.2f}; {then / shard:.2f}{shard / file_bytes:>14.2f}")
+              f"{growth / shard:>10.2f}; {then / shard:.2f}{shard / file_bytes:>14.2f}"
+              f"   reads {read / 2**20:.2f} MiB of the file per load ({read / file_bytes:.2f} of it)")
     peak, shard = loader_peak(adapter, cfg, layouts)
     print(f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>10.2f} MiB   {peak / shard:.2f}x its shard ({shard / 2**20:.2f} MiB)")
 

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import struct
+import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from node_agent.engine.sharding import (
     LoraSliceLayout,
     ModuleKey,
     ModuleLayout,
+    Span,
     model_kinds,
     peft_to_kind,
     unsharded_layout,
@@ -704,6 +706,40 @@ def read_adapter_shard(
         parts[module.slice_index] = SliceWeights(a_view, b_view, module.scale)
     _refuse_non_finite(shard.flat, held, weights)
     return AdapterShard(weights, shard.flat.numel() * shard.flat.element_size())
+
+
+def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
+    """Read a shard of a tiny adapter once, from a file of every float dtype, into `dtype`; for
+    a rank to call at start-up.
+
+    The first call of each kernel a shard read uses maps that kernel's code into the process:
+    file-backed pages that count in its RSS (the fp32 sum of the non-finite check about 1.4 MiB
+    of libtorch_cpu.so, the strided numpy copy 128 KiB of numpy's core). Taken here, once, they
+    are out of the first load's memory, which then grows by its shard as every later load does
+    (docs/engine.md "Measured"). The adapter's bytes are zeros, so the read succeeds; returns
+    its shard (8 modules, each one A/B slice of zeros).
+    """
+    modules: list[ModuleAdapter] = []
+    tensors: dict[str, TensorEntry] = {}
+    layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]] = {}
+    start = 0
+    for index, file_dtype in enumerate(_FLOAT_DTYPES.values()):
+        # Per file dtype, two modules of rank 2: A's middle columns with B's whole rows, then A
+        # whole with B's every other column (fused experts' stride): every path of `_ShardBuffer.read`.
+        for stride in (1, 2):
+            layer = 2 * index + stride - 1
+            a_key, b_key = f"{layer}.a", f"{layer}.b"
+            for key, shape in ((a_key, (2, 4)), (b_key, (4, 2 * stride))):
+                tensors[key] = TensorEntry(file_dtype, shape, start)
+                start += shape[0] * shape[1] * file_dtype.itemsize
+            modules.append(ModuleAdapter(layer, "o_proj", 0, a_key, b_key, rank=2, scale=1.0, b_col_stride=stride))
+            a_in = Span(1, 2) if stride == 1 else Span(0, 4)
+            layouts[(layer, "o_proj")] = (LoraSliceLayout("o_proj", Span(0, 2), a_in, Span(0, 4), Span(0, 2)),)
+    with tempfile.TemporaryFile() as file:
+        file.write(bytes(start))
+        file.flush()
+        spec = AdapterSpec(Path("warm-up"), tuple(modules), 2, tensors, start)  # its path is never opened
+        return read_adapter_shard(spec, file.fileno(), layouts, dtype)
 
 
 def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]) -> (
