@@ -5,6 +5,7 @@
     process), vs reading the same file once; the load's CPU time (the driver's thread and the
     ranks' main threads) and the wall-time floor it sets on this machine's cores; the bytes
     each rank reads per load (its shard's rows, from the page cache: no rank hashes the file);
+    the load with the caller's digests, as the agent loads (the driver then hashes both files once);
     each rank's peak RSS growth during the engine's first load and during a second one beside
     it (new memory too, without the first's one-time growth), and the loader's own peak
     allocation for one rank's shard (tracemalloc, one process), vs that shard;
@@ -31,7 +32,7 @@ from safetensors.torch import load_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
-from node_agent.engine.adapter_files import HeldFiles, VerifiedAdapter, verify_adapter
+from node_agent.engine.adapter_files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import read_adapter_shard
 from node_agent.engine.protocol import Load
@@ -86,6 +87,12 @@ def rank_read(verified: VerifiedAdapter, layouts: dict[ModuleKey, tuple[LoraSlic
     return shard.nbytes
 
 
+def file_digests(adapter: Path) -> FileDigests:
+    """The sha256 of the adapter's two files, as the driver computes them when given digests."""
+    with HeldFiles(adapter, "the benchmark") as held:
+        return held.digests()
+
+
 def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> tuple[int, int]:
     """(traced peak bytes, shard bytes) of one rank's loader, in this process.
 
@@ -108,6 +115,7 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     validate_once = timed(lambda: verify_adapter(adapter, cfg, RANK, None), repeats)
     verified = verify_adapter(adapter, cfg, RANK, None)
     rank_once = timed(lambda: rank_read(verified, layouts), repeats)
+    hash_once = timed(lambda: file_digests(adapter), repeats)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
         first = engine.load_adapter("bench", adapter).ranks
@@ -129,13 +137,23 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
             for rank_reads, after, before in zip(reads, rank_read_chars(engine.pids), read_before, strict=True):
                 rank_reads.append(after - before - command_bytes)
             engine.unload_adapter("bench")
+        digests = file_digests(adapter)
+        hashed_samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.load_adapter("bench", adapter, expected=digests)
+            hashed_samples.append(time.perf_counter() - start)
+            engine.unload_adapter("bench")
         load_tp4 = statistics.median(samples)
+        load_hashed = statistics.median(hashed_samples)
         load_driver, load_ranks = statistics.median(driver_cpu), statistics.median(ranks_cpu)
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
     print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x")
     print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>10.1f} ms   ratio {rank_once / read_once:.2f}x")
     print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
+    print(f"{'  with the digests (agent path)':<34}{load_hashed * 1e3:>10.1f} ms   ratio {load_hashed / read_once:.2f}x"
+          f"   (hashing both files once: {hash_once * 1e3:.1f} ms)")
     # CPU time barely depends on other load on the machine; with the ranks sharing the cores,
     # the driver's part and the ranks' part spread over the cores bound the wall time from below.
     cores = os.cpu_count() or 1
