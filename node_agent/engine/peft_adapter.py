@@ -709,8 +709,8 @@ def read_adapter_shard(
 
 
 def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
-    """Read a shard of a tiny adapter once, from a file of every float dtype, into `dtype`; for
-    a rank to call at start-up.
+    """Read a shard of a tiny adapter once, from an anonymous file with tensors of every float
+    dtype, into `dtype`; for a rank to call at start-up.
 
     The first call of each kernel a shard read uses maps that kernel's code into the process:
     file-backed pages that count in its RSS (the fp32 sum of the non-finite check about 1.4 MiB
@@ -735,11 +735,23 @@ def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
             modules.append(ModuleAdapter(layer, "o_proj", 0, a_key, b_key, rank=2, scale=1.0, b_col_stride=stride))
             a_in = Span(1, 2) if stride == 1 else Span(0, 4)
             layouts[(layer, "o_proj")] = (LoraSliceLayout("o_proj", Span(0, 2), a_in, Span(0, 4), Span(0, 2)),)
-    with tempfile.TemporaryFile() as file:
-        file.write(bytes(start))
-        file.flush()
+    fd = _anonymous_file()
+    try:
+        os.write(fd, bytes(start))  # a few hundred bytes: one write (the read checks the size)
         spec = AdapterSpec(Path("warm-up"), tuple(modules), 2, tensors, start)  # its path is never opened
-        return read_adapter_shard(spec, file.fileno(), layouts, dtype)
+        return read_adapter_shard(spec, fd, layouts, dtype)
+    finally:
+        os.close(fd)
+
+
+def _anonymous_file() -> int:
+    """A new file with no name: a memfd on Linux (no writable filesystem needed in the rank's
+    container), else a temporary file unlinked at once."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("lorafleet-warm-up", os.MFD_CLOEXEC)
+    fd, name = tempfile.mkstemp(prefix="lorafleet-warm-up-")
+    os.unlink(name)
+    return fd
 
 
 def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]) -> (
