@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import pickle
 import queue
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnProcess
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -150,6 +152,14 @@ class _PromptLogits:
     logits: np.ndarray
 
 
+@dataclass(frozen=True)
+class _Cancelled:
+    """Wakes a reader blocked on a generation that `cancel` ended from another thread."""
+
+
+_Event = GeneratedStep | _PromptLogits | _Cancelled | BaseException
+
+
 class _Request:
     """A submitted sequence as its caller sees it: a queue of steps, then an end. A Forward's
     sequence gathers its chunks' logits in `logits` and ends with one `_PromptLogits`."""
@@ -158,7 +168,9 @@ class _Request:
         self.seq_id = seq_id
         self.adapter = adapter
         self.prompt_len = prompt_len  # a Forward's: the rows of its logits
-        self.events: queue.Queue[GeneratedStep | _PromptLogits | BaseException] = queue.Queue()
+        # SimpleQueue: its put and get are C calls, where queue.Queue runs Python code and
+        # allocates a lock per wait (the step loop puts one event per sequence and step).
+        self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self.logits: np.ndarray | None = None
 
     def add_logits(self, position: int, chunk: np.ndarray) -> None:
@@ -182,18 +194,26 @@ class Generation:
     def seq_id(self) -> int:
         return self._request.seq_id
 
-    def tokens(self, poll_s: float = 0.1, cancelled: Callable[[], bool] = lambda: False) -> Iterator[GeneratedStep]:
+    def tokens(self, poll_s: float = 0.1, cancelled: Callable[[], bool] | None = None) -> Iterator[GeneratedStep]:
         """Each generated token as its step completes; the last carries its finish reason. An
         engine failure (or the adapter unloaded under it) raises EngineError. With `cancelled`,
-        checked every `poll_s` while waiting, the sequence is cancelled and the iteration ends."""
+        checked every `poll_s` while waiting, the sequence is cancelled and the iteration ends.
+        Without it the wait blocks until the next event: the reading thread is woken only when
+        there is one (`cancel` from another thread puts one too), not every `poll_s`."""
+        events = self._request.events
         while not self.done:
-            try:
-                event = self._request.events.get(timeout=poll_s)
-            except queue.Empty:
-                if cancelled():
-                    self.cancel()
-                    return
-                continue
+            if cancelled is None:
+                event = events.get()
+            else:
+                try:
+                    event = events.get(timeout=poll_s)
+                except queue.Empty:
+                    if cancelled():
+                        self.cancel()
+                        return
+                    continue
+            if isinstance(event, _Cancelled):
+                return
             if isinstance(event, BaseException):
                 self.done = True
                 raise event
@@ -207,6 +227,7 @@ class Generation:
         dropped = self._engine._cancel(self._request.seq_id)
         self.cancelled = self.cancelled or (dropped and not self.done)
         self.done = True
+        self._request.events.put(_Cancelled())  # a reader blocked in tokens() returns
         return dropped
 
 
@@ -256,6 +277,10 @@ class Engine:
         # The scheduler and the requests are guarded by `_work`; only the step loop schedules.
         self._work = threading.Condition()
         self._requests: dict[int, _Request] = {}
+        # The events of the last step, delivered once the next step is on its way to the ranks
+        # (`_deliver`, under `_work`), so the callers' threads run while the ranks compute and
+        # not against the step loop for the interpreter lock.
+        self._outbox: list[tuple[_Request, _Event]] = []
         self._ids = itertools.count()
         self._steps = 0
         self._preemptions = 0
@@ -522,10 +547,18 @@ class Engine:
             return self._scheduler.cancel(seq_id)
 
     def _fail_requests(self, seq_ids: Sequence[int], error: BaseException) -> None:
+        self._deliver()  # a sequence's tokens so far come before its error
         for seq_id in seq_ids:
             request = self._requests.pop(seq_id, None)
             if request is not None:
                 request.events.put(error)
+
+    def _deliver(self) -> None:
+        """Hand the callers every event of the outbox (called under `_work`, which orders it
+        with `_fail_requests`)."""
+        outbox, self._outbox = self._outbox, []
+        for request, event in outbox:
+            request.events.put(event)
 
     def _step_loop(self) -> None:
         """The one thread that schedules: one step at a time, each a single command to the ranks,
@@ -537,11 +570,15 @@ class Engine:
             with self._work:
                 self.failure = self.failure or f"the step loop failed: {type(error).__name__}: {error}"
                 self._fail_all(EngineError(f"engine is not serving: {self.failure}"))
+        finally:
+            with self._work:
+                self._deliver()
 
     def _steps_until_stopped(self) -> None:
         while True:
             with self._work:
                 while not self._stopping and not self._scheduler.has_work:
+                    self._deliver()
                     self._work.wait()
                 if self._stopping:
                     return
@@ -557,6 +594,7 @@ class Engine:
                 except EngineError as failed:
                     error = failed
             with self._work:
+                self._deliver()  # a step that failed or ran nothing: the last step's events now
                 if error is not None:
                     # Nothing this step wrote is trusted: its sequences end with the error.
                     victims = [entry.seq_id for entry in step.sequences]
@@ -564,28 +602,34 @@ class Engine:
                         self._scheduler.cancel(seq_id)
                     self._fail_requests(victims, error)
                     tokens, logits = {}, ()
-                for seq_id, position, chunk in logits:
-                    request = self._requests.get(seq_id)
-                    if request is not None:  # else cancelled while the step ran
-                        request.add_logits(position, chunk)
-                finished = {f.seq_id: f.reason for f in self._scheduler.on_step_done(step, tokens)}
-                for seq_id, reason in finished.items():
-                    request = self._requests.get(seq_id)
-                    if reason is None and request is not None and request.logits is not None:  # a Forward's end
-                        request.events.put(_PromptLogits(request.logits))
-                        del self._requests[seq_id]
-                for seq_id, token in tokens.items():
-                    request = self._requests.get(seq_id)
-                    if request is None:
-                        continue  # cancelled while the step ran
-                    reason = finished.get(seq_id)
-                    request.events.put(GeneratedStep(token, logprobs.get(seq_id), reason))
-                    if reason is not None:
-                        del self._requests[seq_id]
+                self._step_done(step, tokens, logprobs, logits)
                 if not step.num_tokens and self._scheduler.has_work:
                     self._work.wait(0.01)  # nothing runnable now (sequences waiting for a slot)
                 if self.failure is not None:
                     self._fail_all(EngineError(f"engine is not serving: {self.failure}"))
+
+    def _step_done(self, step: ScheduledStep, tokens: dict[int, int], logprobs: dict[int, TokenLogprobs],
+                   logits: tuple[tuple[int, int, np.ndarray], ...]) -> None:
+        """Report a step to the scheduler (under `_work`) and put its callers' events in the outbox."""
+        for seq_id, position, chunk in logits:
+            request = self._requests.get(seq_id)
+            if request is not None:  # else cancelled while the step ran
+                request.add_logits(position, chunk)
+        finished = {f.seq_id: f.reason for f in self._scheduler.on_step_done(step, tokens)}
+        outbox = self._outbox
+        for seq_id, reason in finished.items():
+            request = self._requests.get(seq_id)
+            if reason is None and request is not None and request.logits is not None:  # a Forward's end
+                outbox.append((request, _PromptLogits(request.logits)))
+                del self._requests[seq_id]
+        for seq_id, token in tokens.items():
+            request = self._requests.get(seq_id)
+            if request is None:
+                continue  # cancelled while the step ran
+            reason = finished.get(seq_id)
+            outbox.append((request, GeneratedStep(token, logprobs.get(seq_id), reason)))
+            if reason is not None:
+                del self._requests[seq_id]
 
     def _fail_all(self, error: EngineError) -> None:
         victims = list(self._requests)
@@ -595,7 +639,8 @@ class Engine:
 
     def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs],
                                                       tuple[tuple[int, int, np.ndarray], ...]]:
-        """Run one step on every rank: the tokens drawn, their logprobs, the Forward chunks' logits."""
+        """Run one step on every rank: the tokens drawn, their logprobs, the Forward chunks' logits.
+        The last step's events go to the callers once this step is sent (`_broadcast`)."""
         with self._lock:
             replies = self._broadcast(Step(step.index, step.groups), StepReply)
             self._steps += 1
@@ -605,6 +650,10 @@ class Engine:
         tokens = {seq_id: token for reply in replies for seq_id, token in reply.tokens}
         logprobs = {seq_id: lp for reply in replies for seq_id, lp in reply.logprobs}
         return tokens, logprobs, tuple(chunk for reply in replies for chunk in reply.logits)
+
+    def _deliver_now(self) -> None:
+        with self._work:
+            self._deliver()
 
     def _check_slots(self, sequences: Sequence[SequenceInput]) -> None:
         """A Forward batch runs together: its adapters and the pinned ones must fit the slots."""
@@ -641,7 +690,8 @@ class Engine:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _broadcast(self, command: Command, kind: type[R]) -> list[R]:
-        """Send one command to every rank and collect every rank's reply, in rank order."""
+        """Send one command to every rank and collect every rank's reply, in rank order. Once
+        every rank has the command, the outbox goes to the callers while the ranks work."""
         with self._lock:
             if self.failure:
                 raise EngineError(f"engine is not serving: {self.failure}")
@@ -653,12 +703,16 @@ class Engine:
             try:
                 # Pickled once for every rank (what Connection.send does per rank): a load's
                 # verified spec pickles in about 0.08 ms, and the ranks wait for the last send.
-                payload = ForkingPickler.dumps(command)
+                # A Step holds plain data only: plain pickle, without ForkingPickler's per-call
+                # copy of its reducer tables.
+                payload = (pickle.dumps(command, pickle.HIGHEST_PROTOCOL) if isinstance(command, Step)
+                           else ForkingPickler.dumps(command))
                 for rank, conn in enumerate(self._conns):
                     try:
                         conn.send_bytes(payload)
                     except (BrokenPipeError, OSError) as error:
                         self._fail(f"rank {rank} is gone ({error})")
+                self._deliver_now()
                 replies = self._collect(self.config.call_timeout_s, what)
             finally:
                 self._running = None
@@ -682,9 +736,9 @@ class Engine:
             if remaining <= 0:
                 setting = f" ({limit})" if limit else ""
                 self._fail(f"{what} timed out after {timeout_s:g}s{setting} waiting for ranks {sorted(pending.values())}")
-            ready = set(wait([*pending, *sentinels], timeout=remaining))
+            ready = _readable([*(conn.fileno() for conn in pending), *sentinels], remaining)
             for conn, rank in pending.items():
-                if conn in ready:
+                if conn.fileno() in ready:
                     try:
                         replies[rank] = conn.recv()
                     except (EOFError, OSError):
@@ -702,6 +756,15 @@ class Engine:
     def _fail(self, reason: str) -> NoReturn:
         self.failure = reason
         raise EngineError(reason)
+
+
+def _readable(fds: Sequence[int], timeout_s: float) -> set[int]:
+    """The descriptors of `fds` readable (or closed) within `timeout_s`: one poll(2) call, without
+    the selector objects `multiprocessing.connection.wait` builds on every call (once per step)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(timeout_s * 1000)}
 
 
 def _free_port() -> int:

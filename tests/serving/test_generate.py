@@ -13,6 +13,7 @@ that sequences are preempted (and recomputed), a short waiting queue, or a MoE m
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,51 @@ def test_cancel_frees_blocks_at_once(served: Served):
     first = next(iter(handle.tokens()))
     assert first.finish is None
     assert handle.cancel()
+    served.assert_all_blocks_free()
+
+
+def _voluntary_switches() -> int:
+    """How often this thread has blocked and been woken so far (Linux, /proc/thread-self/status)."""
+    status = Path("/proc/thread-self/status").read_text()
+    return int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_a_reader_is_woken_per_token_not_per_poll(served: Served):
+    """`tokens()` without a `cancelled` check blocks until the next token, however short
+    `poll_s`: its thread is woken a bounded number of times per token (once by the queue, about
+    once more for the interpreter lock). The reader before (2026-12-02) woke every `poll_s` with
+    nothing to read: at 0.1 ms, dozens of times a step."""
+    api = engine_api()
+    count = 24
+    handle = served.engine.submit(draw_tokens(80, 5, served.vocab), "all_list", api.SamplingParams(max_tokens=count))
+    before = _voluntary_switches()
+    steps = list(handle.tokens(poll_s=1e-4))
+    woken = _voluntary_switches() - before
+    assert len(steps) == count and steps[-1].finish == api.FinishReason.LENGTH
+    # About twice per token (the queue, then the interpreter lock): 50-55 times here at load 5-6,
+    # 1,374 times for the reader before.
+    assert woken <= 4 * count, f"the reader was woken {woken} times for {count} tokens"
+    served.assert_all_blocks_free()
+
+
+def test_a_cancel_from_another_thread_ends_a_blocked_reader(served: Served):
+    """A reader blocked in `tokens()` (no poll) returns when another thread cancels."""
+    api = engine_api()
+    handle = served.engine.submit(draw_tokens(81, 5, served.vocab), "qv_r2", api.SamplingParams(max_tokens=200))
+    read: list[Any] = []
+    first = threading.Event()
+
+    def reader() -> None:
+        for step in handle.tokens():
+            read.append(step)
+            first.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    first.wait()
+    assert handle.cancel()
+    thread.join()
+    assert handle.cancelled and 1 <= len(read) < 200 and all(step.finish is None for step in read)
     served.assert_all_blocks_free()
 
 
