@@ -16,9 +16,10 @@ operator's CPU seconds and peak RSS over the case, API requests per adapter (the
 ``apiserver_request_total``, less the benchmark's own polls), the largest LoraAdapter object,
 with failing agents the requests per adapter in a further quiet window (a hot loop shows
 there), and the deletion of every adapter that ends the case (one request): seconds until all
-are gone and the operator's peak RSS during it alone (its VmHWM reset first; every deletion
-unloads from all agents, so 1,000 adapters x 64 agents is 64,000 unloads whatever the
-replicas). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
+are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
+calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from agents that
+may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
+for 1,000 adapters x 64 agents whatever the replicas). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
 
 Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]`.
 On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +70,11 @@ class CaseResult:
     requests_per_adapter: float
     largest_object_kib: float
     quiet_requests_per_adapter: float | None
-    #: Deleting every adapter (one request): seconds until all are gone, and the operator's
-    #: peak RSS during the deletion alone.
+    #: Deleting every adapter (one request): seconds until all are gone, the operator's peak
+    #: RSS during the deletion alone, and the UnloadAdapter calls it made meanwhile.
     deleted_s: float
     delete_peak_rss_mib: float
+    unloads: int
 
 
 def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
@@ -85,6 +88,14 @@ def request_total(cluster: ControlPlane) -> float:
     """Every request the API server has counted since it started."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
     return sum(float(m.group(1)) for m in re.finditer(r"^apiserver_request_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def operator_calls(metrics_port: int, method: str) -> float:
+    """The operator's gRPC calls of ``method`` to agents so far, whatever their outcome."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    pattern = rf'^lorafleet_agent_calls_total\{{[^}}]*method="{method}"[^}}]*\}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
 def process_cpu_s(pid: int) -> float:
@@ -113,6 +124,7 @@ class Bench:
         self.ns = cluster.create_namespace("bench")
         self.fleet: subprocess.Popen[bytes] | None = None
         self.operator: subprocess.Popen[bytes] | None = None
+        self.metrics_port = 0
         self.polls = 0
 
     def start_fleet(self, failing: int) -> None:
@@ -145,8 +157,9 @@ class Bench:
         self.cluster.apply(json.dumps({
             "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet", "metadata": {"name": "default"},
             "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}}}), self.ns)
+        self.metrics_port = free_port()
         env = {**self.cluster.tool_env(), "LORAFLEET_WATCH_NAMESPACES": self.ns, "LORAFLEET_LEASE_NAMESPACE": self.ns,
-               "LORAFLEET_METRICS_PORT": str(free_port()), "LORAFLEET_HEALTH_PORT": str(free_port()),
+               "LORAFLEET_METRICS_PORT": str(self.metrics_port), "LORAFLEET_HEALTH_PORT": str(free_port()),
                "LORAFLEET_LOG_LEVEL": "WARNING"}
         with open(self.root / "operator.log", "ab") as out:
             self.operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -187,12 +200,14 @@ class Bench:
             quiet = (request_total(self.cluster) - before - (self.polls - polls) - 1) / len(self.adapters)
         cpu_s, peak = process_cpu_s(self.operator.pid) - cpu_before, peak_rss_mib(self.operator.pid)
         reset_peak_rss(self.operator.pid)
+        unloads_before = operator_calls(self.metrics_port, "UnloadAdapter")
         deleting = time.perf_counter()
         self.cluster.kubectl("delete", "la", "--all", "-n", self.ns, "--wait=true", "--timeout=1800s",
                              timeout_s=1860)
         deleted = time.perf_counter() - deleting
+        unloads = int(operator_calls(self.metrics_port, "UnloadAdapter") - unloads_before)
         return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
-                          peak_rss_mib(self.operator.pid))
+                          peak_rss_mib(self.operator.pid), unloads)
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -249,11 +264,12 @@ def main() -> None:
             cluster.stop()
     print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane and operator:")
     print(f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
-          f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}  phases")
+          f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}{'unloads':>9}  phases")
     for r in results:
         quiet = "" if r.quiet_requests_per_adapter is None else f"{r.quiet_requests_per_adapter:.2f}"
         print(f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
-              f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}  {r.phases}")
+              f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}"
+              f"{r.unloads:>9}  {r.phases}")
 
 
 if __name__ == "__main__":

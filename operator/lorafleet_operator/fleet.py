@@ -8,6 +8,7 @@ pod that is not Ready, and a pod that is gone no longer counts.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,19 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
                                             "containerPort": port.get("containerPort")}
                                            for port in c.get("ports") or []]}
                                 for c in (pod.get("spec") or {}).get("containers") or []]},
+    }
+
+
+def fleet_summary(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a LoraFleet object that a look at the fleet reads (its name, uid,
+    generation, ``deletionTimestamp`` and spec; its status dropped): what the operator keeps
+    of every fleet it watches (its fleet index), instead of reading the fleet at each
+    reconcile. The spec is copied: the index must not share a body kopf may replace."""
+    meta = fleet.get("metadata") or {}
+    return {
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation",
+                                          "deletionTimestamp") if k in meta},
+        "spec": copy.deepcopy(dict(fleet.get("spec") or {})),
     }
 
 

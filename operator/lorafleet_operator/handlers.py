@@ -32,7 +32,7 @@ from lorafleet_operator.failures import (
     kopf_retries,
     kube_reason,
 )
-from lorafleet_operator.fleet import pod_summary
+from lorafleet_operator.fleet import fleet_summary, pod_summary
 from lorafleet_operator.publish import post_event, publish_status
 from lorafleet_operator.reconcile import (
     FLEET_DELETED,
@@ -42,7 +42,7 @@ from lorafleet_operator.reconcile import (
     fleet_view,
     place_and_load,
     retry_due_in,
-    unload_everywhere,
+    unload_from_holders,
     unload_message,
     unload_view,
 )
@@ -60,6 +60,18 @@ def agent_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[str, di
     reconcile. kopf fills it from the pod watch before any handler runs, and updates it
     before the pod event handler below pokes a drift check."""
     return {namespace or "": pod_summary(body)}
+
+
+@kopf.index(GROUP, VERSION, FLEETS)
+def lora_fleets(body: kopf.Body, namespace: str | None, name: str | None,
+                **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    """kopf's index of the watched namespaces' LoraFleets (by namespace and name;
+    :func:`fleet_summary` of each), fed by the fleet watch the operator keeps anyway (the
+    drift daemons, the delete handler): a look at a fleet reads it from here instead of
+    GETting it at every reconcile. kopf fills it before any handler runs and updates it
+    before the handlers of the same event (a deletionTimestamp is in it before
+    :func:`on_fleet_deleted` starts); a deleted fleet leaves it."""
+    return {(namespace or "", name or ""): fleet_summary(body)}
 
 
 class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
@@ -93,11 +105,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     """kopf settings: our own finalizer and annotation names, no cluster-wide scans (the
     chart's RBAC is namespaced), Events only when we post them, and the policy's endless
     back-off for kopf's own failed API requests (its default gives up after ~1 minute, and a
-    watch that gives up stops the operator). The pod index (live, kopf keeps it current)
-    goes into the runtime."""
+    watch that gives up stops the operator). The pod index and the fleet index (live, kopf
+    keeps them current) go into the runtime."""
     # kopf hands every handler each index as a kwarg named after its function.
     pods: kopf.Index[str, Any] = kwargs["agent_pods"]
+    fleets: kopf.Index[tuple[str, str], Any] = kwargs["lora_fleets"]
     _runtime(memo).pods = pods
+    _runtime(memo).fleets = fleets
     settings.networking.error_backoffs = kopf_api_backoffs(_runtime(memo).settings)
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -180,7 +194,8 @@ async def on_adapter_deleted(body: kopf.Body, retry: int, memo: kopf.Memo, **_: 
 
 
 async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
-    """Unload from every agent of the fleet, then let kopf release the finalizer.
+    """Unload from every agent of the fleet that may hold the adapter (``reconcile.may_hold``),
+    then let kopf release the finalizer.
 
     Agents whose pod is gone or not Ready do not block. A Ready agent that cannot be reached
     is retried a few times; after that the finalizer is released anyway and the drift check
@@ -200,7 +215,7 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
                      problem)
             _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
             return
-        outcomes = await unload_everywhere(rt, view, names.agent_name(namespace, name))
+        outcomes = await unload_from_holders(rt, view, names.agent_name(namespace, name))
     failures = [o.failure for o in outcomes if o.failure is not None]
     message = unload_message(outcomes)
     elapsed = time.monotonic() - started
@@ -212,8 +227,9 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
     _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
-    log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents in %.2fs", namespace, name,
-             len(outcomes) - len(failures), len(outcomes), elapsed)
+    log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents that may hold it (of %d) "
+             "in %.2fs", namespace, name, len(outcomes) - len(failures), len(outcomes),
+             len(view.dialable), elapsed)
 
 
 async def _remove_slices(rt: Runtime, meta: Mapping[str, Any]) -> None:
@@ -229,10 +245,11 @@ async def _remove_slices(rt: Runtime, meta: Mapping[str, Any]) -> None:
 
 
 def _forget_adapter(rt: Runtime, meta: Mapping[str, Any], fleet: str) -> None:
-    """Drop what this process kept about a deleted adapter (back-offs, crash book, its lock,
-    its placement demand), and wake its fleet's drift check: the room it leaves goes to the
-    oldest adapter waiting for it."""
+    """Drop what this process kept about a deleted adapter (back-offs, crash book, the loads
+    sent, its lock, its placement demand), and wake its fleet's drift check: the room it
+    leaves goes to the oldest adapter waiting for it."""
     rt.failures.clear_adapter(meta.get("uid", ""))
+    rt.sent.forget(names.agent_name(meta["namespace"], meta["name"]))
     rt.crashes.forget(meta.get("uid", ""))
     rt.locks.pop((meta["namespace"], meta["name"]), None)
     rt.refused_status.pop(("LoraAdapter", meta["namespace"], meta["name"]), None)
@@ -294,7 +311,7 @@ async def _release_adapter(rt: Runtime, view: FleetView | None, fleet: str,
     meta = adapter["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     async with rt.lock(namespace, name):
-        outcomes = [] if view is None else await unload_everywhere(
+        outcomes = [] if view is None else await unload_from_holders(
             rt, view, names.agent_name(namespace, name))
         if not meta.get("deletionTimestamp"):
             incomplete = unload_message(outcomes) or unreachable

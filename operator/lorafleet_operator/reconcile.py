@@ -216,11 +216,22 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
     return await ask_each([a for a in agents if a.dialable], describe)
 
 
+async def look_up_fleet(rt: Runtime, namespace: str, name: str) -> Mapping[str, Any] | None:
+    """The LoraFleet as kopf's fleet index has it (``handlers.lora_fleets``: current with the
+    watch, no request); None when the API server does not have it either. A fleet the index
+    lacks is asked for: one created a moment ago whose watch event has not arrived yet is
+    found, and a missing one is confirmed missing (as when every reconcile read it)."""
+    indexed = next(iter(rt.fleets.get((namespace, name), ())), None)
+    if indexed is not None:
+        return indexed
+    return await rt.kube.get_fleet(namespace, name)
+
+
 async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
                      fresh: bool = False, terminating_ok: bool = False) -> FleetView:
     """Look at a fleet now. Raises FleetProblem when it is missing or unusable, or being deleted
     (unless ``terminating_ok``: unloads still reach the agents of a fleet being deleted)."""
-    fleet = await rt.kube.get_fleet(namespace, fleet_name)
+    fleet = await look_up_fleet(rt, namespace, fleet_name)
     if fleet is None:
         raise FleetProblem("FleetNotFound", f"LoraFleet {fleet_name!r} not found in {namespace}")
     if fleet["metadata"].get("deletionTimestamp") and not terminating_ok:
@@ -393,12 +404,14 @@ async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
 async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
                 credential: SourceCredential | None) -> AgentResult:
     """The LoadAdapter call itself (with the source's credential) and the books (crash book,
-    back-off)."""
+    back-off, the loads sent)."""
     spec, meta = body["spec"], body["metadata"]
     key, pod = generation_key(body), target.agent.name
     name, endpoint = names.agent_name(meta["namespace"], meta["name"]), target.agent.endpoint
     failure: AgentFailure
     rt.reservations.reserve(endpoint, name)  # counted as held while in flight (placement)
+    # Unsettled until it ends answered: a load cut off (cancelled) may still complete there.
+    rt.sent.sending(endpoint, name)
     try:
         reply = await rt.agents.load(
             endpoint, view.creds, name=name,
@@ -407,6 +420,7 @@ async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str,
             exclusive=rt.crashes.isolate(key), namespace=meta["namespace"],
             credential=credential)
     except AgentError as err:
+        rt.sent.ended(endpoint, name, time.monotonic(), answered=answered(err))
         rt.reservations.finished(endpoint, name, time.monotonic(), loaded=False)
         if died_under(err):
             rt.crashes.suspect(key, pod, incarnation(target.agent), alone=err.alone,
@@ -415,6 +429,7 @@ async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str,
             rt.crashes.answered(key, pod, loaded=False)
         failure = err
     else:
+        rt.sent.ended(endpoint, name, time.monotonic(), answered=True)
         rt.reservations.finished(endpoint, name, time.monotonic(), loaded=reply.success)
         rt.crashes.answered(key, pod, loaded=reply.success)
         if reply.success:
@@ -449,7 +464,12 @@ async def list_registries(rt: Runtime, view: FleetView, *,
         registry = await rt.agents.list_adapters(agent.endpoint, view.creds)
         rt.reservations.listed(agent.endpoint, requested_at)
         listing = Listing(requested_at, (agent.uid, agent.restarts), registry)
-        rt.registries[agent.endpoint] = listing
+        newest = rt.registries.get(agent.endpoint)
+        # Two listings of one agent may answer out of order (the drift check's and a
+        # handler's): the one kept is the latest requested, which deletions trust.
+        if newest is None or newest.requested_at <= requested_at:
+            rt.registries[agent.endpoint] = listing
+            rt.sent.listed(agent.endpoint, requested_at)
         return listing
 
     async def listing(agent: AgentPod) -> Mapping[str, RegistryEntry]:
@@ -600,12 +620,29 @@ def unload_message(outcomes: Sequence[UnloadOutcome]) -> str:
     return f"not unloaded from {', '.join(o.pod for o in outcomes if not o.ok)}: {merged.error}"
 
 
-async def unload_everywhere(rt: Runtime, view: FleetView, agent_name: str) -> list[UnloadOutcome]:
-    """Unload from every dialable agent of the fleet, whatever its model (the spec may have
-    changed since the load). An agent that does not hold the adapter counts as done. The
-    unloads wait in their agents' queues (:meth:`~lorafleet_operator.agent_client.AgentClients.unload_each`),
-    so a thousand deletions at once hold a future per agent each, not a suspended call."""
-    agents = view.dialable
+def may_hold(rt: Runtime, agent: AgentPod, name: str) -> bool:
+    """Whether the agent may hold this registry name. It does not when its last registry
+    listing, by this pod life, lacks the name and was requested after every load of the name
+    this process sent there ended answered (:class:`~lorafleet_operator.runtime.SentLoads`).
+    An agent never listed, listed by another pod life (restarted, replaced), with such a load
+    since its listing, or one that may still run there, may hold it."""
+    listing = rt.registries.get(agent.endpoint)
+    if listing is None or listing.life != (agent.uid, agent.restarts) or name in listing.entries:
+        return True
+    return not rt.sent.settled_by(agent.endpoint, name, listing.requested_at)
+
+
+async def unload_from_holders(rt: Runtime, view: FleetView,
+                              agent_name: str) -> list[UnloadOutcome]:
+    """Unload from every dialable agent of the fleet that may hold the adapter
+    (:func:`may_hold`), whatever its model (the spec may have changed since the load); one
+    outcome per agent asked. With ``replicas: 4`` of 64 agents that is about 4 unloads, not
+    64. An agent that does not hold it after all counts as done. A stray this misses (a load
+    another process sent, one by hand) is a managed name no live resource wants: the drift
+    check unloads it. The unloads wait in their agents' queues
+    (:meth:`~lorafleet_operator.agent_client.AgentClients.unload_each`), so a thousand
+    deletions at once hold a future per agent each, not a suspended call."""
+    agents = [a for a in view.dialable if may_hold(rt, a, agent_name)]
     for agent in agents:
         rt.reservations.finished(agent.endpoint, agent_name, time.monotonic(), loaded=False)
     answers = await rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents])

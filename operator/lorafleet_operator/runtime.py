@@ -7,6 +7,7 @@ the agents. Losing all of it (a restart) costs at most one extra round of calls.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -29,6 +30,45 @@ class Listing:
     requested_at: float
     life: tuple[str, int]
     entries: Mapping[str, RegistryEntry]
+
+
+@dataclass
+class SentLoads:
+    """The loads this process sent to each agent, per registry name: from when a registry
+    listing shows what became of them. A deletion unloads only from agents that may hold
+    the adapter (:func:`~lorafleet_operator.reconcile.may_hold`); an agent whose listing was
+    requested after its last load of the name ended, and lacks the name, does not."""
+
+    #: endpoint -> registry name -> when its last load there ended (answered: a listing
+    #: requested later shows the outcome), or infinity while it runs or when it ended
+    #: unanswered (it may still complete on the agent: no listing settles it).
+    ends: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def sending(self, endpoint: str, name: str) -> None:
+        """A load of ``name`` is about to be sent to ``endpoint``."""
+        self.ends.setdefault(endpoint, {})[name] = math.inf
+
+    def ended(self, endpoint: str, name: str, now: float, *, answered: bool) -> None:
+        """The load ended: the agent answered it (success or refusal), or not."""
+        self.ends.setdefault(endpoint, {})[name] = now if answered else math.inf
+
+    def settled_by(self, endpoint: str, name: str, requested_at: float) -> bool:
+        """Whether a listing requested at ``requested_at`` shows the outcome of every load of
+        ``name`` sent to ``endpoint`` (true when none was sent)."""
+        return self.ends.get(endpoint, {}).get(name, -math.inf) < requested_at
+
+    def listed(self, endpoint: str, requested_at: float) -> None:
+        """The endpoint's listing requested at ``requested_at`` is its newest: the loads it
+        settles need remembering no more (the book holds only what no listing shows yet)."""
+        book = self.ends.get(endpoint, {})
+        for name, end in list(book.items()):
+            if end < requested_at:
+                del book[name]
+
+    def forget(self, name: str) -> None:
+        """The adapter is gone: its loads need settling no more."""
+        for book in self.ends.values():
+            book.pop(name, None)
 
 
 K = TypeVar("K")
@@ -92,6 +132,9 @@ class Runtime:
     #: namespace -> its pods (:func:`~lorafleet_operator.fleet.pod_summary` of each): kopf's
     #: pod index, live (``handlers.agent_pods``).
     pods: Mapping[str, Iterable[Mapping[str, Any]]] = field(default_factory=dict)
+    #: (namespace, fleet) -> that LoraFleet (:func:`~lorafleet_operator.fleet.fleet_summary`):
+    #: kopf's fleet index, live (``handlers.lora_fleets``).
+    fleets: Mapping[tuple[str, str], Iterable[Mapping[str, Any]]] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     #: agent endpoint -> its last registry listing (placement in handlers reuses it).
@@ -102,6 +145,9 @@ class Runtime:
         default_factory=SharedCalls)
     #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
     reservations: Reservations = field(default_factory=Reservations)
+    #: Every load sent, per agent endpoint and name, and when a listing shows its outcome
+    #: (deletions unload only where the adapter may be held).
+    sent: SentLoads = field(default_factory=SentLoads)
     #: (namespace, fleet) -> registry name -> what its adapters still waiting for room ask
     #: placement for, so a handler places its adapter after them (renewed by each drift
     #: check).

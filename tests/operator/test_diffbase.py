@@ -32,7 +32,7 @@ def configured() -> kopf.OperatorSettings:
     settings = Settings()
     operator_settings = kopf.OperatorSettings()
     configure(settings=operator_settings, memo=kopf.Memo(runtime=Runtime(settings, None, AgentClients(settings))),
-              agent_pods={})
+              agent_pods={}, lora_fleets={})
     return operator_settings
 
 

@@ -1,7 +1,8 @@
 """The drift check's decisions as plain functions of what it saw: whether an agent's registry
 entry is the adapter's spec (``holds``), which names live resources want on an agent
 (``wanted_on``), which managed names it unloads (``unwanted``), and what a fleet admits
-(pinning, http(s) source prefixes: ``admission``, ``pin_cap``). No cluster, no agents."""
+(pinning, http(s) source prefixes: ``admission``, ``pin_cap``), and which agents a deletion
+unloads from (``may_hold``). No cluster, no agents."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any
 import grpc
 
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_operator.agent_client import AgentError, AgentInfo, Credentials
+from lorafleet_operator.agent_client import AgentClients, AgentError, AgentInfo, Credentials
+from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import Registry, holds, unwanted, wanted_on
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, admission, pin_cap
+from lorafleet_operator.reconcile import FleetView, admission, may_hold, pin_cap
+from lorafleet_operator.runtime import Listing, Runtime
 
 NS = "team"
 SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"},
@@ -139,3 +142,41 @@ def test_the_fleet_admits_pins_and_http_sources_only_as_its_owner_allows() -> No
 
 def test_pinning_leaves_one_device_slot_for_unpinned_traffic() -> None:
     assert pin_cap(info()) == 3  # max_loras_per_batch 4
+
+
+def test_a_deletion_skips_only_agents_known_not_to_hold_the_adapter() -> None:
+    """An agent is skipped only when its last listing, by the same pod life, lacks the name
+    and was requested after every load of the name sent there ended answered. Anything less
+    known (never listed, restarted, a load since, one in flight or unanswered) is unloaded."""
+    settings = Settings()
+    rt = Runtime(settings, None, AgentClients(settings))
+    a0 = pod("agent-0")
+    name, ep = "team.one", a0.endpoint
+    assert may_hold(rt, a0, name)  # never listed
+
+    def listed(at: float, *held: str, restarts: int = 0) -> None:
+        rt.registries[ep] = Listing(at, (a0.uid, restarts), {n: entry(n) for n in held})
+
+    listed(10.0, "team.other")
+    assert not may_hold(rt, a0, name)  # listed without it, nothing sent: skipped
+    listed(10.0, name)
+    assert may_hold(rt, a0, name)
+    listed(10.0, restarts=1)  # another life of the pod listed: not this one
+    assert may_hold(rt, a0, name)
+    listed(10.0)
+    rt.sent.sending(ep, name)
+    assert may_hold(rt, a0, name)  # in flight
+    rt.sent.ended(ep, name, 12.0, answered=True)
+    assert may_hold(rt, a0, name)  # ended after the listing was requested
+    listed(13.0)
+    assert not may_hold(rt, a0, name)  # a later listing shows the (refused) load's outcome
+    rt.sent.listed(ep, 13.0)  # ... so the book forgets it
+    assert rt.sent.ends[ep] == {}
+    rt.sent.sending(ep, name)
+    rt.sent.ended(ep, name, 14.0, answered=False)  # cut off: it may still complete there
+    listed(20.0)
+    rt.sent.listed(ep, 20.0)  # no listing settles it
+    assert may_hold(rt, a0, name)
+    rt.sent.forget(name)  # the adapter's deletion is done
+    assert not may_hold(rt, a0, name)
+    assert may_hold(rt, pod("agent-10"), name)  # another endpoint: never listed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 import signal
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
+from lorafleet.v1 import agent_pb2
 from lorafleet_dev.agents import AgentProcess, AgentSpec, start_agents
 from lorafleet_dev.synthetic import write_model
 from tests.kube.harness import ControlPlane
@@ -38,6 +40,7 @@ from tests.operator.agents import (
     phases,
     registry,
     status,
+    stub,
 )
 from tests.operator.conftest import (
     CHART,
@@ -158,6 +161,84 @@ def test_apply_ready_then_delete_unloads_everywhere(
         with pytest.raises(grpc.RpcError) as err:
             generate(agent, f"{ns}.support", TOKENS)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def fleet_reads(cluster: ControlPlane) -> float:
+    """GET requests of LoraFleets the API server has answered since it started (its
+    ``apiserver_request_total``; a list or a watch is another verb)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(float(value) for labels, value in
+               re.findall(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M)
+               if 'resource="lorafleets"' in labels and 'verb="GET"' in labels)
+
+
+def test_reconciles_read_the_fleet_from_the_operators_index_not_the_api(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    """A wave of reconciles and drift checks of a fleet that exists GETs no LoraFleet: each
+    look at the fleet reads kopf's fleet index (fed by the watch). Before, every reconcile
+    and every drift check sent a GET of it (here 4 creates and at least 3 checks). Nothing
+    else in this window GETs a LoraFleet (the test reads only LoraAdapters and metrics)."""
+    ns = kube_namespace
+    wait_for(lambda: operator.drift_checks() >= 1, 30, "a first drift check", operator)
+    before = fleet_reads(kube_cluster)
+    names = [f"w{i}" for i in range(4)]
+    apply(kube_cluster, ns, *(adapter_manifest(n, make_adapter(adapters, n, seed=i))
+                              for i, n in enumerate(names)))
+    wait_for(lambda: phases(kube_cluster, ns) == dict.fromkeys(names, "Ready"), 120,
+             "4 adapters Ready", operator)
+    checks = operator.drift_checks()
+    wait_for(lambda: operator.drift_checks() >= checks + 3, 60, "3 more drift checks",
+             operator)
+    log = operator.log()
+    assert all(f"reconciled loraadapter {ns}/{n} gen=1 trigger=create" in log for n in names)
+    assert fleet_reads(kube_cluster) - before == 0
+    for agent in fleet:
+        assert set(registry(agent, ns)) == {f"{ns}.{n}" for n in names}
+
+
+def unload_calls(agent: AgentProcess, name: str) -> int:
+    """UnloadAdapter calls of ``name`` the agent received, whatever their outcome (its call
+    log: one line per control call)."""
+    return sum(1 for line in agent.log_path.read_text(errors="replace").splitlines()
+               if '"call": "unload"' in line and f'"adapter": "{name}"' in line)
+
+
+def test_a_deletion_unloads_only_where_the_adapter_may_be_held(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    """An adapter with ``replicas: 1`` is deleted: the agent that holds it gets the unload; the
+    other, whose registry listing (the operator's, before the load) lacks it and which was
+    sent no load of it, gets no UnloadAdapter call at all. Before, every agent of the fleet
+    was asked (1,000 adapters x 64 agents: 64,000 unloads with replicas 4). A stray copy
+    (as a load cut off and completed later would leave) is unloaded by the drift check: a
+    managed name no live LoraAdapter wants."""
+    ns = kube_namespace
+    source = make_adapter(adapters, "one")
+    manifest = adapter_manifest("one", source)
+    manifest["spec"]["replicas"] = 1
+    apply(kube_cluster, ns, manifest)
+    placed = wait_phase(kube_cluster, ns, "one", "Ready", operator)["placement"]["placed"]
+    (holder,) = [a for a in fleet if a.name in placed]
+    (other,) = [a for a in fleet if a.name not in placed]
+    name = f"{ns}.one"
+    assert (registry(holder, ns), registry(other, ns)) == ({name: [0, 1]}, {})
+    kube_cluster.kubectl("delete", "la", "one", "-n", ns, "--wait=true", "--timeout=60s")
+    assert (registry(holder, ns), registry(other, ns)) == ({}, {})
+    assert (unload_calls(holder, name), unload_calls(other, name)) == (1, 0)
+    assert f"deleted loraadapter {ns}/one: unloaded from 1/1 agents that may hold it (of 2)" \
+        in operator.log()
+
+    channel, agent_stub = stub(other)
+    with channel:
+        reply = agent_stub.LoadAdapter(agent_pb2.LoadAdapterRequest(
+            name=name, source_uri=f"file://{source}"), timeout=60)
+    assert reply.success and registry(other, ns) == {name: [0, 1]}
+    wait_for(lambda: registry(other, ns) == {}, 60, "the drift check to unload the stray",
+             operator)
+    assert f"drift: unloaded {name} from {other.name} (no resource wants it)" in operator.log()
 
 
 def test_bad_adapter_fails_without_hot_loop_and_others_are_unaffected(

@@ -45,7 +45,7 @@ from lorafleet_dev.synthetic import write_model
 from lorafleet_operator.agent_client import AgentClients, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, UnloadOutcome, unload_everywhere
+from lorafleet_operator.reconcile import FleetView, UnloadOutcome, unload_from_holders
 from lorafleet_operator.runtime import Runtime
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
@@ -467,11 +467,12 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
     settings = Settings()
 
     async def run() -> tuple[int, list[list[UnloadOutcome]]]:
-        rt = Runtime(settings, None, AgentClients(settings))  # unloads need no Kubernetes API
+        # Unloads need no Kubernetes API. No registry listed yet: every agent may hold each.
+        rt = Runtime(settings, None, AgentClients(settings))
         pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0)
                      for a in fault_env.agents)
         view = FleetView("t", pods, {}, Credentials(), "default", {})
-        started = [asyncio.ensure_future(unload_everywhere(rt, view, f"t.a{i:04d}"))
+        started = [asyncio.ensure_future(unload_from_holders(rt, view, f"t.a{i:04d}"))
                    for i in range(deletions)]
         for _ in range(3):  # every deletion runs up to its first wait (FIFO scheduling)
             await asyncio.sleep(0)

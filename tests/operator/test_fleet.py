@@ -1,14 +1,32 @@
 """Agent discovery: the selector the operator evaluates over the pods it watches selects
 exactly the pods the API server selects; endpoints and readiness come from the pod, and the
-summary the operator keeps of each pod (its pod index) says the same."""
+summary the operator keeps of each pod (its pod index) says the same. A look at a fleet reads
+the LoraFleet from the operator's fleet index, and asks the API server only for a fleet the
+index lacks."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from lorafleet_operator.fleet import agent_from_pod, agents_of, pod_summary, selector_matches
+import pytest
+
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.config import Settings
+from lorafleet_operator.failures import FleetProblem
+from lorafleet_operator.fleet import (
+    agent_from_pod,
+    agents_of,
+    fleet_summary,
+    pod_summary,
+    selector_matches,
+)
+from lorafleet_operator.kube import Kube, make_api_client
+from lorafleet_operator.reconcile import fleet_view
+from lorafleet_operator.runtime import Runtime
 from tests.kube.harness import ControlPlane
+from tests.operator.agents import apply, fleet_manifest
 
 SELECTORS: list[dict[str, Any]] = [
     {"matchLabels": {"fleet": "a"}},
@@ -86,3 +104,45 @@ def test_endpoint_and_readiness_from_the_pod(
 
 def test_empty_selector_selects_nothing() -> None:
     assert not selector_matches({}, {"a": "b"})
+
+
+def runtime(cluster: ControlPlane | None) -> Runtime:
+    """A Runtime on the real API server (None: no Kubernetes API at all, so a look that asked
+    it would fail)."""
+    settings = Settings()
+    kube = Kube(make_api_client(str(cluster.kubeconfig))) if cluster is not None else None
+    return Runtime(settings, kube, AgentClients(settings))
+
+
+def test_a_look_at_a_fleet_reads_the_fleet_index_without_a_request() -> None:
+    """The index's fleet is the one looked at (its spec: here a selector matching one pod of
+    the pod index); being deleted there is FleetDeleted. No Kubernetes API is reachable."""
+    rt = runtime(None)
+    fleet = fleet_manifest("f")
+    fleet["metadata"].update(namespace="ns", uid="u-1", generation=3)
+    rt.fleets = {("ns", "f"): [fleet_summary({**fleet, "status": {"agents": 9}})]}
+    rt.pods = {"ns": [{"metadata": {"name": "p", "namespace": "ns", "uid": "p-1",
+                                    "labels": {"lorafleet.dev/fleet": "f"}}}]}
+    view = asyncio.run(fleet_view(rt, "ns", "f"))
+    assert (view.name, [a.name for a in view.agents]) == ("f", ["p"])
+    assert view.spec == fleet["spec"]
+    deleting = {**fleet, "metadata": {**fleet["metadata"],
+                                      "deletionTimestamp": "2026-12-02T00:00:00Z"}}
+    rt.fleets = {("ns", "f"): [fleet_summary(deleting)]}
+    with pytest.raises(FleetProblem) as refused:
+        asyncio.run(fleet_view(rt, "ns", "f"))
+    assert refused.value.reason == "FleetDeleted"
+    assert asyncio.run(fleet_view(rt, "ns", "f", terminating_ok=True)).name == "f"
+
+
+def test_a_fleet_the_index_lacks_is_asked_for(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """A fleet created a moment ago, not yet in the index (its watch event still coming), is
+    found on the API server; one the API server lacks too is FleetNotFound, as before."""
+    apply(kube_cluster, kube_namespace, fleet_manifest("new"))
+    rt = runtime(kube_cluster)
+    assert asyncio.run(fleet_view(rt, kube_namespace, "new")).name == "new"
+    with pytest.raises(FleetProblem) as missing:
+        asyncio.run(fleet_view(rt, kube_namespace, "absent"))
+    assert missing.value.reason == "FleetNotFound"
