@@ -27,7 +27,7 @@ from node_agent.engine.kv_cache import PagedKVCache, budget_from_device_memory, 
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError, read_adapter_shard
+from node_agent.engine.peft_adapter import AdapterLoadError, read_adapter_shard, warm_up_shard_reads
 from node_agent.engine.pool import LoraPool, PoolError
 from node_agent.engine.protocol import (
     Command,
@@ -92,6 +92,9 @@ class RankWorker:
         self.modules = self.model.lora_modules()
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
         self.pool = LoraPool(self.modules, config.max_loras_per_batch, config.max_loaded_loras)
+        # The shard reader's kernels map their code now, not during the first load: a load's peak
+        # memory growth is then its shard alone (Load's peak_rss_growth_bytes; docs/engine.md).
+        warm_up_shard_reads(self.dtype)
         # The rank's own KV heads, as the sharding rule gives them (replicated heads included),
         # or MLA's latent once per token.
         self.kv_layout = kv_cache_layout(self.cfg, config.topology, rank, config.block_size, self.dtype)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
+from node_agent.engine.engine import Engine, EngineConfig
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec, warm_up_shard_reads
 from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
@@ -100,3 +101,15 @@ def test_the_warm_up_reads_files_of_every_float_dtype_into_the_engines_dtype(dty
         assert part.a.dtype == part.b.dtype == dtype
         assert not part.a.any() and not part.b.any()
     assert shard.nbytes == sum(part.a.numel() + part.b.numel() for part in slices) * dtype.itemsize
+
+
+def test_an_engines_first_load_grows_each_ranks_peak_by_about_its_shard(files):
+    """The ranks warm the reader up at start-up: the first load a rank reports (peak_rss_growth_bytes)
+    is its shard, not the shard plus the reader's kernel code (1.6x before the worker called it)."""
+    model_dir, adapter_dir = files
+    with Engine(EngineConfig(model_dir=model_dir, topology=TOPOLOGY, max_lora_rank=RANK)) as engine:
+        result = engine.load_adapter("first", adapter_dir)
+    assert result.ok and len(result.ranks) == TOPOLOGY.tp_size, result
+    for reply in result.ranks:
+        assert reply.shard_bytes > 2 << 20, reply
+        assert reply.peak_rss_growth_bytes <= 1.2 * reply.shard_bytes, (reply.rank, reply.shard_bytes, reply.peak_rss_growth_bytes)
