@@ -645,9 +645,47 @@ async def unload_from_holders(rt: Runtime, view: FleetView,
     agents = [a for a in view.dialable if may_hold(rt, a, agent_name)]
     for agent in agents:
         rt.reservations.finished(agent.endpoint, agent_name, time.monotonic(), loaded=False)
-    answers = await rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents])
+    answers, _ = await asyncio.gather(
+        rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents]),
+        unload_departed(rt, view, agent_name))
     return [UnloadOutcome(agent.name, unload_failure(answer))
             for agent, answer in zip(agents, answers, strict=True)]
+
+
+def departed_holders(rt: Runtime, view: FleetView, name: str) -> list[str]:
+    """Endpoints outside the fleet's dialable agents that may still hold the registry name:
+    this process's newest listing there has it, or a load of it sent there is not yet
+    settled by a listing. Their pods went away or stopped being ready since; the agent
+    processes behind them may still run (a namespace being deleted loses its pods before its
+    adapters; agents serving several namespaces keep running)."""
+    here = {a.endpoint for a in view.dialable}
+    listed = {e for e, listing in rt.registries.items() if name in listing.entries}
+    sent = {e for e, book in rt.sent.ends.items() if name in book}
+    return sorted((listed | sent) - here)
+
+
+async def unload_departed(rt: Runtime, view: FleetView, name: str) -> None:
+    """Unload the name from its :func:`departed_holders`, best effort: waited for at most one
+    call deadline and never holding the deletion (a pod that is gone may leave an address
+    nobody answers at; the queued unloads go on after the wait)."""
+    endpoints = departed_holders(rt, view, name)
+    if not endpoints:
+        return
+    try:
+        answers = await asyncio.wait_for(
+            rt.agents.unload_each([(e, view.creds, name) for e in endpoints]),
+            rt.settings.call_deadline_s)
+    except TimeoutError:
+        log.info("unload of %s from %s (pods gone or not ready): no answer within %.0fs; "
+                 "left to run", name, ", ".join(endpoints), rt.settings.call_deadline_s)
+        return
+    for endpoint, answer in zip(endpoints, answers, strict=True):
+        failure = unload_failure(answer)
+        if failure is None:
+            log.info("unloaded %s from %s (pod gone or not ready)", name, endpoint)
+        else:
+            log.info("unload of %s from %s (pod gone or not ready) failed: %s", name, endpoint,
+                     failure_message(failure, "unload failed"))
 
 
 def unload_failure(answer: ControlReply | AgentError) -> AgentFailure | None:

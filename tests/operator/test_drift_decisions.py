@@ -2,10 +2,11 @@
 entry is the adapter's spec (``holds``), which names live resources want on an agent
 (``wanted_on``), which managed names it unloads (``unwanted``), and what a fleet admits
 (pinning, http(s) source prefixes: ``admission``, ``pin_cap``), and which agents a deletion
-unloads from (``may_hold``). No cluster, no agents."""
+unloads from (``may_hold``, ``departed_holders``). No cluster, no agents."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import grpc
@@ -15,7 +16,7 @@ from lorafleet_operator.agent_client import AgentClients, AgentError, AgentInfo,
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import Registry, holds, unwanted, wanted_on
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, admission, may_hold, pin_cap
+from lorafleet_operator.reconcile import FleetView, admission, departed_holders, may_hold, pin_cap
 from lorafleet_operator.runtime import Listing, Runtime
 
 NS = "team"
@@ -180,3 +181,26 @@ def test_a_deletion_skips_only_agents_known_not_to_hold_the_adapter() -> None:
     rt.sent.forget(name)  # the adapter's deletion is done
     assert not may_hold(rt, a0, name)
     assert may_hold(rt, pod("agent-10"), name)  # another endpoint: never listed
+
+
+def test_a_deletion_also_unloads_where_an_agent_outside_the_fleet_may_hold_it() -> None:
+    """Endpoints that are no longer dialable agents of the fleet (pod gone or not ready) are
+    unloaded from when this process's newest listing there has the name, or a load of it sent
+    there is not settled; agents of the fleet are :func:`may_hold`'s, never listed twice."""
+    settings = Settings()
+    rt = Runtime(settings, None, AgentClients(settings))
+    here = AgentPod(name="agent-0", namespace=NS, uid="u0", labels={}, ready=True,
+                    endpoint="10.0.0.1:50051", restarts=0)
+    view = FleetView(NS, (here,), {}, Credentials(), "default", {})
+    name = "team.one"
+    assert departed_holders(rt, view, name) == []
+    rt.registries[here.endpoint] = Listing(1.0, ("u0", 0), {name: entry(name)})
+    rt.registries["10.0.0.2:50051"] = Listing(1.0, ("u1", 0), {name: entry(name)})
+    rt.registries["10.0.0.3:50051"] = Listing(1.0, ("u2", 0), {"team.other": entry("team.other")})
+    rt.sent.sending("10.0.0.4:50051", name)
+    assert departed_holders(rt, view, name) == ["10.0.0.2:50051", "10.0.0.4:50051"]
+    assert departed_holders(rt, view, "team.other") == ["10.0.0.3:50051"]
+    not_ready = FleetView(NS, (dataclasses.replace(here, ready=False),), {},
+                          Credentials(), "default", {})
+    assert departed_holders(rt, not_ready, name) == ["10.0.0.1:50051", "10.0.0.2:50051",
+                                                    "10.0.0.4:50051"]

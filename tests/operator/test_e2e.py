@@ -241,6 +241,28 @@ def test_a_deletion_unloads_only_where_the_adapter_may_be_held(
     assert f"drift: unloaded {name} from {other.name} (no resource wants it)" in operator.log()
 
 
+def test_a_deletion_unloads_from_an_agent_whose_pod_went_away(
+    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
+    operator: OperatorProcess,
+) -> None:
+    """An adapter Ready on both agents; one agent's pod is deleted while its process keeps
+    running (as when a namespace being deleted loses its pods before its adapters, the agents
+    serving other namespaces too). Deleting the adapter unloads it from that agent as well.
+    Before, the deletion asked only the fleet's agents as they were then, and the departed
+    one kept the adapter (CI failure of test_namespaces, 2026-12-02)."""
+    ns = kube_namespace
+    apply(kube_cluster, ns, adapter_manifest("kept", make_adapter(adapters, "kept")))
+    wait_phase(kube_cluster, ns, "kept", "Ready", operator)
+    gone, other = fleet
+    kube_cluster.kubectl("delete", "pod", gone.name, "-n", ns, "--wait=true")
+    wait_for(lambda: kube_cluster.kubectl_json("get", "lfleet", "default", "-n", ns)
+             ["status"].get("agents") == 1, 30, "the fleet without the pod", operator)
+    assert registry(gone, ns) == {f"{ns}.kept": [0, 1]}
+    kube_cluster.kubectl("delete", "la", "kept", "-n", ns, "--wait=true", "--timeout=60s")
+    assert (registry(gone, ns), registry(other, ns)) == ({}, {})
+    assert f"unloaded {ns}.kept from {gone.endpoint} (pod gone or not ready)" in operator.log()
+
+
 def test_bad_adapter_fails_without_hot_loop_and_others_are_unaffected(
     kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess], adapters: Path,
     operator: OperatorProcess,
