@@ -53,10 +53,13 @@ def test_health_describe_list_and_forward_answer_while_64_slow_loads_are_pending
             wait_until(lambda: http.holding == DOWNLOADS and sum(f.done() for f in first) == NAMES - DOWNLOADS, 60,
                        "the downloads held and the bound's refusals")
             assert all("--max-concurrent-downloads" in d for d in _refusals(first))
-            # Wave 2: more loads of the names being downloaded: they wait for their name (holding a
-            # control place) until the control budget is used up; beyond it they are refused at once.
+            # Wave 2: more loads of the names being downloaded (whichever wave-1 loads got there
+            # first): they wait for their name (holding a control place) until the control budget
+            # is used up; beyond it they are refused at once.
+            downloading = [f"slow{i}" for i, f in enumerate(first) if not f.done()]
+            assert len(downloading) == DOWNLOADS
             waiting = DEFAULT_MAX_CONTROL_CALLS - DOWNLOADS
-            second = [stub.LoadAdapter.future(pb.LoadAdapterRequest(name=f"slow{i % DOWNLOADS}", source_uri=http.url("hold", "ad1")),
+            second = [stub.LoadAdapter.future(pb.LoadAdapterRequest(name=downloading[i % DOWNLOADS], source_uri=http.url("hold", "ad1")),
                                               timeout=300)
                       for i in range(64 - NAMES)]
             wait_until(lambda: sum(f.done() for f in second) == len(second) - waiting, 60, "the control budget's refusals")
