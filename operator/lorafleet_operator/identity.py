@@ -98,6 +98,11 @@ class Identities:
     def is_proven(self, endpoint: str, token: str) -> bool:
         return self.proven.get(endpoint) == (self.pods.get(endpoint, ("", ""))[0], token_digest(token))
 
+    def forget(self, endpoint: str) -> None:
+        """The pod last seen at the endpoint may be gone and its IP another pod's now: the next
+        token-bearing call there proves again (the challenge carries no token)."""
+        self.proven.pop(endpoint, None)
+
     def prove(self, endpoint: str, token: str) -> None:
         self.proven[endpoint] = (self.pods.get(endpoint, ("", ""))[0], token_digest(token))
 

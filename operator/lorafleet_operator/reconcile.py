@@ -667,10 +667,16 @@ def departed_holders(rt: Runtime, view: FleetView, name: str) -> list[str]:
 async def unload_departed(rt: Runtime, view: FleetView, name: str) -> None:
     """Unload the name from its :func:`departed_holders`, best effort: waited for at most one
     call deadline and never holding the deletion (a pod that is gone may leave an address
-    nobody answers at; the queued unloads go on after the wait)."""
+    nobody answers at; the queued unloads go on after the wait). A bearer token goes there
+    only after a fresh identity proof (:mod:`~lorafleet_operator.identity`), or over the
+    fleet's verified TLS: the address may be another pod's by now."""
     endpoints = departed_holders(rt, view, name)
     if not endpoints:
         return
+    for endpoint in endpoints:
+        # No longer an agent pod this process watches there: the token goes only to an agent
+        # that proves again it holds it (a reused IP's new pod gets the challenge, no token).
+        rt.agents.identities.forget(endpoint)
     try:
         answers = await asyncio.wait_for(
             rt.agents.unload_each([(e, view.creds, name) for e in endpoints]),

@@ -17,6 +17,7 @@ with a real agent, the real operator, and real HTTP servers on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
@@ -29,9 +30,15 @@ import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2, agent_pb2_grpc
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_model
+from lorafleet_operator.agent_client import AgentClients, Credentials
+from lorafleet_operator.config import Settings
+from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.progress import describe
+from lorafleet_operator.reconcile import FleetView, unload_departed
+from lorafleet_operator.runtime import Listing, Runtime
 from tests.agent import test_source_credentials as http_sources
 from tests.agent import test_source_hub as hub_sources
 from tests.agent.helpers import running
@@ -255,6 +262,32 @@ def test_the_token_goes_only_to_pods_that_prove_they_are_agents(
     assert status(kube_cluster, ns, "plain")["phase"] == "Degraded"
     assert_nowhere(kube_cluster, ns, operator, env, env.token)
     assert base64.b64encode(env.token.encode()).decode() not in json.dumps(events)
+
+
+def test_an_unload_at_a_departed_pods_address_sends_the_token_only_after_a_new_proof(
+    workload: Workload,
+) -> None:
+    """A deletion unloads also where an agent pod went away (``reconcile.unload_departed``).
+    Its address may be another pod's by now: here a plain gRPC server that records every call,
+    at an endpoint where an agent had proved it holds the token. The unload first challenges
+    it again (no token in the challenge); it fails, and the token is never sent. Before, the
+    old proof let the UnloadAdapter call carry the token straight to it."""
+    settings = Settings(call_deadline_s=5.0)
+    rt = Runtime(settings, None, AgentClients(settings))
+    endpoint, name, token = f"127.0.0.1:{workload.port}", "team.one", secrets.token_urlsafe(24)
+    gone = AgentPod(name="agent-1", namespace="team", uid="u1", labels={}, ready=True,
+                    endpoint=endpoint, restarts=0)
+    rt.agents.observe([gone])
+    rt.agents.identities.prove(endpoint, token)  # the agent that was there proved it
+    rt.registries[endpoint] = Listing(1.0, ("u1", 0), {name: RegistryEntry(name, "file:///a", "ab", False, (0,))})
+    view = FleetView("team", (), {}, Credentials(token=token), "default", {})
+
+    asyncio.run(unload_departed(rt, view, name))
+
+    with workload.lock:
+        methods = [method for method, _ in workload.calls]
+    assert methods == ["/lorafleet.v1.NodeAgent/ProveIdentity"], methods
+    assert set(workload.tokens()) == {""}, "the token went to the pod at the reused address"
 
 
 def test_a_long_download_shows_its_progress_in_the_ready_condition(
