@@ -212,8 +212,28 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
             return cached
         return await rt.describes.get(key, lambda: ask(agent, key))
 
-    rt.agents.observe([a for a in agents if a.dialable])  # a new pod at an endpoint proves again
-    return await ask_each([a for a in agents if a.dialable], describe)
+    dialable = [a for a in agents if a.dialable]
+    rt.agents.observe(dialable)  # a new pod at an endpoint proves again
+    if not fresh:
+        cached = _all_cached(dialable, lambda a: rt.describe_cache.get((a.uid, a.restarts, a.endpoint)))
+        if cached is not None:
+            return dict(cached)
+    return await ask_each(dialable, describe)
+
+
+def _all_cached(agents: Sequence[AgentPod],
+                cached: Callable[[AgentPod], T | None]) -> dict[str, T] | None:
+    """Every agent's cached answer by pod name, or None when one has none: the reconciles
+    of a thousand adapters then take the answers without a task per agent each (64 tasks
+    per look, twice per reconcile, were about 4% of the operator's CPU at 300 adapters x 64
+    agents, py-spy, 2026-12-02)."""
+    answers: dict[str, T] = {}
+    for agent in agents:
+        answer = cached(agent)
+        if answer is None:
+            return None
+        answers[agent.name] = answer
+    return answers
 
 
 async def look_up_fleet(rt: Runtime, namespace: str, name: str) -> Mapping[str, Any] | None:
@@ -472,17 +492,28 @@ async def list_registries(rt: Runtime, view: FleetView, *,
             rt.sent.listed(agent.endpoint, requested_at)
         return listing
 
+    def recent(agent: AgentPod) -> Mapping[str, RegistryEntry] | None:
+        cached = rt.registries.get(agent.endpoint)
+        if cached is not None and cached.life == (agent.uid, agent.restarts) \
+                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
+            return cached.entries
+        return None
+
     async def listing(agent: AgentPod) -> Mapping[str, RegistryEntry]:
         if fresh:
             return (await ask(agent)).entries
+        entries = recent(agent)
+        if entries is not None:
+            return entries
         life = (agent.uid, agent.restarts)
-        cached = rt.registries.get(agent.endpoint)
-        if cached is not None and cached.life == life \
-                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
-            return cached.entries
         return (await rt.listings.get((agent.endpoint, life), lambda: ask(agent))).entries
 
-    return await ask_each(view.dialable, listing)
+    dialable = view.dialable
+    if not fresh:
+        cached = _all_cached(dialable, recent)
+        if cached is not None:
+            return dict(cached)
+    return await ask_each(dialable, listing)
 
 
 def candidates(rt: Runtime, view: FleetView,
