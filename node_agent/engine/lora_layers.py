@@ -57,6 +57,15 @@ class LoraSlots(Protocol):
         """Per slice: the (A, B) shape of one slot's buffers."""
 
 
+@dataclass(frozen=True)
+class SlotViews:
+    """A layer's LoRA buffers as views per slot, made once: `a[s]` slot `s`'s joined A
+    `[Σ rank widths, in]`, `b[s][i]` its B of slice `i` (`kernels.add_fp32`)."""
+
+    a: tuple[torch.Tensor, ...]
+    b: tuple[tuple[torch.Tensor, ...], ...]
+
+
 def fill_slot(a: list[torch.Tensor], b: list[torch.Tensor], scales: torch.Tensor, weights: list[SliceWeights | None]) -> None:
     """Copy one adapter's slices into one slot's A/B views and scale entries; untargeted ones become zero."""
     for index, part in enumerate(weights):
@@ -82,15 +91,20 @@ def add_lora(
     fully_sharded: bool,
     group: dist.ProcessGroup | None,
     a_joined: torch.Tensor | None = None,
+    slot_views: SlotViews | None = None,
 ) -> None:
     """Add the LoRA delta of `x` into this rank's (unreduced) base output `out`, in place.
 
     The one place for the collectives of both LoRA modes (docs/design.md §3), used by dense and
     expert layers alike. `fully_sharded` is `sharding.lora_fully_sharded` of the layer;
-    `a_joined` is `a_stacks` as one tensor when they are its row blocks (`kernels.shrink`).
+    `a_joined` is `a_stacks` as one tensor when they are its row blocks (`kernels.shrink`);
+    `slot_views` the same buffers per slot, for `kernels.add_fp32`.
     """
     if not batch.active_slots:
         return  # no token uses an adapter: the delta is zero, and so would every collective's be
+    if (not fully_sharded and slot_views is not None
+            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch)):
+        return  # no collective of its own: the default mode's delta is added before the layer's reduction
     shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
     if fully_sharded and style is ParallelStyle.ROW:
         # Complete the shrink first, then this rank adds only its own block of output columns;
@@ -139,6 +153,9 @@ class LoraLinear(nn.Module):
             torch.zeros(capacity.slots, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora
         ]
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
+        # Views of the same memory: what `set_slot` writes, they show.
+        self.slot_views = SlotViews(tuple(self.a_joined.unbind(0)),
+                                    tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)))
 
     def _joined_a_stacks(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`[slots, Σ rank widths, in]`, zeroed: every slice's A stack as its row block. All slices
@@ -173,7 +190,7 @@ class LoraLinear(nn.Module):
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
         """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
         add_lora(x, out, self.a_stacks, self.b_stacks, self.scales, batch, self.style, self.lora,
-                 self.gathers_shrink, self.group, self.a_joined)
+                 self.gathers_shrink, self.group, self.a_joined, self.slot_views)
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""

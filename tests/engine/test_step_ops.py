@@ -32,9 +32,10 @@ from node_agent.engine.topology import Topology
 
 LAYERS = 2
 BLOCK = 4
-# Measured 2026-12-01 on this two-layer model: 344 ops (612 before 8ad9993 and ae72171). The
-# budget leaves a little room.
-OPS_BUDGET = 380
+# Measured on this two-layer model: 344 ops on 2026-12-01 (612 before 8ad9993 and ae72171), 234
+# on 2026-12-02 with the fused fp32 LoRA pass, the index_select KV gather and the segments built
+# in Python (342 for the code before them). The budget leaves a little room.
+OPS_BUDGET = 260
 
 
 class OpCounter(TorchDispatchMode):

@@ -137,3 +137,52 @@ def test_scattered_rows_into_a_16_bit_output() -> None:
     got = problem.out.clone()
     torch_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, got)
     torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7)
+
+
+def slot_views(a_joined: torch.Tensor, b_stacks: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...],
+                                                                             tuple[tuple[torch.Tensor, ...], ...]]:
+    """Per-slot views of the joined A and the B stacks, as `LoraLinear.slot_views` makes them."""
+    return tuple(a_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in b_stacks), strict=True))
+
+
+@pytest.mark.parametrize("token_slots", [
+    [3],  # one decoding sequence
+    [2] * 5,  # one adapter for every token (a prefill)
+    [-1, 1, 1, -1],  # one run of an adapter among base tokens
+    decode_slots(8, 8),  # eight decoding sequences over eight adapters
+    [4, 4, 1, 0, 0, 0, -1, 1, 7],  # runs of one and several rows, a slot twice, base rows
+], ids=["one-row", "one-adapter", "run-among-base", "eight-adapters", "mixed-runs"])
+@pytest.mark.parametrize("widths", [(40, 8, 8), (24,)], ids=["three-slices", "one-slice"])
+def test_add_fp32_equals_shrink_then_expand_to_the_bit(token_slots: list[int], widths: tuple[int, ...]) -> None:
+    # The fused pass runs the very products of the two calls, so greedy tokens cannot move.
+    problem = make_problem(token_slots, num_slots=8, widths=widths)
+    a_joined, a_stacks = joined_views(problem.a_stacks)
+    want = problem.out.clone()
+    torch_ops.expand(torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined), problem.b_stacks,
+                     problem.scales, problem.batch, want)
+    got = problem.out.clone()
+    a_slots, b_slots = slot_views(a_joined, problem.b_stacks)
+    assert torch_ops.add_fp32(problem.x, got, a_slots, b_slots, problem.scales, problem.batch)
+    assert torch.equal(got, want)
+    _, reference = per_token(problem, torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined), torch.float64)
+    torch.testing.assert_close(got.double(), reference, **FP32)
+
+
+@pytest.mark.parametrize(("token_slots", "dtype"), [
+    (decode_slots(24, 4), torch.float32),  # more than MAX_RUNS_AS_SLICES runs: index rows
+    ([0, 1, 1], torch.bfloat16),
+], ids=["index-rows", "bf16"])
+def test_add_fp32_leaves_other_batches_to_shrink_and_expand(token_slots: list[int], dtype: torch.dtype) -> None:
+    problem = make_problem(token_slots, num_slots=4, dtype=dtype, out_dtype=dtype)
+    a_joined, _ = joined_views(problem.a_stacks)
+    got = problem.out.clone()
+    assert not torch_ops.add_fp32(problem.x, got, *slot_views(a_joined, problem.b_stacks), problem.scales,
+                                  problem.batch)
+    assert torch.equal(got, problem.out), "nothing written when the path declines"
+
+
+def test_segments_and_runs_of_an_empty_batch() -> None:
+    batch = LoraBatch.from_token_slots(torch.zeros(0, dtype=torch.int64))
+    assert (batch.num_tokens, batch.max_seg_len, batch.active_slots, batch.slot_rows) == (0, 0, (), ())
+    assert batch.seg_starts.dtype == batch.seg_lens.dtype == batch.seg_slots.dtype == torch.int32
+    assert batch.seg_starts.numel() == 0

@@ -43,53 +43,46 @@ class LoraBatch:
     def slot_rows(self) -> tuple[tuple[int, Rows], ...]:
         """Per active slot (ascending), the rows that use it: one slice per run of consecutive
         rows when there are at most `MAX_RUNS_AS_SLICES` runs (a slot may then appear several
-        times), else one int64 index tensor on the batch's device."""
-        cpu = self.token_slots.cpu()
+        times), else one int64 index tensor on the batch's device.
+
+        Grouped in Python from one `tolist()` of the (host) segments: a compare and a `nonzero`
+        per slot cost more, for a decode step's few rows, than the whole loop."""
+        runs_of: dict[int, list[slice]] = {}
+        for start, length, slot in zip(self.seg_starts.tolist(), self.seg_lens.tolist(), self.seg_slots.tolist(),
+                                       strict=True):
+            if slot >= 0:
+                runs_of.setdefault(slot, []).append(slice(start, start + length))
         found: list[tuple[int, Rows]] = []
         for slot in self.active_slots:
-            rows = torch.nonzero(cpu == slot).flatten()
-            runs = _runs(rows.tolist())
+            runs = runs_of[slot]
             if len(runs) <= MAX_RUNS_AS_SLICES:
                 found.extend((slot, run) for run in runs)
             else:
-                found.append((slot, rows.to(self.token_slots.device)))
+                rows = [row for run in runs for row in range(run.start, run.stop)]
+                found.append((slot, torch.tensor(rows, dtype=torch.int64, device=self.token_slots.device)))
         return tuple(found)
 
     @classmethod
     def from_token_slots(cls, token_slots: torch.Tensor) -> LoraBatch:
         """Build the segment view of a [T] slot vector (any integer dtype, any device)."""
         slots = token_slots.to(torch.int32)
-        total = int(slots.shape[0])
-        if total == 0:
-            empty = torch.zeros(0, dtype=torch.int32, device=slots.device)
-            return cls(slots, empty, empty, empty, 0, ())
-        cpu = slots.cpu()
-        change = torch.ones(total, dtype=torch.bool)
-        change[1:] = cpu[1:] != cpu[:-1]
-        starts = torch.nonzero(change).flatten().to(torch.int32)
-        ends = torch.cat([starts[1:], torch.tensor([total], dtype=torch.int32)])
-        lens = ends - starts
-        seg_slots = cpu[starts.long()]
-        active = tuple(sorted({int(s) for s in seg_slots.tolist() if s >= 0}))
+        values = slots.tolist()
+        # Segments in Python over one host copy: a decode step's batch has a few tokens, and a
+        # dozen small tensor ops per step cost more than this loop (a prefill's few hundred too).
+        starts = [i for i in range(len(values)) if i == 0 or values[i] != values[i - 1]]
+        ends = [*starts[1:], len(values)] if starts else []
+        lens = [end - start for start, end in zip(starts, ends, strict=True)]
+        seg_slots = [values[start] for start in starts]
         device = slots.device
+
+        def tensor(items: list[int]) -> torch.Tensor:
+            return torch.tensor(items, dtype=torch.int32, device=device)
+
         return cls(
             token_slots=slots,
-            seg_starts=starts.to(device),
-            seg_lens=lens.to(device),
-            seg_slots=seg_slots.to(device),
-            max_seg_len=int(lens.max()),
-            active_slots=active,
+            seg_starts=tensor(starts),
+            seg_lens=tensor(lens),
+            seg_slots=tensor(seg_slots),
+            max_seg_len=max(lens, default=0),
+            active_slots=tuple(sorted({s for s in seg_slots if s >= 0})),
         )
-
-
-def _runs(rows: list[int]) -> list[slice]:
-    """Ascending row numbers as slices of consecutive rows."""
-    runs: list[slice] = []
-    start = previous = rows[0]
-    for row in rows[1:]:
-        if row != previous + 1:
-            runs.append(slice(start, previous + 1))
-            start = row
-        previous = row
-    runs.append(slice(start, previous + 1))
-    return runs

@@ -10,6 +10,7 @@ first needed, so the CPU path never loads triton.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -35,6 +36,19 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if not interpreting:  # mode triton on a CPU tensor
         raise RuntimeError(f"{MODE_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
     return True
+
+
+def add_fp32(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a_slots: Sequence[torch.Tensor],
+    b_slots: Sequence[Sequence[torch.Tensor]],
+    scales: torch.Tensor,
+    batch: LoraBatch,
+) -> bool:
+    """`torch_ops.add_fp32` (shrink and expand in one pass) where the torch path serves `x`;
+    False, having done nothing, where it does not (then call `shrink` and `expand`)."""
+    return not use_triton(x) and torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
 
 
 def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch,

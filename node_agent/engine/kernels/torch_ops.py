@@ -17,6 +17,8 @@ tokens over 8 adapters (docs/kernels.md, "The CPU path"), so it was removed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from node_agent.engine.kernels.batch import LoraBatch, Rows
@@ -108,3 +110,56 @@ def _indices(rows: Rows, device: torch.device) -> torch.Tensor:
     if isinstance(rows, slice):
         return torch.arange(rows.start, rows.stop, device=device)
     return rows
+
+
+def add_fp32(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a_slots: Sequence[torch.Tensor],
+    b_slots: Sequence[Sequence[torch.Tensor]],
+    scales: torch.Tensor,
+    batch: LoraBatch,
+) -> bool:
+    """`expand(shrink(x), ...)` into `out` in one pass over the batch's slot runs, for fp32 `x`,
+    `out`, A and B; the same products as the two calls, so the same result to the bit.
+
+    `a_slots[s]`: slot `s`'s joined A `[n_slices · R, in]`; `b_slots[s][i]`: its B of slice `i`
+    `[width_i, R]` (per-slot views the layer makes once). Returns False, having done nothing,
+    for batches this path does not serve (a slot's rows as an index tensor; any other dtype).
+
+    Why: a decode step runs this for every module of every layer, and for one row per slot the
+    two-call form spent more on indexing (a slot's A, a row of x, of the shrink's output, of y
+    per slice, of out per slice: about 40 view ops per slot and layer) than on its
+    matrix-vector products. Here a slot's row takes one `mv` and one `addmv_` per slice, over
+    views split off once.
+    """
+    runs = batch.slot_rows
+    if any(not isinstance(rows, slice) for _, rows in runs) or not (
+            x.dtype == out.dtype == a_slots[0].dtype == b_slots[0][0].dtype == torch.float32):
+        return False
+    factors = scales.t().tolist()  # one read of every slot's scales
+    widths = [b.shape[0] for b in b_slots[0]]
+    ranks = [b.shape[1] for b in b_slots[0]]
+    # Rows of x and out as views made by one op each, when several one-row runs need them.
+    x_rows, out_rows = (x.unbind(0), out.unbind(0)) if len(runs) > 1 else (x, out)
+    # Shrink every run, then expand slice by slice: runs come in ascending slot order, so each
+    # stack (A, then each slice's B) is read front to back, one stream for the prefetcher
+    # instead of a jump between stacks per slot. (`split_with_sizes`: the C++ method, not the
+    # Python of `Tensor.split`.)
+    parts: list[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], bool]] = []
+    for slot, rows in runs:
+        assert isinstance(rows, slice)  # checked above
+        if rows.stop - rows.start == 1:
+            y = torch.mv(a_slots[slot], x_rows[rows.start])
+            parts.append((out_rows[rows.start].split_with_sizes(widths), y.split_with_sizes(ranks), True))
+        else:
+            y = x[rows] @ a_slots[slot].t()
+            parts.append((out[rows].split_with_sizes(widths, dim=1), y.split_with_sizes(ranks, dim=1), False))
+    for index in range(len(widths)):
+        for (slot, _), (targets, ys, one_row) in zip(runs, parts, strict=True):
+            b, factor = b_slots[slot][index], factors[slot][index]
+            if one_row:
+                targets[index].addmv_(b, ys[index], alpha=factor)
+            else:
+                targets[index].addmm_(ys[index], b.t(), alpha=factor)
+    return True
