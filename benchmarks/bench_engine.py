@@ -34,7 +34,7 @@ from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
 from node_agent.engine.adapter_files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import read_adapter_shard
+from node_agent.engine.peft_adapter import plan_shard, read_planned_shard
 from node_agent.engine.protocol import Load
 from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
@@ -79,10 +79,12 @@ def read_rank_shard(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tu
 
 
 def rank_read(verified: VerifiedAdapter, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
-    """What one rank does for a load: hold the verified files, read its shard; its bytes."""
-    with HeldFiles(verified.spec.path, "rank 0") as held:
-        held.require(verified)
-        shard = read_adapter_shard(verified.spec, held.weights_fd, layouts, torch.float32)
+    """One rank's part of a load, its plan included (the driver plans it): hold the verified
+    files, read its shard by the plan; its bytes."""
+    plan = plan_shard(verified.spec, layouts, torch.float32)
+    with HeldFiles(verified.files.path, "rank 0") as held:
+        held.require(verified.files)
+        shard = read_planned_shard(plan, held.weights_fd, tuple(layouts), torch.float32)
         held.check_unchanged()
     return shard.nbytes
 
@@ -126,7 +128,8 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         samples, driver_cpu, ranks_cpu = [], [], []
         reads: list[list[int]] = [[] for _ in engine.pids]
         # What a rank's pipe delivers for a load: the pickled command (as the driver sends it) and its length.
-        command_bytes = len(ForkingPickler.dumps(Load("bench", verified, False))) + 4
+        plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
+        command_bytes = len(ForkingPickler.dumps(Load("bench", verified.files, plans, False))) + 4
         for _ in range(repeats):
             cpu_before, read_before = (time.thread_time(), rank_cpu_seconds(engine.pids)), rank_read_chars(engine.pids)
             start = time.perf_counter()

@@ -3,10 +3,11 @@
 A load is checked once, in the driver and before the command lock (`verify_adapter`): the files
 are opened without following a symlink, hashed when the caller verified digests (the agent's
 source check), and parsed and matched against the base model (`read_adapter_spec`: config,
-patterns, safetensors header). The result, a `VerifiedAdapter`, carries the spec the ranks read
-by and each file's identity (device, inode, size, mtime, ctime). A rank parses nothing: it
-opens the files the same way, refuses them unless their identity is the verified one, reads its
-shard through that open descriptor and checks the identity unchanged afterwards.
+patterns, safetensors header). The result, a `VerifiedAdapter`, carries the spec the driver plans
+each rank's read by (`peft_adapter.plan_shard`) and each file's identity (device, inode, size,
+mtime, ctime: `VerifiedFiles`). A rank parses nothing: it opens the files the same way, refuses
+them unless their identity is the verified one, reads its shard through that open descriptor by
+its plan and checks the identity unchanged afterwards.
 
 Why identity rather than a digest per rank: any write to a file moves its ctime and a replaced
 directory entry is another inode, so an equal identity before and after the read means the rank
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from node_agent.engine.model_config import ModelConfig
@@ -61,13 +62,22 @@ class FileIdentity:
 
 
 @dataclass(frozen=True)
-class VerifiedAdapter:
-    """An adapter checked once by the driver: what every rank needs to read its shard."""
+class VerifiedFiles:
+    """Which versions of an adapter's two files the driver checked: what a rank holds its reads to."""
 
-    spec: AdapterSpec  # the modules and tensor offsets, with only the tensors they name
+    path: Path
     weights: FileIdentity
     config: FileIdentity
     digests: FileDigests | None  # the digests the caller verified and the driver confirmed, if any
+
+
+@dataclass(frozen=True)
+class VerifiedAdapter:
+    """An adapter checked once by the driver: its spec (for the driver to plan every rank's
+    read by) and the verified files (which go to the ranks with their plans)."""
+
+    spec: AdapterSpec
+    files: VerifiedFiles
 
 
 class HeldFiles:
@@ -101,7 +111,7 @@ class HeldFiles:
         """The sha256 of both files, read through the held descriptors."""
         return FileDigests(_sha256(self.fds[WEIGHTS_FILE]), _sha256(self.fds[CONFIG_FILE]))
 
-    def require(self, verified: VerifiedAdapter) -> None:
+    def require(self, verified: VerifiedFiles) -> None:
         """Refuse files that are not the verified versions (ContentChanged)."""
         for name, want in ((WEIGHTS_FILE, verified.weights), (CONFIG_FILE, verified.config)):
             if self.identities[name] != want:
@@ -150,9 +160,7 @@ def _verify_held(held: HeldFiles, cfg: ModelConfig, max_lora_rank: int, expected
     weights, config = held.identities[WEIGHTS_FILE], held.identities[CONFIG_FILE]
     if spec.file_size != weights.size:
         raise ContentChanged(f"{WEIGHTS_FILE} changed while the driver read it")
-    named = {key for module in spec.modules for key in (module.a_key, module.b_key)}
-    slim = replace(spec, tensors={key: entry for key, entry in spec.tensors.items() if key in named})
-    return VerifiedAdapter(slim, weights, config, expected)
+    return VerifiedAdapter(spec, VerifiedFiles(held.path, weights, config, expected))
 
 
 def _open_error(path: Path, error: OSError) -> str:

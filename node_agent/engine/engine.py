@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.adapter_files import FileDigests, verify_adapter
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError
+from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner
 from node_agent.engine.protocol import (
     Command,
     ControlReply,
@@ -44,6 +44,7 @@ from node_agent.engine.protocol import (
     DescribeReply,
     Load,
     RankReply,
+    ReadyReply,
     Shutdown,
     Step,
     StepReply,
@@ -274,6 +275,8 @@ class Engine:
         self._holds: list[tuple[str, ...]] = [() for _ in range(config.topology.tp_size)]  # as each rank last said
         self._running: RunningCommand | None = None  # read without the lock (health)
         self._pinned: set[str] = set()
+        # Plans every load's per-rank reads from the LoRA slices each rank reported at start-up.
+        self._planner = ShardPlanner([], torch.float32)
         # The scheduler and the requests are guarded by `_work`; only the step loop schedules.
         self._work = threading.Condition()
         self._requests: dict[int, _Request] = {}
@@ -355,6 +358,11 @@ class Engine:
         if not merged.ok:
             self.close()
             raise EngineError(merged.error)
+        ready = [reply for reply in replies if isinstance(reply, ReadyReply)]
+        if len(ready) != len(replies):  # a rank runs other code than this driver
+            self.close()
+            raise EngineError("a rank answered start with something other than a ReadyReply")
+        self._planner = ShardPlanner([dict(reply.lora_layouts) for reply in ready], getattr(torch, worker_config.dtype))
         log.info("engine started: %s ranks, topology %s", len(replies), config.topology)
 
     def close(self) -> None:
@@ -429,10 +437,13 @@ class Engine:
         if name in self.adapters:
             raise AdapterLoadError(f"adapter {name!r} is already loaded")
         verified = verify_adapter(Path(path), self.model_config, self.config.max_lora_rank, expected)
+        # Every rank's read, planned once here from its layouts: a rank unpickles flat arrays
+        # and copies bytes, with no per-module work of its own (docs/engine.md "Measured").
+        plans = self._planner.plans(verified.spec)
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            result = merge_control(self._control(Load(name, verified, pinned)))
+            result = merge_control(self._control(Load(name, verified.files, plans, pinned)))
             if not result.ok:
                 if any(reply.ok for reply in result.ranks):
                     result = self._roll_back(name, result)

@@ -14,7 +14,7 @@ import re
 import struct
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jsonschema
 import numpy as np
+import numpy.typing as npt
 import re2
 import torch
 
@@ -669,6 +670,248 @@ class AdapterShard:
     nbytes: int
 
 
+# A row's run of columns shorter than this is not read on its own (one iovec per tiny run costs
+# more than the copy): the block's whole rows are staged and numpy moves the columns.
+_DIRECT_RUN_BYTES = 512
+# Runs this close in the file share one preadv, the bytes between them read into a scratch
+# buffer: copying 32 KiB from the page cache costs about what one more system call does.
+_MAX_GAP_BYTES = 32 << 10
+_RUNS_PER_CALL = 500  # with a gap segment before each run, under IOV_MAX (1024) iovecs per preadv
+_FILE_DTYPES = tuple(_FLOAT_DTYPES.values())  # a staged block names its file dtype by position here
+_I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one rank reads its shard of one adapter into one buffer: computed by the driver from
+    the verified spec and that rank's layouts (`plan_shard`), carried out by the rank
+    (`read_planned_shard`). Flat integer arrays: a rank unpickles nothing per module.
+
+    `calls` [c, 3]: one preadv each (file offset, segments, bytes), over the next `segments`
+    [s, 2] (byte offset in the buffer, or -1 for a gap read into scratch; bytes). `staged` [m, 9]:
+    the blocks read through a staging buffer (another file dtype, strided or short column runs):
+    file offset of the first row, rows, row width, file dtype (index in `_FILE_DTYPES`), first
+    column, columns, column stride, element offset in the buffer, destination columns.
+    `slices` [n, 6], in buffer order (each slice's A then its B): the module's position in the
+    rank's layouts, the slice index, A rows and columns, B rows and columns; `scales` [n];
+    `tensors`: each slice's A and B keys (to name a non-finite one).
+    """
+
+    numel: int  # elements of the engine's dtype in the buffer
+    file_size: int  # of the weights file the spec describes
+    max_gap: int  # bytes of the scratch buffer
+    calls: _I64
+    segments: _I64
+    staged: _I64
+    slices: _I64
+    scales: npt.NDArray[np.float64]
+    tensors: tuple[str, ...]
+
+
+_LAYOUT_FIELDS = 8  # per slice: a_rank start, stop; a_in start, width; b_out start, width; b_rank start, stop
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_FILE_DTYPES)}
+
+
+class ShardPlanner:
+    """Plans every rank's read of an adapter at once, from the layouts each rank's model has
+    (`lora_slices()`, as `sharding.lora_layout` gives them): numpy over ranks × modules, so the
+    driver's cost barely grows with the ranks. One planner per engine; `plans(spec)` per load.
+
+    Per slice of a module a rank holds, A's real rank rows and B's real rank columns are read
+    into the slice's place in one zeroed buffer of `dtype`, padded to max rank (padding stays
+    zero): whole rows as one run, column slices as one run per row, and through a staging buffer
+    what must be converted, gathered with a stride, or is too short a run to read by itself.
+    """
+
+    def __init__(self, rank_layouts: Sequence[Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]], dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.positions = [{key: index for index, key in enumerate(layouts)} for layouts in rank_layouts]
+        width = max((len(lays) for layouts in rank_layouts for lays in layouts.values()), default=1)
+        rows = [[(s.a_rank.start, s.a_rank.stop, s.a_in.start, s.a_in.width, s.b_out.start, s.b_out.width,
+                  s.b_rank.start, s.b_rank.stop) for s in lays] + [(0,) * _LAYOUT_FIELDS] * (width - len(lays))
+                for layouts in rank_layouts for lays in layouts.values()]
+        self.table = np.array(rows, dtype=np.int64).reshape(-1, width, _LAYOUT_FIELDS)  # every rank's, one after another
+        self.bases = np.cumsum([0] + [len(layouts) for layouts in rank_layouts[:-1]], dtype=np.int64)
+
+    def plans(self, spec: AdapterSpec) -> tuple[ShardPlan, ...]:
+        """Every rank's plan of `spec` (rank order). Refuses a module no rank layout has
+        (experts are held by their expert-parallel group only)."""
+        modules, ranks, count = spec.modules, len(self.positions), len(spec.modules)
+        if not ranks:
+            return ()
+        keys = [module.key for module in modules]
+        pos = np.array([[positions.get(key, -1) for key in keys] for positions in self.positions],
+                       dtype=np.int64).reshape(ranks, count)
+        held = pos >= 0
+        for module, column in zip(modules, held.T, strict=True):
+            if module.expert is None and not column.all():
+                raise AdapterLoadError(f"engine has no module for {module.a_key}")
+        columns = np.array([
+            (m.slice_index, m.rank, m.a_row_offset, m.b_row_offset, m.b_col_start, m.b_col_stride,
+             a.start, a.shape[1], a.dtype.itemsize, _DTYPE_CODES[a.dtype], b.start, b.shape[1], b.dtype.itemsize,
+             _DTYPE_CODES[b.dtype])
+            for m in modules for a, b in ((spec.tensors[m.a_key], spec.tensors[m.b_key]),)
+        ], dtype=np.int64).reshape(count, 14).T
+        slice_index, rank, a_row_offset, b_row_offset, b_col_start, b_stride = columns[:6]
+        layout = self.table[np.where(held, self.bases[:, None] + pos, 0), slice_index[None, :]]  # [ranks, modules, 8]
+        a_rs, a_re, a_is, a_iw, b_os, b_ow, b_rs, b_re = np.moveaxis(layout, 2, 0)
+        a_rows, b_cols = a_re - a_rs, b_re - b_rs
+        # Every block as [ranks, modules, 2] (A, B), then flat: A's real rank rows, B's rows of
+        # the rank's output and the real rank columns (with the fused experts' stride).
+        blocks = _Blocks(
+            first_row=np.stack((a_row_offset + a_rs, b_row_offset + b_os), axis=2),
+            rows=np.stack((np.minimum(a_re, rank) - a_rs, b_ow), axis=2),
+            first_col=np.stack((a_is, b_col_start + b_rs * b_stride), axis=2),
+            cols=np.stack((a_iw, np.minimum(b_re, rank) - b_rs), axis=2),
+            stride=np.stack((np.ones_like(a_is), np.broadcast_to(b_stride, a_is.shape)), axis=2),
+            dest_cols=np.stack((a_iw, b_cols), axis=2),
+            tensor=np.broadcast_to(np.stack((columns[6:10], columns[10:14]), axis=2)[:, None], (4, ranks, count, 2)),
+        )
+        sizes = np.where(held[:, :, None], np.stack((a_rows * a_iw, b_ow * b_cols), axis=2), 0).reshape(ranks, 2 * count)
+        ends = np.cumsum(sizes, axis=1)
+        runs, staged = blocks.runs((ends - sizes).reshape(-1), np.repeat(held.reshape(-1), 2), ranks,
+                                   _DTYPE_CODES.get(self.dtype, -1))
+        calls, segments, max_gaps, call_of_rank, segment_of_rank = runs.calls(ranks)
+        staged_rows, staged_rank = staged
+        slices = np.stack((pos, np.broadcast_to(slice_index, pos.shape), a_rows, a_iw, b_ow, b_cols), axis=2)
+        scales = np.array([module.scale for module in modules], dtype=np.float64)
+        every_name = tuple(key for module in modules for key in (module.a_key, module.b_key))
+        plans = []
+        for r in range(ranks):
+            mine = held[r]
+            names = every_name if mine.all() else tuple(
+                key for module, kept in zip(modules, mine.tolist(), strict=True) if kept for key in (module.a_key, module.b_key))
+            plans.append(ShardPlan(
+                int(ends[r, -1]) if count else 0, spec.file_size, int(max_gaps[r]),
+                calls[call_of_rank[r] : call_of_rank[r + 1]], segments[segment_of_rank[r] : segment_of_rank[r + 1]],
+                staged_rows[staged_rank == r], slices[r][mine], scales[mine], names))
+        return tuple(plans)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """Blocks of file tensors to read (flattened over ranks, modules, A/B): `rows` rows from
+    `first_row`, `cols` columns `first_col, first_col + stride, ...`, into the top-left corner of
+    a destination `dest_cols` wide; `tensor`: each block's tensor (file offset, row width,
+    itemsize, dtype code)."""
+
+    first_row: _I64
+    rows: _I64
+    first_col: _I64
+    cols: _I64
+    stride: _I64
+    dest_cols: _I64
+    tensor: _I64
+
+    def runs(self, offset: _I64, held: npt.NDArray[np.bool_], ranks: int, engine_code: int) -> tuple[_Runs, tuple[_I64, _I64]]:
+        """The direct runs (whole rows: one per block; column slices of long enough rows: one
+        per row) and the staged blocks' rows with their ranks; `offset`: each block's element
+        offset in its rank's buffer."""
+        first_row, rows, first_col, cols, stride, dest_cols = (
+            a.reshape(-1) for a in (self.first_row, self.rows, self.first_col, self.cols, self.stride, self.dest_cols))
+        start, width, size, code = (a.reshape(-1) for a in self.tensor)
+        rank_of = np.repeat(np.arange(ranks), len(rows) // max(ranks, 1))
+        valid = held & (rows > 0) & (cols > 0)
+        same = valid & (code == engine_code) & ((stride == 1) | (cols == 1))
+        whole = same & (first_col == 0) & (cols == width) & (width == dest_cols)
+        per_row = same & ~whole & (cols * size >= _DIRECT_RUN_BYTES)
+        staged = valid & ~whole & ~per_row
+        row_start = start + first_row * width * size
+        w, p = np.flatnonzero(whole), np.flatnonzero(per_row)
+        reps = rows[p]
+        block = np.repeat(p, reps)
+        row = np.arange(len(block)) - np.repeat(np.cumsum(reps) - reps, reps)
+        runs = _Runs(
+            files=np.concatenate((row_start[w], row_start[block] + (row * width[block] + first_col[block]) * size[block])),
+            lengths=np.concatenate((rows[w] * width[w] * size[w], cols[block] * size[block])),
+            targets=np.concatenate((offset[w], offset[block] + row * dest_cols[block])) * np.concatenate((size[w], size[block])),
+            ranks=np.concatenate((rank_of[w], rank_of[block])),
+        )
+        rows_staged = np.stack((row_start, rows, width, code, first_col, cols, stride, offset, dest_cols), axis=1)[staged]
+        return runs, (rows_staged, rank_of[staged])
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """Direct runs: (file offset, bytes, byte offset in the buffer) of each rank."""
+
+    files: _I64
+    lengths: _I64
+    targets: _I64
+    ranks: _I64
+
+    def calls(self, ranks: int) -> tuple[_I64, _I64, _I64, _I64, _I64]:
+        """The runs of each rank in file order, joined into preadv calls: runs at most
+        `_MAX_GAP_BYTES` apart share one, the gap read into scratch. Returns the calls, their
+        segments, each rank's largest gap, and where each rank's calls and segments begin
+        (`ranks + 1` bounds each)."""
+        order = np.lexsort((self.files, self.ranks))
+        files, lengths, targets, run_rank = self.files[order], self.lengths[order], self.targets[order], self.ranks[order]
+        count = len(files)
+        ends = files + lengths
+        gaps = np.concatenate(([0], files[1:] - ends[:-1])).astype(np.int64)
+        rank_start = np.searchsorted(run_rank, run_rank)  # each run's rank's first run
+        starts = ((np.arange(count) == rank_start) | (gaps < 0) | (gaps > _MAX_GAP_BYTES)
+                  | ((np.arange(count) - rank_start) % _RUNS_PER_CALL == 0))
+        gapped = ~starts & (gaps > 0)
+        where = np.arange(count) + np.cumsum(gapped)  # each run's segment
+        segments = np.empty((count + int(gapped.sum()), 2), dtype=np.int64)
+        segments[where, 0], segments[where, 1] = targets, lengths
+        segments[where[gapped] - 1, 0], segments[where[gapped] - 1, 1] = -1, gaps[gapped]
+        first = np.flatnonzero(starts)
+        last = np.concatenate((first[1:], [count] if count else [])).astype(np.int64) - 1
+        calls = np.stack((files[first], np.diff(np.concatenate((where[first], [len(segments)]))).astype(np.int64),
+                          ends[last] - files[first]), axis=1).reshape(-1, 3)
+        bounds = np.arange(ranks + 1)
+        call_of_rank = np.searchsorted(run_rank[first], bounds)
+        segment_of_rank = np.concatenate((where[first], [len(segments)]))[call_of_rank]
+        max_gaps = np.zeros(ranks, dtype=np.int64)
+        np.maximum.at(max_gaps, run_rank[gapped], gaps[gapped])
+        return calls, segments, max_gaps, call_of_rank, segment_of_rank
+
+
+def plan_shard(spec: AdapterSpec, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]], dtype: torch.dtype) -> ShardPlan:
+    """The read plan of one rank's slices of every module (`lora_layouts`: the rank's
+    `lora_slices()`), as `ShardPlanner` makes it for every rank of an engine."""
+    return ShardPlanner([lora_layouts], dtype).plans(spec)[0]
+
+
+def read_planned_shard(plan: ShardPlan, fd: int, keys: Sequence[ModuleKey], dtype: torch.dtype) -> AdapterShard:
+    """Carry out `plan` on the weights file open as `fd`: its bytes go straight into one zeroed
+    buffer of `dtype` (through a staging buffer only for the plan's staged blocks), whose views
+    are the slices' A and B; `keys`: the rank's module keys, in the plan's order. Refuses a file
+    of another size than planned, one that ends early, and NaN/Inf anywhere in the shard."""
+    if os.fstat(fd).st_size != plan.file_size:
+        raise _corrupt("the file changed while it was being read")
+    shard = _ShardBuffer(plan.numel, dtype)
+    scratch = memoryview(bytearray(plan.max_gap))
+    target = shard.bytes
+    segments = plan.segments.tolist()
+    at = 0
+    for offset, count, nbytes in plan.calls.tolist():
+        buffers = [target[begin : begin + size] if begin >= 0 else scratch[:size] for begin, size in segments[at : at + count]]
+        at += count
+        if os.preadv(fd, buffers, offset) != nbytes:
+            raise _corrupt("the file ended early")
+    for start, rows, width, code, first_col, cols, stride, offset, dest_cols in plan.staged.tolist():
+        shard.stage(fd, start, rows, width, _FILE_DTYPES[code], first_col, cols, stride, offset, dest_cols)
+    slices = plan.slices.tolist()
+    sizes = [size for _, _, a_rows, a_cols, b_rows, b_cols in slices for size in (a_rows * a_cols, b_rows * b_cols)]
+    # One split makes every slice's flat view at once (far cheaper than slicing per slice).
+    pieces = torch.split(shard.flat, sizes) if slices else ()
+    weights: dict[ModuleKey, list[SliceWeights | None]] = {}
+    for index, ((position, slice_index, a_rows, a_cols, b_rows, b_cols), scale) in enumerate(
+            zip(slices, plan.scales.tolist(), strict=True)):
+        key = keys[position]
+        parts = weights.get(key)
+        if parts is None:
+            parts = weights[key] = [None] * len(MODULE_KINDS[key[1]].peft_modules)
+        parts[slice_index] = SliceWeights(pieces[2 * index].view(a_rows, a_cols), pieces[2 * index + 1].view(b_rows, b_cols),
+                                          scale)
+    _refuse_non_finite(shard.flat, pieces, plan.tensors)
+    return AdapterShard(weights, plan.numel * dtype.itemsize)
+
+
 def read_adapter_shard(
     spec: AdapterSpec,
     fd: int,
@@ -676,36 +919,14 @@ def read_adapter_shard(
     dtype: torch.dtype,
 ) -> AdapterShard:
     """Read this rank's slices of every module (per `lora_layouts`) from the weights file open
-    as `fd` (the file `spec` describes), padded to max rank.
+    as `fd` (the file `spec` describes), padded to max rank: its plan (`plan_shard`), carried
+    out here (`read_planned_shard`), as the driver and a rank do it between them.
 
     The whole shard is one zeroed buffer of `dtype`; every slice's A and B are views of it, and
     the file's bytes are read straight into them (through a one-tensor staging buffer only where
     the file's dtype or column order differs), so memory grows by the shard and little else.
     """
-    held = [(module, layouts[module.slice_index]) for module in spec.modules if (layouts := _layouts_of(module, lora_layouts))]
-    sizes = [(lay.a_rank.width * lay.a_in.width, lay.b_out.width * lay.b_rank.width) for _, lay in held]
-    shard = _ShardBuffer(sum(a + b for a, b in sizes), dtype)
-    weights: dict[ModuleKey, list[SliceWeights | None]] = {}
-    offset = 0
-    if os.fstat(fd).st_size != spec.file_size:
-        raise _corrupt("the file changed while it was being read")
-    # One split makes every slice's flat view at once (far cheaper than slicing per slice).
-    pieces = torch.split(shard.flat, [size for pair in sizes for size in pair]) if held else ()
-    for index, ((module, lay), (a_size, b_size)) in enumerate(zip(held, sizes, strict=True)):
-        # A: the real rank's rows only (padding stays zero); B: the real rank's columns only.
-        a = _Block(spec.tensors[module.a_key], first_row=module.a_row_offset + lay.a_rank.start,
-                   rows=min(lay.a_rank.stop, module.rank) - lay.a_rank.start, first_col=lay.a_in.start,
-                   cols=lay.a_in.width)
-        b = _Block(spec.tensors[module.b_key], first_row=module.b_row_offset + lay.b_out.start, rows=lay.b_out.width,
-                   first_col=module.b_col_start + lay.b_rank.start * module.b_col_stride,
-                   cols=min(lay.b_rank.stop, module.rank) - lay.b_rank.start, col_stride=module.b_col_stride)
-        a_view = shard.read(fd, a, pieces[2 * index], offset, (lay.a_rank.width, lay.a_in.width))
-        b_view = shard.read(fd, b, pieces[2 * index + 1], offset + a_size, (lay.b_out.width, lay.b_rank.width))
-        offset += a_size + b_size
-        parts = weights.setdefault(module.key, [None] * len(MODULE_KINDS[module.kind].peft_modules))
-        parts[module.slice_index] = SliceWeights(a_view, b_view, module.scale)
-    _refuse_non_finite(shard.flat, held, weights)
-    return AdapterShard(weights, shard.flat.numel() * shard.flat.element_size())
+    return read_planned_shard(plan_shard(spec, lora_layouts, dtype), fd, tuple(lora_layouts), dtype)
 
 
 def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
@@ -725,7 +946,7 @@ def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
     start = 0
     for index, file_dtype in enumerate(_FLOAT_DTYPES.values()):
         # Per file dtype, two modules of rank 2: A's middle columns with B's whole rows, then A
-        # whole with B's every other column (fused experts' stride): every path of `_ShardBuffer.read`.
+        # whole with B's every other column (fused experts' stride): every staged path.
         for stride in (1, 2):
             layer = 2 * index + stride - 1
             a_key, b_key = f"{layer}.a", f"{layer}.b"
@@ -763,18 +984,6 @@ def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[Lo
     return layouts
 
 
-class _Block(NamedTuple):
-    """Which part of a 2-D file tensor to read: `rows` rows from `first_row`, `cols` columns
-    `first_col, first_col + col_stride, ...`. It lands in the top-left corner of its destination."""
-
-    entry: TensorEntry
-    first_row: int
-    rows: int
-    first_col: int
-    cols: int
-    col_stride: int = 1
-
-
 class _ShardBuffer:
     """One rank's shard of one adapter: a zeroed buffer of the engine's dtype that file bytes are read into."""
 
@@ -785,44 +994,31 @@ class _ShardBuffer:
         self.bytes = memoryview(self.raw)
         self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
 
-    def read(self, fd: int, block: _Block, piece: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
-        """`piece` (the flat view at element `offset`) as [rows, cols], with `block` of the file read into its corner."""
-        view = piece.view(shape)
-        if block.rows <= 0 or block.cols <= 0:
-            return view
-        entry = block.entry
-        width = entry.shape[1]
-        start = entry.start + block.first_row * width * entry.dtype.itemsize
-        if entry.dtype == self.dtype and block.first_col == 0 and block.cols == width == shape[1] and block.col_stride == 1:
-            # Whole rows, already in place: the bytes go straight into the shard.
-            begin = offset * self.dtype.itemsize
-            _pread(fd, self.bytes[begin : begin + block.rows * width * entry.dtype.itemsize], start)
-            return view
-        staged = bytearray(block.rows * width * entry.dtype.itemsize)
-        _pread(fd, memoryview(staged), start)
-        stop = block.first_col + (block.cols - 1) * block.col_stride + 1
-        if entry.dtype == self.dtype:
+    def stage(self, fd: int, start: int, rows: int, width: int, file_dtype: torch.dtype, first_col: int, cols: int,
+              col_stride: int, offset: int, dest_cols: int) -> None:
+        """Read `rows` whole rows of a file tensor (`width` wide) at `start` into a staging
+        buffer, then move `cols` columns of them (from `first_col`, every `col_stride`th) into
+        the top-left corner of the destination at element `offset`, `dest_cols` wide."""
+        staged = bytearray(rows * width * file_dtype.itemsize)
+        if os.preadv(fd, [staged], start) != len(staged):
+            raise _corrupt("the file ended early")
+        stop = first_col + (cols - 1) * col_stride + 1
+        if file_dtype == self.dtype:
             # Nothing to convert: numpy moves the elements as integers of their size (it has no
             # bfloat16), at a fraction of the cost of torch's per-op dispatch.
             as_int = _SAME_SIZE_INTS[self.dtype.itemsize]
-            rows = np.frombuffer(staged, as_int).reshape(block.rows, width)
-            target = np.frombuffer(self.raw, as_int, shape[0] * shape[1], offset * self.dtype.itemsize).reshape(shape)
-            target[: block.rows, : block.cols] = rows[:, block.first_col : stop : block.col_stride]
-            return view
-        converted = torch.frombuffer(staged, dtype=entry.dtype).view(block.rows, width)
-        view[: block.rows, : block.cols].copy_(converted[:, block.first_col : stop : block.col_stride])
-        return view
+            source = np.frombuffer(staged, as_int).reshape(rows, width)
+            target = np.frombuffer(self.raw, as_int, rows * dest_cols, offset * self.dtype.itemsize).reshape(rows, dest_cols)
+            target[:, :cols] = source[:, first_col:stop:col_stride]
+            return
+        converted = torch.frombuffer(staged, dtype=file_dtype).view(rows, width)
+        view = self.flat[offset : offset + rows * dest_cols].view(rows, dest_cols)
+        view[:, :cols].copy_(converted[:, first_col:stop:col_stride])
 
 
-def _pread(fd: int, target: memoryview, offset: int) -> None:
-    """Fill `target` with the file's bytes at `offset`."""
-    if os.preadv(fd, [target], offset) != target.nbytes:
-        raise _corrupt("the file ended early")
-
-
-def _refuse_non_finite(flat: torch.Tensor, held: list[tuple[ModuleAdapter, LoraSliceLayout]],
-                       weights: Mapping[ModuleKey, list[SliceWeights | None]]) -> None:
-    """Refuse NaN/Inf anywhere in the shard, naming the first tensor that has one.
+def _refuse_non_finite(flat: torch.Tensor, pieces: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Refuse NaN/Inf anywhere in the shard, naming the first tensor that has one (`pieces`:
+    every slice's A and B, flat, with their keys in `names`).
 
     An fp32 sum of the buffer (a fraction of the cost of an elementwise check) is non-finite if
     some value is, or, never for real weights, if the sum overflows; only then is each tensor
@@ -835,10 +1031,6 @@ def _refuse_non_finite(flat: torch.Tensor, held: list[tuple[ModuleAdapter, LoraS
     sums = [part.sum(dtype=torch.float32) for part in torch.split(flat, chunk)]
     if not sums or math.isfinite(float(torch.stack(sums).sum())):
         return
-    for module, _ in held:
-        part = weights[module.key][module.slice_index]
-        if part is None:
-            continue
-        for tensor, key in ((part.a, module.a_key), (part.b, module.b_key)):
-            if not torch.isfinite(tensor).all():
-                raise AdapterLoadError(f"tensor {key} has non-finite values (NaN or Inf)")
+    for piece, name in zip(pieces, names, strict=True):
+        if not torch.isfinite(piece).all():
+            raise AdapterLoadError(f"tensor {name} has non-finite values (NaN or Inf)")

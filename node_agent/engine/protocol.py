@@ -17,9 +17,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet_common.merge import merge_failure_first
-from node_agent.engine.adapter_files import FileDigests, VerifiedAdapter
+from node_agent.engine.adapter_files import FileDigests, VerifiedFiles
+from node_agent.engine.peft_adapter import ShardPlan
 from node_agent.engine.sampler import TokenLogprobs
 from node_agent.engine.scheduler import ScheduledSequence
+from node_agent.engine.sharding import LoraSliceLayout, ModuleKey
 
 # -- commands ------------------------------------------------------------------------------------
 
@@ -31,10 +33,13 @@ class Describe:
 
 @dataclass(frozen=True)
 class Load:
-    """Read this rank's shard of the adapter the driver verified into the pool under `name`."""
+    """Read this rank's shard of the adapter the driver verified into the pool under `name`:
+    from the verified files (`adapter`), by `plans[rank]` (the driver planned every rank's read once, from
+    the layouts each rank reported at start-up; one command, pickled once, for all ranks)."""
 
     name: str
-    adapter: VerifiedAdapter
+    adapter: VerifiedFiles
+    plans: tuple[ShardPlan, ...]
     pinned: bool
 
 
@@ -76,6 +81,14 @@ class RankReply:
     attn_tp_rank: int
     ok: bool
     error: str = ""
+
+
+@dataclass(frozen=True)
+class ReadyReply(RankReply):
+    """A rank's answer once it started: its LoRA modules' slices, in its order (the driver plans
+    every load's per-rank read by them; `peft_adapter.plan_shard`)."""
+
+    lora_layouts: tuple[tuple[ModuleKey, tuple[LoraSliceLayout, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from node_agent.engine.kv_cache import PagedKVCache, budget_from_device_memory, 
 from node_agent.engine.lora_layers import LoraCapacity
 from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError, read_adapter_shard, warm_up_shard_reads
+from node_agent.engine.peft_adapter import AdapterLoadError, read_planned_shard, warm_up_shard_reads
 from node_agent.engine.pool import LoraPool, PoolError
 from node_agent.engine.protocol import (
     Command,
@@ -37,6 +37,7 @@ from node_agent.engine.protocol import (
     Load,
     ModuleShape,
     RankReply,
+    ReadyReply,
     Shutdown,
     SliceShape,
     Step,
@@ -91,6 +92,7 @@ class RankWorker:
         self.model.load_base(Checkpoint(config.model_dir))
         self.modules = self.model.lora_modules()
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
+        self.module_keys = tuple(self.layouts)  # a load's plan names modules by position here
         self.pool = LoraPool(self.modules, config.max_loras_per_batch, config.max_loaded_loras)
         # The shard reader's kernels map their code now, not during the first load: a load's peak
         # memory growth is then its shard alone (Load's peak_rss_growth_bytes; docs/engine.md).
@@ -138,6 +140,11 @@ class RankWorker:
     def reply(self, ok: bool = True, error: str = "") -> RankReply:
         return RankReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, ok, error)
 
+    def ready(self) -> ReadyReply:
+        """The start-up reply: this rank's LoRA layouts, in the order a load's plan names them."""
+        return ReadyReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
+                          lora_layouts=tuple(self.layouts.items()))
+
     def failed(self, command: Command, error: str) -> RankReply:
         """The failed reply of `command`'s kind; a control reply still says what the rank holds."""
         head = (self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, error)
@@ -174,11 +181,12 @@ class RankWorker:
             time.sleep(self.config.fault_stall_load_s)  # test-only: before any adapter byte is read
         baseline = _reset_peak_rss()
         verified = command.adapter
-        # The driver parsed and matched the adapter once; this rank only reads its shard, from
-        # the very files the driver checked (their identity) and through the descriptor it checked.
-        with HeldFiles(verified.spec.path, f"rank {self.rank}") as held:
+        # The driver parsed and matched the adapter once and planned this rank's read; the rank
+        # carries the plan out, from the very files the driver checked (their identity) and
+        # through the descriptor it checked.
+        with HeldFiles(verified.path, f"rank {self.rank}") as held:
             held.require(verified)
-            shard = read_adapter_shard(verified.spec, held.weights_fd, self.layouts, self.dtype)
+            shard = read_planned_shard(command.plans[self.rank], held.weights_fd, self.module_keys, self.dtype)
             held.check_unchanged()
         self.pool.add(command.name, shard, command.pinned)
         return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds(),
@@ -335,7 +343,7 @@ def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
         coords = config.topology.coords(rank)
         conn.send(RankReply(rank, coords.attn_dp_rank, coords.attn_tp_rank, False, f"rank {rank} failed to start: {error}"))
         return
-    conn.send(worker.reply())
+    conn.send(worker.ready())
     while True:
         try:
             command = conn.recv()

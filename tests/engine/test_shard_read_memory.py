@@ -19,7 +19,13 @@ import torch
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine.engine import Engine, EngineConfig
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_shard, read_adapter_spec, warm_up_shard_reads
+from node_agent.engine.peft_adapter import (
+    WEIGHTS_FILE,
+    plan_shard,
+    read_adapter_spec,
+    read_planned_shard,
+    warm_up_shard_reads,
+)
 from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
 from node_agent.engine.topology import Topology
 
@@ -47,19 +53,21 @@ def _status_kib(field: str) -> int:
 
 
 def first_read(model_dir: Path, adapter_dir: Path, warm_up: bool) -> ReadMemory:
-    """In this (fresh) process: optionally warm the reader up, then read rank 0's shard once."""
+    """In this (fresh) process: optionally warm the reader up, then read rank 0's shard once,
+    by a plan made before (the driver makes it, not the rank)."""
     torch.set_num_threads(1)  # as a CPU rank on a machine with fewer cores than ranks
     cfg = ModelConfig.from_dir(model_dir)
     spec = read_adapter_spec(adapter_dir, cfg, RANK)
     layouts = {(layer, kind): lora_layout(module_layout(cfg, TOPOLOGY, 0, kind), RANK, False)
                for layer in range(cfg.num_layers) for kind in model_kinds(cfg)}
+    plan = plan_shard(spec, layouts, torch.float32)
     if warm_up:
         warm_up_shard_reads(torch.float32)
     fd = os.open(adapter_dir / WEIGHTS_FILE, os.O_RDONLY)
     try:
         Path("/proc/self/clear_refs").write_text("5")  # the peak mark starts again from the RSS now
         rss, file_backed = _status_kib("VmRSS"), _status_kib("RssFile")
-        shard = read_adapter_shard(spec, fd, layouts, torch.float32)
+        shard = read_planned_shard(plan, fd, tuple(layouts), torch.float32)
         peak, file_after = _status_kib("VmHWM"), _status_kib("RssFile")
     finally:
         os.close(fd)
