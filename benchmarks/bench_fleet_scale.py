@@ -10,12 +10,14 @@ are stand-ins (lorafleet_dev.kubelet) pointing at the simulated endpoints.
 
 Cases: ``replicas`` unset (every agent holds every adapter: 64,000 loads) and ``replicas: 4``;
 each with every agent healthy, then with 10% of the agents (6 of 64) refusing every load on one
-rank. Reported per case: seconds from the apply (one request) until every adapter has settled
+rank. Reported per case: seconds from the apply (one `kubectl apply`; the phases followed by
+one watch) until every adapter has settled
 (Ready when all agents are healthy; Ready, Degraded or Failed with failing agents), the
 operator's CPU seconds and peak RSS over the case, API requests per adapter (the API server's
-``apiserver_request_total``, less the benchmark's own polls), the largest LoraAdapter object,
+``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object,
 with failing agents the requests per adapter in a further quiet window (a hot loop shows
-there), and the deletion of every adapter that ends the case (one request): seconds until all
+there), and the deletion of every adapter that ends the case (one DELETE of the collection):
+seconds until all
 are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
 calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from agents that
 may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
@@ -303,9 +305,10 @@ class Bench:
         requests = (request_total(self.cluster) - requests_before - own) / len(self.adapters)
         quiet = None
         if quiet_s:
-            before, polls = request_total(self.cluster), self.polls
+            before, polls = request_total(self.cluster), self.polls + self.watch.requests
             time.sleep(quiet_s)
-            quiet = (request_total(self.cluster) - before - (self.polls - polls) - 1) / len(self.adapters)
+            own_quiet = self.polls + self.watch.requests - polls + 1  # and the metrics read
+            quiet = (request_total(self.cluster) - before - own_quiet) / len(self.adapters)
         cpu_s, peak = process_cpu_s(self.operator.pid) - cpu_before, peak_rss_mib(self.operator.pid)
         reset_peak_rss(self.operator.pid)
         unloads_before = operator_calls(self.metrics_port, "UnloadAdapter")
