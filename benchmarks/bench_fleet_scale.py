@@ -50,7 +50,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from lorafleet_dev.checkout import Checkout
-from lorafleet_dev.controlplane import ControlPlane, find_bin_dir
+from lorafleet_dev.controlplane import ControlPlane, KubectlError, find_bin_dir
 from lorafleet_dev.processes import free_port
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 
@@ -270,9 +270,20 @@ class Bench:
         """Delete every adapter with one request (DELETE of the collection), then wait until
         none is left. ``kubectl delete la --all`` deletes one object per request at about 5
         per second (300 adapters took 59-60 s with no operator and no finalizer, 2026-12-02),
-        which is what the earlier deletion times (217-242 s for 1,000) measured."""
-        self.cluster.kubectl("delete", "--raw", f"/apis/lorafleet.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
+        which is what the earlier deletion times (217-242 s for 1,000) measured. The API server
+        may end the request at its 60-s request timeout while it goes on marking the objects
+        (it did at load 10-30, 2026-12-02 04:30 UTC): the DELETE is then sent again, as often
+        as it takes (objects already being deleted are passed over)."""
         deadline = time.perf_counter() + timeout_s
+        while True:
+            try:
+                self.cluster.kubectl("delete", "--raw",
+                                     f"/apis/lorafleet.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
+                break
+            except KubectlError as err:
+                if time.perf_counter() > deadline:
+                    raise
+                log.warning("the collection DELETE ended early (%s); sent again", err.stderr.strip())
         assert self.watch is not None
         while sum(self.watch.phases().values()):
             if time.perf_counter() > deadline:
