@@ -176,6 +176,7 @@ async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Ma
     except KUBE_API_ERRORS as err:
         return _not_written(meta, err)
     rt.slices[key] = digest
+    rt.slice_names[key] = (meta["uid"], tuple(s["metadata"]["name"] for s in wanted))
     log.info("endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)", meta["namespace"],
              meta["name"], sum(len(s["endpoints"]) for s in wanted), len(wanted))
     return True
@@ -189,6 +190,8 @@ def _not_written(meta: Mapping[str, Any], err: BaseException) -> bool:
 
 async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]]) -> None:
     """Create or replace the wanted slices, and delete the adapter's others."""
+    # Until this write completes the adapter's slices are not known by name.
+    rt.slice_names.pop((meta["namespace"], meta["name"]), None)
     existing = {s["metadata"]["name"]: s for s in _owned(
         await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])),
         meta["uid"])}
@@ -207,9 +210,17 @@ async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[
 
 async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int:
     """Delete a deleted adapter's EndpointSlices (the owner reference would let the garbage
-    collector do it too, later); returns how many."""
+    collector do it too, later); returns how many were asked to go. Those this process wrote
+    last are deleted by name (one request each, none to list them: a thousand deletions at once
+    were a LIST each more on the API server); otherwise (written by an earlier process, or a
+    write that did not complete) they are listed first."""
     rt.slices.pop((namespace, name), None)
-    owned = _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)
-    for slice_ in owned:
-        await rt.kube.delete_endpoint_slice(namespace, slice_["metadata"]["name"])
-    return len(owned)
+    known = rt.slice_names.pop((namespace, name), None)
+    if known is not None and known[0] == uid:
+        names = list(known[1])
+    else:
+        names = [s["metadata"]["name"] for s in
+                 _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)]
+    for slice_name in names:
+        await rt.kube.delete_endpoint_slice(namespace, slice_name)
+    return len(names)

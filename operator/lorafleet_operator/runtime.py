@@ -155,6 +155,10 @@ class Runtime:
     #: (namespace, adapter) -> the EndpointSlices last written for it (a digest): written
     #: again only when they change.
     slices: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: (namespace, adapter) -> the adapter's uid and the names of every EndpointSlice it has
+    #: since this process last wrote them (that write deleted the others): its deletion
+    #: deletes these by name without listing them.
+    slice_names: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     #: (kind, namespace, name) -> the digest of the last status patch the API server refused:
     #: the same patch is never sent again.
     refused_status: dict[tuple[str, str, str], str] = field(default_factory=dict)

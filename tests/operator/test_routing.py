@@ -9,6 +9,7 @@ an EndpointSlice), their pods declaring a gRPC and an HTTP port, the real API se
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,19 @@ def test_endpointslices_follow_placement_and_pods(
     kube_cluster.kubectl("delete", "la", "one", "-n", ns)
     assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
                                      f"{ADAPTER_LABEL}=one")["items"] == []
+
+    # The slices the operator wrote are deleted by name: the deletion lists none.
+    lists = slice_lists(kube_cluster)
+    kube_cluster.kubectl("delete", "la", "every", "-n", ns)
+    assert slice_lists(kube_cluster) == lists
+    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
+                                     f"{ADAPTER_LABEL}=every")["items"] == []
+
+
+def slice_lists(cluster: ControlPlane) -> float:
+    """LIST requests of EndpointSlices the API server has answered since it started (its
+    ``apiserver_request_total``)."""
+    text = cluster.kubectl("get", "--raw", "/metrics").stdout
+    return sum(float(value) for labels, value in
+               re.findall(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M)
+               if 'resource="endpointslices"' in labels and 'verb="LIST"' in labels)
