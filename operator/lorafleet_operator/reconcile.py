@@ -676,9 +676,11 @@ async def unload_from_holders(rt: Runtime, view: FleetView,
     agents = [a for a in view.dialable if may_hold(rt, a, agent_name)]
     for agent in agents:
         rt.reservations.finished(agent.endpoint, agent_name, time.monotonic(), loaded=False)
-    answers, _ = await asyncio.gather(
-        rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents]),
-        unload_departed(rt, view, agent_name))
+    unloads = rt.agents.unload_each([(a.endpoint, view.creds, agent_name) for a in agents])
+    if departed_holders(rt, view, agent_name):
+        answers, _ = await asyncio.gather(unloads, unload_departed(rt, view, agent_name))
+    else:  # the common case: no task besides the deletion's own (gather makes one each)
+        answers = await unloads
     return [UnloadOutcome(agent.name, unload_failure(answer))
             for agent, answer in zip(agents, answers, strict=True)]
 
