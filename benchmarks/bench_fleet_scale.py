@@ -21,7 +21,10 @@ seconds until all
 are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
 calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from agents that
 may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
-for 1,000 adapters x 64 agents whatever the replicas). Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
+for 1,000 adapters x 64 agents whatever the replicas); and per case the requests per adapter by
+verb and resource (applying, deleting) and the CPU seconds of the operator, the simulator, the
+API server and etcd over apply and deletion. ``--unset-only``, ``--placed-only`` and ``--fleets``
+pick cases. Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
 
 Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]`.
 On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
@@ -81,6 +84,13 @@ class CaseResult:
     deleted_s: float
     delete_peak_rss_mib: float
     unloads: int
+    #: API requests per adapter by (verb, resource, subresource), applying and deleting (the
+    #: benchmark's own included: its apply's POST and GET, its watch and metric reads).
+    requests_applying: dict[str, float]
+    requests_deleting: dict[str, float]
+    #: CPU seconds of the operator, the simulated agents, the API server and etcd over the
+    #: apply and the deletion together.
+    cpu_all_s: dict[str, float]
 
 
 def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
@@ -90,10 +100,36 @@ def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, o
     return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter", "metadata": {"name": name}, "spec": spec}
 
 
-def request_total(cluster: ControlPlane) -> float:
-    """Every request the API server has counted since it started."""
+def request_counts(cluster: ControlPlane) -> dict[str, float]:
+    """The requests the API server has counted since it started, by "VERB resource[/subresource]"
+    (its ``apiserver_request_total``, summed over codes, scopes and components)."""
     text = cluster.kubectl("get", "--raw", "/metrics").stdout
-    return sum(float(m.group(1)) for m in re.finditer(r"^apiserver_request_total\{[^}]*\} (\S+)$", text, re.M))
+    counts: dict[str, float] = {}
+    for match in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        key = f"{labels.get('verb', '?')} {labels.get('resource', '?')}"
+        if labels.get("subresource"):
+            key += f"/{labels['subresource']}"
+        counts[key] = counts.get(key, 0.0) + float(match.group(2))
+    return counts
+
+
+def per_adapter(before: dict[str, float], after: dict[str, float], adapters: int) -> dict[str, float]:
+    """The requests between two :func:`request_counts`, per adapter, largest first (kinds under
+    0.01 per adapter left out)."""
+    diff = {k: (v - before.get(k, 0.0)) / adapters for k, v in after.items()}
+    return dict(sorted(((k, v) for k, v in diff.items() if v >= 0.01), key=lambda kv: -kv[1]))
+
+
+def component_pids(cluster: ControlPlane) -> dict[str, int]:
+    """The API server's and etcd's process ids (by their command lines)."""
+    found: dict[str, int] = {}
+    for pid in cluster.pids:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        for name in ("kube-apiserver", "etcd"):
+            if command.endswith(f"/{name}"):
+                found[name] = pid
+    return found
 
 
 def operator_calls(metrics_port: int, method: str) -> float:
@@ -302,10 +338,18 @@ class Bench:
             self.watch.close()
             self.watch = None
 
+    def cpu_now(self) -> dict[str, float]:
+        """CPU seconds so far of the operator, the simulated agents, the API server and etcd."""
+        assert self.operator is not None and self.fleet is not None
+        pids = {"operator": self.operator.pid, "simulator": self.fleet.pid, **component_pids(self.cluster)}
+        return {name: process_cpu_s(pid) for name, pid in pids.items()}
+
     def _run_case(self, name: str, manifest: str, failing: int, quiet_s: float, timeout_s: float) -> CaseResult:
         assert self.operator is not None and self.watch is not None
-        requests_before, polls_before = request_total(self.cluster), self.polls + self.watch.requests
-        cpu_before = process_cpu_s(self.operator.pid)
+        counts_before = request_counts(self.cluster)
+        requests_before, polls_before = sum(counts_before.values()), self.polls + self.watch.requests
+        cpu_all_before = self.cpu_now()
+        cpu_before = cpu_all_before["operator"]
         started = time.perf_counter()
         self.cluster.apply(manifest, self.ns)
         phases = self.wait_settled(failing > 0, started, timeout_s)
@@ -313,22 +357,27 @@ class Bench:
         items = self.items()
         largest = max(len(json.dumps(item)) for item in items) / 1024
         own = self.polls + self.watch.requests - polls_before + 2  # the apply and the metrics read
-        requests = (request_total(self.cluster) - requests_before - own) / len(self.adapters)
+        counts_settled = request_counts(self.cluster)
+        requests = (sum(counts_settled.values()) - requests_before - own) / len(self.adapters)
+        applying = per_adapter(counts_before, counts_settled, len(self.adapters))
         quiet = None
         if quiet_s:
-            before, polls = request_total(self.cluster), self.polls + self.watch.requests
+            before, polls = sum(request_counts(self.cluster).values()), self.polls + self.watch.requests
             time.sleep(quiet_s)
             own_quiet = self.polls + self.watch.requests - polls + 1  # and the metrics read
-            quiet = (request_total(self.cluster) - before - own_quiet) / len(self.adapters)
+            quiet = (sum(request_counts(self.cluster).values()) - before - own_quiet) / len(self.adapters)
         cpu_s, peak = process_cpu_s(self.operator.pid) - cpu_before, peak_rss_mib(self.operator.pid)
         reset_peak_rss(self.operator.pid)
         unloads_before = operator_calls(self.metrics_port, "UnloadAdapter")
+        counts_deleting = request_counts(self.cluster)
         deleting = time.perf_counter()
         self.delete_all(1800)
         deleted = time.perf_counter() - deleting
         unloads = int(operator_calls(self.metrics_port, "UnloadAdapter") - unloads_before)
+        deleting_requests = per_adapter(counts_deleting, request_counts(self.cluster), len(self.adapters))
+        cpu_all = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
         return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
-                          peak_rss_mib(self.operator.pid), unloads)
+                          peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all)
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -354,9 +403,14 @@ def main() -> None:
     parser.add_argument("--placed-only", action="store_true",
                         help="only the replicas N cases (replicas unset means adapters x agents loads: "
                              "64,000 at the default size, minutes of the simulator's CPU)")
+    parser.add_argument("--unset-only", action="store_true", help="only the replicas-unset cases")
+    parser.add_argument("--fleets", choices=("both", "healthy", "failing"), default="both",
+                        help="the all-healthy fleet, the one with 10%% of its agents failing, or both in turn")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     failing = max(1, args.agents // 10)
+    fleets = {"both": (0, failing), "healthy": (0,), "failing": (failing,)}[args.fleets]
+    cases = (args.replicas,) if args.placed_only else (None,) if args.unset_only else (None, args.replicas)
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
@@ -368,11 +422,11 @@ def main() -> None:
             cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                             "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
-            for fails in (0, failing):
+            for fails in fleets:
                 bench.start_fleet(fails)
                 bench.start_operator()
                 label = f"{fails} of {args.agents} agents failing"
-                for replicas in ((args.replicas,) if args.placed_only else (None, args.replicas)):
+                for replicas in cases:
                     case = f"replicas {'unset' if replicas is None else replicas}, {label}"
                     results.append(bench.run_case(case, replicas, fails, args.quiet_s if fails else 0.0, args.timeout_s))
                     log.info("%s", results[-1])
@@ -389,6 +443,11 @@ def main() -> None:
         print(f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
               f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}"
               f"{r.unloads:>9}  {r.phases}")
+    for r in results:
+        print(f"\n{r.name}: CPU s over apply and deletion: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_all_s.items()))
+        for what, counts in (("applying", r.requests_applying), ("deleting", r.requests_deleting)):
+            print(f"  requests per adapter {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

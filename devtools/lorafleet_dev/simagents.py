@@ -41,6 +41,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -175,9 +176,11 @@ class SimulatedEngine(Engine):
                     self._scheduler.set_pinned(self._pinned)
             return result
 
-    def _broadcast(self, command: Command, kind: type[R]) -> list[R]:
+    def _broadcast(self, command: Command | Sequence[Command], kind: type[R]) -> list[R]:
+        # One command for every rank, or one per rank (the driver's per-rank commands).
+        commands = list(command) if isinstance(command, Sequence) else [command] * len(self._ranks)
         with self._lock:
-            replies = [rank.answer(command) for rank in self._ranks]
+            replies = [rank.answer(each) for rank, each in zip(self._ranks, commands, strict=True)]
         return [reply for reply in replies if isinstance(reply, kind)]
 
     @property

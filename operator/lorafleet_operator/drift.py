@@ -231,7 +231,8 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
                 status = build_status(results, generation=generation, previous=stored,
                                       crashed=condemned(rt, body), placement=placement)
         await publish_status(rt, body, status)
-        await publish_slices(rt, body, view.spec, view.agents, results)
+        await publish_slices(rt, body, view.spec, view.agents, results,
+                             new=not stored.get("conditions"))
     return str(status["phase"])
 
 

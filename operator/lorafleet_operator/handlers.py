@@ -138,8 +138,9 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
     meta, spec = body["metadata"], body["spec"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
     previous = dict(body.get("status") or {})
+    new = not previous.get("conditions")
     async with rt.lock(namespace, name):
-        if not previous.get("conditions"):
+        if new:
             first = initial_status(generation)
             await rt.kube.patch_adapter_status(namespace, name, first)
             previous = {**previous, **first}
@@ -156,7 +157,7 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
                                   pending_reason=problem.reason, pending_message=problem.message)
         await publish_status(rt, {**body, "status": previous}, status)
         await publish_slices(rt, body, view.spec if view else {}, view.agents if view else (),
-                             results)
+                             results, new=new)
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger=trigger, phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(elapsed)

@@ -21,6 +21,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from lorafleet_operator import metrics
 from lorafleet_operator.config import ADAPTERS, FLEETS, GROUP, VERSION
 
 REQUEST_TIMEOUT_S = 30.0
@@ -69,6 +70,7 @@ class Kube:
         self.discovery = client.DiscoveryV1Api(api)
 
     async def _run(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        metrics.KUBE_REQUESTS.labels(call=getattr(fn, "__name__", "")).inc()
         kwargs.setdefault("_preload_content", False)
         kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
         return read_json(await asyncio.to_thread(fn, *args, **kwargs))

@@ -29,3 +29,7 @@ UNUSABLE_NAMESPACES = Gauge(
 STATUS_REFUSED = Counter(
     "lorafleet_status_refused_total",
     "Status patches the API server refused (schema or size); each is sent only once.", ["kind"])
+KUBE_REQUESTS = Counter(
+    "lorafleet_kube_requests_total",
+    "Kubernetes API requests made outside kopf's own (kube.py), by the client call "
+    "(e.g. list_namespaced_endpoint_slice), whatever their outcome.", ["call"])

@@ -151,11 +151,15 @@ def _owned(slices: Sequence[Mapping[str, Any]], uid: str) -> list[Mapping[str, A
 
 
 async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Mapping[str, Any],
-                         agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> bool:
+                         agents: Sequence[AgentPod], results: Sequence[AgentResult], *,
+                         new: bool = False) -> bool:
     """Make the adapter's EndpointSlices list exactly the pods that hold it; only when they
     changed since this process last wrote them. Returns whether anything was written. A
     transient API error is logged and left to the next reconcile; slices the API server
-    refuses for what they are are logged and not sent again until they change."""
+    refuses for what they are are logged and not sent again until they change. ``new``: the
+    adapter had no status when its reconcile began, so no process has written slices for it
+    (every reconcile writes the status before its slices): they are created without a list
+    first (:func:`_write`)."""
     meta = adapter["metadata"]
     service = (fleet_spec.get("routing") or {}).get("serviceName") or DEFAULT_SERVICE
     wanted = desired_slices(adapter, service, routed_pods(fleet_spec, agents, results))
@@ -163,7 +167,7 @@ async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Ma
     if rt.slices.get(key) == digest:
         return False
     try:
-        await _write(rt, meta, wanted)
+        await _write(rt, meta, wanted, new=new)
     except ApiException as err:
         if err.status not in REFUSED_CODES:
             return _not_written(meta, err)
@@ -188,10 +192,16 @@ def _not_written(meta: Mapping[str, Any], err: BaseException) -> bool:
     return False
 
 
-async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]]) -> None:
-    """Create or replace the wanted slices, and delete the adapter's others."""
+async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]], *,
+                 new: bool = False) -> None:
+    """Create or replace the wanted slices, and delete the adapter's others. A ``new``
+    adapter's are created straight away: a thousand adapters created at once were a LIST
+    each, filtered by label over every slice of the namespace; one that exists after all
+    (409 Conflict) sends the write down the listing path."""
     # Until this write completes the adapter's slices are not known by name.
-    rt.slice_names.pop((meta["namespace"], meta["name"]), None)
+    known = rt.slice_names.pop((meta["namespace"], meta["name"]), None)
+    if new and known is None and await _created(rt, meta, wanted):
+        return
     existing = {s["metadata"]["name"]: s for s in _owned(
         await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])),
         meta["uid"])}
@@ -206,6 +216,19 @@ async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[
             await rt.kube.replace_endpoint_slice(meta["namespace"], name, current)
     for name in existing:
         await rt.kube.delete_endpoint_slice(meta["namespace"], name)
+
+
+async def _created(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]]) -> bool:
+    """Create every wanted slice; False at the first that already exists (409), which leaves
+    the rest to the listing write."""
+    for slice_ in wanted:
+        try:
+            await rt.kube.create_endpoint_slice(meta["namespace"], slice_)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+            return False
+    return True
 
 
 async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int:

@@ -8,8 +8,8 @@ an EndpointSlice), their pods declaring a gRPC and an HTTP port, the real API se
 
 from __future__ import annotations
 
+import asyncio
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,10 @@ import yaml
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.node import machine_ip
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import DEFAULT_PORT_NAME, AgentPod
+from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.routing import (
     ADAPTER_LABEL,
     DEFAULT_HTTP_PORT_NAME,
@@ -28,8 +31,10 @@ from lorafleet_operator.routing import (
     SERVICE_NAME_LABEL,
     adapter_label,
     desired_slices,
+    publish_slices,
     routed_pods,
 )
+from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
 from tests.kube.harness import CHECKOUT, ControlPlane
 from tests.operator.agents import (
@@ -154,7 +159,8 @@ def test_endpointslices_follow_placement_and_pods(
 ) -> None:
     """Replicas unset: both pods, with their gRPC and HTTP ports; one replica: one pod. The
     pod holding the single replica is deleted: the adapter is placed on the other agent and
-    both adapters' slices list only what now holds them. Deleted: its slices are gone."""
+    both adapters' slices list only what now holds them. Deleted: its slices are gone. A new
+    adapter's slices are created without a list first, and a deletion lists none either."""
     (a0, a1), root = routed_agents
     ns = kube_namespace
     for a in (a0, a1):
@@ -174,6 +180,7 @@ def test_endpointslices_follow_placement_and_pods(
     assert len(first) == 1
     wait_for(lambda: list(endpoints(kube_cluster, ns, "one")) == first, 30, "one's slices",
              operator)
+    assert slice_lists(operator) == 0  # new adapters' slices are created without a list
     gone, other = (a0, a1) if first == ["agent-0"] else (a1, a0)
 
     kube_cluster.kubectl("delete", "pod", gone.name, "-n", ns, "--wait=true")
@@ -191,17 +198,50 @@ def test_endpointslices_follow_placement_and_pods(
                                      f"{ADAPTER_LABEL}=one")["items"] == []
 
     # The slices the operator wrote are deleted by name: the deletion lists none.
-    lists = slice_lists(kube_cluster)
+    lists = slice_lists(operator)
     kube_cluster.kubectl("delete", "la", "every", "-n", ns)
-    assert slice_lists(kube_cluster) == lists
+    assert slice_lists(operator) == lists
     assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
                                      f"{ADAPTER_LABEL}=every")["items"] == []
 
 
-def slice_lists(cluster: ControlPlane) -> float:
-    """LIST requests of EndpointSlices the API server has answered since it started (its
-    ``apiserver_request_total``)."""
-    text = cluster.kubectl("get", "--raw", "/metrics").stdout
-    return sum(float(value) for labels, value in
-               re.findall(r"^apiserver_request_total\{([^}]*)\} (\S+)$", text, re.M)
-               if 'resource="endpointslices"' in labels and 'verb="LIST"' in labels)
+def slice_lists(operator: OperatorProcess) -> float:
+    """The EndpointSlice LISTs this operator has sent (its ``lorafleet_kube_requests_total``:
+    the API server's own counter also counts other clients', e.g. the namespace controller
+    emptying an earlier test's namespace)."""
+    return operator.metrics().get(
+        'lorafleet_kube_requests_total{call="list_namespaced_endpoint_slice"}', 0.0)
+
+
+def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+) -> None:
+    """A new adapter's slices are created without a list; one that exists already (409) sends
+    the write down the listing path, which replaces it. In-process, the real API server, no
+    operator watching the namespace."""
+    ns = kube_namespace
+    apply(kube_cluster, ns, adapter_manifest("fresh", Path("/nowhere")))
+    adapter = kube_cluster.kubectl_json("get", "la", "fresh", "-n", ns)
+    # The slice it would create, with an endpoint that is not there.
+    stale = desired_slices(adapter, DEFAULT_SERVICE, [])[0]
+    stale["endpoints"] = [{"addresses": ["10.0.0.9"], "conditions": {"ready": True}}]
+    kube_cluster.kubectl("create", "-f", "-", input=json.dumps(stale))
+    api = make_api_client(str(kube_cluster.kubeconfig))
+
+    async def publish() -> bool:
+        settings = Settings.from_env()
+        agents = AgentClients(settings)
+        try:
+            return await publish_slices(Runtime(settings=settings, kube=Kube(api), agents=agents),
+                                        adapter, {}, (), [], new=True)
+        finally:
+            await agents.close()
+
+    try:
+        assert asyncio.run(publish())
+    finally:
+        api.close()
+    slices = kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
+                                       f"{ADAPTER_LABEL}=fresh")["items"]
+    assert [(s["metadata"]["name"], s.get("endpoints") or []) for s in slices] == \
+        [(stale["metadata"]["name"], [])]
