@@ -1,7 +1,9 @@
 """Engine benchmarks (issue 2), each printed side by side from one run:
 
-(a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks), the validation the
-    driver does once for it, and what one rank does (read its shard of the verified files; one
+(a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks): one whose config
+    and header bytes the engine validated before (every adapter of one training recipe after the
+    first: the driver's spec memo, `peft_adapter.SpecMemo`) and one whose bytes are new to it; the
+    validation the driver does once for it, and what one rank does (read its shard of the verified files; one
     process), vs reading the same file once; the load's CPU time (the driver's thread and the
     ranks' main threads) and the wall-time floor it sets on this machine's cores; the bytes
     each rank reads per load (its shard's rows, from the page cache: no rank hashes the file);
@@ -34,7 +36,7 @@ from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
 from node_agent.engine.adapter_files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import plan_shard, read_planned_shard
+from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, SpecMemo, plan_shard, read_planned_shard
 from node_agent.engine.protocol import Load
 from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
@@ -75,7 +77,7 @@ def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict[Module
 
 def read_rank_shard(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
     """Validate the adapter (the driver's part of a load), then read one rank's shard; its bytes."""
-    return rank_read(verify_adapter(adapter, cfg, RANK, None), layouts)
+    return rank_read(verify_adapter(adapter, SpecMemo(cfg, RANK), None), layouts)
 
 
 def rank_read(verified: VerifiedAdapter, layouts: dict[ModuleKey, tuple[LoraSliceLayout, ...]]) -> int:
@@ -108,14 +110,30 @@ def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[
     return peak, shard
 
 
+def config_variants(root: Path, adapter: Path, count: int) -> list[Path]:
+    """`count` copies of the adapter, the weights hard-linked, each config with its own
+    `revision` (a PEFT field the engine ignores): bytes no spec memo has seen."""
+    variants = []
+    for index in range(count):
+        variant = root / f"variant-{index}"
+        variant.mkdir()
+        os.link(adapter / WEIGHTS_FILE, variant / WEIGHTS_FILE)
+        text = (adapter / CONFIG_FILE).read_text().replace("{", f'{{\n  "revision": "bench-{index}",', 1)
+        (variant / CONFIG_FILE).write_text(text)
+        variants.append(variant)
+    return variants
+
+
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     file_bytes = (adapter / "adapter_model.safetensors").stat().st_size
     read_once = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats)
     read_once_cpu = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats, time.thread_time)
     cfg = ModelConfig.from_dir(model)
     layouts = rank_layouts(cfg, Topology(4, 1), 0)
-    validate_once = timed(lambda: verify_adapter(adapter, cfg, RANK, None), repeats)
-    verified = verify_adapter(adapter, cfg, RANK, None)
+    validate_once = timed(lambda: verify_adapter(adapter, SpecMemo(cfg, RANK), None), repeats)
+    seen = SpecMemo(cfg, RANK)
+    validate_seen = timed(lambda: verify_adapter(adapter, seen, None), repeats)
+    verified = verify_adapter(adapter, seen, None)
     rank_once = timed(lambda: rank_read(verified, layouts), repeats)
     hash_once = timed(lambda: file_digests(adapter), repeats)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
@@ -127,9 +145,9 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         engine.unload_adapter("bench")
         samples, driver_cpu, ranks_cpu = [], [], []
         reads: list[list[int]] = [[] for _ in engine.pids]
-        # What a rank's pipe delivers for a load: the pickled command (as the driver sends it) and its length.
+        # What a rank's pipe delivers for a load: its pickled command (as the driver sends it) and its length.
         plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
-        command_bytes = len(ForkingPickler.dumps(Load("bench", verified.files, plans, False))) + 4
+        command_bytes = [len(ForkingPickler.dumps(Load("bench", verified.files, plan, False))) + 4 for plan in plans]
         for _ in range(repeats):
             cpu_before, read_before = (time.thread_time(), rank_cpu_seconds(engine.pids)), rank_read_chars(engine.pids)
             start = time.perf_counter()
@@ -137,8 +155,18 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
             samples.append(time.perf_counter() - start)
             driver_cpu.append(time.thread_time() - cpu_before[0])
             ranks_cpu.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
-            for rank_reads, after, before in zip(reads, rank_read_chars(engine.pids), read_before, strict=True):
-                rank_reads.append(after - before - command_bytes)
+            for rank_reads, after, before, command in zip(reads, rank_read_chars(engine.pids), read_before, command_bytes,
+                                                          strict=True):
+                rank_reads.append(after - before - command)
+            engine.unload_adapter("bench")
+        new_samples, new_driver, new_ranks = [], [], []
+        for variant in config_variants(root, adapter, repeats):
+            cpu_before = time.thread_time(), rank_cpu_seconds(engine.pids)
+            start = time.perf_counter()
+            engine.load_adapter("bench", variant)
+            new_samples.append(time.perf_counter() - start)
+            new_driver.append(time.thread_time() - cpu_before[0])
+            new_ranks.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
             engine.unload_adapter("bench")
         digests = file_digests(adapter)
         hashed_samples = []
@@ -150,11 +178,17 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         load_tp4 = statistics.median(samples)
         load_hashed = statistics.median(hashed_samples)
         load_driver, load_ranks = statistics.median(driver_cpu), statistics.median(ranks_cpu)
+        load_new = statistics.median(new_samples)
+        new_cpu = statistics.median(new_driver), statistics.median(new_ranks)
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
-    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x")
+    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x"
+          f"   (bytes validated before: {validate_seen * 1e3:.2f} ms)")
     print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>10.1f} ms   ratio {rank_once / read_once:.2f}x")
-    print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x")
+    print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x"
+          "   (config and header validated before)")
+    print(f"{'  bytes new to the engine':<34}{load_new * 1e3:>10.1f} ms   ratio {load_new / read_once:.2f}x"
+          f"   (CPU: driver / four ranks {new_cpu[0] * 1e3:.2f} / {new_cpu[1] * 1e3:.2f} ms)")
     print(f"{'  with the digests (agent path)':<34}{load_hashed * 1e3:>10.1f} ms   ratio {load_hashed / read_once:.2f}x"
           f"   (hashing both files once: {hash_once * 1e3:.1f} ms)")
     # CPU time barely depends on other load on the machine; with the ranks sharing the cores,

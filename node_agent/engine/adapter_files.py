@@ -2,8 +2,9 @@
 
 A load is checked once, in the driver and before the command lock (`verify_adapter`): the files
 are opened without following a symlink, hashed when the caller verified digests (the agent's
-source check), and parsed and matched against the base model (`read_adapter_spec`: config,
-patterns, safetensors header). The result, a `VerifiedAdapter`, carries the spec the driver plans
+source check), and parsed and matched against the base model (config, patterns, safetensors
+header; the bytes read through the held files, `SpecMemo` skipping the parse of bytes it has
+validated before). The result, a `VerifiedAdapter`, carries the spec the driver plans
 each rank's read by (`peft_adapter.plan_shard`) and each file's identity (device, inode, size,
 mtime, ctime: `VerifiedFiles`). A rank parses nothing: it opens the files the same way, refuses
 them unless their identity is the verified one, reads its shard through that open descriptor by
@@ -22,8 +23,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, AdapterSpec, read_adapter_spec
+from node_agent.engine.peft_adapter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterLoadError,
+    AdapterSpec,
+    SpecMemo,
+    read_adapter_bytes,
+    read_adapter_spec,
+)
 
 _READ_BYTES = 1 << 20
 
@@ -89,13 +97,15 @@ class HeldFiles:
 
     def __init__(self, path: Path, who: str) -> None:
         self.path, self.who = Path(path), who
+        # Joined once, as strings: a rank opens and re-checks both on every load.
+        self.paths = {name: os.path.join(self.path, name) for name in (WEIGHTS_FILE, CONFIG_FILE)}
         self.fds: dict[str, int] = {}
         self.identities: dict[str, FileIdentity] = {}
 
     def __enter__(self) -> HeldFiles:
         try:
             for name in (WEIGHTS_FILE, CONFIG_FILE):
-                self.fds[name] = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                self.fds[name] = os.open(self.paths[name], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
                 self.identities[name] = FileIdentity.of(os.fstat(self.fds[name]))
         except OSError as error:
             self.close()
@@ -123,7 +133,7 @@ class HeldFiles:
         for name, fd in self.fds.items():
             now = FileIdentity.of(os.fstat(fd))
             try:
-                entry = os.stat(self.path / name, follow_symlinks=False)
+                entry = os.stat(self.paths[name], follow_symlinks=False)
             except OSError:
                 entry = None
             if now != self.identities[name] or entry is None or (entry.st_dev, entry.st_ino) != (now.device, now.inode):
@@ -139,23 +149,30 @@ class HeldFiles:
         self.close()
 
 
-def verify_adapter(path: Path, cfg: ModelConfig, max_lora_rank: int, expected: FileDigests | None) -> VerifiedAdapter:
+def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None) -> VerifiedAdapter:
     """Check an adapter once for every rank: its files' digests (when `expected`), its config,
-    patterns and header against the base model. Raises AdapterLoadError naming the problem."""
+    patterns and header against the base model of `specs` (which remembers the specs of bytes
+    it validated before). Raises AdapterLoadError naming the problem."""
     try:
         with HeldFiles(path, "the driver") as held:
-            return _verify_held(held, cfg, max_lora_rank, expected)
+            return _verify_held(held, specs, expected)
     except CannotOpen:
-        read_adapter_spec(Path(path), cfg, max_lora_rank)  # its refusal names a missing or pickled file exactly
+        read_adapter_spec(Path(path), specs.cfg, specs.max_lora_rank)  # its refusal names a missing or pickled file exactly
         raise
 
 
-def _verify_held(held: HeldFiles, cfg: ModelConfig, max_lora_rank: int, expected: FileDigests | None) -> VerifiedAdapter:
+def _verify_held(held: HeldFiles, specs: SpecMemo, expected: FileDigests | None) -> VerifiedAdapter:
     if expected is not None:
         read = held.digests()
         if read != expected:
             raise ContentChanged(_digest_mismatch(read, expected))
-    spec = read_adapter_spec(held.path, cfg, max_lora_rank)
+    try:
+        # The spec is parsed from the bytes read through the held descriptors: the very files
+        # whose identity the ranks are held to.
+        data = read_adapter_bytes(held.fds[CONFIG_FILE], held.weights_fd)
+    except OSError:
+        data = None  # not a readable regular file: the path-based check below names why
+    spec = read_adapter_spec(held.path, specs.cfg, specs.max_lora_rank) if data is None else specs.spec(held.path, data)
     held.check_unchanged()
     weights, config = held.identities[WEIGHTS_FILE], held.identities[CONFIG_FILE]
     if spec.file_size != weights.size:

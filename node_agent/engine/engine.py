@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.adapter_files import FileDigests, verify_adapter
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner
+from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner, SpecMemo
 from node_agent.engine.protocol import (
     Command,
     ControlReply,
@@ -277,6 +277,7 @@ class Engine:
         self._pinned: set[str] = set()
         # Plans every load's per-rank reads from the LoRA slices each rank reported at start-up.
         self._planner = ShardPlanner([], torch.float32)
+        self._specs = SpecMemo(self.model_config, config.max_lora_rank)  # validated specs, by content
         # The scheduler and the requests are guarded by `_work`; only the step loop schedules.
         self._work = threading.Condition()
         self._requests: dict[int, _Request] = {}
@@ -436,14 +437,14 @@ class Engine:
         """
         if name in self.adapters:
             raise AdapterLoadError(f"adapter {name!r} is already loaded")
-        verified = verify_adapter(Path(path), self.model_config, self.config.max_lora_rank, expected)
+        verified = verify_adapter(Path(path), self._specs, expected)
         # Every rank's read, planned once here from its layouts: a rank unpickles flat arrays
         # and copies bytes, with no per-module work of its own (docs/engine.md "Measured").
         plans = self._planner.plans(verified.spec)
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            result = merge_control(self._control(Load(name, verified.files, plans, pinned)))
+            result = merge_control(self._control([Load(name, verified.files, plan, pinned) for plan in plans]))
             if not result.ok:
                 if any(reply.ok for reply in result.ranks):
                     result = self._roll_back(name, result)
@@ -679,8 +680,9 @@ class Engine:
             if sequence.adapter is not None and sequence.adapter not in self.adapters:
                 raise EngineError(f"sequence {index}: adapter {sequence.adapter!r} is not loaded")
 
-    def _control(self, command: Load | Unload) -> list[ControlReply]:
-        replies = self._broadcast(command, ControlReply)
+    def _control(self, command: Unload | Sequence[Load]) -> list[ControlReply]:
+        replies = (self._broadcast_each(command, ControlReply) if isinstance(command, Sequence)
+                   else self._broadcast(command, ControlReply))
         self._record(replies)
         return replies
 
@@ -701,8 +703,28 @@ class Engine:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _broadcast(self, command: Command, kind: type[R]) -> list[R]:
-        """Send one command to every rank and collect every rank's reply, in rank order. Once
-        every rank has the command, the outbox goes to the callers while the ranks work."""
+        """Send one command to every rank and collect every rank's reply, in rank order (`_exchange`)."""
+
+        def payloads() -> list[bytes | memoryview]:
+            # Pickled once for every rank (what Connection.send does per rank). A Step holds
+            # plain data only: plain pickle, without ForkingPickler's per-call copy of its
+            # reducer tables.
+            payload = (pickle.dumps(command, pickle.HIGHEST_PROTOCOL) if isinstance(command, Step)
+                       else ForkingPickler.dumps(command))
+            return [payload] * len(self._conns)
+
+        return self._exchange(command, payloads, kind)
+
+    def _broadcast_each(self, commands: Sequence[Command], kind: type[R]) -> list[R]:
+        """Send each rank its own command (rank order) and collect every rank's reply: a load,
+        each rank's plan (about 8 KiB; all four plans in one command were 33 KiB for every rank
+        to unpickle)."""
+        return self._exchange(commands[0], lambda: [ForkingPickler.dumps(command) for command in commands], kind)
+
+    def _exchange(self, command: Command, payloads: Callable[[], Sequence[bytes | memoryview]], kind: type[R]) -> list[R]:
+        """Send every rank its payload (`payloads()`, one per rank, of `command`'s kind) and collect
+        every rank's reply, in rank order. Once every rank has the command, the outbox goes to the
+        callers while the ranks work."""
         with self._lock:
             if self.failure:
                 raise EngineError(f"engine is not serving: {self.failure}")
@@ -712,13 +734,7 @@ class Engine:
             adapter = command.name if isinstance(command, (Load, Unload)) else None
             self._running = RunningCommand(what, adapter, time.monotonic())
             try:
-                # Pickled once for every rank (what Connection.send does per rank): a load's
-                # verified spec pickles in about 0.08 ms, and the ranks wait for the last send.
-                # A Step holds plain data only: plain pickle, without ForkingPickler's per-call
-                # copy of its reducer tables.
-                payload = (pickle.dumps(command, pickle.HIGHEST_PROTOCOL) if isinstance(command, Step)
-                           else ForkingPickler.dumps(command))
-                for rank, conn in enumerate(self._conns):
+                for rank, (conn, payload) in enumerate(zip(self._conns, payloads(), strict=True)):
                     try:
                         conn.send_bytes(payload)
                     except (BrokenPipeError, OSError) as error:

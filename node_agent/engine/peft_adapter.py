@@ -7,15 +7,18 @@ message naming the problem; nothing is written to the engine until the whole ada
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import struct
 import tempfile
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -110,16 +113,87 @@ class AdapterSpec:
     max_module_rank: int
     tensors: Mapping[str, TensorEntry]  # the parsed safetensors header, read once
     file_size: int  # of the weights file when its header was read
+    content: str = ""  # AdapterBytes.digest of what it was parsed from ("": made by hand, never memoized)
+
+
+@dataclass(frozen=True)
+class AdapterBytes:
+    """All that validating an adapter reads of it: the config file (up to one byte over its cap),
+    the weights file's header (its 8-byte length, then the JSON when that length fits the file)
+    and the weights file's size. The spec is a function of these bytes, the base model and the
+    max rank alone, so equal bytes give an equal spec (`SpecMemo`)."""
+
+    config: bytes
+    header: bytes
+    file_size: int
+
+    @cached_property
+    def digest(self) -> str:
+        """sha256 over the three, each delimited (the header by its own length prefix)."""
+        digest = hashlib.sha256(len(self.config).to_bytes(8, "little"))
+        for part in (self.config, self.header, self.file_size.to_bytes(8, "little")):
+            digest.update(part)
+        return digest.hexdigest()
 
 
 def read_adapter_spec(path: Path, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
     """Validate config and tensor headers against the base model; read no tensor data."""
     path = Path(path)
-    config = read_adapter_config(path)
+    config_bytes = _config_bytes(path)
+    config = _config_from_bytes(path, config_bytes)
     weights = _weights_file(path)
-    tensors, file_size = _read_header(weights)
+    try:
+        with weights.open("rb") as handle:
+            header, file_size = _header_bytes(handle.fileno())
+    except OSError as error:
+        raise AdapterLoadError(f"{WEIGHTS_FILE} cannot be read: {error}") from error
+    return _spec(path, AdapterBytes(config_bytes, header, file_size), config, cfg, max_lora_rank)
+
+
+def read_adapter_bytes(config_fd: int, weights_fd: int) -> AdapterBytes:
+    """What validation reads, through the adapter's open files (the driver's held descriptors,
+    so the bytes are those of the files it verifies). OSError where a descriptor cannot be read."""
+    header, file_size = _header_bytes(weights_fd)
+    return AdapterBytes(os.pread(config_fd, MAX_CONFIG_BYTES + 1, 0), header, file_size)
+
+
+def spec_from_bytes(path: Path, data: AdapterBytes, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
+    """Everything `read_adapter_spec` checks, on bytes already read (`read_adapter_bytes`) of the
+    adapter in `path`: the same refusals, in the same order."""
+    return _spec(path, data, _config_from_bytes(path, data.config), cfg, max_lora_rank)
+
+
+def _spec(path: Path, data: AdapterBytes, config: AdapterConfig, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
+    tensors = _parse_header(data.header, data.file_size)
     modules = _Matcher(config, tensors, cfg, max_lora_rank).modules()
-    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, file_size)
+    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, data.file_size, data.digest)
+
+
+class SpecMemo:
+    """The specs validated so far for one base model and max rank, by the bytes they were parsed
+    from (`AdapterBytes.digest`; least recently used dropped beyond `limit`). Adapters trained by
+    one recipe have byte-equal configs and headers (the same tensors, shapes and offsets), so
+    a load of any of them after the first skips the parse and the matching (docs/engine.md
+    "Measured"); a refusal is never stored, so it is made again, with its message, every time."""
+
+    def __init__(self, cfg: ModelConfig, max_lora_rank: int, limit: int = 64) -> None:
+        self.cfg, self.max_lora_rank, self.limit = cfg, max_lora_rank, limit
+        self._specs: OrderedDict[str, AdapterSpec] = OrderedDict()
+        self._lock = threading.Lock()  # loads are validated before the engine's command lock
+
+    def spec(self, path: Path, data: AdapterBytes) -> AdapterSpec:
+        """The spec of the adapter in `path` whose bytes are `data` (AdapterLoadError if refused)."""
+        with self._lock:
+            known = self._specs.get(data.digest)
+            if known is not None:
+                self._specs.move_to_end(data.digest)
+                return replace(known, path=Path(path))
+        spec = spec_from_bytes(path, data, self.cfg, self.max_lora_rank)
+        with self._lock:
+            self._specs[data.digest] = spec
+            while len(self._specs) > self.limit:
+                self._specs.popitem(last=False)
+        return spec
 
 
 def validate_adapter(path: Path, model_dir: Path, max_lora_rank: int) -> AdapterSpec:
@@ -234,7 +308,12 @@ def read_adapter_config(path: Path) -> AdapterConfig:
     here, for RE2 (linear-time matching); matching them costs linear time in the module names.
     """
     path = Path(path)
-    raw = _parse_config(path)
+    return _config_from_bytes(path, _config_bytes(path))
+
+
+def _config_from_bytes(path: Path, data: bytes) -> AdapterConfig:
+    """`read_adapter_config` on the config file's bytes (`data`, up to one byte over the cap)."""
+    raw = _parse_config(path, data)
     _refuse_non_finite_numbers(raw, ())
     error = jsonschema.exceptions.best_match(_CONFIG_VALIDATOR.iter_errors(raw))
     if error is not None:
@@ -258,7 +337,8 @@ def read_adapter_config(path: Path) -> AdapterConfig:
     )
 
 
-def _parse_config(path: Path) -> dict[str, Any]:
+def _config_bytes(path: Path) -> bytes:
+    """The config file's bytes, up to one over the cap; refuses a missing or unreadable one."""
     if not path.is_dir():
         raise AdapterLoadError(f"adapter directory {path} does not exist")
     config_path = path / CONFIG_FILE
@@ -269,6 +349,10 @@ def _parse_config(path: Path) -> dict[str, Any]:
             data = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as error:
         raise AdapterLoadError(f"{CONFIG_FILE} in {path} cannot be read: {error}") from error
+    return data
+
+
+def _parse_config(path: Path, data: bytes) -> dict[str, Any]:
     if len(data) > MAX_CONFIG_BYTES:
         raise AdapterLoadError(f"{CONFIG_FILE} in {path} is over the {MAX_CONFIG_BYTES}-byte cap")
     try:
@@ -419,21 +503,34 @@ def _corrupt(reason: str) -> AdapterLoadError:
     return AdapterLoadError(f"{WEIGHTS_FILE} is corrupt or truncated: {reason}")
 
 
-def _read_header(weights: Path) -> tuple[dict[str, TensorEntry], int]:
-    """The safetensors header (8-byte little-endian length, then JSON), checked as safetensors does.
+def _header_bytes(fd: int) -> tuple[bytes, int]:
+    """The weights file's 8-byte header length, then (when that length fits the file) the JSON
+    header, read through `fd`; with the file's size. `_parse_header` refuses what does not fit."""
+    size = os.fstat(fd).st_size
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8 or _header_length(prefix) > min(_MAX_HEADER_BYTES, size - 8):
+        return prefix, size
+    return prefix + os.pread(fd, _header_length(prefix), 8), size
 
-    Returns every tensor's entry and the file size. A bad or short file is refused here.
+
+def _header_length(prefix: bytes) -> int:
+    (length,) = struct.unpack("<Q", prefix[:8])
+    return int(length)
+
+
+def _parse_header(header: bytes, size: int) -> dict[str, TensorEntry]:
+    """The safetensors header (8-byte little-endian length, then JSON; `_header_bytes`), checked
+    as safetensors does, for a weights file of `size` bytes.
+
+    Returns every tensor's entry. A bad or short file is refused here.
     """
+    if len(header) < 8:
+        raise _corrupt(f"the file has {len(header)} bytes, fewer than the 8-byte header length")
+    length = _header_length(header)
+    if length > min(_MAX_HEADER_BYTES, size - 8):
+        raise _corrupt(f"header length {length} does not fit the {size}-byte file")
     try:
-        with weights.open("rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise _corrupt(f"the file has {len(prefix)} bytes, fewer than the 8-byte header length")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(_MAX_HEADER_BYTES, size - 8):
-                raise _corrupt(f"header length {length} does not fit the {size}-byte file")
-            text = handle.read(length).decode()
+        text = header[8:].decode()
         if _nesting_depth(text) > MAX_JSON_DEPTH:
             raise _corrupt(f"the header nests more than {MAX_JSON_DEPTH} levels deep (refused before parsing)")
         raw = json.loads(text)
@@ -441,8 +538,6 @@ def _read_header(weights: Path) -> tuple[dict[str, TensorEntry], int]:
         if isinstance(error, AdapterLoadError):
             raise
         raise _corrupt(f"the header is not valid JSON ({_shorten(str(error))})") from error
-    except OSError as error:
-        raise AdapterLoadError(f"{WEIGHTS_FILE} cannot be read: {error}") from error
     if not isinstance(raw, dict):
         raise _corrupt("the header is not a JSON object")
     data_start = 8 + length
@@ -455,7 +550,7 @@ def _read_header(weights: Path) -> tuple[dict[str, TensorEntry], int]:
         end += math.prod(entry.shape) * entry.dtype.itemsize
     if end != size:
         raise _corrupt(f"the header describes {end} bytes, the file has {size}")
-    return tensors, size
+    return tensors
 
 
 def _tensor_entry(key: str, value: object, data_start: int) -> TensorEntry:
@@ -698,6 +793,7 @@ class ShardPlan:
     """
 
     numel: int  # elements of the engine's dtype in the buffer
+    zeroed: bool  # the reads leave part of the buffer unwritten (rank padding): it starts zeroed
     file_size: int  # of the weights file the spec describes
     max_gap: int  # bytes of the scratch buffer
     calls: _I64
@@ -707,6 +803,35 @@ class ShardPlan:
     scales: npt.NDArray[np.float64]
     tensors: tuple[str, ...]
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # One bytes object (made once per plan; the engine remembers plans): pickling a Load
+        # copies it, unpickling makes views into it, instead of six arrays and a string each.
+        blob = self.__dict__.get("_blob")
+        if blob is None:
+            counts = np.array([self.numel, self.zeroed, self.file_size, self.max_gap, len(self.calls), len(self.segments),
+                               len(self.staged), len(self.slices)], dtype=np.int64)
+            arrays = (counts, self.calls, self.segments, self.staged, self.slices, self.scales)
+            # Keys never hold a newline (`_KEY` refuses one), so they travel joined by one.
+            blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays) + "\n".join(self.tensors).encode()
+            object.__setattr__(self, "_blob", blob)
+        return _plan_from_blob, (blob,)
+
+
+def _plan_from_blob(blob: bytes) -> ShardPlan:
+    """A `ShardPlan` from its pickled form (`ShardPlan.__reduce__`): read-only views into `blob`."""
+    numel, zeroed, file_size, max_gap, calls, segments, staged, slices = np.frombuffer(blob, np.int64, 8).tolist()
+    at = 64
+
+    def table(rows: int, width: int) -> _I64:
+        nonlocal at
+        at += rows * width * 8
+        return np.frombuffer(blob, np.int64, rows * width, at - rows * width * 8).reshape(rows, width)
+
+    tables = table(calls, 3), table(segments, 2), table(staged, 9), table(slices, 6)
+    scales = np.frombuffer(blob, np.float64, slices, at)
+    names = blob[at + 8 * slices :].decode()
+    return ShardPlan(numel, bool(zeroed), file_size, max_gap, *tables, scales, tuple(names.split("\n")) if names else ())
+
 
 _LAYOUT_FIELDS = 8  # per slice: a_rank start, stop; a_in start, width; b_out start, width; b_rank start, stop
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_FILE_DTYPES)}
@@ -715,7 +840,8 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_FILE_DTYPES)}
 class ShardPlanner:
     """Plans every rank's read of an adapter at once, from the layouts each rank's model has
     (`lora_slices()`, as `sharding.lora_layout` gives them): numpy over ranks × modules, so the
-    driver's cost barely grows with the ranks. One planner per engine; `plans(spec)` per load.
+    driver's cost barely grows with the ranks. One planner per engine; `plans(spec)` per load,
+    remembered by the spec's content (the last `limit`; equal content, equal spec, equal plans).
 
     Per slice of a module a rank holds, A's real rank rows and B's real rank columns are read
     into the slice's place in one zeroed buffer of `dtype`, padded to max rank (padding stays
@@ -723,8 +849,11 @@ class ShardPlanner:
     what must be converted, gathered with a stride, or is too short a run to read by itself.
     """
 
-    def __init__(self, rank_layouts: Sequence[Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]], dtype: torch.dtype) -> None:
-        self.dtype = dtype
+    def __init__(self, rank_layouts: Sequence[Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]], dtype: torch.dtype,
+                 limit: int = 64) -> None:
+        self.dtype, self.limit = dtype, limit
+        self._planned: OrderedDict[str, tuple[ShardPlan, ...]] = OrderedDict()
+        self._lock = threading.Lock()  # loads are planned before the engine's command lock
         self.positions = [{key: index for index, key in enumerate(layouts)} for layouts in rank_layouts]
         width = max((len(lays) for layouts in rank_layouts for lays in layouts.values()), default=1)
         rows = [[(s.a_rank.start, s.a_rank.stop, s.a_in.start, s.a_in.width, s.b_out.start, s.b_out.width,
@@ -736,6 +865,20 @@ class ShardPlanner:
     def plans(self, spec: AdapterSpec) -> tuple[ShardPlan, ...]:
         """Every rank's plan of `spec` (rank order). Refuses a module no rank layout has
         (experts are held by their expert-parallel group only)."""
+        with self._lock:
+            known = self._planned.get(spec.content) if spec.content else None
+            if known is not None:
+                self._planned.move_to_end(spec.content)
+                return known
+        plans = self._plan(spec)
+        if spec.content:
+            with self._lock:
+                self._planned[spec.content] = plans
+                while len(self._planned) > self.limit:
+                    self._planned.popitem(last=False)
+        return plans
+
+    def _plan(self, spec: AdapterSpec) -> tuple[ShardPlan, ...]:
         modules, ranks, count = spec.modules, len(self.positions), len(spec.modules)
         if not ranks:
             return ()
@@ -776,13 +919,18 @@ class ShardPlanner:
         slices = np.stack((pos, np.broadcast_to(slice_index, pos.shape), a_rows, a_iw, b_ow, b_cols), axis=2)
         scales = np.array([module.scale for module in modules], dtype=np.float64)
         every_name = tuple(key for module in modules for key in (module.a_key, module.b_key))
+        # Bytes the reads write into each rank's buffer (direct segments, staged blocks' columns).
+        direct = np.concatenate(([0], np.cumsum(np.where(segments[:, 0] >= 0, segments[:, 1], 0)))).astype(np.int64)
+        written = direct[segment_of_rank[1:]] - direct[segment_of_rank[:-1]]
+        np.add.at(written, staged_rank, staged_rows[:, 1] * staged_rows[:, 5] * self.dtype.itemsize)
         plans = []
         for r in range(ranks):
             mine = held[r]
             names = every_name if mine.all() else tuple(
                 key for module, kept in zip(modules, mine.tolist(), strict=True) if kept for key in (module.a_key, module.b_key))
+            numel = int(ends[r, -1]) if count else 0
             plans.append(ShardPlan(
-                int(ends[r, -1]) if count else 0, spec.file_size, int(max_gaps[r]),
+                numel, bool(written[r] < numel * self.dtype.itemsize), spec.file_size, int(max_gaps[r]),
                 calls[call_of_rank[r] : call_of_rank[r + 1]], segments[segment_of_rank[r] : segment_of_rank[r + 1]],
                 staged_rows[staged_rank == r], slices[r][mine], scales[mine], names))
         return tuple(plans)
@@ -883,7 +1031,7 @@ def read_planned_shard(plan: ShardPlan, fd: int, keys: Sequence[ModuleKey], dtyp
     of another size than planned, one that ends early, and NaN/Inf anywhere in the shard."""
     if os.fstat(fd).st_size != plan.file_size:
         raise _corrupt("the file changed while it was being read")
-    shard = _ShardBuffer(plan.numel, dtype)
+    shard = _ShardBuffer(plan.numel, dtype, plan.zeroed)
     scratch = memoryview(bytearray(plan.max_gap))
     target = shard.bytes
     segments = plan.segments.tolist()
@@ -985,13 +1133,16 @@ def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[Lo
 
 
 class _ShardBuffer:
-    """One rank's shard of one adapter: a zeroed buffer of the engine's dtype that file bytes are read into."""
+    """One rank's shard of one adapter: a buffer of the engine's dtype that file bytes are read
+    into, zeroed first only when the reads leave rank padding (`zeroed`): an adapter of the
+    engine's max rank fills it whole, and zeroing 2.4 MiB cost a rank about a tenth of its
+    load's CPU (docs/engine.md "Measured")."""
 
-    def __init__(self, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, zeroed: bool = True) -> None:
         self.dtype = dtype
-        # A bytearray is zeroed (rank padding) and gives the file reads a buffer to write into.
-        self.raw = bytearray(numel * dtype.itemsize)
-        self.bytes = memoryview(self.raw)
+        # numpy, not torch: its allocations are traced (tracemalloc), and the reads write into its buffer.
+        self.raw = (np.zeros if zeroed else np.empty)(numel * dtype.itemsize, dtype=np.uint8)
+        self.bytes = self.raw.data
         self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
 
     def stage(self, fd: int, start: int, rows: int, width: int, file_dtype: torch.dtype, first_col: int, cols: int,

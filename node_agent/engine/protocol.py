@@ -34,12 +34,12 @@ class Describe:
 @dataclass(frozen=True)
 class Load:
     """Read this rank's shard of the adapter the driver verified into the pool under `name`:
-    from the verified files (`adapter`), by `plans[rank]` (the driver planned every rank's read once, from
-    the layouts each rank reported at start-up; one command, pickled once, for all ranks)."""
+    from the verified files (`adapter`), by `plan` (the driver planned every rank's read once, from
+    the layouts each rank reported at start-up; each rank gets a command with its own plan)."""
 
     name: str
     adapter: VerifiedFiles
-    plans: tuple[ShardPlan, ...]
+    plan: ShardPlan
     pinned: bool
 
 

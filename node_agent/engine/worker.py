@@ -186,7 +186,7 @@ class RankWorker:
         # through the descriptor it checked.
         with HeldFiles(verified.path, f"rank {self.rank}") as held:
             held.require(verified)
-            shard = read_planned_shard(command.plans[self.rank], held.weights_fd, self.module_keys, self.dtype)
+            shard = read_planned_shard(command.plan, held.weights_fd, self.module_keys, self.dtype)
             held.check_unchanged()
         self.pool.add(command.name, shard, command.pinned)
         return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds(),

@@ -2,13 +2,17 @@
 
 The numeric tests (test_sharding_layout, test_equivalence, test_moe, test_deepseek) check what
 the plans read; these check that planning all ranks together gives each rank the plan it would
-get alone, and that a plan joins a rank's row runs into few reads.
+get alone, that a plan joins a rank's row runs into few reads, zeroes its buffer only where
+its reads leave bytes unwritten, travels as one bytes object, and is made once per content.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +86,48 @@ def test_a_plan_joins_a_ranks_row_runs_into_few_reads(adapter):
     assert len(plan.calls) < blocks / 2, (len(plan.calls), blocks)
     assert len(plan.staged) == 0, "every block of a same-dtype file is read straight into the shard"
     assert plan.max_gap > 0
+
+
+@pytest.mark.parametrize("adapter_rank", [3, MAX_RANK])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plan_zeroes_its_buffer_exactly_when_its_reads_leave_bytes_unwritten(adapter, adapter_rank, dtype):
+    """The reads of an adapter of the engine's max rank write every byte of the buffer (read
+    straight in or converted through staging): it is not zeroed first. Rank padding (a lower
+    rank) leaves bytes no read touches: the buffer then starts zeroed."""
+    cfg, paths = adapter
+    spec = read_adapter_spec(paths[adapter_rank], cfg, MAX_RANK)
+    topology = Topology(4, 1)
+    for plan in ShardPlanner([rank_layouts(cfg, topology, rank) for rank in range(4)], dtype).plans(spec):
+        written = np.zeros(plan.numel * dtype.itemsize, dtype=np.int64)
+        for begin, size in plan.segments.tolist():
+            if begin >= 0:
+                written[begin : begin + size] += 1
+        for _, rows, _, _, _, cols, _, offset, dest_cols in plan.staged.tolist():
+            for row in range(rows):
+                start = (offset + row * dest_cols) * dtype.itemsize
+                written[start : start + cols * dtype.itemsize] += 1
+        assert written.max() <= 1, "no byte is written twice"
+        assert plan.zeroed == (not written.all())
+        assert plan.zeroed == (adapter_rank < MAX_RANK), "a same-dtype file of max rank fills the buffer whole"
+
+
+def test_a_plan_travels_as_one_bytes_object(adapter):
+    """A plan pickles to one bytes object and back to the same plan (what a rank's Load carries)."""
+    cfg, paths = adapter
+    spec = read_adapter_spec(paths[3], cfg, MAX_RANK)
+    for plan in ShardPlanner([rank_layouts(cfg, Topology(4, 1), rank) for rank in range(4)], torch.bfloat16).plans(spec):
+        back = pickle.loads(pickle.dumps(plan))
+        assert_same_plan(back, plan)
+        assert back.zeroed == plan.zeroed
+
+
+def test_the_planner_remembers_the_plans_of_a_specs_content(adapter):
+    """Specs of equal content (`AdapterSpec.content`) are planned once; a spec made by hand
+    (no content) is planned every time."""
+    cfg, paths = adapter
+    spec = read_adapter_spec(paths[3], cfg, MAX_RANK)
+    planner = ShardPlanner([rank_layouts(cfg, Topology(4, 1), rank) for rank in range(4)], torch.float32)
+    plans = planner.plans(spec)
+    assert planner.plans(read_adapter_spec(paths[3], cfg, MAX_RANK)) is plans
+    unnamed = dataclasses.replace(spec, content="")
+    assert planner.plans(unnamed) is not planner.plans(unnamed)
