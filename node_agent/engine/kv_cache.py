@@ -357,6 +357,9 @@ class PagedKVCache:
                 f"write needs k, v [T, {heads}, {dim}] and slot_mapping [T]; got k {tuple(k.shape)}, "
                 f"v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)}"
             )
-        slots = slot_mapping.to(torch.int64)
-        self.key(layer).view(-1, heads, dim).index_copy_(0, slots, k.to(self.layout.dtype))
-        self.value(layer).view(-1, heads, dim).index_copy_(0, slots, v.to(self.layout.dtype))
+        # Conversions only where needed: `to` dispatches an op even when it returns its input,
+        # and this runs in every layer of every step.
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.to(torch.int64)
+        dtype = self.layout.dtype
+        self.key(layer).view(-1, heads, dim).index_copy_(0, slots, k if k.dtype == dtype else k.to(dtype))
+        self.value(layer).view(-1, heads, dim).index_copy_(0, slots, v if v.dtype == dtype else v.to(dtype))

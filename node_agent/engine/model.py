@@ -79,6 +79,13 @@ class AttentionBatch:
         return bool(self.query_lens) and all(n == 1 for n in self.query_lens)
 
     @functools.cached_property
+    def first_block(self) -> int | None:
+        """For a lone sequence whose blocks are consecutive, its first block (the decode then reads
+        its context as a view of the cache; `paged_attention.consecutive_blocks`), found once for
+        every layer."""
+        return paged_attention.consecutive_blocks(self.block_tables, self.context_lens, self.kv.layout.block_size)
+
+    @functools.cached_property
     def context_tensor(self) -> torch.Tensor:
         """`context_lens` as an int32 tensor on the cache's device, made once for every layer."""
         return torch.tensor(self.context_lens, dtype=torch.int32, device=self.slot_mapping.device)
@@ -292,7 +299,8 @@ class Attention(nn.Module):
         batch.kv.write(self.layer, batch.slot_mapping, k, v)
         key, value = batch.kv.key(self.layer), batch.kv.value(self.layer)
         if batch.decode_only:
-            out = paged_attention.decode(q, key, value, batch.block_tables, batch.context_tensor, self.scale)
+            out = paged_attention.decode(q, key, value, batch.block_tables, batch.context_tensor, self.scale,
+                                         batch.first_block)
         else:
             out = paged_attention.prefill(q, key, value, batch.block_tables, batch.query_lens, batch.context_lens,
                                           self.scale)
@@ -575,6 +583,8 @@ class CausalLM(nn.Module):
         dtype = self.norm.weight.dtype
         if self.rope_factor != 1.0:  # YaRN scales cos and sin in fp32, before the cast
             return (emb.cos() * self.rope_factor).to(dtype), (emb.sin() * self.rope_factor).to(dtype)
+        if dtype == torch.float32:
+            return emb.cos(), emb.sin()  # no cast to dispatch
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
@@ -586,4 +596,5 @@ class CausalLM(nn.Module):
             hidden = layer(hidden, ctx)
         if ctx.logit_rows is not None:
             hidden = hidden[ctx.logit_rows]
-        return self.lm_head.logits(self.norm(hidden)).float()
+        logits = self.lm_head.logits(self.norm(hidden))
+        return logits if logits.dtype == torch.float32 else logits.float()

@@ -126,6 +126,40 @@ def test_decode_torch_matches_dense(block_size: int, group: int) -> None:
         torch.testing.assert_close(out[index].double(), problem.reference(index)[-1], **FP32_TOL)
 
 
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 50])
+def test_a_lone_sequence_on_consecutive_blocks_reads_them_as_a_view(length: int) -> None:
+    # The single stream's decode: no gather, and the very same result as the gathered path.
+    block_size, used = 16, -(-length // 16)
+    layout = KVCacheLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=block_size, dtype=torch.float32)
+    cache = PagedKVCache(layout, used + 6, CPU)
+    gen = torch.Generator().manual_seed(length)
+    for tensor in (cache.key(0), cache.value(0)):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    first = 3
+    table = torch.tensor([list(range(first, first + used))], dtype=torch.int32)
+    assert paged_attention.consecutive_blocks(table, [length], block_size) == first
+    q = torch.randn(1, 4, 16, generator=gen)
+    lens = torch.tensor([length], dtype=torch.int32)
+    gathered = paged_attention.decode_torch(q, cache.key(0), cache.value(0), table, lens, SCALE)
+    viewed = paged_attention.decode_torch(q, cache.key(0), cache.value(0), table, lens, SCALE, first)
+    assert torch.equal(viewed, gathered)
+    k = cache.key(0)[first : first + used].flatten(0, 1)[:length]
+    v = cache.value(0)[first : first + used].flatten(0, 1)[:length]
+    want = dense_attention(torch.cat([torch.zeros(length - 1, 4, 16), q]), k, v, SCALE)[-1]
+    torch.testing.assert_close(viewed[0].double(), want, **FP32_TOL)
+
+
+@pytest.mark.parametrize(("tables", "lengths"), [
+    ([[3, 5]], [20]),  # a gap
+    ([[4, 3]], [20]),  # descending
+    ([[0, 1], [2, 3]], [20, 20]),  # two sequences: gathered
+    ([[7, 8, 0]], [20]),  # consecutive over the blocks in use; the padding is not read
+], ids=["gap", "descending", "two-sequences", "padded"])
+def test_which_block_tables_count_as_consecutive(tables: list[list[int]], lengths: list[int]) -> None:
+    got = paged_attention.consecutive_blocks(torch.tensor(tables, dtype=torch.int32), lengths, 16)
+    assert got == (7 if tables == [[7, 8, 0]] else None)
+
+
 def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass() -> None:
     """Two sequences prefilled in interleaved chunks, then decoded, with the allocator choosing
     every slot: each new token's output equals the dense causal output at its position."""

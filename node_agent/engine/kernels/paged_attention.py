@@ -128,6 +128,7 @@ def decode_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    first_block: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (`q` `[num_seqs, heads, head_dim]`) over its whole context.
 
@@ -135,6 +136,10 @@ def decode_torch(
     when the lengths differ. Each KV head's group of query heads are its query rows in one SDPA
     call (no repeat of K/V, no causal mask: a decode token sees its whole context). Each context
     length must be at least 1 (the token itself). Computes in fp32.
+
+    `first_block`: given for one sequence whose blocks are `first_block, first_block + 1, ...`
+    (`consecutive_blocks`), whose context is then read as a view of the cache instead of a
+    gathered copy: the same values in the same order, so the same result.
     """
     check_inputs(q, key_cache, value_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
@@ -144,25 +149,49 @@ def decode_torch(
     lengths = context_lens.tolist()
     longest = max(lengths)
     used = -(-longest // block_size)
-    # `index_select` over the flat table, not `cache[tables]`: the same copy in a quarter of the
-    # time (advanced indexing of a 4-d tensor takes its general path; docs/kernels.md).
-    blocks = block_tables[:, :used].reshape(-1)
-    k = _gathered(key_cache, blocks, num_seqs, longest)
-    v = _gathered(value_cache, blocks, num_seqs, longest)
+    if first_block is not None and num_seqs == 1:
+        # A lone decoding sequence (the single stream) usually holds consecutive blocks (the
+        # free list is FIFO): two gathers a layer fewer, each a copy of its whole context.
+        k = _fp32_heads(key_cache[first_block : first_block + used], 1, longest)
+        v = _fp32_heads(value_cache[first_block : first_block + used], 1, longest)
+    else:
+        # `index_select` over the flat table, not `cache[tables]`: the same copy in a quarter of
+        # the time (advanced indexing of a 4-d tensor takes its general path; docs/kernels.md).
+        blocks = block_tables[:, :used].reshape(-1)
+        k = _fp32_heads(key_cache.index_select(0, blocks), num_seqs, longest)
+        v = _fp32_heads(value_cache.index_select(0, blocks), num_seqs, longest)
     mask = None
     if min(lengths) < longest:
         within = torch.arange(longest, device=q.device)[None, :] < context_lens.to(q.device)[:, None]
         mask = within[:, None, None, :]
-    grouped = q.reshape(num_seqs, kv_heads, num_heads // kv_heads, head_dim).float()
+    grouped = _fp32(q.reshape(num_seqs, kv_heads, num_heads // kv_heads, head_dim))
     attended = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
-    return attended.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = attended.reshape(num_seqs, num_heads, head_dim)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _gathered(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, longest: int) -> torch.Tensor:
-    """`cache[blocks]` per sequence as `[num_seqs, kv_heads, longest, head_dim]` fp32 (a view
-    where the cache is fp32 already)."""
-    rows = cache.index_select(0, blocks).view(num_seqs, -1, *cache.shape[2:])
-    return rows[:, :longest].transpose(1, 2).float()
+def consecutive_blocks(block_tables: torch.Tensor, context_lens: Sequence[int], block_size: int) -> int | None:
+    """The first block of a lone sequence whose used blocks are consecutive (`decode_torch`'s
+    `first_block`); None for several sequences, other tables, or tables not on the CPU (the
+    triton kernel reads the table itself, and reading it here would wait for the device)."""
+    if len(context_lens) != 1 or block_tables.device.type != "cpu" or block_tables.shape[0] != 1:
+        return None
+    used = -(-context_lens[0] // block_size)
+    row = block_tables[0, :used].tolist()
+    first = row[0] if row else None
+    return first if first is not None and row == list(range(first, first + used)) else None
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 (itself when it is already: no op dispatched; these run in every layer)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _fp32_heads(rows: torch.Tensor, num_seqs: int, longest: int) -> torch.Tensor:
+    """Blocks `[num_seqs · blocks, block_size, kv_heads, head_dim]` (a sequence's blocks in
+    order) as `[num_seqs, kv_heads, longest, head_dim]` fp32 (a view where the cache is fp32)."""
+    per_seq = rows.view(num_seqs, -1, *rows.shape[2:])
+    return _fp32(per_seq[:, :longest].transpose(1, 2))
 
 
 def decode(
@@ -172,10 +201,12 @@ def decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    first_block: int | None = None,
 ) -> torch.Tensor:
-    """`decode_torch`'s result: the triton kernel on CUDA, the torch path elsewhere."""
+    """`decode_torch`'s result: the triton kernel on CUDA, the torch path elsewhere (which
+    takes `first_block`, see there)."""
     if dispatch.use_triton(q):
         from node_agent.engine.kernels import paged_attention_triton
 
         return paged_attention_triton.decode(q, key_cache, value_cache, block_tables, context_lens, scale)
-    return decode_torch(q, key_cache, value_cache, block_tables, context_lens, scale)
+    return decode_torch(q, key_cache, value_cache, block_tables, context_lens, scale, first_block)

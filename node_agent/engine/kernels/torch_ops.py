@@ -86,9 +86,9 @@ def expand(
     y: [n_slices, T, R]; b_stacks: one [num_slots, width_i, R] per slice; scales: [n_slices,
     num_slots]; out: [T, Σ width_i]. Tokens whose slot is −1 are left untouched.
     """
-    slot_factors = scales.t().tolist()  # one read of every slot's scales, not one per slot
+    by_slice = scales.tolist()  # one read of every slot's scales, not one per slot
     for slot, rows in batch.slot_rows:
-        factors = slot_factors[slot]
+        factors = [row[slot] for row in by_slice]
         offset = 0
         for index, b in enumerate(b_stacks):
             width = b.shape[1]
@@ -137,7 +137,7 @@ def add_fp32(
     if any(not isinstance(rows, slice) for _, rows in runs) or not (
             x.dtype == out.dtype == a_slots[0].dtype == b_slots[0][0].dtype == torch.float32):
         return False
-    factors = scales.t().tolist()  # one read of every slot's scales
+    factors = scales.tolist()  # one read of every slot's scales: factors[slice][slot]
     widths = [b.shape[0] for b in b_slots[0]]
     ranks = [b.shape[1] for b in b_slots[0]]
     # Rows of x and out as views made by one op each, when several one-row runs need them.
@@ -146,18 +146,22 @@ def add_fp32(
     # stack (A, then each slice's B) is read front to back, one stream for the prefetcher
     # instead of a jump between stacks per slot. (`split_with_sizes`: the C++ method, not the
     # Python of `Tensor.split`.)
+    # A module of one slice (o_proj, down_proj) needs no split: its run's rows are its targets.
+    whole = len(widths) == 1
     parts: list[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], bool]] = []
     for slot, rows in runs:
         assert isinstance(rows, slice)  # checked above
         if rows.stop - rows.start == 1:
-            y = torch.mv(a_slots[slot], x_rows[rows.start])
-            parts.append((out_rows[rows.start].split_with_sizes(widths), y.split_with_sizes(ranks), True))
+            y, target = torch.mv(a_slots[slot], x_rows[rows.start]), out_rows[rows.start]
+            parts.append(((target,), (y,), True) if whole else
+                         (target.split_with_sizes(widths), y.split_with_sizes(ranks), True))
         else:
-            y = x[rows] @ a_slots[slot].t()
-            parts.append((out[rows].split_with_sizes(widths, dim=1), y.split_with_sizes(ranks, dim=1), False))
+            y, target = x[rows] @ a_slots[slot].t(), out[rows]
+            parts.append(((target,), (y,), False) if whole else
+                         (target.split_with_sizes(widths, dim=1), y.split_with_sizes(ranks, dim=1), False))
     for index in range(len(widths)):
         for (slot, _), (targets, ys, one_row) in zip(runs, parts, strict=True):
-            b, factor = b_slots[slot][index], factors[slot][index]
+            b, factor = b_slots[slot][index], factors[index][slot]
             if one_row:
                 targets[index].addmv_(b, ys[index], alpha=factor)
             else:
