@@ -715,11 +715,12 @@ class Engine:
 
         return self._exchange(command, payloads, kind)
 
-    def _broadcast_each(self, commands: Sequence[Command], kind: type[R]) -> list[R]:
+    def _broadcast_each(self, commands: Sequence[Load], kind: type[R]) -> list[R]:
         """Send each rank its own command (rank order) and collect every rank's reply: a load,
         each rank's plan (about 8 KiB; all four plans in one command were 33 KiB for every rank
-        to unpickle)."""
-        return self._exchange(commands[0], lambda: [ForkingPickler.dumps(command) for command in commands], kind)
+        to unpickle). A Load holds plain data only: plain pickle, as for a Step."""
+        return self._exchange(commands[0], lambda: [pickle.dumps(command, pickle.HIGHEST_PROTOCOL) for command in commands],
+                              kind)
 
     def _exchange(self, command: Command, payloads: Callable[[], Sequence[bytes | memoryview]], kind: type[R]) -> list[R]:
         """Send every rank its payload (`payloads()`, one per rank, of `command`'s kind) and collect

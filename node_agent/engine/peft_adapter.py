@@ -759,10 +759,43 @@ def _is_sparse(cfg: ModelConfig, layer: int) -> bool:
 
 @dataclass
 class AdapterShard:
-    """This rank's part of one adapter, ready to be copied into LoRA slots."""
+    """This rank's part of one adapter, ready to be copied into LoRA slots: one buffer (`flat`)
+    and, per slice, where its A and B lie in it (`slices`, in buffer order: the plan's table).
 
-    weights: dict[ModuleKey, list[SliceWeights | None]]  # keyed like CausalLM.lora_modules()
+    `weights` makes every slice's A and B as views of the buffer when first asked for, i.e. when
+    the pool first copies the adapter into a slot: the 56 views of a tp=4 rank's shard cost about
+    a seventh of its load's CPU, which a load that never takes a slot (or takes one later) does
+    not wait for (docs/engine.md "Measured").
+    """
+
+    flat: torch.Tensor
+    keys: Sequence[ModuleKey]  # the rank's module keys; `slices` names a module by its position here
+    slices: _I64  # [n, 6]: module position, slice index, A rows, A columns, B rows, B columns
+    scales: npt.NDArray[np.float64]
     nbytes: int
+
+    @cached_property
+    def weights(self) -> dict[ModuleKey, list[SliceWeights | None]]:
+        """Every module's slices (keyed like CausalLM.lora_modules()), A and B views of `flat`."""
+        slices = self.slices.tolist()
+        pieces = _pieces(self.flat, slices)
+        weights: dict[ModuleKey, list[SliceWeights | None]] = {}
+        for index, ((position, slice_index, a_rows, a_cols, b_rows, b_cols), scale) in enumerate(
+                zip(slices, self.scales.tolist(), strict=True)):
+            key = self.keys[position]
+            parts = weights.get(key)
+            if parts is None:
+                parts = weights[key] = [None] * len(MODULE_KINDS[key[1]].peft_modules)
+            parts[slice_index] = SliceWeights(pieces[2 * index].view(a_rows, a_cols),
+                                              pieces[2 * index + 1].view(b_rows, b_cols), scale)
+        return weights
+
+
+def _pieces(flat: torch.Tensor, slices: Sequence[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """Every slice's A and B as flat views of the buffer, in buffer order: one split makes them
+    all (far cheaper than slicing per slice)."""
+    sizes = [size for _, _, a_rows, a_cols, b_rows, b_cols in slices for size in (a_rows * a_cols, b_rows * b_cols)]
+    return torch.split(flat, sizes) if sizes else ()
 
 
 # A row's run of columns shorter than this is not read on its own (one iovec per tiny run costs
@@ -1025,10 +1058,11 @@ def plan_shard(spec: AdapterSpec, lora_layouts: Mapping[ModuleKey, tuple[LoraSli
 
 
 def read_planned_shard(plan: ShardPlan, fd: int, keys: Sequence[ModuleKey], dtype: torch.dtype) -> AdapterShard:
-    """Carry out `plan` on the weights file open as `fd`: its bytes go straight into one zeroed
-    buffer of `dtype` (through a staging buffer only for the plan's staged blocks), whose views
-    are the slices' A and B; `keys`: the rank's module keys, in the plan's order. Refuses a file
-    of another size than planned, one that ends early, and NaN/Inf anywhere in the shard."""
+    """Carry out `plan` on the weights file open as `fd`: its bytes go straight into one buffer
+    of `dtype` (zeroed when the plan leaves padding; through a staging buffer only for the plan's
+    staged blocks), whose views are the slices' A and B (`AdapterShard.weights`); `keys`: the
+    rank's module keys, in the plan's order. Refuses a file of another size than planned, one
+    that ends early, and NaN/Inf anywhere in the shard."""
     if os.fstat(fd).st_size != plan.file_size:
         raise _corrupt("the file changed while it was being read")
     shard = _ShardBuffer(plan.numel, dtype, plan.zeroed)
@@ -1043,21 +1077,8 @@ def read_planned_shard(plan: ShardPlan, fd: int, keys: Sequence[ModuleKey], dtyp
             raise _corrupt("the file ended early")
     for start, rows, width, code, first_col, cols, stride, offset, dest_cols in plan.staged.tolist():
         shard.stage(fd, start, rows, width, _FILE_DTYPES[code], first_col, cols, stride, offset, dest_cols)
-    slices = plan.slices.tolist()
-    sizes = [size for _, _, a_rows, a_cols, b_rows, b_cols in slices for size in (a_rows * a_cols, b_rows * b_cols)]
-    # One split makes every slice's flat view at once (far cheaper than slicing per slice).
-    pieces = torch.split(shard.flat, sizes) if slices else ()
-    weights: dict[ModuleKey, list[SliceWeights | None]] = {}
-    for index, ((position, slice_index, a_rows, a_cols, b_rows, b_cols), scale) in enumerate(
-            zip(slices, plan.scales.tolist(), strict=True)):
-        key = keys[position]
-        parts = weights.get(key)
-        if parts is None:
-            parts = weights[key] = [None] * len(MODULE_KINDS[key[1]].peft_modules)
-        parts[slice_index] = SliceWeights(pieces[2 * index].view(a_rows, a_cols), pieces[2 * index + 1].view(b_rows, b_cols),
-                                          scale)
-    _refuse_non_finite(shard.flat, pieces, plan.tensors)
-    return AdapterShard(weights, plan.numel * dtype.itemsize)
+    _refuse_non_finite(shard.flat, plan.slices, plan.tensors)
+    return AdapterShard(shard.flat, keys, plan.slices, plan.scales, plan.numel * dtype.itemsize)
 
 
 def read_adapter_shard(
@@ -1086,7 +1107,7 @@ def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
     of libtorch_cpu.so, the strided numpy copy 128 KiB of numpy's core). Taken here, once, they
     are out of the first load's memory, which then grows by its shard as every later load does
     (docs/engine.md "Measured"). The adapter's bytes are zeros, so the read succeeds; returns
-    its shard (8 modules, each one A/B slice of zeros).
+    its shard (8 modules, each one A/B slice of zeros), its slices' views made.
     """
     modules: list[ModuleAdapter] = []
     tensors: dict[str, TensorEntry] = {}
@@ -1108,9 +1129,11 @@ def warm_up_shard_reads(dtype: torch.dtype) -> AdapterShard:
     try:
         os.write(fd, bytes(start))  # a few hundred bytes: one write (the read checks the size)
         spec = AdapterSpec(Path("warm-up"), tuple(modules), 2, tensors, start)  # its path is never opened
-        return read_adapter_shard(spec, fd, layouts, dtype)
+        shard = read_adapter_shard(spec, fd, layouts, dtype)
     finally:
         os.close(fd)
+    shard.weights  # noqa: B018 (a cached property: its views made now, as the pool makes them)
+    return shard
 
 
 def _anonymous_file() -> int:
@@ -1167,9 +1190,9 @@ class _ShardBuffer:
         view[:, :cols].copy_(converted[:, first_col:stop:col_stride])
 
 
-def _refuse_non_finite(flat: torch.Tensor, pieces: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Refuse NaN/Inf anywhere in the shard, naming the first tensor that has one (`pieces`:
-    every slice's A and B, flat, with their keys in `names`).
+def _refuse_non_finite(flat: torch.Tensor, slices: _I64, names: Sequence[str]) -> None:
+    """Refuse NaN/Inf anywhere in the shard, naming the first tensor that has one (`slices`:
+    the plan's table of every slice's A and B in buffer order, with their keys in `names`).
 
     An fp32 sum of the buffer (a fraction of the cost of an elementwise check) is non-finite if
     some value is, or, never for real weights, if the sum overflows; only then is each tensor
@@ -1182,6 +1205,6 @@ def _refuse_non_finite(flat: torch.Tensor, pieces: Sequence[torch.Tensor], names
     sums = [part.sum(dtype=torch.float32) for part in torch.split(flat, chunk)]
     if not sums or math.isfinite(float(torch.stack(sums).sum())):
         return
-    for piece, name in zip(pieces, names, strict=True):
+    for piece, name in zip(_pieces(flat, slices.tolist()), names, strict=True):
         if not torch.isfinite(piece).all():
             raise AdapterLoadError(f"tensor {name} has non-finite values (NaN or Inf)")

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import pickle
 import time
 import traceback
 from dataclasses import dataclass
@@ -349,6 +350,8 @@ def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
             command = conn.recv()
         except EOFError:
             return  # the driver is gone
-        conn.send(worker.run(command))
+        # Replies are plain data: plain pickle, without the copy of its reducer tables that
+        # Connection.send's ForkingPickler makes on every call.
+        conn.send_bytes(pickle.dumps(worker.run(command), pickle.HIGHEST_PROTOCOL))
         if isinstance(command, Shutdown):
             return
