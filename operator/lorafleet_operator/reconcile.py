@@ -365,12 +365,11 @@ def credential_refusal(credential: CredentialOutcome,
     return None
 
 
-async def load_on(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
-                  credential: CredentialOutcome) -> AgentResult:
-    """LoadAdapter on one target (replace=True: the spec is the truth for managed names),
-    unless the generation is condemned or its last failure there is backing off; the outcome
-    is booked in the crash book and the back-off book. A failed load the agent answered also
-    says which version the agent still serves. A refused ``credential`` sends nothing."""
+def unsent(rt: Runtime, target: Target, body: Mapping[str, Any],
+           credential: CredentialOutcome) -> AgentResult | None:
+    """The result of a load that is not sent, None when it is to be sent: the generation is
+    condemned, the agent's Describe failed, its last failure there is backing off, or the
+    ``credential`` is refused (nothing sent: not booked)."""
     verdict = condemned(rt, body)
     if verdict:
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
@@ -379,17 +378,22 @@ async def load_on(rt: Runtime, view: FleetView, target: Target, body: Mapping[st
     waiting = backing_off(rt, body, target)
     if waiting is not None:
         return waiting
-    if isinstance(credential, FleetProblem):  # nothing sent: not booked
+    if isinstance(credential, FleetProblem):
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
                            credential.message)
-    if not body["spec"].get("pinned"):
-        return await _load(rt, view, target, body, credential)
-    # One pinned load at a time per agent: the count of pins and the load that adds one.
+    return None
+
+
+async def load_pinned(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
+                      credential: SourceCredential | None) -> AgentResult:
+    """A pinned load: one at a time per agent, under the lock the count of pins is taken
+    under (:func:`pin_refusal`)."""
     async with rt.pin_lock(target.agent.endpoint):
         refusal = await pin_refusal(rt, view, target, body)
         if refusal:
             return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
                                refusal, served=await served_version(rt, view, target, body))
+        _sending(rt, target, body)
         return await _load(rt, view, target, body, credential)
 
 
@@ -421,17 +425,32 @@ async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
             f"one device slot stays for unpinned traffic); not loaded")
 
 
+def _sending(rt: Runtime, target: Target, body: Mapping[str, Any]) -> None:
+    """Book a load as sent from now: counted as held while in flight (placement: a reconcile
+    placing meanwhile sees it, even while it waits in the agent's queue), and unsettled until
+    it ends answered (a load cut off may still complete there)."""
+    meta = body["metadata"]
+    name = names.agent_name(meta["namespace"], meta["name"])
+    rt.reservations.reserve(target.agent.endpoint, name)
+    rt.sent.sending(target.agent.endpoint, name)
+
+
+def _never_sent(rt: Runtime, target: Target, body: Mapping[str, Any]) -> None:
+    """Undo :func:`_sending` for a queued load its caller gave up before it was sent."""
+    meta = body["metadata"]
+    name, now = names.agent_name(meta["namespace"], meta["name"]), time.monotonic()
+    rt.sent.ended(target.agent.endpoint, name, now, answered=True)
+    rt.reservations.finished(target.agent.endpoint, name, now, loaded=False)
+
+
 async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
                 credential: SourceCredential | None) -> AgentResult:
-    """The LoadAdapter call itself (with the source's credential) and the books (crash book,
-    back-off, the loads sent)."""
+    """The LoadAdapter call itself (with the source's credential; booked as sent before:
+    :func:`_sending`) and the books (crash book, back-off, the loads sent)."""
     spec, meta = body["spec"], body["metadata"]
     key, pod = generation_key(body), target.agent.name
     name, endpoint = names.agent_name(meta["namespace"], meta["name"]), target.agent.endpoint
     failure: AgentFailure
-    rt.reservations.reserve(endpoint, name)  # counted as held while in flight (placement)
-    # Unsettled until it ends answered: a load cut off (cancelled) may still complete there.
-    rt.sent.sending(endpoint, name)
     try:
         reply = await rt.agents.load(
             endpoint, view.creds, name=name,
@@ -610,12 +629,44 @@ async def place_and_load(rt: Runtime, view: FleetView,
 
 async def load_each(rt: Runtime, view: FleetView, targets: Sequence[Target],
                     body: Mapping[str, Any], credential: CredentialOutcome) -> list[AgentResult]:
-    """:func:`load_on` every target at once, their download progress in the Ready condition
-    while the loads run (:func:`progress.reporting`): the one path of the handlers' loads and
-    the drift check's repairs."""
+    """Load on every target at once (replace=True: the spec is the truth for managed names),
+    unless a target's load is not to be sent (:func:`unsent`), their download progress in the
+    Ready condition while the loads run (:func:`progress.reporting`): the one path of the
+    handlers' loads and the drift check's repairs. A load of a local source waits in its
+    agent's queue (``rt.loads``: a future, not a suspended call); a remote one (bounded per
+    agent and namespace, apart) and a pinned one (under the agent's pin lock) are calls of
+    their own. Outcomes in the targets' order; a failed load the agent answered also says
+    which version the agent still serves."""
     async with progress.reporting(rt, view, targets, body):
-        return list(await asyncio.gather(*(
-            load_on(rt, view, t, body, credential) for t in targets)))
+        pending = [_start_load(rt, view, t, body, credential) for t in targets]
+        futures = [p for p in pending if isinstance(p, asyncio.Future)]
+        try:
+            if futures:
+                await asyncio.wait(futures)
+        except asyncio.CancelledError:  # as gather would: the loads go with their caller
+            for future in futures:
+                future.cancel()
+            raise
+        for future in futures:
+            future.exception()  # every one retrieved: the first error is raised below
+        return [p if isinstance(p, AgentResult) else p.result() for p in pending]
+
+
+def _start_load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
+                credential: CredentialOutcome) -> AgentResult | asyncio.Future[AgentResult]:
+    """One target's load, started: its result when none is sent, else its future."""
+    result = unsent(rt, target, body, credential)
+    if result is not None:
+        return result
+    assert not isinstance(credential, FleetProblem)  # unsent() answered for a refusal
+    if body["spec"].get("pinned"):
+        return asyncio.ensure_future(load_pinned(rt, view, target, body, credential))
+    _sending(rt, target, body)
+    if sources.is_remote(str(body["spec"]["source"]["uri"])):
+        return asyncio.ensure_future(_load(rt, view, target, body, credential))
+    return rt.loads.submit(target.agent.endpoint,
+                           lambda: _load(rt, view, target, body, credential),
+                           lambda: _never_sent(rt, target, body))
 
 
 def retry_due_in(rt: Runtime, body: Mapping[str, Any],

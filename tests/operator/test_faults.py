@@ -42,11 +42,12 @@ import pytest
 
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
-from lorafleet_operator.agent_client import AgentClients, Credentials
+from lorafleet_operator.agent_client import AgentClients, AgentError, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, UnloadOutcome, unload_from_holders
+from lorafleet_operator.reconcile import FleetView, Target, UnloadOutcome, load_each, unload_from_holders
 from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import AgentResult
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,
@@ -488,6 +489,61 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
     assert tasks <= 1 + deletions + 2 * workers, tasks
     assert all(o.ok for per_deletion in outcomes for o in per_deletion), outcomes[0]
     assert [[o.pod for o in per] for per in outcomes] == [["agent-0", "agent-1"]] * deletions
+
+
+def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
+    fault_env: FaultEnv,
+) -> None:
+    """100 adapters loaded at once (load_each, as 100 reconciles) on the two real agents: the
+    loads of local sources wait in each agent's queue (a future each), run by at most
+    per-agent-concurrency workers, so the operator holds about one task per reconcile, not one
+    suspended call per (adapter, agent): 1,000 adapters x 64 agents held about 540 MiB that way.
+    Every load then completes, outcomes in the targets' order, and each agent holds them all.
+    A reconcile cancelled while its loads wait sends none of them, and books none as held.
+    Before: 200 more tasks."""
+    adapters = 100
+    settings = Settings()
+    path = make_adapter(fault_env.adapters, "queued")
+
+    def body(i: int) -> dict[str, Any]:
+        return {"metadata": {"namespace": "t", "name": f"q{i:03d}", "uid": f"u{i}", "generation": 1},
+                "spec": {"source": {"uri": f"file://{path}"}}}
+
+    async def run() -> tuple[int, list[list[AgentResult]], int, set[str]]:
+        rt = Runtime(settings, None, AgentClients(settings))
+        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0)
+                     for a in fault_env.agents)
+        infos = {p.name: await rt.agents.describe(p.endpoint, Credentials()) for p in pods}
+        view = FleetView("t", pods, infos, Credentials(), "default", {})
+        targets = [Target(p, infos[p.name]) for p in pods]
+        started = [asyncio.ensure_future(load_each(rt, view, targets, body(i), None))
+                   for i in range(adapters)]
+        for _ in range(3):  # every reconcile runs up to its first wait (FIFO scheduling)
+            await asyncio.sleep(0)
+        tasks = len(asyncio.all_tasks())
+        cancelled = asyncio.ensure_future(load_each(rt, view, targets, body(adapters), None))
+        await asyncio.sleep(0)  # its loads queued behind the 100 others'
+        cancelled.cancel()
+        try:
+            results = list(await asyncio.gather(*started))
+            held = {name for p in pods
+                    for name in rt.reservations.held(p.endpoint, set())}
+            unloads = await rt.agents.unload_each([(p.endpoint, Credentials(), f"t.q{i:03d}")
+                                                   for p in pods for i in range(adapters)])
+            return tasks, results, sum(1 for u in unloads if isinstance(u, AgentError)), held
+        finally:
+            await rt.agents.close()
+
+    tasks, results, failed_unloads, held = asyncio.run(run())
+    workers = len(fault_env.agents) * settings.per_agent_concurrency
+    # This test, the reconciles, the queues' workers, each running load's task and gRPC's own.
+    assert tasks <= 1 + adapters + 3 * workers, tasks
+    assert [[r.pod for r in per] for per in results] == [["agent-0", "agent-1"]] * adapters
+    assert all(r.ok for per in results for r in per), results[0]
+    assert failed_unloads == 0
+    assert f"t.q{adapters:03d}" not in held, held
+    for agent in fault_env.agents:
+        assert f"t.q{adapters:03d}" not in registry(agent)
 
 
 # ---- 4. the API server answering 429, then 500 --------------------------------------------------
