@@ -13,7 +13,9 @@ changes). One check:
    its base model;
 4. for each LoraAdapter of this fleet, loads it where it is placed and missing (an agent
    restarted; a new agent; room appeared) unless a failure there is still backing off, and
-   writes its status and EndpointSlices from what the agents now hold;
+   writes its status and EndpointSlices from what the agents now hold; an adapter its
+   handlers have in hand (reconciling it, not yet, or done since step 2's listing, which
+   misses those loads) is left to them this round;
 5. writes the fleet's status (agents, ready agents, members with topology and capacity).
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -201,16 +204,27 @@ async def repair(rt: Runtime, view: FleetView, targets: Sequence[Target],
     return results, credential_refusal(credential, results)
 
 
-async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                           body: Mapping[str, Any],
-                           placements: Mapping[str, Placement]) -> str | None:
-    """Repair one adapter where it is placed and write its status and EndpointSlices;
-    returns its phase (None if skipped)."""
+def handled(rt: Runtime, body: Mapping[str, Any], listed_at: float) -> bool:
+    """Whether the adapter's handlers have it in hand, so that a check whose registries were
+    listed at ``listed_at`` leaves it alone this round: a handler is reconciling it now, has
+    not yet (no conditions: its create handler will load it), or finished after the listing
+    (which then misses that handler's loads: repairing from it would load them all again)."""
     meta = body["metadata"]
-    lock = rt.lock(meta["namespace"], meta["name"])
-    if lock.locked():
-        return None  # a handler is reconciling it right now; the next check looks again
-    async with lock:
+    key = (meta["namespace"], meta["name"])
+    return rt.lock(*key).locked() or not (body.get("status") or {}).get("conditions") \
+        or rt.reconciled.get(key, -math.inf) >= listed_at
+
+
+async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
+                           body: Mapping[str, Any], placements: Mapping[str, Placement],
+                           listed_at: float) -> str | None:
+    """Repair one adapter where it is placed and write its status and EndpointSlices, unless
+    its handlers have it in hand (:func:`handled`; the next check looks again); returns its
+    phase (None if skipped). ``listed_at``: when the check's registry listing began."""
+    meta = body["metadata"]
+    if handled(rt, body, listed_at):
+        return None
+    async with rt.lock(meta["namespace"], meta["name"]):
         stored = dict(body.get("status") or {})
         generation = int(meta.get("generation", 0))
         refused = admission(view.name, view.spec, body["spec"])
@@ -304,6 +318,7 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
         metrics.DRIFT_CHECKS.inc()
         log.info("drift check of lorafleet %s/%s: %s", namespace, name, problem.message)
         return
+    listed_at = time.monotonic()
     registries = await list_registries(rt, view)
     adapters = await rt.kube.list_adapters(namespace)  # after the registries: see module doc
     fleets = await rt.kube.list_fleets(namespace)
@@ -312,7 +327,7 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
     placements = place_fleet(rt, view, registries, admitted, complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
     phases = await asyncio.gather(*(
-        converge_adapter(rt, view, registries, a, placements) for a in mine))
+        converge_adapter(rt, view, registries, a, placements, listed_at) for a in mine))
     current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
     own = {names.agent_name(namespace, a["metadata"]["name"]) for a in mine}
     await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))

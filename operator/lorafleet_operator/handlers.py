@@ -158,6 +158,7 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
         await publish_status(rt, {**body, "status": previous}, status)
         await publish_slices(rt, body, view.spec if view else {}, view.agents if view else (),
                              results, new=new)
+        rt.reconciled[(namespace, name)] = time.monotonic()
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger=trigger, phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(elapsed)
@@ -253,6 +254,7 @@ def _forget_adapter(rt: Runtime, meta: Mapping[str, Any], fleet: str) -> None:
     rt.sent.forget(names.agent_name(meta["namespace"], meta["name"]))
     rt.crashes.forget(meta.get("uid", ""))
     rt.locks.pop((meta["namespace"], meta["name"]), None)
+    rt.reconciled.pop((meta["namespace"], meta["name"]), None)
     rt.refused_status.pop(("LoraAdapter", meta["namespace"], meta["name"]), None)
     rt.demands.get((meta["namespace"], fleet), {}).pop(
         names.agent_name(meta["namespace"], meta["name"]), None)

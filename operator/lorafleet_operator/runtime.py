@@ -194,6 +194,9 @@ class Runtime:
     agents: AgentClients
     #: One lock per LoraAdapter: its handlers and the drift check never act on it at once.
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    #: (namespace, adapter) -> when a handler last finished reconciling it (monotonic): a
+    #: drift check whose registry listing is older leaves it alone (``drift.converge_adapter``).
+    reconciled: dict[tuple[str, str], float] = field(default_factory=dict)
     #: The loads of local sources waiting for each agent endpoint (:func:`~lorafleet_operator.
     #: reconcile.load_each`), at most ``per_agent_concurrency`` running per agent.
     loads: WorkQueue = field(init=False)
