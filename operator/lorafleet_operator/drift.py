@@ -245,8 +245,8 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
                 status = build_status(results, generation=generation, previous=stored,
                                       crashed=condemned(rt, body), placement=placement)
         await publish_status(rt, body, status)
-        await publish_slices(rt, body, view.spec, view.agents, results,
-                             new=not stored.get("conditions"))
+        # Not new: an adapter without a status is left to its handler (handled).
+        await publish_slices(rt, body, view.spec, view.agents, results)
     return str(status["phase"])
 
 
