@@ -73,6 +73,7 @@ from lorafleet_operator.status import (
     AgentState,
     build_status,
     condition,
+    never_reconciled,
     now_rfc3339,
 )
 
@@ -211,7 +212,7 @@ def handled(rt: Runtime, body: Mapping[str, Any], listed_at: float) -> bool:
     (which then misses that handler's loads: repairing from it would load them all again)."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    return rt.lock(*key).locked() or not (body.get("status") or {}).get("conditions") \
+    return rt.lock(*key).locked() or never_reconciled(body.get("status")) \
         or rt.reconciled.get(key, -math.inf) >= listed_at
 
 

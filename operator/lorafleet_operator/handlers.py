@@ -48,7 +48,7 @@ from lorafleet_operator.reconcile import (
 )
 from lorafleet_operator.routing import publish_slices, remove_slices
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import Phase, build_status, initial_status
+from lorafleet_operator.status import Phase, build_status, initial_status, never_reconciled
 
 log = logging.getLogger("lorafleet.operator")
 
@@ -138,7 +138,7 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
     meta, spec = body["metadata"], body["spec"]
     namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 0)
     previous = dict(body.get("status") or {})
-    new = not previous.get("conditions")
+    new = never_reconciled(previous)
     async with rt.lock(namespace, name):
         if new:
             first = initial_status(generation)

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp.web
 import kopf
@@ -45,6 +46,14 @@ def configure_logging(level: str) -> None:
         for name in ("kopf", "kopf.objects", "kopf.activities", "kopf.reactor",
                      "aiohttp.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@kopf.on.cleanup()
+async def release_stop_flag(memo: kopf.Memo, **_: Any) -> None:
+    """Set the stop flag :func:`run` gave kopf when kopf stops for another reason (SIGTERM).
+    kopf leaves its task waiting on that flag pending, then waits 5 s for such "hung" tasks
+    before it cancels them: every shutdown took 5 s longer (kopf 1.45, ``stop_flag_checker``)."""
+    memo["stop"].set()
 
 
 async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
@@ -122,7 +131,7 @@ async def run(settings: Settings, kubeconfig: str | None = None) -> int:
         liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port \
             else None
         await kopf.operator(standalone=True, clusterwide=False, namespaces=namespaces,
-                            memo=kopf.Memo(runtime=runtime), stop_flag=stop,
+                            memo=kopf.Memo(runtime=runtime, stop=stop), stop_flag=stop,
                             liveness_endpoint=liveness)
     except Exception:  # kopf re-raises what failed one of its root tasks (e.g. a watcher)
         failed = True

@@ -293,6 +293,12 @@ def build_status(
     }
 
 
+def never_reconciled(status: Mapping[str, Any] | None) -> bool:
+    """Whether no handler has visited the adapter yet: its status has no conditions (a
+    handler's first write, :func:`initial_status`, gives it some)."""
+    return not (status or {}).get("conditions")
+
+
 def initial_status(generation: int) -> dict[str, Any]:
     """Conditions set on the first visit (there are none yet), before any agent answered:
     Ready is Unknown."""

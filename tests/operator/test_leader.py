@@ -147,3 +147,23 @@ def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
         assert "waiting for leadership" not in standby.log()
     finally:
         standby.stop()
+
+
+def test_a_stopped_leader_leaves_kopf_no_task_to_wait_for(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    tmp_path: Path,
+) -> None:
+    """SIGTERM: kopf stops, the operator releases the Lease and exits 0, and kopf found no
+    task of ours still pending (it gives such "hung" tasks 5 s before it cancels them: the
+    waiter on the operator's own stop flag was one, and made every shutdown 5 s longer)."""
+    ns = kube_namespace
+    op = start_operator(kube_cluster, ns, tmp_path, env={"LORAFLEET_LOG_LEVEL": "DEBUG"})
+    apply(kube_cluster, ns, fleet_manifest())
+    wait_for(lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns)
+             .get("status", {}).get("conditions"), 60, "the fleet's status", op)
+    assert op.stop() == 0
+    log = op.log()
+    assert "Hung tasks stopping is skipped: no tasks given." in log, log[-4000:]
+    assert "Hung tasks are stopped" not in log
+    assert kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)["spec"][
+        "holderIdentity"] == ""

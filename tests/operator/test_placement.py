@@ -26,8 +26,9 @@ from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.node import machine_ip
 from lorafleet_operator.agent_client import AgentClients, AgentInfo, Credentials
 from lorafleet_operator.config import Settings
-from lorafleet_operator.drift import Registry, fleet_status, unwanted
+from lorafleet_operator.drift import Registry, fleet_status, handled, unwanted
 from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.handlers import reconcile_adapter
 from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
 from lorafleet_operator.publish import publish_status
@@ -345,6 +346,28 @@ def test_a_placed_status_read_back_is_not_written_again(
             assert asyncio.run(publish_status(rt, body, new)) is written, (replicas, written)
         stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)["status"]
         assert stored["placement"].get("replicas") == replicas
+
+
+def test_a_reconcile_marks_the_adapter_for_drift_checks_listed_before_it_ended(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """The handler's reconcile, run in-process against the API server (its fleet missing, so
+    Pending), records when it finished: a drift check whose registries were listed before
+    that leaves the adapter alone (its listing misses the handler's work), a later one does
+    not. Without the record a check converged from the stale listing and loaded everything
+    again (docs/operator.md, drift)."""
+    apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
+    settings = Settings()
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
+                 AgentClients(settings))
+    body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
+    listed_before = time.monotonic()
+    asyncio.run(reconcile_adapter(rt, body, "create"))
+    listed_after = time.monotonic()
+    stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
+    assert stored["status"]["phase"] == "Pending"
+    assert handled(rt, stored, listed_at=listed_before)
+    assert not handled(rt, stored, listed_at=listed_after)
 
 
 # ---- end to end -------------------------------------------------------------------------
