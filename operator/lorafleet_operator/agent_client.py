@@ -5,8 +5,9 @@ deadline and goes through two semaphores (per agent and in all), so a fan-out ov
 adapters and agents stays bounded. Loads of remote (http(s)) sources, which can take as long
 as a download, go through their own semaphore per (agent, namespace) instead: one tenant's
 slow or black-holed downloads never hold the slots other adapters' calls need. Unloads wait
-in a queue per agent (:class:`UnloadQueue`) drained by as many workers as the agent has call
-slots, so thousands of deletions at once hold a future each rather than a suspended call.
+in a queue per agent (:class:`~lorafleet_operator.work_queue.WorkQueue`) drained by as many
+workers as the agent has call slots, so thousands of deletions at once hold a future each
+rather than a suspended call.
 gRPC failures become :class:`AgentError`, carrying the status code that :mod:`failures`
 classifies.
 
@@ -43,6 +44,7 @@ from lorafleet_operator.identity import (
     refusal,
 )
 from lorafleet_operator.sources import is_remote
+from lorafleet_operator.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -191,19 +193,6 @@ def _control_reply(reply: Any) -> ControlReply:
 UnloadAnswer = ControlReply | AgentError
 
 
-@dataclass
-class UnloadQueue:
-    """The unloads waiting for one agent, oldest first: (name, credentials) -> the future all
-    their callers wait on. At most ``per_agent_concurrency`` workers drain it, so a waiting
-    unload is a future, not a suspended call (64,000 waiting calls held about 400 MiB)."""
-
-    waiting: dict[tuple[str, Credentials], asyncio.Future[UnloadAnswer]] = field(
-        default_factory=dict)
-    #: Workers draining it now. A worker leaves (this count drops) in the same step in which
-    #: it finds the queue empty, so an unload queued after that always gets a new worker.
-    workers: int = 0
-
-
 class AgentClients:
     """Channels and bounded, deadline-carrying calls to every agent the operator talks to."""
 
@@ -214,8 +203,9 @@ class AgentClients:
         self._per_agent: dict[str, asyncio.Semaphore] = {}
         self._remote: dict[tuple[str, str], asyncio.Semaphore] = {}
         self._loads: dict[str, LoadGate] = {}
-        self._unloads: dict[str, UnloadQueue] = {}
-        self._unload_workers: set[asyncio.Task[None]] = set()  # held until done (asyncio's refs are weak)
+        self._unloads = WorkQueue(settings.per_agent_concurrency)
+        #: (endpoint, name, credentials) -> the future of that unload while it waits its turn.
+        self._waiting_unloads: dict[tuple[str, str, Credentials], asyncio.Future[UnloadAnswer]] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
         self.identities = Identities()
         self._proving: dict[str, asyncio.Lock] = {}
@@ -368,7 +358,7 @@ class AgentClients:
     async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]
                           ) -> list[UnloadAnswer]:
         """UnloadAdapter of each (endpoint, credentials, name), queued on its agent
-        (:class:`UnloadQueue`); the outcomes in the same order. An unload of the same name
+        (:attr:`_unloads`); the outcomes in the same order. An unload of the same name
         still waiting on that agent (another deletion's, the drift check's) is shared, not
         sent twice. A caller that gives up (cancelled) leaves the queued unloads to run."""
         futures = [self._queue_unload(*call) for call in calls]
@@ -378,37 +368,21 @@ class AgentClients:
 
     def _queue_unload(self, endpoint: str, creds: Credentials,
                       name: str) -> asyncio.Future[UnloadAnswer]:
-        queue = self._unloads.setdefault(endpoint, UnloadQueue())
-        future = queue.waiting.get((name, creds))
+        key = (endpoint, name, creds)
+        future = self._waiting_unloads.get(key)
         if future is None:
-            future = queue.waiting[(name, creds)] = asyncio.get_running_loop().create_future()
-            if queue.workers < self._settings.per_agent_concurrency:
-                queue.workers += 1
-                worker = asyncio.create_task(self._drain_unloads(endpoint, queue))
-                self._unload_workers.add(worker)
-                worker.add_done_callback(self._unload_workers.discard)
-        return future
+            def forget() -> None:
+                self._waiting_unloads.pop(key, None)
 
-    async def _drain_unloads(self, endpoint: str, queue: UnloadQueue) -> None:
-        """One worker of an agent's unload queue: the oldest waiting unload, one at a time,
-        until none waits."""
-        try:
-            while queue.waiting:
-                key = next(iter(queue.waiting))
-                future = queue.waiting.pop(key)
+            async def run() -> UnloadAnswer:
+                forget()  # started: an unload of the name asked for from now on is sent again
                 try:
-                    outcome: UnloadAnswer = await self.unload(endpoint, key[1], key[0])
-                except AgentError as err:
-                    outcome = err
-                except asyncio.CancelledError:  # the operator stops: nothing will answer it
-                    future.cancel()
-                    raise
-                except Exception as err:  # not the agent's answer: its callers see it raised
-                    future.set_exception(err)
-                    continue
-                future.set_result(outcome)
-        finally:
-            queue.workers -= 1
+                    return await self.unload(endpoint, creds, name)
+                except AgentError as err:  # the agent's answer: its callers read it
+                    return err
+
+            future = self._waiting_unloads[key] = self._unloads.submit(endpoint, run, forget)
+        return future
 
     async def downloads(self, endpoint: str, creds: Credentials) -> dict[str, tuple[int, int]]:
         """The loads whose source the agent is downloading now: name -> (bytes received, bytes

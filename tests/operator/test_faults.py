@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
@@ -485,10 +486,52 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
 
     tasks, outcomes = asyncio.run(run())
     workers = len(fault_env.agents) * settings.per_agent_concurrency
-    # This test, the deletions, the queues' workers and gRPC's own task of each call sent.
-    assert tasks <= 1 + deletions + 2 * workers, tasks
+    # This test, the deletions, the queues' workers, each running unload's task and gRPC's own.
+    assert tasks <= 1 + deletions + 3 * workers, tasks
     assert all(o.ok for per_deletion in outcomes for o in per_deletion), outcomes[0]
     assert [[o.pod for o in per] for per in outcomes] == [["agent-0", "agent-1"]] * deletions
+
+
+def unloads_sent() -> float:
+    """UnloadAdapter calls this test process's AgentClients made, whatever their outcome."""
+    return sum(sample.value for metric in REGISTRY.collect()
+               if metric.name == "lorafleet_agent_calls"
+               for sample in metric.samples
+               if sample.name == "lorafleet_agent_calls_total"
+               and sample.labels.get("method") == "UnloadAdapter")
+
+
+def test_an_unload_still_waiting_is_shared_and_one_asked_after_it_started_is_sent(
+    fault_env: FaultEnv,
+) -> None:
+    """Unloads of one name on one agent asked while one waits in the agent's queue share it:
+    one UnloadAdapter, the same answer for every caller (a deletion and the drift check
+    unloading the same name). One asked after it started is sent again: the first may have
+    reached the agent before a load the second must undo."""
+    settings = Settings()
+    agent = fault_env.agents[0].endpoint
+    fillers = settings.per_agent_concurrency  # they take every worker: the rest wait
+
+    async def run() -> tuple[float, float, list[list[object]]]:
+        rt = Runtime(settings, None, AgentClients(settings))
+        try:
+            before = unloads_sent()
+            asked = [(agent, Credentials(), f"t.fill{i}") for i in range(fillers)]
+            first = asyncio.ensure_future(rt.agents.unload_each([*asked, (agent, Credentials(), "t.dup")]))
+            second = asyncio.ensure_future(rt.agents.unload_each([(agent, Credentials(), "t.dup")] * 2))
+            answers = [await first, await second]
+            shared = unloads_sent() - before
+            answers.append(await rt.agents.unload_each([(agent, Credentials(), "t.dup")]))
+            return shared, unloads_sent() - before, answers
+        finally:
+            await rt.agents.close()
+
+    shared, total, answers = asyncio.run(run())
+    assert shared == fillers + 1  # "t.dup" asked three times while it waited: sent once
+    assert total == fillers + 2  # asked once more after it ran: sent again
+    dup = answers[0][-1]
+    assert answers[1] == [dup, dup]  # every caller got the one answer
+    assert all(isinstance(a, AgentError) and a.code.name == "NOT_FOUND" for a in answers[2] + [dup])
 
 
 def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(

@@ -1,5 +1,5 @@
-"""The operator's per-agent queue of waiting loads (runtime.WorkQueue): jobs of one key run
-oldest first, at most ``width`` at once, other keys apart; a job's error reaches its caller;
+"""The operator's per-agent queue of waiting loads and unloads (work_queue.WorkQueue): jobs of
+one key run oldest first, at most ``width`` at once, other keys apart; a job's error reaches its caller;
 a caller that gives up drops its job while it waits (its ``dropped`` runs, the job never does)
 and cancels it while it runs; the operator stopping cancels the callers' futures."""
 
@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from lorafleet_operator.runtime import WorkQueue
+from lorafleet_operator.work_queue import WorkQueue
 
 
 class Jobs:
