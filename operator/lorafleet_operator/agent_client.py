@@ -358,7 +358,7 @@ class AgentClients:
     async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]
                           ) -> list[UnloadAnswer]:
         """UnloadAdapter of each (endpoint, credentials, name), queued on its agent
-        (:attr:`_unloads`); the outcomes in the same order. An unload of the same name
+        (a :class:`~lorafleet_operator.work_queue.WorkQueue`); the outcomes in the same order. An unload of the same name
         still waiting on that agent (another deletion's, the drift check's) is shared, not
         sent twice. A caller that gives up (cancelled) leaves the queued unloads to run."""
         futures = [self._queue_unload(*call) for call in calls]

@@ -28,9 +28,7 @@ class _Job(Generic[V]):
 
 class WorkQueue:
     """Jobs per key (an agent's endpoint), oldest first, run by at most ``width`` workers per
-    key. A waiting job is a closure and a future, not a suspended call and its task: 1,000
-    reconciles, each loading on 64 agents, wait as 64,000 small objects (the operator's
-    loads, ``Runtime.loads``, and its unloads, ``AgentClients.unload_each``, wait in one each).
+    key; a waiting job is a closure and a future (the module docstring says why).
 
     A caller that gives up (cancels its future) cancels its job: one still waiting never runs
     (its ``dropped`` runs instead), one running is cancelled, as a cancelled call would be.
