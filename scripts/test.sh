@@ -12,4 +12,8 @@ bash scripts/build-kube.sh
 bash scripts/build-node.sh
 # Lint, types and import layers first: a failure there fails the suite.
 bash scripts/check.sh
-exec python -m pytest "$@"
+# Two worker processes, each taking whole files (a module's agents and engines stay in one
+# process, and each worker starts its own control plane): most of the suite waits on real
+# processes, so two workers halve it even on 2 cores. LORAFLEET_TEST_WORKERS=0 (or -n 0 among the
+# arguments) runs everything in this one process.
+exec python -m pytest -n "${LORAFLEET_TEST_WORKERS:-2}" --dist loadfile "$@"
