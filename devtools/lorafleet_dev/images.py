@@ -3,17 +3,17 @@
 1. A base root filesystem from Debian's packages (``mmdebstrap --variant=minbase`` with
    python3 and python3-venv: Debian 12's Python is 3.11, what the Containerfile needs), cached
    as ``base-<key>.tar`` where the key hashes the suite, mirror and package list.
-2. The operator image: ``buildah bud --target operator`` of the repository's ``Containerfile``
-   with ``BASE`` naming that root filesystem (committed into a private, throwaway buildah storage
-   first), written as a docker-archive ``operator-<key>.tar``; the key hashes the base key, the
-   Containerfile, ``.dockerignore`` and the operator's sources (:data:`OPERATOR_SOURCES`: never
-   ``node_agent/``, which its stage does not copy).
-3. The agent image: ``buildah bud --layers --target agent`` in a buildah storage kept between
-   builds (:data:`AGENT_STORAGE`), so its dependency layer (torch, triton, the CUDA libraries:
-   gigabytes) comes from buildah's layer cache while the dependency set is unchanged and a code
-   change rebuilds only the code layer; written as ``agent-<key>.tar`` (the key hashes the base
-   key, the Containerfile, ``.dockerignore`` and every file of the build context). Older agent
-   archives, and older agent images in that storage, are removed once a newer one is built.
+2. The two images, ``buildah bud --layers --target operator`` and ``--target agent`` of the
+   repository's ``Containerfile`` with ``BASE`` naming that root filesystem, each in a buildah
+   storage of its own kept between builds (``buildah-<target>`` beside the archives, the base
+   committed into it once). Each image is a dependency layer and a code layer; the dependency
+   layer (the agent's is gigabytes: torch, triton, the CUDA libraries) comes from buildah's
+   layer cache while the dependency set is unchanged, so a code change rebuilds only the code
+   layer. Each is written as a docker-archive ``<target>-<key>.tar``. The operator's key hashes
+   the base key, the Containerfile, ``.dockerignore`` and its sources (:data:`OPERATOR_SOURCES`:
+   never ``node_agent/``, which its stages do not copy); the agent's every file of the build
+   context. Older images leave a storage once a newer one is built there; older archives leave
+   the cache once unused for a while.
 
 Archives live under ``${LORAFLEET_CACHE:-~/.cache/lorafleet}/images/``; a second build with
 the same inputs returns the cached archive at once. :meth:`RealNode.import_image
@@ -34,7 +34,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,52 +207,36 @@ class ImageBuilder:
 
     def operator_image(self) -> BuiltImage:
         """The operator image (Containerfile target ``operator``), built if not cached."""
-        key = self.operator_key()
-        image = BuiltImage(f"localhost/lorafleet-operator:{key}",
-                           cache_dir() / f"operator-{key}.tar")
-        with _locked(image.archive):
-            if not image.archive.exists():
-                base = self.base_rootfs()
-                started = time.monotonic()
-                # A private, throwaway storage: the operator image is small, a cold build is quick.
-                storage = Path(tempfile.mkdtemp(prefix="lorafleet-buildah-", dir="/var/tmp"))
-                try:
-                    self._buildah_build(storage, base, "operator", image, layers=False)
-                finally:
-                    subprocess.run([*_buildah(storage), "rm", "--all"], capture_output=True, check=False)
-                    subprocess.run([*_buildah(storage), "rmi", "--all", "--force"], capture_output=True,
-                                   check=False)
-                    unmount_all(storage)
-                    shutil.rmtree(storage, ignore_errors=True)
-                log.info("built %s in %.0fs", image.name, time.monotonic() - started)
-            _prune(image.archive, PRUNE_AFTER_S)
-        return image
+        return self._layered_image("operator", self.operator_key(), PRUNE_AFTER_S)
 
     def agent_image(self) -> BuiltImage:
-        """The agent image (Containerfile target ``agent``), built if not cached: its dependency
-        layer from buildah's layer cache in :data:`AGENT_STORAGE` when the dependency set is
-        unchanged (minutes cold: pip downloads gigabytes)."""
-        key = self.agent_key()
-        repository = "localhost/lorafleet-agent"
-        image = BuiltImage(f"{repository}:{key}", cache_dir() / f"agent-{key}.tar")
-        storage = cache_dir() / AGENT_STORAGE
+        """The agent image (Containerfile target ``agent``), built if not cached (minutes cold:
+        pip downloads gigabytes)."""
+        return self._layered_image("agent", self.agent_key(), AGENT_PRUNE_AFTER_S)
+
+    def _layered_image(self, target: str, key: str, prune_after_s: float) -> BuiltImage:
+        """Build ``target`` with ``--layers`` in the storage kept for it (its dependency layer
+        from buildah's layer cache while the dependency set is unchanged) unless its archive
+        for ``key`` exists; older images of it leave that storage, older archives the cache."""
+        repository = f"localhost/lorafleet-{target}"
+        image = BuiltImage(f"{repository}:{key}", cache_dir() / f"{target}-{key}.tar")
+        storage = cache_dir() / f"buildah-{target}"
         with _locked(image.archive):
             if not image.archive.exists():
                 base = self.base_rootfs()
                 started = time.monotonic()
-                # One build at a time in the shared storage (buildah locks it too, but two
-                # builds would each pay for the dependency layer).
+                # One build at a time in a storage (buildah locks it too, but two builds would
+                # each pay for the dependency layer).
                 with _locked(storage):
                     try:
-                        self._buildah_build(storage, base, "agent", image, layers=True)
+                        self._buildah_build(storage, base, target, image)
                     finally:
                         _forget_other_images(storage, repository, keep=image.name)
                 log.info("built %s in %.0fs", image.name, time.monotonic() - started)
-            _prune(image.archive, AGENT_PRUNE_AFTER_S)
+            _prune(image.archive, prune_after_s)
         return image
 
-    def _buildah_build(self, storage: Path, base: Path, target: str, image: BuiltImage, *,
-                       layers: bool) -> None:
+    def _buildah_build(self, storage: Path, base: Path, target: str, image: BuiltImage) -> None:
         if shutil.which("buildah") is None:
             raise HarnessError("buildah is missing (scripts/build-node.sh installs it)")
         log_path = image.archive.with_suffix(".log")
@@ -271,7 +254,7 @@ class ImageBuilder:
                 _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base",
                      log_path)
             mounts = [f"--volume={p}:{p}:ro" for p in BUILD_MOUNTS if p.exists()]
-            _run([*buildah, "bud", "--isolation=chroot", "--network=host", f"--layers={str(layers).lower()}",
+            _run([*buildah, "bud", "--isolation=chroot", "--network=host", "--layers=true",
                   *mounts, f"--build-arg=BASE={base_name}", f"--target={target}",
                   f"--tag={image.name}", f"--file={self.checkout.root / 'Containerfile'}",
                   str(self.checkout.root)], f"buildah bud --target {target}", log_path)
@@ -282,10 +265,6 @@ class ImageBuilder:
         finally:
             with contextlib.suppress(OSError):
                 partial.unlink()
-
-
-#: The agent builds' buildah storage under :func:`cache_dir` (its layer cache).
-AGENT_STORAGE = "buildah-agent"
 
 
 def _forget_other_images(storage: Path, repository: str, keep: str) -> None:
