@@ -93,21 +93,25 @@ class AgentProcess:
     def wait_ready(self, timeout_s: float = 180.0) -> AgentProcess:
         """Wait until grpc.health.v1 says SERVING; raise with the log tail if it exits."""
         deadline = time.monotonic() + timeout_s
+        while not self.serving():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.2)
+        return self
+
+    def serving(self) -> bool:
+        """One health check: whether grpc.health.v1 says SERVING now; raises with the log tail
+        if the process has exited."""
+        if self.popen is None or self.popen.poll() is not None:
+            raise RuntimeError(f"agent {self.name} exited:\n{self.log_tail()}")
         with grpc.insecure_channel(self.endpoint) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.popen is None or self.popen.poll() is not None:
-                    raise RuntimeError(f"agent {self.name} exited:\n{self.log_tail()}")
-                try:
-                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n"
-                                       f"{self.log_tail()}")
-                time.sleep(0.2)
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def kill(self) -> None:
         """SIGKILL the whole process group: the agent and its ranks die at once (a crash)."""

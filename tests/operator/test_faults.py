@@ -33,6 +33,7 @@ import signal
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -247,22 +248,33 @@ class KillingSource:
         self.server.server_close()
 
 
-def kubelet_step(cluster: ControlPlane, fleet: Fleet) -> bool:
-    """What the kubelets (one per node, in parallel) do for containers that exited: each pod
-    turns NotReady, then its process is started again and the pod is Ready with one more
-    restart. Returns True (for wait_for)."""
-    dead = [a for a in fleet.agents if a.popen is not None and a.popen.poll() is not None]
-    for agent in dead:
-        cluster.write_pod_status(fleet.ns, agent.name, ready=False,
-                                 restart_count=fleet.restarts.get(agent.name, 0))
-    for agent in dead:
-        agent.start()
-    for agent in dead:
-        agent.wait_ready(120)
-        fleet.restarts[agent.name] = fleet.restarts.get(agent.name, 0) + 1
-        cluster.write_pod_status(fleet.ns, agent.name, ready=True,
-                                 restart_count=fleet.restarts[agent.name])
-    return True
+def kubelet_step(cluster: ControlPlane, fleet: Fleet, timeout_s: float = 120.0) -> bool:
+    """What the kubelets (one per node, each on its own) do for containers that exited: the
+    pod turns NotReady at once, its process is started again, and the pod is Ready with one
+    more restart once it serves. A container that exits while another restarts turns NotReady
+    at once too (a kubelet does not wait for another node's pod), so the operator never sees a
+    dead agent Ready with its old restart count. Returns True (for wait_for)."""
+    starting: list[AgentProcess] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for agent in fleet.agents:
+            if all(a is not agent for a in starting) and agent.popen is not None \
+                    and agent.popen.poll() is not None:
+                cluster.write_pod_status(fleet.ns, agent.name, ready=False,
+                                         restart_count=fleet.restarts.get(agent.name, 0))
+                agent.start()
+                starting.append(agent)
+        for agent in [a for a in starting if a.serving()]:
+            starting.remove(agent)
+            fleet.restarts[agent.name] = fleet.restarts.get(agent.name, 0) + 1
+            cluster.write_pod_status(fleet.ns, agent.name, ready=True,
+                                     restart_count=fleet.restarts[agent.name])
+        if not starting:
+            return True
+        if time.monotonic() > deadline:
+            raise AssertionError(f"agents not serving after {timeout_s}s: "
+                                 f"{[a.name for a in starting]}")
+        time.sleep(0.2)
 
 
 def test_a_load_that_kills_its_agents_fails_the_adapter_and_is_not_sent_again(
