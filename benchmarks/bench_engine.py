@@ -5,7 +5,9 @@
     first: the driver's spec memo, `peft_adapter.SpecMemo`) and one whose bytes are new to it; the
     validation the driver does once for it, and what one rank does (read its shard of the verified files; one
     process), vs reading the same file once; the load's CPU time (the driver's thread and the
-    ranks' main threads) and the wall-time floor it sets on this machine's cores; the bytes
+    ranks' main threads) and the wall-time floor it sets on this machine's cores, every load
+    timed right after a read of the file in the same loop (read, load, read, load ...), the kinds
+    of load alternating, so that each ratio compares figures taken in the same seconds; the bytes
     each rank reads per load (its shard's rows, from the page cache: no rank hashes the file);
     the load with the caller's digests, as the agent loads (the driver then hashes both files once);
     each rank's peak RSS growth during the engine's first load and during a second one beside
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import tempfile
 import time
 import tracemalloc
-from multiprocessing.reduction import ForkingPickler
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,10 +58,10 @@ def timed(function, repeats: int, clock=time.perf_counter) -> float:
     return statistics.median(samples)
 
 
-def rank_cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds the ranks' main threads (where commands run) used so far, from
+def rank_cpu(pids: list[int]) -> list[float]:
+    """CPU seconds each rank's main thread (where commands run) used so far, from
     /proc/PID/schedstat (nanoseconds, Linux; /proc/PID/stat counts in 10-ms ticks)."""
-    return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
+    return [int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9 for pid in pids]
 
 
 def rank_read_chars(pids: list[int]) -> list[int]:
@@ -124,10 +128,56 @@ def config_variants(root: Path, adapter: Path, count: int) -> list[Path]:
     return variants
 
 
+@dataclass
+class Paired:
+    """One kind of load, each timed right after a read of the file in the same loop (read, load,
+    read, load ...), so that a ratio compares figures taken in the same seconds: wall times, the
+    read's CPU, the load's CPU in the driver's calling thread and in each rank's main thread."""
+
+    reads: list[float] = field(default_factory=list)
+    read_cpu: list[float] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    driver: list[float] = field(default_factory=list)
+    ranks: list[list[float]] = field(default_factory=list)  # per load, per rank
+
+    def add(self, engine: Engine, read: Callable[[], object], load: Callable[[], object]) -> None:
+        """Read the file, then load (timed), then unload (not timed)."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        read()
+        self.read_cpu.append(time.thread_time() - cpu)
+        self.reads.append(time.perf_counter() - start)
+        before = time.thread_time(), rank_cpu(engine.pids)
+        start = time.perf_counter()
+        load()
+        self.loads.append(time.perf_counter() - start)
+        self.driver.append(time.thread_time() - before[0])
+        self.ranks.append([after - then for after, then in zip(rank_cpu(engine.pids), before[1], strict=True)])
+        engine.unload_adapter("bench")
+
+    def line(self, label: str) -> str:
+        """Medians: the load, the read beside it, their ratio, the median of each pair's ratio, and
+        the load's CPU (driver / each rank / the floor it sets on this machine's cores, over the
+        read's CPU)."""
+        load, read = statistics.median(self.loads), statistics.median(self.reads)
+        pairs = statistics.median(a / b for a, b in zip(self.loads, self.reads, strict=True))
+        driver = statistics.median(self.driver)
+        per_rank = [statistics.median(column) for column in zip(*self.ranks, strict=True)]
+        ranks = statistics.median(sum(row) for row in self.ranks)
+        cores = os.cpu_count() or 1
+        floor = driver + ranks / min(cores, len(per_rank))
+        return (f"{label:<34}{load * 1e3:>8.2f} ms   read {read * 1e3:.2f} ms   ratio {load / read:.2f}x"
+                f" (per pair {pairs:.2f}x)\n{'':<34}CPU driver {driver * 1e3:.2f} ms, ranks "
+                f"{' / '.join(f'{c * 1e3:.2f}' for c in per_rank)} ms (sum {ranks * 1e3:.2f}); floor on {cores} cores "
+                f"{floor * 1e3:.2f} ms = {floor / statistics.median(self.read_cpu):.2f}x the read's CPU")
+
+
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     file_bytes = (adapter / "adapter_model.safetensors").stat().st_size
-    read_once = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats)
-    read_once_cpu = timed(lambda: load_file(str(adapter / "adapter_model.safetensors")), repeats, time.thread_time)
+
+    def read() -> object:
+        return load_file(str(adapter / "adapter_model.safetensors"))
+
+    read_once = timed(read, repeats)
     cfg = ModelConfig.from_dir(model)
     layouts = rank_layouts(cfg, Topology(4, 1), 0)
     validate_once = timed(lambda: verify_adapter(adapter, SpecMemo(cfg, RANK), None), repeats)
@@ -136,6 +186,8 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     verified = verify_adapter(adapter, seen, None)
     rank_once = timed(lambda: rank_read(verified, layouts), repeats)
     hash_once = timed(lambda: file_digests(adapter), repeats)
+    variants = config_variants(root, adapter, repeats)
+    digests = file_digests(adapter)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
         first = engine.load_adapter("bench", adapter).ranks
@@ -143,70 +195,42 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         second = engine.load_adapter("bench-2", adapter).ranks
         engine.unload_adapter("bench-2")
         engine.unload_adapter("bench")
-        samples, driver_cpu, ranks_cpu = [], [], []
         reads: list[list[int]] = [[] for _ in engine.pids]
         # What a rank's pipe delivers for a load: its pickled command (as the driver sends it) and its length.
         plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
-        command_bytes = [len(ForkingPickler.dumps(Load("bench", verified.files, plan, False))) + 4 for plan in plans]
-        for _ in range(repeats):
-            cpu_before, read_before = (time.thread_time(), rank_cpu_seconds(engine.pids)), rank_read_chars(engine.pids)
-            start = time.perf_counter()
-            engine.load_adapter("bench", adapter)
-            samples.append(time.perf_counter() - start)
-            driver_cpu.append(time.thread_time() - cpu_before[0])
-            ranks_cpu.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
+        command_bytes = [len(pickle.dumps(Load("bench", verified.files, plan, False), pickle.HIGHEST_PROTOCOL)) + 4
+                         for plan in plans]
+        seen_loads, new_loads, hashed_loads = Paired(), Paired(), Paired()
+        # The kinds alternate load by load, each after its own read: one kind never runs in a
+        # quieter minute than another.
+        for variant in variants:
+            read_before = rank_read_chars(engine.pids)
+            seen_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter))
             for rank_reads, after, before, command in zip(reads, rank_read_chars(engine.pids), read_before, command_bytes,
                                                           strict=True):
                 rank_reads.append(after - before - command)
-            engine.unload_adapter("bench")
-        new_samples, new_driver, new_ranks = [], [], []
-        for variant in config_variants(root, adapter, repeats):
-            cpu_before = time.thread_time(), rank_cpu_seconds(engine.pids)
-            start = time.perf_counter()
-            engine.load_adapter("bench", variant)
-            new_samples.append(time.perf_counter() - start)
-            new_driver.append(time.thread_time() - cpu_before[0])
-            new_ranks.append(rank_cpu_seconds(engine.pids) - cpu_before[1])
-            engine.unload_adapter("bench")
-        digests = file_digests(adapter)
-        hashed_samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            engine.load_adapter("bench", adapter, expected=digests)
-            hashed_samples.append(time.perf_counter() - start)
-            engine.unload_adapter("bench")
-        load_tp4 = statistics.median(samples)
-        load_hashed = statistics.median(hashed_samples)
-        load_driver, load_ranks = statistics.median(driver_cpu), statistics.median(ranks_cpu)
-        load_new = statistics.median(new_samples)
-        new_cpu = statistics.median(new_driver), statistics.median(new_ranks)
+            new_loads.add(engine, read, lambda variant=variant: engine.load_adapter("bench", variant))
+            hashed_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter, expected=digests))
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
-    print(f"{'read file once (1 process)':<34}{read_once * 1e3:>10.1f} ms")
-    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>10.1f} ms   ratio {validate_once / read_once:.2f}x"
+    print(f"{'read file once (1 process)':<34}{read_once * 1e3:>8.2f} ms   (alone, before the loads)")
+    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>8.2f} ms   ratio {validate_once / read_once:.2f}x"
           f"   (bytes validated before: {validate_seen * 1e3:.2f} ms)")
-    print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>10.1f} ms   ratio {rank_once / read_once:.2f}x")
-    print(f"{'Engine.load_adapter, tp=4':<34}{load_tp4 * 1e3:>10.1f} ms   ratio {load_tp4 / read_once:.2f}x"
-          "   (config and header validated before)")
-    print(f"{'  bytes new to the engine':<34}{load_new * 1e3:>10.1f} ms   ratio {load_new / read_once:.2f}x"
-          f"   (CPU: driver / four ranks {new_cpu[0] * 1e3:.2f} / {new_cpu[1] * 1e3:.2f} ms)")
-    print(f"{'  with the digests (agent path)':<34}{load_hashed * 1e3:>10.1f} ms   ratio {load_hashed / read_once:.2f}x"
-          f"   (hashing both files once: {hash_once * 1e3:.1f} ms)")
-    # CPU time barely depends on other load on the machine; with the ranks sharing the cores,
-    # the driver's part and the ranks' part spread over the cores bound the wall time from below.
-    cores = os.cpu_count() or 1
-    floor = load_driver + load_ranks / min(cores, 4)
-    print(f"{'  its CPU: driver / four ranks':<34}{load_driver * 1e3:>10.2f} / {load_ranks * 1e3:.2f} ms; "
-          f"floor on {cores} cores {floor * 1e3:.2f} ms ({floor / read_once_cpu:.2f}x the read's CPU time)")
+    print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>8.2f} ms   ratio {rank_once / read_once:.2f}x")
+    print("Engine.load_adapter, tp=4, each load right after a read of the file (medians):")
+    print(seen_loads.line("  config and header seen before"))
+    print(new_loads.line("  bytes new to the engine"))
+    print(hashed_loads.line("  with the digests (agent path)") + f"; hashing both files alone {hash_once * 1e3:.2f} ms")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"
           "   (first load; second load beside it)")
     for reply, beside, rank_reads in zip(first, second, reads, strict=True):
         shard, growth, then = reply.shard_bytes, reply.peak_rss_growth_bytes, beside.peak_rss_growth_bytes
-        read = statistics.median(rank_reads)
+        read_bytes = statistics.median(rank_reads)
         print(f"{reply.rank:<6}{shard / 2**20:>12.2f}{growth / 2**20:>10.2f}; {then / 2**20:>.2f}"
               f"{growth / shard:>10.2f}; {then / shard:.2f}{shard / file_bytes:>14.2f}"
-              f"   reads {read / 2**20:.2f} MiB of the file per load ({read / file_bytes:.2f} of it)")
-    peak, shard = loader_peak(adapter, cfg, layouts)
-    print(f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>10.2f} MiB   {peak / shard:.2f}x its shard ({shard / 2**20:.2f} MiB)")
+              f"   reads {read_bytes / 2**20:.2f} MiB of the file per load ({read_bytes / file_bytes:.2f} of it)")
+    peak, shard_bytes = loader_peak(adapter, cfg, layouts)
+    print(f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>8.2f} MiB   {peak / shard_bytes:.2f}x its shard "
+          f"({shard_bytes / 2**20:.2f} MiB)")
 
 
 def bench_forward(root: Path, model: Path, repeats: int) -> None:
