@@ -48,7 +48,7 @@ from lorafleet_operator.fleet import AgentPod, agents_of
 from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.kube import SecretData
 from lorafleet_operator.placement import Candidate, Demand, Placement, place
-from lorafleet_operator.runtime import Listing, Runtime
+from lorafleet_operator.runtime import FleetAgents, Listing, Runtime
 from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 
 log = logging.getLogger(__name__)
@@ -260,15 +260,32 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
         raise FleetProblem(FLEET_DELETED, f"LoraFleet {fleet_name!r} is being deleted: its "
                                           f"adapters are unloaded from its agents")
     spec = fleet.get("spec") or {}
-    agents = agents_of(spec, list(rt.pods.get(namespace, ())))
+    agents = fleet_agents(rt, namespace, fleet_name, spec)
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
     creds = await credentials(rt, namespace, fleet_name, spec)
     infos = await describe_all(rt, agents, creds, fresh=fresh)
     await report_impostors(rt.kube, rt.agents.identities, agents, infos)
-    view = FleetView(namespace, tuple(agents), infos, creds, fleet_name, spec)
+    view = FleetView(namespace, agents, infos, creds, fleet_name, spec)
     if view.dialable:
         rt.last_views[(namespace, fleet_name)] = view
     return view
+
+
+def fleet_agents(rt: Runtime, namespace: str, fleet_name: str,
+                 spec: Mapping[str, Any]) -> tuple[AgentPod, ...]:
+    """The fleet's agents (:func:`~lorafleet_operator.fleet.agents_of`) among kopf's pod
+    index, made again only when the fleet's spec or a pod of the namespace changed (kopf
+    replaces the objects of what changed: compared by identity). Made at every reconcile,
+    they were about 3% of the operator's CPU at 300 adapters x 64 agents (py-spy,
+    2026-12-04)."""
+    pods = tuple(rt.pods.get(namespace, ()))
+    known = rt.fleet_agents.get((namespace, fleet_name))
+    if known is not None and known.spec is spec and len(known.pods) == len(pods) \
+            and all(a is b for a, b in zip(known.pods, pods, strict=True)):
+        return known.agents
+    agents = tuple(agents_of(spec, list(pods)))
+    rt.fleet_agents[(namespace, fleet_name)] = FleetAgents(spec, pods, agents)
+    return agents
 
 
 async def unload_view(rt: Runtime, namespace: str, fleet_name: str) -> tuple[FleetView | None, str]:

@@ -17,6 +17,7 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
 from lorafleet_operator.failures import CrashBook, LoadRetries
+from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.kube import Kube
 from lorafleet_operator.placement import Demand, Reservations
 from lorafleet_operator.work_queue import BatchQueue
@@ -72,6 +73,17 @@ class SentLoads:
         """The adapter is gone: its loads need settling no more."""
         for book in self.ends.values():
             book.pop(name, None)
+
+
+@dataclass(frozen=True)
+class FleetAgents:
+    """A fleet's agents as last made from kopf's indexes: the fleet's spec and the
+    namespace's pod summaries they were made from (the very objects: kopf replaces what
+    changes)."""
+
+    spec: Mapping[str, Any]
+    pods: tuple[Mapping[str, Any], ...]
+    agents: tuple[AgentPod, ...]
 
 
 K = TypeVar("K")
@@ -145,6 +157,9 @@ class Runtime:
     #: (namespace, fleet) -> that LoraFleet (:func:`~lorafleet_operator.fleet.fleet_summary`):
     #: kopf's fleet index, live (``handlers.lora_fleets``).
     fleets: Mapping[tuple[str, str], Iterable[Mapping[str, Any]]] = field(default_factory=dict)
+    #: (namespace, fleet) -> its agents as last made from the indexes
+    #: (:func:`~lorafleet_operator.reconcile.fleet_agents`).
+    fleet_agents: dict[tuple[str, str], FleetAgents] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     #: agent endpoint -> its last registry listing (placement in handlers reuses it).
