@@ -294,6 +294,15 @@ class Bench:
                "LORAFLEET_LOG_LEVEL": "WARNING"}
         with open(self.root / "operator.log", "ab") as out:
             self.operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while True:  # its metrics answer: the load calls are counted from before the apply
+            try:
+                operator_calls(self.metrics_port, LOAD_METHODS[0])
+                return
+            except OSError:
+                if self.operator.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the operator's metrics did not answer; see {self.root / 'operator.log'}") from None
+                time.sleep(0.5)
 
     def stop_operator(self) -> None:
         if self.operator is not None and self.operator.poll() is None:
