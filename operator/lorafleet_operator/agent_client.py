@@ -8,6 +8,8 @@ slow or black-holed downloads never hold the slots other adapters' calls need. U
 in a queue per agent (:class:`~lorafleet_operator.work_queue.WorkQueue`) drained by as many
 workers as the agent has call slots, so thousands of deletions at once hold a future each
 rather than a suspended call.
+Loads of local sources that wait for one agent together go in one LoadAdapters call
+(:meth:`AgentClients.load_many`; one LoadAdapter each to an agent older than that method).
 gRPC failures become :class:`AgentError`, carrying the status code that :mod:`failures`
 classifies.
 
