@@ -13,7 +13,9 @@ each with every agent healthy, then with 10% of the agents (6 of 64) refusing ev
 rank. Reported per case: seconds from the apply (one `kubectl apply`; the phases followed by
 one watch) until every adapter has settled
 (Ready when all agents are healthy; Ready, Degraded or Failed with failing agents), the
-operator's CPU seconds and peak RSS over the case, API requests per adapter (the API server's
+operator's CPU seconds and peak RSS over the case, its load calls while applying (the loads
+waiting for one agent go together in one LoadAdapters call, up to LORAFLEET_LOAD_BATCH;
+LoadAdapter carries one), API requests per adapter (the API server's
 ``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object,
 with failing agents the requests per adapter in a further quiet window (a hot loop shows
 there), and the deletion of every adapter that ends the case (one DELETE of the collection):
@@ -65,6 +67,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 # With failing agents an adapter cannot be Ready everywhere: it has settled once its phase says
 # what every agent answered.
 SETTLED = ("Ready", "Degraded", "Failed")
+#: The operator's load methods (its ``lorafleet_agent_calls_total``), counted while applying.
+LOAD_METHODS = ("LoadAdapter", "LoadAdapters")
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class CaseResult:
     #: CPU seconds of the operator, the simulated agents, the API server and etcd over the
     #: apply and the deletion together.
     cpu_all_s: dict[str, float]
+    #: The operator's load calls while applying, by method (LoadAdapter: one load each;
+    #: LoadAdapters: the loads waiting for one agent together).
+    load_calls: dict[str, int]
 
 
 def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
@@ -287,6 +294,15 @@ class Bench:
                "LORAFLEET_LOG_LEVEL": "WARNING"}
         with open(self.root / "operator.log", "ab") as out:
             self.operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while True:  # its metrics answer: the load calls are counted from before the apply
+            try:
+                operator_calls(self.metrics_port, LOAD_METHODS[0])
+                return
+            except OSError:
+                if self.operator.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the operator's metrics did not answer; see {self.root / 'operator.log'}") from None
+                time.sleep(0.5)
 
     def stop_operator(self) -> None:
         if self.operator is not None and self.operator.poll() is None:
@@ -350,10 +366,12 @@ class Bench:
         requests_before, polls_before = sum(counts_before.values()), self.polls + self.watch.requests
         cpu_all_before = self.cpu_now()
         cpu_before = cpu_all_before["operator"]
+        calls_before = {m: operator_calls(self.metrics_port, m) for m in LOAD_METHODS}
         started = time.perf_counter()
         self.cluster.apply(manifest, self.ns)
         phases = self.wait_settled(failing > 0, started, timeout_s)
         settled = time.perf_counter() - started
+        load_calls = {m: int(operator_calls(self.metrics_port, m) - calls_before[m]) for m in LOAD_METHODS}
         items = self.items()
         largest = max(len(json.dumps(item)) for item in items) / 1024
         own = self.polls + self.watch.requests - polls_before + 2  # the apply and the metrics read
@@ -377,7 +395,8 @@ class Bench:
         deleting_requests = per_adapter(counts_deleting, request_counts(self.cluster), len(self.adapters))
         cpu_all = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
         return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
-                          peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all)
+                          peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all,
+                          load_calls)
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -446,6 +465,7 @@ def main() -> None:
     for r in results:
         print(f"\n{r.name}: CPU s over apply and deletion: "
               + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_all_s.items()))
+        print("  load calls applying: " + ", ".join(f"{k} {v}" for k, v in r.load_calls.items()))
         for what, counts in (("applying", r.requests_applying), ("deleting", r.requests_deleting)):
             print(f"  requests per adapter {what}: " + ", ".join(f"{k} {v:.2f}" for k, v in counts.items()))
 

@@ -5,7 +5,7 @@ one table, `STATUS_CODES`. `create_server()` builds and binds a server without s
 `AgentServer.start()` / `wait()` / `stop()` run it, so tests and the CLI share one path.
 
 Budgets: health, Describe and ListAdapters never queue behind control or inference calls. The
-thread pool has room for `max_control_calls` control calls (LoadAdapter, UnloadAdapter),
+thread pool has room for `max_control_calls` control calls (LoadAdapter, LoadAdapters, UnloadAdapter),
 `max_inference_calls` inference calls (Forward, Generate streams) and `reserved_workers` more
 for everything else; a control or inference call beyond its budget is refused at once with
 RESOURCE_EXHAUSTED (`TooManyCalls`), so neither class can take the others' threads.
@@ -198,7 +198,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
                 raise ShuttingDown(f"the agent is shutting down: {method} is refused (Describe still answers)")
             places.acquire()
         except (ShuttingDown, TooManyCalls) as refusal:  # counted here: the agent never saw the call
-            operation = {"LoadAdapter": "load", "UnloadAdapter": "unload"}.get(method, method.lower())
+            operation = {"LoadAdapter": "load", "LoadAdapters": "load", "UnloadAdapter": "unload"}.get(method, method.lower())
             self.agent.metrics.failures.labels(operation, refusal.reason).inc()
             raise
         try:
@@ -212,9 +212,27 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
+        return self._load(request)
+
+    @_unary("control")
+    def LoadAdapters(self, request: pb.LoadAdaptersRequest, context: grpc.ServicerContext) -> pb.LoadAdaptersResponse:
+        """Each load as LoadAdapter would do it, in order, under one control place; one fails alone."""
+        if len(request.loads) > MAX_LOADS_PER_CALL:
+            raise InvalidRequest(f"LoadAdapters carries {len(request.loads)} loads; at most {MAX_LOADS_PER_CALL} per call "
+                                 f"(send the others in further calls); nothing was loaded")
+        return pb.LoadAdaptersResponse(outcomes=[self._load_outcome(load) for load in request.loads])
+
+    def _load(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:
         result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
                                  credential=convert.source_credential(request))
         return convert.load_response(result)
+
+    def _load_outcome(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterOutcome:
+        """One load of a LoadAdapters call: its reply, or the status LoadAdapter would have ended with."""
+        try:
+            return pb.LoadAdapterOutcome(reply=self._load(request))
+        except AgentError as error:
+            return pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason)
 
     @_unary("control")
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
@@ -239,6 +257,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
 
 DEFAULT_MAX_CONTROL_CALLS = 16
+#: The most loads one LoadAdapters call may carry (agent.proto); a call with more is refused whole.
+MAX_LOADS_PER_CALL = 64
 DEFAULT_MAX_INFERENCE_CALLS = 32
 DEFAULT_RESERVED_WORKERS = 8
 DEFAULT_EXIT_LINGER_S = 5.0

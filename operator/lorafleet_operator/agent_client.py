@@ -8,6 +8,8 @@ slow or black-holed downloads never hold the slots other adapters' calls need. U
 in a queue per agent (:class:`~lorafleet_operator.work_queue.WorkQueue`) drained by as many
 workers as the agent has call slots, so thousands of deletions at once hold a future each
 rather than a suspended call.
+Loads of local sources that wait for one agent together go in one LoadAdapters call
+(:meth:`AgentClients.load_many`; one LoadAdapter each to an agent older than that method).
 gRPC failures become :class:`AgentError`, carrying the status code that :mod:`failures`
 classifies.
 
@@ -89,21 +91,21 @@ async def _nothing() -> AsyncIterator[set[str]]:
 
 
 class LoadGate:
-    """The loads in flight on one agent. A load enters shared (any number at once) or
-    exclusive (alone: it waits until no load runs, and none starts while it runs or waits).
-    Each load learns which other loads overlapped it, so a death can be attributed."""
+    """The loads in flight on one agent. A call of loads enters shared (any number at once)
+    or exclusive (alone: it waits until no load runs, and none starts while it runs or waits).
+    Each call learns which other loads overlapped it, so a death can be attributed."""
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
-        self._running: dict[int, tuple[str, set[str]]] = {}
+        self._running: dict[int, tuple[tuple[str, ...], set[str]]] = {}
         self._exclusive = False
         self._exclusive_waiting = 0
         self._tokens = itertools.count()
 
     @contextlib.asynccontextmanager
-    async def enter(self, name: str, *, exclusive: bool) -> AsyncIterator[set[str]]:
-        """Run one load of ``name``; yields the names of the loads that overlap it (filled
-        in while it runs)."""
+    async def enter(self, names: tuple[str, ...], *, exclusive: bool) -> AsyncIterator[set[str]]:
+        """Run one call loading ``names``; yields the names of the other calls' loads that
+        overlap it (filled in while it runs)."""
         async with self._cond:
             if exclusive:
                 self._exclusive_waiting += 1
@@ -115,11 +117,11 @@ class LoadGate:
             else:
                 await self._cond.wait_for(
                     lambda: not self._exclusive and not self._exclusive_waiting)
-            overlap = {other for other, _ in self._running.values()}
-            for _, others in self._running.values():
-                others.add(name)
+            overlap = {other for others, _ in self._running.values() for other in others}
+            for _, overlapping in self._running.values():
+                overlapping.update(names)
             token = next(self._tokens)
-            self._running[token] = (name, overlap)
+            self._running[token] = (names, overlap)
         try:
             yield overlap
         finally:
@@ -181,6 +183,35 @@ class ControlReply:
     ranks_reported: int
 
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load as the operator asks an agent for it (LoadAdapter, or one item of
+    LoadAdapters). ``credential`` goes with it (the agent sends it to the source)."""
+
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    replace: bool
+    credential: SourceCredential | None = None
+
+    def message(self) -> agent_pb2.LoadAdapterRequest:
+        """The request on the wire."""
+        request = agent_pb2.LoadAdapterRequest(name=self.name, source_uri=self.source_uri,
+                                               sha256=self.sha256, pinned=self.pinned,
+                                               replace=self.replace)
+        if self.credential is not None and self.credential.username:
+            request.source_basic.username = self.credential.username
+            request.source_basic.password = self.credential.password
+        elif self.credential is not None:
+            request.source_token = self.credential.token
+        return request
+
+
+#: gRPC status codes by their number (LoadAdapters answers each load's code as a number).
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _control_reply(reply: Any) -> ControlReply:
     ranks = list(reply.rank_results)
     return ControlReply(
@@ -191,6 +222,16 @@ def _control_reply(reply: Any) -> ControlReply:
 
 #: An unload's outcome as its callers get it: the agent's reply, or the call's error.
 UnloadAnswer = ControlReply | AgentError
+#: One load's outcome of a call of several: the agent's reply, or its error.
+LoadAnswer = ControlReply | AgentError
+
+
+def _load_answer(outcome: Any) -> LoadAnswer:
+    """One load's outcome of a LoadAdapters reply, as its own LoadAdapter call would end."""
+    if outcome.code == grpc.StatusCode.OK.value[0]:
+        return _control_reply(outcome.reply)
+    code = _CODES.get(outcome.code, grpc.StatusCode.UNKNOWN)
+    return AgentError(code, outcome.error_message or code.name, reason=outcome.reason)
 
 
 class AgentClients:
@@ -207,6 +248,9 @@ class AgentClients:
         #: (endpoint, name, credentials) -> the future of that unload while it waits its turn.
         self._waiting_unloads: dict[tuple[str, str, Credentials], asyncio.Future[UnloadAnswer]] = {}
         self._total = asyncio.Semaphore(settings.total_concurrency)
+        #: Endpoints that answered LoadAdapters with UNIMPLEMENTED (agents older than it): their
+        #: loads go one per LoadAdapter call, until the operator restarts.
+        self._single_loads: set[str] = set()
         self.identities = Identities()
         self._proving: dict[str, asyncio.Lock] = {}
 
@@ -293,11 +337,12 @@ class AgentClients:
     async def _call(self, endpoint: str, creds: Credentials, method: str,
                     invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
                     deadline_s: float, remote_of: str = "",
-                    load: tuple[LoadGate, str, bool] | None = None) -> T:
+                    load: tuple[LoadGate, tuple[str, ...], bool] | None = None) -> T:
         """One call under its bounds (:meth:`_slots`). A ``load`` (the agent's gate, the
-        adapter's name, exclusive or not) enters the gate once it holds its slot: the loads
+        adapters' names, exclusive or not) enters the gate once it holds its slot: the loads
         that overlap it are those sent to the agent meanwhile, never those still waiting for a
-        slot; a failure says whether it was alone there (``AgentError.alone``)."""
+        slot; a failure says whether it was alone there (``AgentError.alone``: one load, and
+        no other call's overlapping it)."""
         stub = self._stub(endpoint, creds)
         metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
         async with self._slots(endpoint, remote_of), \
@@ -308,7 +353,9 @@ class AgentClients:
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method=method, code=err.code().name).inc()
                 raise AgentError(err.code(), err.details() or err.code().name,
-                                 reason=_reason(err), alone=not overlap) from None
+                                 reason=_reason(err),
+                                 alone=not overlap and load is not None and len(load[1]) == 1
+                                 ) from None
         metrics.AGENT_CALLS.labels(method=method, code="OK").inc()
         return result
 
@@ -325,27 +372,53 @@ class AgentClients:
             max_loras_per_batch=cap.max_loras_per_batch, max_loaded_loras=cap.max_loaded_loras,
         )
 
-    async def load(self, endpoint: str, creds: Credentials, *, name: str, source_uri: str,
-                   sha256: str, pinned: bool, replace: bool, exclusive: bool = False,
-                   namespace: str = "", credential: SourceCredential | None = None) -> ControlReply:
+    async def load(self, endpoint: str, creds: Credentials, request: LoadRequest, *,
+                   exclusive: bool = False, namespace: str = "") -> ControlReply:
         """LoadAdapter; ``exclusive``: with no other load in flight on this agent. A failure
         says whether the load was alone there (``AgentError.alone``). A remote (http(s),
         hf://) source of ``namespace`` is bounded per (agent, namespace), apart from other
-        calls. ``credential`` goes with the request (the agent sends it to the source)."""
-        remote_of = namespace if is_remote(source_uri) else ""
-        request = agent_pb2.LoadAdapterRequest(name=name, source_uri=source_uri, sha256=sha256,
-                                               pinned=pinned, replace=replace)
-        if credential is not None and credential.username:
-            request.source_basic.username = credential.username
-            request.source_basic.password = credential.password
-        elif credential is not None:
-            request.source_token = credential.token
+        calls."""
+        remote_of = namespace if is_remote(request.source_uri) else ""
+        message = request.message()
         reply = await self._call(
             endpoint, creds, "LoadAdapter",
-            lambda s, md, t: s.LoadAdapter(request, metadata=md, timeout=t),
+            lambda s, md, t: s.LoadAdapter(message, metadata=md, timeout=t),
             self._settings.load_deadline_s, remote_of=remote_of,
-            load=(self._loads.setdefault(endpoint, LoadGate()), name, exclusive))
+            load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive))
         return _control_reply(reply)
+
+    async def load_many(self, endpoint: str, creds: Credentials,
+                        requests: Sequence[LoadRequest]) -> list[LoadAnswer]:
+        """Loads of local sources on one agent in one LoadAdapters call (shared, under one call
+        slot and one deadline): each load's outcome in their order, the call's own error as
+        every load's. The loads overlap each other (none is ``alone``). An agent that does
+        not know LoadAdapters (UNIMPLEMENTED: older than it) gets them one LoadAdapter call
+        after the other, from then on."""
+        if endpoint not in self._single_loads:
+            messages = [r.message() for r in requests]
+            try:
+                reply = await self._call(
+                    endpoint, creds, "LoadAdapters",
+                    lambda s, md, t: s.LoadAdapters(
+                        agent_pb2.LoadAdaptersRequest(loads=messages), metadata=md, timeout=t),
+                    self._settings.load_deadline_s,
+                    load=(self._loads.setdefault(endpoint, LoadGate()),
+                          tuple(r.name for r in requests), False))
+            except AgentError as err:
+                if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                    return [err] * len(requests)
+                log.info("agent %s does not know LoadAdapters: one LoadAdapter call per load",
+                         endpoint)
+                self._single_loads.add(endpoint)
+            else:
+                return [_load_answer(o) for o in reply.outcomes]
+        answers: list[LoadAnswer] = []
+        for request in requests:
+            try:
+                answers.append(await self.load(endpoint, creds, request))
+            except AgentError as err:
+                answers.append(err)
+        return answers
 
     async def unload(self, endpoint: str, creds: Credentials, name: str) -> ControlReply:
         request = agent_pb2.UnloadAdapterRequest(name=name)

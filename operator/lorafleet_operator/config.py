@@ -49,6 +49,10 @@ class Settings:
     #: Concurrent gRPC calls per agent, and in all.
     per_agent_concurrency: int = 4
     total_concurrency: int = 32
+    #: Loads of local sources waiting for one agent that go in one LoadAdapters call, at most
+    #: (1: one LoadAdapter call each). They share one call's deadline (``load_deadline_s``),
+    #: so the agent must finish them all within it; an agent takes at most 64 per call.
+    load_batch: int = 8
     #: Concurrent loads of remote (http(s)) sources per agent and namespace, apart from the
     #: bounds above: downloads of one tenant never hold the call slots others need.
     remote_loads_per_namespace: int = 2
@@ -94,6 +98,7 @@ ENV_VARS = {
     "call_deadline_s": "LORAFLEET_CALL_DEADLINE_SECONDS",
     "per_agent_concurrency": "LORAFLEET_PER_AGENT_CONCURRENCY",
     "total_concurrency": "LORAFLEET_TOTAL_CONCURRENCY",
+    "load_batch": "LORAFLEET_LOAD_BATCH",
     "remote_loads_per_namespace": "LORAFLEET_REMOTE_LOADS_PER_NAMESPACE",
     "delete_retries": "LORAFLEET_DELETE_RETRIES",
     "load_crash_budget": "LORAFLEET_LOAD_CRASH_BUDGET",

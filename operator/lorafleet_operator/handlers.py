@@ -300,6 +300,7 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     rt.pokes.pop((namespace, fleet), None)
     rt.fleet_locks.pop((namespace, fleet), None)
     rt.last_views.pop((namespace, fleet), None)
+    rt.fleet_agents.pop((namespace, fleet), None)
     rt.demands.pop((namespace, fleet), None)
     rt.refused_status.pop(("LoraFleet", namespace, fleet), None)
     log.info("deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",

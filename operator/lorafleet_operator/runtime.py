@@ -7,6 +7,7 @@ the agents. Losing all of it (a restart) costs at most one extra round of calls.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -16,12 +17,14 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_client import AgentClients, AgentInfo
 from lorafleet_operator.config import Settings
 from lorafleet_operator.failures import CrashBook, LoadRetries
+from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.kube import Kube
 from lorafleet_operator.placement import Demand, Reservations
-from lorafleet_operator.work_queue import WorkQueue
+from lorafleet_operator.work_queue import BatchQueue
 
 if TYPE_CHECKING:  # reconcile builds views with a Runtime in hand: no import cycle at run time
-    from lorafleet_operator.reconcile import FleetView
+    from lorafleet_operator.reconcile import FleetView, QueuedLoad
+    from lorafleet_operator.status import AgentResult
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,17 @@ class SentLoads:
             book.pop(name, None)
 
 
+@dataclass(frozen=True)
+class FleetAgents:
+    """A fleet's agents as last made from kopf's indexes: the fleet's spec and the
+    namespace's pod summaries they were made from (the very objects: kopf replaces what
+    changes)."""
+
+    spec: Mapping[str, Any]
+    pods: tuple[Mapping[str, Any], ...]
+    agents: tuple[AgentPod, ...]
+
+
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -115,8 +129,9 @@ class Runtime:
     #: drift check whose registry listing is older leaves it alone (``drift.converge_adapter``).
     reconciled: dict[tuple[str, str], float] = field(default_factory=dict)
     #: The loads of local sources waiting for each agent endpoint (:func:`~lorafleet_operator.
-    #: reconcile.load_each`), at most ``per_agent_concurrency`` running per agent.
-    loads: WorkQueue = field(init=False)
+    #: reconcile.load_each`), at most ``per_agent_concurrency`` calls running per agent, each
+    #: carrying up to ``load_batch`` of them (:func:`~lorafleet_operator.reconcile.send_loads`).
+    loads: BatchQueue[QueuedLoad, AgentResult] = field(init=False)
     #: Failed loads per (adapter uid, generation, pod), and when to try again (the back-off).
     failures: LoadRetries = field(init=False)
     #: Loads in flight when their agent died or hung, per adapter generation.
@@ -142,6 +157,9 @@ class Runtime:
     #: (namespace, fleet) -> that LoraFleet (:func:`~lorafleet_operator.fleet.fleet_summary`):
     #: kopf's fleet index, live (``handlers.lora_fleets``).
     fleets: Mapping[tuple[str, str], Iterable[Mapping[str, Any]]] = field(default_factory=dict)
+    #: (namespace, fleet) -> its agents as last made from the indexes
+    #: (:func:`~lorafleet_operator.reconcile.fleet_agents`).
+    fleet_agents: dict[tuple[str, str], FleetAgents] = field(default_factory=dict)
     #: (namespace, pod) -> (exists, ready, ip, restarts) last seen, to poke only on changes.
     pods_seen: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     #: agent endpoint -> its last registry listing (placement in handlers reuses it).
@@ -171,7 +189,11 @@ class Runtime:
     refused_status: dict[tuple[str, str, str], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.loads = WorkQueue(self.settings.per_agent_concurrency)
+        # Imported here: reconcile imports this module (the loads' sending is reconcile's).
+        from lorafleet_operator.reconcile import loads_join, send_loads
+        self.loads = BatchQueue(self.settings.per_agent_concurrency, self.settings.load_batch,
+                                functools.partial(send_loads, self),
+                                functools.partial(loads_join, self))
         self.failures = LoadRetries(self.settings)
         self.crashes = CrashBook(self.settings.load_crash_budget)
 

@@ -40,6 +40,8 @@ def every_rpc(stub: agent_pb2_grpc.NodeAgentStub, metadata) -> dict[str, callabl
         "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=30),
         "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), metadata=metadata, timeout=30),
         "LoadAdapter": lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="auth", source_uri="s3://x"), metadata=metadata, timeout=30),
+        "LoadAdapters": lambda: stub.LoadAdapters(pb.LoadAdaptersRequest(loads=[pb.LoadAdapterRequest(name="auth", source_uri="s3://x")]),
+                                                  metadata=metadata, timeout=30),
         "UnloadAdapter": lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="auth"), metadata=metadata, timeout=30),
         "Forward": lambda: stub.Forward(pb.ForwardRequest(sequences=[pb.Sequence(token_ids=[1])]), metadata=metadata, timeout=30),
         "Generate": lambda: list(stub.Generate(pb.GenerateRequest(token_ids=[1], max_new_tokens=1), metadata=metadata, timeout=30)),

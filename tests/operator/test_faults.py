@@ -35,10 +35,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -57,6 +59,7 @@ from tests.operator.agents import (
     SHAPE,
     adapter_manifest,
     apply,
+    corrupt_adapter,
     fleet_manifest,
     make_adapter,
     phase,
@@ -599,6 +602,128 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
     assert f"t.q{adapters:03d}" not in held, held
     for agent in fault_env.agents:
         assert f"t.q{adapters:03d}" not in registry(agent)
+
+
+def agent_calls_sent(method: str, code: str | None = None) -> float:
+    """Calls of ``method`` this test process's AgentClients made (with status ``code``, or
+    whatever their outcome)."""
+    return sum(sample.value for metric in REGISTRY.collect()
+               if metric.name == "lorafleet_agent_calls"
+               for sample in metric.samples
+               if sample.name == "lorafleet_agent_calls_total"
+               and sample.labels.get("method") == method
+               and code in (None, sample.labels.get("code")))
+
+
+def queued_body(name: str, path: Path) -> dict[str, Any]:
+    """A LoraAdapter body of namespace "t" as load_each reads it."""
+    return {"metadata": {"namespace": "t", "name": name, "uid": f"uid-{name}", "generation": 1},
+            "spec": {"source": {"uri": f"file://{path}"}}}
+
+
+async def load_at_once(rt: Runtime, agent: AgentPod,
+                       bodies: list[dict[str, Any]]) -> list[AgentResult]:
+    """``load_each`` of every body on one agent, started together as concurrent reconciles
+    are: their loads wait in the agent's queue together."""
+    info = await rt.agents.describe(agent.endpoint, Credentials())
+    view = FleetView("t", (agent,), {agent.name: info}, Credentials(), "default", {})
+    started = [asyncio.ensure_future(load_each(rt, view, [Target(agent, info)], b, None))
+               for b in bodies]
+    return [per[0] for per in await asyncio.gather(*started)]
+
+
+def test_loads_waiting_together_go_in_one_call_and_a_bad_one_fails_alone(
+    fault_env: FaultEnv,
+) -> None:
+    """Ten reconciles at once on agent-0, one adapter's source corrupt: their loads go in
+    LoadAdapters calls of up to ``load_batch`` (no LoadAdapter call), each with its own
+    outcome and books: the corrupt one Failed with the agent's refusal (its back-off booked,
+    not held for placement), the nine others Loaded and held by the agent."""
+    settings = Settings()
+    agent = fault_env.agents[0]
+    pod = AgentPod(agent.name, "t", f"uid-{agent.name}", {}, True, agent.endpoint, 0)
+    good = make_adapter(fault_env.adapters, "batched")
+    bodies = [queued_body(f"b{i}", good) for i in range(10)]
+    bodies[4] = queued_body("b4", corrupt_adapter(fault_env.adapters, "batched-corrupt"))
+
+    async def run() -> tuple[list[AgentResult], float, float, set[str], int]:
+        rt = Runtime(settings, None, AgentClients(settings))
+        batches, singles = agent_calls_sent("LoadAdapters"), agent_calls_sent("LoadAdapter")
+        try:
+            results = await load_at_once(rt, pod, bodies)
+            held = set(rt.reservations.held(agent.endpoint, set()))
+            return (results, agent_calls_sent("LoadAdapters") - batches,
+                    agent_calls_sent("LoadAdapter") - singles, held, len(rt.failures.entries))
+        finally:
+            await rt.agents.unload_each([(agent.endpoint, Credentials(), f"t.b{i}")
+                                         for i in range(10)])
+            await rt.agents.close()
+
+    results, batches, singles, held, backing_off = asyncio.run(run())
+    assert [r.pod for r in results] == [agent.name] * 10
+    assert [r.ok for r in results] == [i != 4 for i in range(10)], results
+    assert results[4].state.value == "Failed" and results[4].message, results[4]
+    assert (singles, batches) == (0, -(-10 // settings.load_batch)), (singles, batches)
+    assert held == {f"t.b{i}" for i in range(10) if i != 4}
+    assert backing_off == 1
+
+
+@contextlib.contextmanager
+def older_agent(agent: AgentProcess) -> Iterator[str]:
+    """An agent as it was before LoadAdapters: a gRPC server in front of ``agent`` that passes
+    every NodeAgent method on to it but that one, which it does not know (UNIMPLEMENTED, as
+    any server answers an unknown method). Yields its endpoint."""
+    upstream = grpc.insecure_channel(agent.endpoint)
+    known = ("Describe", "LoadAdapter", "UnloadAdapter", "ListAdapters", "ProveIdentity")
+
+    def passed_on(method: str) -> grpc.RpcMethodHandler:
+        call = upstream.unary_unary(f"/lorafleet.v1.NodeAgent/{method}")
+
+        def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+            return call(request, metadata=context.invocation_metadata(), timeout=60)
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    server = grpc.server(ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "lorafleet.v1.NodeAgent", {m: passed_on(m) for m in known}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=0)
+        upstream.close()
+
+
+def test_an_agent_without_load_batches_gets_one_call_per_load(fault_env: FaultEnv) -> None:
+    """An agent older than LoadAdapters answers it UNIMPLEMENTED: the waiting loads are sent
+    one LoadAdapter call each, all Loaded, and that agent is not asked LoadAdapters again."""
+    settings = Settings()
+    good = make_adapter(fault_env.adapters, "older")
+    agent = fault_env.agents[0]
+
+    async def run(endpoint: str) -> tuple[list[AgentResult], list[AgentResult], float, float]:
+        rt = Runtime(settings, None, AgentClients(settings))
+        pod = AgentPod("older-0", "t", "uid-older", {}, True, endpoint, 0)
+        unknown, singles = agent_calls_sent("LoadAdapters"), agent_calls_sent("LoadAdapter")
+        try:
+            first = await load_at_once(rt, pod, [queued_body(f"o{i}", good) for i in range(5)])
+            again = await load_at_once(rt, pod, [queued_body(f"p{i}", good) for i in range(5)])
+            return (first, again, agent_calls_sent("LoadAdapters") - unknown,
+                    agent_calls_sent("LoadAdapter") - singles)
+        finally:
+            await rt.agents.unload_each([(endpoint, Credentials(), f"t.{p}{i}")
+                                         for p in "op" for i in range(5)])
+            await rt.agents.close()
+
+    unimplemented = agent_calls_sent("LoadAdapters", "UNIMPLEMENTED")
+    with older_agent(agent) as endpoint:
+        first, again, batches, singles = asyncio.run(run(endpoint))
+    assert all(r.ok for r in first + again), first + again
+    assert batches == agent_calls_sent("LoadAdapters", "UNIMPLEMENTED") - unimplemented == 1
+    assert singles == 10
+    assert not {n for n in registry(agent) if n.startswith(("t.o", "t.p"))}
 
 
 # ---- 4. the API server answering 429, then 500 --------------------------------------------------

@@ -23,7 +23,7 @@ from lorafleet_operator.fleet import (
     selector_matches,
 )
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.reconcile import fleet_view
+from lorafleet_operator.reconcile import fleet_agents, fleet_view
 from lorafleet_operator.runtime import Runtime
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import apply, fleet_manifest
@@ -133,6 +133,31 @@ def test_a_look_at_a_fleet_reads_the_fleet_index_without_a_request() -> None:
         asyncio.run(fleet_view(rt, "ns", "f"))
     assert refused.value.reason == "FleetDeleted"
     assert asyncio.run(fleet_view(rt, "ns", "f", terminating_ok=True)).name == "f"
+
+
+def test_a_fleets_agents_are_made_again_only_when_its_spec_or_a_pod_changed() -> None:
+    """kopf replaces the index objects of what changed: the agents made from them are reused
+    while the fleet's spec and the namespace's pod summaries are the same objects, and made
+    again when one is replaced (a pod turned ready, one more pod, another selector)."""
+    rt = runtime(None)
+    spec = fleet_manifest("f")["spec"]
+
+    def pod(name: str, ready: bool) -> dict[str, Any]:
+        return pod_summary({"metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}",
+                                         "labels": {"lorafleet.dev/fleet": "f"}},
+                            "status": {"phase": "Running", "conditions": [
+                                {"type": "Ready", "status": str(ready)}]}})
+
+    rt.pods = {"ns": [pod("a", False), pod("b", True)]}
+    first = fleet_agents(rt, "ns", "f", spec)
+    assert fleet_agents(rt, "ns", "f", spec) is first
+    assert [a.ready for a in first] == [False, True]
+    rt.pods = {"ns": [pod("a", True), rt.pods["ns"][1]]}
+    assert [a.ready for a in fleet_agents(rt, "ns", "f", spec)] == [True, True]
+    rt.pods = {"ns": [*rt.pods["ns"], pod("c", True)]}
+    assert [a.name for a in fleet_agents(rt, "ns", "f", spec)] == ["a", "b", "c"]
+    other = {**spec, "selector": {"matchLabels": {"lorafleet.dev/fleet": "g"}}}
+    assert fleet_agents(rt, "ns", "f", other) == ()
 
 
 def test_a_fleet_the_index_lacks_is_asked_for(

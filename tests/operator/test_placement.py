@@ -180,6 +180,7 @@ def test_reservations_count_loads_until_a_later_listing_has_them() -> None:
     book = Reservations()
     book.reserve("ep", "n")
     assert book.held("ep", {"x"}) == {"x", "n"}  # in flight: counted
+    assert len(book.held("ep", {"x", "n"})) == 2  # listed and in flight: counted once
     book.listed("ep", requested_at=5.0)
     assert "n" in book.held("ep", ())  # still in flight: a listing cannot know it
     book.finished("ep", "n", 10.0, loaded=True)

@@ -1,16 +1,19 @@
 """The operator's per-agent queue of waiting loads and unloads (work_queue.WorkQueue): jobs of
 one key run oldest first, at most ``width`` at once, other keys apart; a job's error reaches its caller;
 a caller that gives up drops its job while it waits (its ``dropped`` runs, the job never does)
-and cancels it while it runs; the operator stopping cancels the callers' futures."""
+and cancels it while it runs; the operator stopping cancels the callers' futures. Its batching
+core (work_queue.BatchQueue, the loads' queue): a worker sends the oldest waiting item with
+those behind it that may join it, up to the size; a sent batch is cancelled only when every
+one of its callers gave up."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
-from lorafleet_operator.work_queue import WorkQueue
+from lorafleet_operator.work_queue import BatchQueue, WorkQueue
 
 
 class Jobs:
@@ -99,5 +102,61 @@ def test_the_operator_stopping_cancels_the_callers_futures() -> None:
         await settle()
         assert running.cancelled()
         assert jobs.cancelled == ["a0"]
+
+    asyncio.run(run())
+
+
+class Sends:
+    """A BatchQueue's sends, recorded; each waits until released and answers its items."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[str]] = []
+        self.cancelled: list[list[str]] = []
+        self.release = asyncio.Event()
+
+    async def send(self, items: Sequence[str]) -> list[str]:
+        self.sent.append(list(items))
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(list(items))
+            raise
+        return [f"{item} done" for item in items]
+
+
+def test_a_worker_sends_the_waiting_items_that_join_the_oldest_up_to_the_size() -> None:
+    async def run() -> None:
+        sends = Sends()
+        # Items join the oldest only when of its kind (the first letter), as loads with other
+        # credentials or to load alone do not.
+        queue: BatchQueue[str, str] = BatchQueue(1, 3, sends.send, lambda a, b: a[0] == b[0])
+        futures = [queue.submit("agent", item) for item in ("a0", "a1", "b0", "a2", "a3", "a4", "a5")]
+        sends.release.set()
+        assert await asyncio.gather(*futures) == [f"{i} done" for i in ("a0", "a1", "b0", "a2", "a3", "a4", "a5")]
+        # Oldest first; a batch ends at the first item that may not join it, or at the size.
+        assert sends.sent == [["a0", "a1"], ["b0"], ["a2", "a3", "a4"], ["a5"]]
+
+    asyncio.run(run())
+
+
+def test_a_sent_batch_is_cancelled_only_when_every_caller_gave_up() -> None:
+    async def run() -> None:
+        sends = Sends()
+        queue: BatchQueue[str, str] = BatchQueue(1, 4, sends.send)
+        first, second = queue.submit("agent", "x"), queue.submit("agent", "y")
+        await settle()
+        assert sends.sent == [["x", "y"]]
+        first.cancel()
+        await settle()
+        assert not sends.cancelled  # "y" still wants its outcome
+        sends.release.set()
+        assert await second == "y done"
+        third, fourth = queue.submit("agent", "z"), queue.submit("agent", "w")
+        sends.release.clear()
+        await settle()
+        third.cancel()
+        fourth.cancel()
+        await settle()
+        assert sends.cancelled == [["z", "w"]]
 
     asyncio.run(run())

@@ -156,6 +156,30 @@ class LoadAdapterResponse(_message.Message):
     already_loaded: bool
     def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ...) -> None: ...
 
+class LoadAdaptersRequest(_message.Message):
+    __slots__ = ("loads",)
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[LoadAdapterRequest]
+    def __init__(self, loads: _Optional[_Iterable[_Union[LoadAdapterRequest, _Mapping]]] = ...) -> None: ...
+
+class LoadAdaptersResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[LoadAdapterOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[LoadAdapterOutcome, _Mapping]]] = ...) -> None: ...
+
+class LoadAdapterOutcome(_message.Message):
+    __slots__ = ("code", "error_message", "reason", "reply")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    error_message: str
+    reason: str
+    reply: LoadAdapterResponse
+    def __init__(self, code: _Optional[int] = ..., error_message: _Optional[str] = ..., reason: _Optional[str] = ..., reply: _Optional[_Union[LoadAdapterResponse, _Mapping]] = ...) -> None: ...
+
 class UnloadAdapterRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class NodeAgentStub:
                 request_serializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdapterRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapters = channel.unary_unary(
+                '/lorafleet.v1.NodeAgent/LoadAdapters',
+                request_serializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersResponse.FromString,
+                _registered_method=True)
         self.UnloadAdapter = channel.unary_unary(
                 '/lorafleet.v1.NodeAgent/UnloadAdapter',
                 request_serializer=lorafleet_dot_v1_dot_agent__pb2.UnloadAdapterRequest.SerializeToString,
@@ -83,6 +88,17 @@ class NodeAgentServicer:
 
     def LoadAdapter(self, request, context):
         """Load an adapter on every rank, or on none. Idempotent for the same name and content.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapters(self, request, context):
+        """Several loads in one call, each as LoadAdapter would do it on its own, one after the other
+        in the request's order: each is on every rank or on none, and one that fails (refused, its
+        source missing, ...) fails alone. One reply item per load, in the same order. At most
+        64 loads per call (more: INVALID_ARGUMENT, nothing loaded). Agents older than this method
+        answer UNIMPLEMENTED: send each load with LoadAdapter.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +154,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.LoadAdapter,
                     request_deserializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdapterRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'LoadAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapters,
+                    request_deserializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersResponse.SerializeToString,
             ),
             'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadAdapter,
@@ -219,6 +240,33 @@ class NodeAgent:
             '/lorafleet.v1.NodeAgent/LoadAdapter',
             lorafleet_dot_v1_dot_agent__pb2.LoadAdapterRequest.SerializeToString,
             lorafleet_dot_v1_dot_agent__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.NodeAgent/LoadAdapters',
+            lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersRequest.SerializeToString,
+            lorafleet_dot_v1_dot_agent__pb2.LoadAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
