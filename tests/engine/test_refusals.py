@@ -9,6 +9,9 @@ loads under that very name, and a mixed forward still equals transformers + PEFT
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,3 +223,24 @@ def test_catastrophic_patterns_are_matched_in_linear_time(served: Served):
     finally:
         served.engine.unload_adapter("catastrophic")
     assert_not_loaded(served, "catastrophic")
+
+
+@pytest.mark.parametrize("shape", [[True, 16], [16.0, 16], [-1, 16], [[16], 16], "16"], ids=repr)
+def test_a_header_shape_not_of_non_negative_integers_is_refused(served: Served, shape: object):
+    """A tensor whose header shape is not a list of non-negative integers (a bool is none) is
+    refused by name, before its offsets are compared with it (no refusal test covered this
+    per-entry check of the driver's validation)."""
+    bad_dir = served.bad_root / f"shape-{shape!r}"
+    shutil.copytree(served.good, bad_dir)
+    weights = bad_dir / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    key = min(k for k in header if k != "__metadata__")
+    header[key]["shape"] = shape
+    text = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+    with pytest.raises(served.api.AdapterLoadError) as info:
+        served.engine.load_adapter("bad-shape", bad_dir, pinned=False)
+    assert str(info.value) == f"adapter_model.safetensors is corrupt or truncated: tensor {key!r} has no valid shape"
+    assert_not_loaded(served, "bad-shape")
