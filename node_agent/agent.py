@@ -206,7 +206,8 @@ class Agent:
     def list_adapters(self) -> list[RegistryEntry]:
         """Routable adapters, in load order, each with the ranks whose pool holds it (asked now)."""
         self._check_alive()
-        holdings = {reply.rank: reply.holds for reply in self._describe_ranks()}
+        # Sets: every entry is looked up in every rank's holdings (a thousand names each).
+        holdings = {reply.rank: frozenset(reply.holds) for reply in self._describe_ranks()}
         return [
             RegistryEntry(
                 entry.name, entry.source.uri, entry.source.content.weights_sha256, entry.pinned,
@@ -437,8 +438,16 @@ class Agent:
 
     def _public(self, result: ControlResult) -> ControlResult:
         """`result` with public adapter names instead of engine names (versions of one name once)."""
+        # Every reply lists all a rank holds, and the ranks mostly hold the same: each distinct
+        # holding is mapped once (compared, not hashed), not ranks x held lookups per reply.
+        mapped: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+
         def public(names: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(dict.fromkeys(self.registry.public_name(name) for name in names))
+            for engine_names, public_names in mapped:
+                if engine_names == names:
+                    return public_names
+            mapped.append((names, self.registry.public_names(names)))
+            return mapped[-1][1]
 
         ranks = tuple(replace(reply, holds=public(reply.holds)) for reply in result.ranks)
         return replace(result, holds=public(result.holds), ranks=ranks)

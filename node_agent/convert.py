@@ -62,12 +62,13 @@ def _rank_results(result: ControlResult) -> list[pb.RankResult]:
     ]
 
 
-def load_response(result: ControlResult) -> pb.LoadAdapterResponse:
-    """LoadAdapter's reply: the merged result, what the ranks hold, every rank's part."""
+def load_response(result: ControlResult, with_holdings: bool = True) -> pb.LoadAdapterResponse:
+    """LoadAdapter's reply: the merged result, what the ranks hold (unless a LoadAdapters call
+    lists that once for all its loads: `with_holdings` False), every rank's part."""
     return pb.LoadAdapterResponse(
         success=result.ok,
         error_message=result.error,
-        loaded_adapters=result.holds,
+        loaded_adapters=result.holds if with_holdings else (),
         rank_results=_rank_results(result),
         already_loaded=result.already_loaded,
     )

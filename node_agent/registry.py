@@ -113,6 +113,13 @@ class Registry:
             entry = self._held.get(engine_name)
         return entry.name if entry else engine_name
 
+    def public_names(self, engine_names: Iterable[str]) -> tuple[str, ...]:
+        """`public_name` of each engine name, in order, each public name once (two versions of
+        one adapter are one name), under one lock: a rank's holdings can be a thousand names."""
+        with self._lock:
+            held = self._held
+            return tuple(dict.fromkeys([entry.name if (entry := held.get(name)) else name for name in engine_names]))
+
     def publish(self, entry: AdapterEntry) -> AdapterEntry | None:
         """Route `entry.name` to `entry` from now on; returns the version it replaces, if any."""
         with self._lock:

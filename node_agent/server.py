@@ -39,6 +39,7 @@ from lorafleet_common.wire import REASON_METADATA_KEY
 from node_agent import convert
 from node_agent.agent import Agent
 from node_agent.auth import BearerTokenInterceptor, TlsFiles, prove_identity
+from node_agent.engine import ControlResult
 from node_agent.errors import (
     AdapterConflict,
     AdapterNotFound,
@@ -212,27 +213,31 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
-        return self._load(request)
+        return convert.load_response(self._load(request))
 
     @_unary("control")
     def LoadAdapters(self, request: pb.LoadAdaptersRequest, context: grpc.ServicerContext) -> pb.LoadAdaptersResponse:
-        """Each load as LoadAdapter would do it, in order, under one control place; one fails alone."""
+        """Each load as LoadAdapter would do it, in order, under one control place; one fails alone.
+        What the ranks hold is listed once for the call (after its last load that reached them)."""
         if len(request.loads) > MAX_LOADS_PER_CALL:
             raise InvalidRequest(f"LoadAdapters carries {len(request.loads)} loads; at most {MAX_LOADS_PER_CALL} per call "
                                  f"(send the others in further calls); nothing was loaded")
-        return pb.LoadAdaptersResponse(outcomes=[self._load_outcome(load) for load in request.loads])
+        outcomes: list[pb.LoadAdapterOutcome] = []
+        holds: tuple[str, ...] = ()
+        for load in request.loads:
+            try:
+                result = self._load(load)
+            except AgentError as error:
+                outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error),
+                                                      reason=error.reason))
+            else:
+                outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False)))
+                holds = result.holds
+        return pb.LoadAdaptersResponse(outcomes=outcomes, loaded_adapters=holds)
 
-    def _load(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:
-        result = self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
-                                 credential=convert.source_credential(request))
-        return convert.load_response(result)
-
-    def _load_outcome(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterOutcome:
-        """One load of a LoadAdapters call: its reply, or the status LoadAdapter would have ended with."""
-        try:
-            return pb.LoadAdapterOutcome(reply=self._load(request))
-        except AgentError as error:
-            return pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason)
+    def _load(self, request: pb.LoadAdapterRequest) -> ControlResult:
+        return self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
+                               credential=convert.source_credential(request))
 
     @_unary("control")
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:

@@ -19,13 +19,6 @@ recorded in the registry and answered exactly as by a real agent. What is simula
   loads and removes the copy on unload: on this machine's disk about 2 ms of CPU per copy and
   its removal, 64,000 of them at 1,000 adapters x 64 agents. A source that changes after its first
   load is not seen (the benchmark's never change).
-* The agent's public names of the ranks' holdings (every load and unload reply lists every
-  adapter each rank holds) are computed once per distinct name and call instead of once per
-  rank and name: the real agent's ``_public`` asks the registry (a lock each time) for every name
-  of every rank, ``ranks x held`` per reply, which at 1,000 adapters held by 8 ranks was
-  60% of this process's CPU (py-spy, 2026-12-02). Its listing (ListAdapters) looks each entry up
-  in each rank's holdings as a set, not a tuple scan (39-43 ms per listing at 1,000 held before,
-  3.5-4.6 ms). The replies are the same (tests/operator/test_simagents.py).
 * Generate and Forward are not simulated.
 
 Nothing else uses it: tests and the demo run real agents (``lorafleet_dev.agents``).
@@ -46,7 +39,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import node_agent.agent
-from lorafleet_common.registry import RegistryEntry
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import (
     AdapterLoadError,
@@ -66,7 +58,6 @@ from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.protocol import Command, Describe, Unload, merge_control
 from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
 from node_agent.engine.topology import Topology
-from node_agent.registry import AdapterEntry
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, resolve_source
 
@@ -195,65 +186,6 @@ class SimulatedEngine(Engine):
         self._stop_step_loop()
 
 
-class SimulatedAgent(Agent):
-    """The real agent, with the public names of a reply's holdings computed once per distinct
-    engine name (the module docstring says why); the same reply as the real agent's."""
-
-    def __init__(self, engine: Engine, config: AgentConfig) -> None:
-        #: engine name -> public name, for the versions the registry holds (engine names are
-        #: never reused; one leaves when its version is retired).
-        self._public_names: dict[str, str] = {}
-        super().__init__(engine, config)
-
-    def _public(self, result: ControlResult) -> ControlResult:
-        # The ranks' holdings are mostly equal tuples (compared, not hashed: a thousand names
-        # each): each distinct one is mapped once.
-        mapped: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
-
-        def public(names: tuple[str, ...]) -> tuple[str, ...]:
-            for engine_names, public_names in mapped:
-                if engine_names == names:
-                    return public_names
-            known = self._public_names
-            for name in names:
-                if name not in known:
-                    self._public_name(name)
-            found = tuple(dict.fromkeys([known.get(name, name) for name in names]))
-            mapped.append((names, found))
-            return found
-
-        ranks = tuple(replace(reply, holds=public(reply.holds)) for reply in result.ranks)
-        return replace(result, holds=public(result.holds), ranks=ranks)
-
-    def _public_name(self, engine_name: str) -> str:
-        name = self._public_names.get(engine_name)
-        if name is None:
-            name = self.registry.public_name(engine_name)
-            if name != engine_name:  # a version the registry holds: its name cannot change
-                self._public_names[engine_name] = name
-        return name
-
-    def list_adapters(self) -> list[RegistryEntry]:
-        """The real agent's listing (routable adapters in load order, each with the ranks that
-        hold it, asked now), with each rank's holdings as a set: the real one scans every rank's
-        tuple for every entry, 40 ms at 1,000 adapters held by 8 ranks."""
-        self._check_alive()
-        holdings = {reply.rank: frozenset(reply.holds) for reply in self._describe_ranks()}
-        return [
-            RegistryEntry(
-                entry.name, entry.source.uri, entry.source.content.weights_sha256, entry.pinned,
-                tuple(rank for rank, names in sorted(holdings.items()) if entry.engine_name in names),
-            )
-            for entry in self.registry.entries()
-        ]
-
-    def _retire(self, entry: AdapterEntry) -> ControlResult:
-        try:
-            return super()._retire(entry)
-        finally:
-            self._public_names.pop(entry.engine_name, None)
-
-
 class SharedSources:
     """Every simulated agent's source check, made once per (URI, sha256) for the whole process
     (the module docstring says why and what that leaves out). ``install`` makes it the agents'
@@ -315,7 +247,7 @@ class SimulatedFleet:
                                      max_lora_rank=spec.max_lora_rank, max_loaded_loras=spec.max_loaded_loras)
         try:
             for index in range(count):
-                agent = SimulatedAgent(SimulatedEngine(engine_config, fails_loads=index < failing),
+                agent = Agent(SimulatedEngine(engine_config, fails_loads=index < failing),
                               AgentConfig(base_model_name=spec.base_model_name, agent_id=f"sim-{index}",
                                           sources=SourcePolicy(adapter_roots=(spec.adapter_root,))))
                 server = create_server(agent, ServerOptions(listen="127.0.0.1:0"))

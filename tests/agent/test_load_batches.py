@@ -1,7 +1,7 @@
 """LoadAdapters on the shared agent (tp=2, dp=2): several loads in one call, each as LoadAdapter
 would do it on its own (on every rank or none; one that fails fails alone, with the status and
-reason LoadAdapter would have answered), one outcome per load in order; more than the cap per
-call is refused whole."""
+reason LoadAdapter would have answered), one outcome per load in order, what the ranks hold
+once for the call; more than the cap per call is refused whole."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def test_a_batch_loads_each_item_on_its_own_and_a_bad_one_fails_alone(shared, st
     assert "non-finite" in nan.reply.error_message
     assert [r.success for r in nan.reply.rank_results] == [False, False]
     assert listed(stub) == {"batch-a", "batch-b"}
+    # What the ranks hold is listed once for the call: after its last load that reached them
+    # (batch-b; the missing source never did), not in every load's reply.
+    assert list(reply.loaded_adapters) == ["batch-a", "batch-b"]
+    assert [list(o.reply.loaded_adapters) for o in reply.outcomes] == [[]] * len(loads)
 
 
 def test_a_batch_over_the_cap_is_refused_whole(shared, stub):

@@ -38,6 +38,18 @@ def test_publish_swaps_the_version_new_leases_get_while_old_leases_keep_theirs()
     assert registry.public_name(old.engine_name) == registry.public_name(new.engine_name) == "a"
 
 
+def test_public_names_maps_in_order_each_public_name_once_and_unknown_names_stand_for_themselves():
+    registry = Registry()
+    a1, b = entry(registry, "a"), entry(registry, "b")
+    registry.publish(a1)
+    registry.publish(b)
+    a2 = entry(registry, "a", "b")
+    registry.publish(a2)  # a1 is still held (being retired): both versions are one name
+    held = (a1.engine_name, b.engine_name, a2.engine_name, "gone.7")
+    assert registry.public_names(held) == ("a", "b", "gone.7")
+    assert registry.public_names(held) == tuple(dict.fromkeys(registry.public_name(n) for n in held))
+
+
 def test_withdrawn_names_are_refused_at_once_with_their_state():
     registry = Registry()
     registry.publish(entry(registry, "a"))

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorafleet/v1/agent.proto\x12\x0clorafleet.v1\"2\n\x14ProveIdentityRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0b\n\x03pod\x18\x02 \x01(\t\"&\n\x15ProveIdentityResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"\x90\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12+\n\nbase_model\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.BaseModel\x12(\n\x08topology\x18\x03 \x01(\x0b\x32\x16.lorafleet.v1.Topology\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.lorafleet.v1.Capacity\x12%\n\x05ranks\x18\x05 \x03(\x0b\x32\x16.lorafleet.v1.RankInfo\x12+\n\x07modules\x18\x06 \x03(\x0b\x32\x1a.lorafleet.v1.ModuleShapes\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"0\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\"\x85\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\x05\x12\x1b\n\x13\x66ully_sharded_loras\x18\x04 \x01(\x08\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\x05\x12\x13\n\x0bmoe_tp_size\x18\x06 \x01(\x05\"X\n\x08\x43\x61pacity\x12\x15\n\rmax_lora_rank\x18\x01 \x01(\x05\x12\x1b\n\x13max_loras_per_batch\x18\x02 \x01(\x05\x12\x18\n\x10max_loaded_loras\x18\x03 \x01(\x05\"S\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"Z\n\x0cModuleShapes\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x06slices\x18\x03 \x03(\x0b\x32\x1c.lorafleet.v1.LoraSliceShape\"<\n\x0eLoraSliceShape\x12\x14\n\x0clora_a_shape\x18\x01 \x03(\x05\x12\x14\n\x0clora_b_shape\x18\x02 \x03(\x05\"\xb2\x01\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\x12\x14\n\x0csource_token\x18\x06 \x01(\t\x12\x33\n\x0csource_basic\x18\x07 \x01(\x0b\x32\x1d.lorafleet.v1.SourceBasicAuth\"5\n\x0fSourceBasicAuth\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\"\x9e\x01\n\x13LoadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\x12\x16\n\x0e\x61lready_loaded\x18\x05 \x01(\x08\"F\n\x13LoadAdaptersRequest\x12/\n\x05loads\x18\x01 \x03(\x0b\x32 .lorafleet.v1.LoadAdapterRequest\"J\n\x14LoadAdaptersResponse\x12\x32\n\x08outcomes\x18\x01 \x03(\x0b\x32 .lorafleet.v1.LoadAdapterOutcome\"{\n\x12LoadAdapterOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x30\n\x05reply\x18\x04 \x01(\x0b\x32!.lorafleet.v1.LoadAdapterResponse\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x88\x01\n\x15UnloadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\"\x9d\x01\n\nRankResult\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x15\n\x13ListAdaptersRequest\"x\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.AdapterInfo\x12\x33\n\x0b\x64ownloading\x18\x02 \x03(\x0b\x32\x1e.lorafleet.v1.DownloadProgress\"I\n\x10\x44ownloadProgress\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\"^\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\r\n\x05ranks\x18\x05 \x03(\x05\";\n\x0e\x46orwardRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.Sequence\".\n\x08Sequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"7\n\x0f\x46orwardResponse\x12$\n\x06logits\x18\x01 \x03(\x0b\x32\x14.lorafleet.v1.Logits\"F\n\x06Logits\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66loat32_data\x18\x03 \x01(\x0c\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xeb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x06\x66inish\x18\x04 \x01(\x0e\x32\x1a.lorafleet.v1.FinishReason\x12\x14\n\x07logprob\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.lorafleet.v1.UsageB\n\n\x08_logprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa1\x05\n\tNodeAgent\x12I\n\x08\x44\x65scribe\x12\x1d.lorafleet.v1.DescribeRequest\x1a\x1e.lorafleet.v1.DescribeResponse\x12R\n\x0bLoadAdapter\x12 .lorafleet.v1.LoadAdapterRequest\x1a!.lorafleet.v1.LoadAdapterResponse\x12U\n\x0cLoadAdapters\x12!.lorafleet.v1.LoadAdaptersRequest\x1a\".lorafleet.v1.LoadAdaptersResponse\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x46\n\x07\x46orward\x12\x1c.lorafleet.v1.ForwardRequest\x1a\x1d.lorafleet.v1.ForwardResponse\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x12X\n\rProveIdentity\x12\".lorafleet.v1.ProveIdentityRequest\x1a#.lorafleet.v1.ProveIdentityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18lorafleet/v1/agent.proto\x12\x0clorafleet.v1\"2\n\x14ProveIdentityRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0b\n\x03pod\x18\x02 \x01(\t\"&\n\x15ProveIdentityResponse\x12\r\n\x05proof\x18\x01 \x01(\x0c\"\x11\n\x0f\x44\x65scribeRequest\"\x90\x02\n\x10\x44\x65scribeResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12+\n\nbase_model\x18\x02 \x01(\x0b\x32\x17.lorafleet.v1.BaseModel\x12(\n\x08topology\x18\x03 \x01(\x0b\x32\x16.lorafleet.v1.Topology\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.lorafleet.v1.Capacity\x12%\n\x05ranks\x18\x05 \x03(\x0b\x32\x16.lorafleet.v1.RankInfo\x12+\n\x07modules\x18\x06 \x03(\x0b\x32\x1a.lorafleet.v1.ModuleShapes\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"0\n\tBaseModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rconfig_sha256\x18\x02 \x01(\t\"\x85\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\x05\x12\x1b\n\x13\x66ully_sharded_loras\x18\x04 \x01(\x08\x12\x0f\n\x07\x65p_size\x18\x05 \x01(\x05\x12\x13\n\x0bmoe_tp_size\x18\x06 \x01(\x05\"X\n\x08\x43\x61pacity\x12\x15\n\rmax_lora_rank\x18\x01 \x01(\x05\x12\x1b\n\x13max_loras_per_batch\x18\x02 \x01(\x05\x12\x18\n\x10max_loaded_loras\x18\x03 \x01(\x05\"S\n\x08RankInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\r\n\x05\x61live\x18\x04 \x01(\x08\"Z\n\x0cModuleShapes\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12,\n\x06slices\x18\x03 \x03(\x0b\x32\x1c.lorafleet.v1.LoraSliceShape\"<\n\x0eLoraSliceShape\x12\x14\n\x0clora_a_shape\x18\x01 \x03(\x05\x12\x14\n\x0clora_b_shape\x18\x02 \x03(\x05\"\xb2\x01\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x0f\n\x07replace\x18\x05 \x01(\x08\x12\x14\n\x0csource_token\x18\x06 \x01(\t\x12\x33\n\x0csource_basic\x18\x07 \x01(\x0b\x32\x1d.lorafleet.v1.SourceBasicAuth\"5\n\x0fSourceBasicAuth\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\"\x9e\x01\n\x13LoadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\x12\x16\n\x0e\x61lready_loaded\x18\x05 \x01(\x08\"F\n\x13LoadAdaptersRequest\x12/\n\x05loads\x18\x01 \x03(\x0b\x32 .lorafleet.v1.LoadAdapterRequest\"c\n\x14LoadAdaptersResponse\x12\x32\n\x08outcomes\x18\x01 \x03(\x0b\x32 .lorafleet.v1.LoadAdapterOutcome\x12\x17\n\x0floaded_adapters\x18\x02 \x03(\t\"{\n\x12LoadAdapterOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x30\n\x05reply\x18\x04 \x01(\x0b\x32!.lorafleet.v1.LoadAdapterResponse\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x88\x01\n\x15UnloadAdapterResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x15\n\rerror_message\x18\x02 \x01(\t\x12\x17\n\x0floaded_adapters\x18\x03 \x03(\t\x12.\n\x0crank_results\x18\x04 \x03(\x0b\x32\x18.lorafleet.v1.RankResult\"\x9d\x01\n\nRankResult\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0c\x61ttn_dp_rank\x18\x02 \x01(\x05\x12\x14\n\x0c\x61ttn_tp_rank\x18\x03 \x01(\x05\x12\x0f\n\x07success\x18\x04 \x01(\x08\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rconfig_sha256\x18\x07 \x01(\t\"\x15\n\x13ListAdaptersRequest\"x\n\x14ListAdaptersResponse\x12+\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x19.lorafleet.v1.AdapterInfo\x12\x33\n\x0b\x64ownloading\x18\x02 \x03(\x0b\x32\x1e.lorafleet.v1.DownloadProgress\"I\n\x10\x44ownloadProgress\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x03\"^\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsource_uri\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\r\n\x05ranks\x18\x05 \x03(\x05\";\n\x0e\x46orwardRequest\x12)\n\tsequences\x18\x01 \x03(\x0b\x32\x16.lorafleet.v1.Sequence\".\n\x08Sequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"7\n\x0f\x46orwardResponse\x12$\n\x06logits\x18\x01 \x03(\x0b\x32\x14.lorafleet.v1.Logits\"F\n\x06Logits\x12\x12\n\nnum_tokens\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x66loat32_data\x18\x03 \x01(\x0c\"\x85\x02\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x13\n\x0btemperature\x18\x06 \x01(\x02\x12\r\n\x05top_p\x18\x07 \x01(\x02\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\tB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xeb\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12*\n\x06\x66inish\x18\x04 \x01(\x0e\x32\x1a.lorafleet.v1.FinishReason\x12\x14\n\x07logprob\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12.\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x18.lorafleet.v1.TopLogprob\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.lorafleet.v1.UsageB\n\n\x08_logprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa1\x05\n\tNodeAgent\x12I\n\x08\x44\x65scribe\x12\x1d.lorafleet.v1.DescribeRequest\x1a\x1e.lorafleet.v1.DescribeResponse\x12R\n\x0bLoadAdapter\x12 .lorafleet.v1.LoadAdapterRequest\x1a!.lorafleet.v1.LoadAdapterResponse\x12U\n\x0cLoadAdapters\x12!.lorafleet.v1.LoadAdaptersRequest\x1a\".lorafleet.v1.LoadAdaptersResponse\x12X\n\rUnloadAdapter\x12\".lorafleet.v1.UnloadAdapterRequest\x1a#.lorafleet.v1.UnloadAdapterResponse\x12U\n\x0cListAdapters\x12!.lorafleet.v1.ListAdaptersRequest\x1a\".lorafleet.v1.ListAdaptersResponse\x12\x46\n\x07\x46orward\x12\x1c.lorafleet.v1.ForwardRequest\x1a\x1d.lorafleet.v1.ForwardResponse\x12K\n\x08Generate\x12\x1d.lorafleet.v1.GenerateRequest\x1a\x1e.lorafleet.v1.GenerateResponse0\x01\x12X\n\rProveIdentity\x12\".lorafleet.v1.ProveIdentityRequest\x1a#.lorafleet.v1.ProveIdentityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lorafleet.v1.agent_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3114
-  _globals['_FINISHREASON']._serialized_end=3209
+  _globals['_FINISHREASON']._serialized_start=3139
+  _globals['_FINISHREASON']._serialized_end=3234
   _globals['_PROVEIDENTITYREQUEST']._serialized_start=42
   _globals['_PROVEIDENTITYREQUEST']._serialized_end=92
   _globals['_PROVEIDENTITYRESPONSE']._serialized_start=94
@@ -62,39 +62,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADADAPTERSREQUEST']._serialized_start=1340
   _globals['_LOADADAPTERSREQUEST']._serialized_end=1410
   _globals['_LOADADAPTERSRESPONSE']._serialized_start=1412
-  _globals['_LOADADAPTERSRESPONSE']._serialized_end=1486
-  _globals['_LOADADAPTEROUTCOME']._serialized_start=1488
-  _globals['_LOADADAPTEROUTCOME']._serialized_end=1611
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1613
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1649
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1652
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1788
-  _globals['_RANKRESULT']._serialized_start=1791
-  _globals['_RANKRESULT']._serialized_end=1948
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=1950
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=1971
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1973
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2093
-  _globals['_DOWNLOADPROGRESS']._serialized_start=2095
-  _globals['_DOWNLOADPROGRESS']._serialized_end=2168
-  _globals['_ADAPTERINFO']._serialized_start=2170
-  _globals['_ADAPTERINFO']._serialized_end=2264
-  _globals['_FORWARDREQUEST']._serialized_start=2266
-  _globals['_FORWARDREQUEST']._serialized_end=2325
-  _globals['_SEQUENCE']._serialized_start=2327
-  _globals['_SEQUENCE']._serialized_end=2373
-  _globals['_FORWARDRESPONSE']._serialized_start=2375
-  _globals['_FORWARDRESPONSE']._serialized_end=2430
-  _globals['_LOGITS']._serialized_start=2432
-  _globals['_LOGITS']._serialized_end=2502
-  _globals['_GENERATEREQUEST']._serialized_start=2505
-  _globals['_GENERATEREQUEST']._serialized_end=2766
-  _globals['_TOPLOGPROB']._serialized_start=2768
-  _globals['_TOPLOGPROB']._serialized_end=2815
-  _globals['_USAGE']._serialized_start=2817
-  _globals['_USAGE']._serialized_end=2874
-  _globals['_GENERATERESPONSE']._serialized_start=2877
-  _globals['_GENERATERESPONSE']._serialized_end=3112
-  _globals['_NODEAGENT']._serialized_start=3212
-  _globals['_NODEAGENT']._serialized_end=3885
+  _globals['_LOADADAPTERSRESPONSE']._serialized_end=1511
+  _globals['_LOADADAPTEROUTCOME']._serialized_start=1513
+  _globals['_LOADADAPTEROUTCOME']._serialized_end=1636
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1638
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1674
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1677
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1813
+  _globals['_RANKRESULT']._serialized_start=1816
+  _globals['_RANKRESULT']._serialized_end=1973
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=1975
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=1996
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=1998
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2118
+  _globals['_DOWNLOADPROGRESS']._serialized_start=2120
+  _globals['_DOWNLOADPROGRESS']._serialized_end=2193
+  _globals['_ADAPTERINFO']._serialized_start=2195
+  _globals['_ADAPTERINFO']._serialized_end=2289
+  _globals['_FORWARDREQUEST']._serialized_start=2291
+  _globals['_FORWARDREQUEST']._serialized_end=2350
+  _globals['_SEQUENCE']._serialized_start=2352
+  _globals['_SEQUENCE']._serialized_end=2398
+  _globals['_FORWARDRESPONSE']._serialized_start=2400
+  _globals['_FORWARDRESPONSE']._serialized_end=2455
+  _globals['_LOGITS']._serialized_start=2457
+  _globals['_LOGITS']._serialized_end=2527
+  _globals['_GENERATEREQUEST']._serialized_start=2530
+  _globals['_GENERATEREQUEST']._serialized_end=2791
+  _globals['_TOPLOGPROB']._serialized_start=2793
+  _globals['_TOPLOGPROB']._serialized_end=2840
+  _globals['_USAGE']._serialized_start=2842
+  _globals['_USAGE']._serialized_end=2899
+  _globals['_GENERATERESPONSE']._serialized_start=2902
+  _globals['_GENERATERESPONSE']._serialized_end=3137
+  _globals['_NODEAGENT']._serialized_start=3237
+  _globals['_NODEAGENT']._serialized_end=3910
 # @@protoc_insertion_point(module_scope)

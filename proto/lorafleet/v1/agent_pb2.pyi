@@ -163,10 +163,12 @@ class LoadAdaptersRequest(_message.Message):
     def __init__(self, loads: _Optional[_Iterable[_Union[LoadAdapterRequest, _Mapping]]] = ...) -> None: ...
 
 class LoadAdaptersResponse(_message.Message):
-    __slots__ = ("outcomes",)
+    __slots__ = ("outcomes", "loaded_adapters")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[LoadAdapterOutcome]
-    def __init__(self, outcomes: _Optional[_Iterable[_Union[LoadAdapterOutcome, _Mapping]]] = ...) -> None: ...
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[LoadAdapterOutcome, _Mapping]]] = ..., loaded_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadAdapterOutcome(_message.Message):
     __slots__ = ("code", "error_message", "reason", "reply")
