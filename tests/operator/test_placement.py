@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -191,6 +192,28 @@ def test_reservations_count_loads_until_a_later_listing_has_them() -> None:
     book.reserve("ep", "m")
     book.finished("ep", "m", 12.0, loaded=False)
     assert book.held("ep", ()) == set()
+
+
+def test_what_reservations_hold_counts_each_name_once_as_listings_and_books_change() -> None:
+    """The size placement reads is kept as loads are reserved, end and are listed (not counted
+    anew at every placement): after any sequence it is the size of listing and loads together."""
+    rng = random.Random(7)
+    book, names = Reservations(), [f"n{i}" for i in range(12)]
+    listings = [frozenset(rng.sample(names, k)) for k in (0, 3, 6, 9)]
+    listing, clock = listings[0], 0.0
+    for _ in range(2000):
+        clock += 1.0
+        step, name = rng.randrange(5), rng.choice(names)
+        if step == 0:
+            book.reserve("ep", name)
+        elif step in (1, 2):
+            book.finished("ep", name, clock, loaded=step == 1)
+        elif step == 3:
+            book.listed("ep", requested_at=clock - rng.randrange(4))
+        else:
+            listing = rng.choice(listings)
+        held = book.held("ep", listing)
+        assert len(held) == len(set(held)) == len(listing | set(book.loads.get("ep", {})))
 
 
 # ---- bounded status ---------------------------------------------------------------------
