@@ -64,6 +64,7 @@ class Registry:
         self._idle = threading.Condition(self._lock)
         self._routable: dict[str, AdapterEntry] = {}  # public name -> current version
         self._held: dict[str, AdapterEntry] = {}  # engine name -> version the engine holds
+        self._public_of: dict[str, str] = {}  # engine name -> public name, for `_held`'s versions
         self._retiring: set[str] = set()  # public names being unloaded (refused with a clear message)
         self._leases: Counter[str] = Counter()  # engine name -> running requests
         self._revoked: set[str] = set()  # engine names unloaded while still leased
@@ -110,15 +111,15 @@ class Registry:
     def public_name(self, engine_name: str) -> str:
         """The public name of an engine name (itself if the registry does not know it)."""
         with self._lock:
-            entry = self._held.get(engine_name)
-        return entry.name if entry else engine_name
+            return self._public_of.get(engine_name, engine_name)
 
     def public_names(self, engine_names: Iterable[str]) -> tuple[str, ...]:
         """`public_name` of each engine name, in order, each public name once (two versions of
-        one adapter are one name), under one lock: a rank's holdings can be a thousand names."""
+        one adapter are one name), under one lock. Every load and unload reply maps all a rank
+        holds, a thousand names at a time: one dict lookup each, with no Python frame."""
+        names = tuple(engine_names)
         with self._lock:
-            held = self._held
-            return tuple(dict.fromkeys([entry.name if (entry := held.get(name)) else name for name in engine_names]))
+            return tuple(dict.fromkeys(map(self._public_of.get, names, names)))
 
     def publish(self, entry: AdapterEntry) -> AdapterEntry | None:
         """Route `entry.name` to `entry` from now on; returns the version it replaces, if any."""
@@ -126,6 +127,7 @@ class Registry:
             previous = self._routable.get(entry.name)
             self._routable[entry.name] = entry
             self._held[entry.engine_name] = entry
+            self._public_of[entry.engine_name] = entry.name
             return previous
 
     def update(self, entry: AdapterEntry) -> None:
@@ -149,6 +151,7 @@ class Registry:
         """The engine no longer holds `entry`; requests still leasing it are revoked."""
         with self._lock:
             self._held.pop(entry.engine_name, None)
+            self._public_of.pop(entry.engine_name, None)
             if entry.name not in self._routable:
                 self._retiring.discard(entry.name)
             if self._leases[entry.engine_name]:
