@@ -46,10 +46,13 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.tensors = 0  # returned by those ops (an `unbind` returns one per row)
 
     def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        self.tensors += len(result) if isinstance(result, (tuple, list)) else 1
+        return result
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +71,26 @@ def context(model: CausalLM, kv: PagedKVCache, tokens: int, position: int, slot:
     return ForwardContext([tokens], 0, 0, lora, lora, cos, sin, attention, torch.tensor([tokens - 1]))
 
 
-def test_one_decode_step_stays_within_its_op_budget(model_dir: Path) -> None:
+def build(model_dir: Path) -> tuple[CausalLM, PagedKVCache]:
+    """The tiny model at tp 1, every module targeted by adapters in slots 1 and 2, and a KV cache."""
     cfg = ModelConfig.from_dir(model_dir)
     topology, cpu = Topology(1, 1), torch.device("cpu")
     groups = ProcessGroups(dict.fromkeys(ShardGroup))
     model = CausalLM(cfg, topology, 0, groups, LoraCapacity(16, 4, False), torch.float32, cpu)
     model.load_base(Checkpoint(model_dir))
     gen = torch.Generator().manual_seed(0)
-    modules = model.lora_modules()
-    for module in modules.values():  # every module targeted by the adapter in slot 1
-        module.set_slot(1, [SliceWeights(torch.randn(a, generator=gen), torch.randn(b, generator=gen), 0.5)
-                            for a, b in module.slot_shapes()])
-    for module in modules.values():  # on the CPU each slot's B is column-major (docs/kernels.md)
+    for module in model.lora_modules().values():
+        for slot in (1, 2):
+            module.set_slot(slot, [SliceWeights(torch.randn(a, generator=gen), torch.randn(b, generator=gen), 0.5)
+                                   for a, b in module.slot_shapes()])
+    return model, PagedKVCache.from_budget(kv_cache_layout(cfg, topology, 0, BLOCK, torch.float32), 1 << 20, cpu)
+
+
+def test_one_decode_step_stays_within_its_op_budget(model_dir: Path) -> None:
+    model, kv = build(model_dir)
+    for module in model.lora_modules().values():  # on the CPU each slot's B is column-major (docs/kernels.md)
         for stack in getattr(module, "b_stacks", []):
             assert stack[1].stride() == (1, stack.shape[1]), "B of a slot should be held transposed"
-    kv = PagedKVCache.from_budget(kv_cache_layout(cfg, topology, 0, BLOCK, torch.float32), 1 << 20, cpu)
     prompt = torch.arange(1, 7)
     model(prompt, context(model, kv, len(prompt), 0, 1))
     row = SequenceSampling(SamplingParams(), seed=0, index=0)
@@ -94,3 +102,33 @@ def test_one_decode_step_stays_within_its_op_budget(model_dir: Path) -> None:
     assert total <= OPS_BUDGET, f"{total} ops in one decode step, budget {OPS_BUDGET}: {counter.ops.most_common(12)}"
     # A lone sequence on consecutive blocks (this one's: 0, 1) attends through a view of them.
     assert counter.ops["aten.index_select.default"] == 0, "the decode gathered a context it could view"
+
+
+def prefill_context(model: CausalLM, kv: PagedKVCache, length: int, slots: tuple[int, ...]) -> ForwardContext:
+    """Whole prompts of `length` tokens, one per adapter slot of `slots`, in one step: each
+    sequence on its own consecutive blocks, the last row of each sampling."""
+    count, per_seq = len(slots), -(-length // BLOCK)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(count)]
+    cos, sin = model.rope_tables([p for _ in slots for p in range(length)])
+    lora = LoraBatch.from_token_slots(torch.tensor([s for s in slots for _ in range(length)]))
+    kv_slots = torch.tensor([table[0] * BLOCK + p for table in tables for p in range(length)])
+    attention = AttentionBatch(kv, kv_slots, block_table_tensor(tables, torch.device("cpu")), [length] * count,
+                               [length] * count)
+    return ForwardContext([length * count], 0, 0, lora, lora, cos, sin, attention,
+                          torch.tensor([(i + 1) * length - 1 for i in range(count)]))
+
+
+def test_a_prefill_dispatches_as_many_ops_for_long_prompts_as_for_short(model_dir: Path) -> None:
+    """Nothing in a prefill step runs per row or per prompt: prompts of equal length share each
+    attention call, and the LoRA pass takes each adapter's rows as one slice. (It once unbound
+    every row of every module's input and output, one op making 8,000 views for 8 prompts of
+    32, and ran attention prompt by prompt.) Counted: ops, and the tensors they return."""
+    model, kv = build(model_dir)
+
+    def ops(length: int, slots: tuple[int, ...]) -> tuple[int, int]:
+        counter = OpCounter()
+        with counter:
+            model(torch.arange(1, len(slots) * length + 1) % 200, prefill_context(model, kv, length, slots))
+        return sum(counter.ops.values()), counter.tensors
+
+    assert ops(24, (1, 1, 2, 2)) == ops(6, (1, 2))

@@ -10,11 +10,14 @@ ragged lengths.
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from node_agent.engine.kernels import paged_attention, paged_attention_triton
 from node_agent.engine.kv_cache import BlockAllocator, KVCacheLayout, PagedKVCache
@@ -111,6 +114,37 @@ def test_prefill_matches_dense_causal(block_size: int, group: int) -> None:
     rows = out.split(query_lens)
     for index, n in enumerate(query_lens):
         torch.testing.assert_close(rows[index].double(), problem.reference(index)[-n:], **FP32_TOL)
+
+
+def test_prefill_of_equal_lengths_is_one_attention_call_with_the_same_result() -> None:
+    """Consecutive sequences with the same new and context lengths (a batch of equal prompts)
+    share one SDPA call, and each gets exactly what a call of its own gives (bit for bit)."""
+    lengths = [16, 16, 16, 9, 20, 20]
+    query_lens = [16, 16, 16, 9, 4, 4]  # three whole prompts, one more, two chunks after a cache
+    problem = make_problem(lengths, block_size=8, group=2)
+    q = torch.cat([qs[-n:] for qs, n in zip(problem.q, query_lens, strict=True)])
+    counter = OpCounter()
+    with counter:
+        out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables,
+                                      query_lens, lengths, SCALE)
+    assert counter.ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 3  # runs of 3, 1 and 2
+    for index, (rows, n) in enumerate(zip(out.split(query_lens), query_lens, strict=True)):
+        alone = paged_attention.prefill(problem.q[index][-n:], problem.cache.key(1), problem.cache.value(1),
+                                        problem.block_tables[index : index + 1], [n], [lengths[index]], SCALE)
+        assert torch.equal(rows, alone)
+        torch.testing.assert_close(rows.double(), problem.reference(index)[-n:], **FP32_TOL)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("block_size", [8, 16])

@@ -56,38 +56,68 @@ def prefill(
     Sequence `i` owns the next `query_lens[i]` rows of `q`; they are its last tokens, at
     positions `context_lens[i] - query_lens[i] ...`, and each attends to every token up to its
     own position (so a chunk of a chunked prefill sees all earlier chunks). Returns `q`'s shape.
+
+    Consecutive sequences with the same new and context lengths (the prompts of equal length
+    that a batch of requests starts with) share one gather and one SDPA call, each sequence a
+    batch entry: SDPA computes every (sequence, head) on its own, so the result is the same as
+    one call per sequence, for fewer ops (a 256-row prefill of 8 prompts: 4 calls, not 32).
     """
     check_inputs(q, key_cache, value_cache, block_tables)
     if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0]:
         raise ValueError(f"query_lens {list(query_lens)} must cover q's {q.shape[0]} rows, one per context length")
-    out = torch.empty_like(q)
-    start = 0
     for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
         if not 0 <= new <= total:
             raise ValueError(f"sequence {index}: {new} new tokens but a context of {total}")
-        if new == 0:
-            continue
-        k = gather_kv(key_cache, block_tables[index], total)
-        v = gather_kv(value_cache, block_tables[index], total)
-        out[start : start + new] = _causal(q[start : start + new], k, v, scale)
-        start += new
+    out = torch.empty_like(q)
+    start = 0
+    for first, count in equal_runs(query_lens, context_lens):
+        new, total = query_lens[first], context_lens[first]
+        rows = new * count
+        if new:
+            k = gather_many(key_cache, block_tables[first : first + count], total)
+            v = gather_many(value_cache, block_tables[first : first + count], total)
+            out[start : start + rows] = _causal(q[start : start + rows].view(count, new, *q.shape[1:]), k, v, scale).flatten(0, 1)
+        start += rows
     return out
 
 
+def equal_runs(query_lens: Sequence[int], context_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """(first sequence, count) of each run of consecutive sequences with equal new and context lengths."""
+    runs: list[tuple[int, int]] = []
+    for index, lengths in enumerate(zip(query_lens, context_lens, strict=True)):
+        if runs and (query_lens[runs[-1][0]], context_lens[runs[-1][0]]) == lengths:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((index, 1))
+    return runs
+
+
+def gather_many(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of each sequence of `block_tables` (every row at least that
+    long), `[num_seqs, length, kv_heads, head_dim]`, by one `index_select` of their blocks."""
+    block_size = cache.shape[1]
+    used = -(-length // block_size)
+    blocks = cache.index_select(0, block_tables[:, :used].reshape(-1))
+    return blocks.view(block_tables.shape[0], used * block_size, *cache.shape[2:])[:, :length]
+
+
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence's `new` query rows (its last tokens) over its `total` keys, in fp32, as `q`'s dtype.
+    """Sequences' `new` query rows (their last tokens) over their `total` keys, in fp32, as `q`'s
+    dtype: `q` `[seqs, new, heads, dk]`, `k` `[seqs, total, kv_heads, dk]`, `v` `[seqs, total,
+    kv_heads, dv]`; returns `[seqs, new, heads, dv]`.
 
     Bottom-right aligned causal mask: query r sits at position total - new + r. (SDPA's is_causal
     aligns top-left, which is only right when nothing is cached.)
     """
-    new, total = q.shape[0], k.shape[0]
+    new, total = q.shape[1], k.shape[1]
     positions = torch.arange(total - new, total, device=q.device)
     mask = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
     attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask, scale=scale,
+        _fp32(q.transpose(1, 2)), _fp32(k.transpose(1, 2)), _fp32(v.transpose(1, 2)), attn_mask=mask, scale=scale,
         enable_gqa=True,
     )
-    return attended.transpose(0, 1).to(q.dtype)
+    out = attended.transpose(1, 2)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: Sequence[int]) -> torch.Tensor:
@@ -115,8 +145,8 @@ def prefill_gathered(
     for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
         if not 0 < new <= total:
             raise ValueError(f"sequence {index}: {new} new tokens but a context of {total}")
-        out[start : start + new] = _causal(q[start : start + new], keys[first : first + total],
-                                           values[first : first + total], scale)
+        out[start : start + new] = _causal(q[None, start : start + new], keys[None, first : first + total],
+                                           values[None, first : first + total], scale)[0]
         start, first = start + new, first + total
     return out
 

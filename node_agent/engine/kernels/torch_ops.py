@@ -140,8 +140,10 @@ def add_fp32(
     factors = scales.tolist()  # one read of every slot's scales: factors[slice][slot]
     widths = [b.shape[0] for b in b_slots[0]]
     ranks = [b.shape[1] for b in b_slots[0]]
-    # Rows of x and out as views made by one op each, when several one-row runs need them.
-    x_rows, out_rows = (x.unbind(0), out.unbind(0)) if len(runs) > 1 else (x, out)
+    # Rows of x and out as views made by one op each when every row is a one-row run (a decode
+    # batch). A prefill's runs take row slices instead: unbinding its hundreds of rows per module
+    # cost more than its LoRA products (8,000 views in a 256-row prefill over 8 adapters).
+    x_rows, out_rows = (x.unbind(0), out.unbind(0)) if 1 < len(runs) == x.shape[0] else (x, out)
     # Shrink every run, then expand slice by slice: runs come in ascending slot order, so each
     # stack (A, then each slice's B) is read front to back, one stream for the prefetcher
     # instead of a jump between stacks per slot. (`split_with_sizes`: the C++ method, not the
