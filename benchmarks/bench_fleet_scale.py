@@ -25,12 +25,21 @@ calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from
 may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
 for 1,000 adapters x 64 agents whatever the replicas); and per case the requests per adapter by
 verb and resource (applying, deleting) and the CPU seconds of the operator, the simulator, the
-API server and etcd over apply and deletion. ``--unset-only``, ``--placed-only`` and ``--fleets``
-pick cases. Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB, status ≤ 256 KiB, no hot loop.
+API server and etcd over apply and deletion, how long the apply command itself took (the last
+adapter cannot be Ready before its object exists) and kubectl's CPU for it. ``--unset-only``,
+``--placed-only`` and ``--fleets`` pick cases. Targets: all Ready ≤ 60 s, operator RSS ≤ 500 MiB,
+status ≤ 256 KiB, no hot loop.
 
-Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]`.
-On a shared, noisy 2-core machine the simulator, etcd, the API server and the operator share two
-cores: read the figures as an upper bound of what the operator needs.
+The apply is ``kubectl apply`` (client-side: a GET and a POST per object, one object at a time)
+unless ``--server-side`` (one PATCH per object); ``--go-gc`` sets GOGC for etcd and
+kube-apiserver. Both change only the benchmark's own environment, not the operator: with two
+cores, kubectl's request-by-request apply and the API server's garbage collection take time and
+CPU from what is measured (docs/operator.md, "2026-12-05, later").
+
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]
+[--server-side] [--go-gc PERCENT]`. On a shared, noisy 2-core machine the simulator, etcd, the API
+server and the operator share two cores: read the figures as an upper bound of what the
+operator needs.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import json
 import logging
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -71,6 +81,12 @@ SETTLED = ("Ready", "Degraded", "Failed")
 LOAD_METHODS = ("LoadAdapter", "LoadAdapters")
 
 
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended (the kubectl commands)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 @dataclass(frozen=True)
 class CaseResult:
     """What one case measured."""
@@ -95,12 +111,15 @@ class CaseResult:
     #: CPU seconds of the operator, the simulated agents, the API server and etcd over the
     #: apply and the deletion together.
     cpu_all_s: dict[str, float]
-    #: The same from the apply until settled: what bounds "all Ready" on a machine whose cores
-    #: all four processes share.
+    #: The same from the apply until settled, and kubectl's for the apply ("kubectl apply"): what
+    #: bounds "all Ready" on a machine whose cores they all share.
     cpu_applying_s: dict[str, float]
     #: The operator's load calls while applying, by method (LoadAdapter: one load each;
     #: LoadAdapters: the loads waiting for one agent together).
     load_calls: dict[str, int]
+    #: How long the apply command itself took (kubectl creating the 1,000 objects): the last
+    #: adapter cannot be Ready before its object exists.
+    apply_s: float
 
 
 def adapter_manifest(name: str, path: Path, replicas: int | None) -> dict[str, object]:
@@ -251,8 +270,10 @@ def _phase(item: dict[str, Any]) -> str:
 class Bench:
     """The control plane, the operator and a simulated fleet, and the cases run on them."""
 
-    def __init__(self, root: Path, cluster: ControlPlane, agents: int, adapters: dict[str, Path]) -> None:
+    def __init__(self, root: Path, cluster: ControlPlane, agents: int, adapters: dict[str, Path],
+                 server_side: bool = False) -> None:
         self.root, self.cluster, self.agents, self.adapters = root, cluster, agents, adapters
+        self.server_side = server_side  # apply with `kubectl apply --server-side`
         self.model = write_model(root / "model", SHAPE)
         self.ns = cluster.create_namespace("bench")
         self.fleet: subprocess.Popen[bytes] | None = None
@@ -370,11 +391,15 @@ class Bench:
         cpu_all_before = self.cpu_now()
         cpu_before = cpu_all_before["operator"]
         calls_before = {m: operator_calls(self.metrics_port, m) for m in LOAD_METHODS}
+        kubectl_before = children_cpu_s()
         started = time.perf_counter()
-        self.cluster.apply(manifest, self.ns)
+        self.cluster.apply(manifest, self.ns, *(("--server-side",) if self.server_side else ()))
+        applied = time.perf_counter() - started
+        kubectl_cpu = children_cpu_s() - kubectl_before
         phases = self.wait_settled(failing > 0, started, timeout_s)
         settled = time.perf_counter() - started
         cpu_applying = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
+        cpu_applying["kubectl apply"] = kubectl_cpu
         load_calls = {m: int(operator_calls(self.metrics_port, m) - calls_before[m]) for m in LOAD_METHODS}
         items = self.items()
         largest = max(len(json.dumps(item)) for item in items) / 1024
@@ -400,7 +425,7 @@ class Bench:
         cpu_all = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
         return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
                           peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all,
-                          cpu_applying, load_calls)
+                          cpu_applying, load_calls, applied)
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -429,6 +454,13 @@ def main() -> None:
     parser.add_argument("--unset-only", action="store_true", help="only the replicas-unset cases")
     parser.add_argument("--fleets", choices=("both", "healthy", "failing"), default="both",
                         help="the all-healthy fleet, the one with 10%% of its agents failing, or both in turn")
+    parser.add_argument("--server-side", action="store_true",
+                        help="apply with `kubectl apply --server-side` (one PATCH per object) instead of the "
+                             "client-side apply (a GET and a POST per object, and a last-applied annotation)")
+    parser.add_argument("--go-gc", type=int, default=None, metavar="PERCENT",
+                        help="GOGC of the control plane's etcd and kube-apiserver (default: Go's, 100). They "
+                             "share this machine's cores with the operator and the simulated agents: a larger "
+                             "value trades their memory for CPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     failing = max(1, args.agents // 10)
@@ -439,8 +471,8 @@ def main() -> None:
         root = Path(tmp)
         adapters = {f"a{i:04d}": write_adapter(root / "adapters" / f"a{i:04d}", SHAPE, rank=8, seed=i)
                     for i in range(args.adapters)}
-        cluster = ControlPlane.start(find_bin_dir(CHECKOUT))
-        bench = Bench(root, cluster, args.agents, adapters)
+        cluster = ControlPlane.start(find_bin_dir(CHECKOUT), go_gc=args.go_gc)
+        bench = Bench(root, cluster, args.agents, adapters, args.server_side)
         try:
             cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
@@ -458,7 +490,8 @@ def main() -> None:
             bench.stop_operator()
             bench.stop_fleet()
             cluster.stop()
-    print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane and operator:")
+    print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane "
+          f"(GOGC {args.go_gc or 'default'}) and operator:")
     print(f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
           f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}{'unloads':>9}  phases")
     for r in results:
@@ -467,7 +500,8 @@ def main() -> None:
               f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}"
               f"{r.unloads:>9}  {r.phases}")
     for r in results:
-        print(f"\n{r.name}: CPU s applying (until settled): "
+        print(f"\n{r.name}: the apply command took {r.apply_s:.1f} s ({'server' if args.server_side else 'client'}-side)")
+        print("  CPU s applying (until settled): "
               + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_applying_s.items()))
         print("  CPU s over apply and deletion: " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_all_s.items()))
         print("  load calls applying: " + ", ".join(f"{k} {v}" for k, v in r.load_calls.items()))

@@ -104,6 +104,9 @@ class ControlPlane(StandInKubelet):
     #: The address kube-apiserver listens on and advertises: 127.0.0.1, or the machine's own
     #: address when pods of a real node must reach it (``start(node_ip=...)``).
     advertise_ip: str = "127.0.0.1"
+    #: GOGC of etcd and kube-apiserver (None: Go's default, 100). A benchmark that shares a
+    #: small machine's cores with them may trade their memory for CPU (``start(go_gc=...)``).
+    go_gc: int | None = None
     _procs: list[ChildProcess] = field(default_factory=list, repr=False)
     _keep_work_dir: bool = field(default=False, repr=False)
 
@@ -118,6 +121,7 @@ class ControlPlane(StandInKubelet):
         ready_timeout_s: float = 180.0,
         attempts: int = 3,
         node_ip: str | None = None,
+        go_gc: int | None = None,
     ) -> ControlPlane:
         """Start a fresh cluster on free loopback ports; retries when a port was taken meanwhile.
 
@@ -126,7 +130,8 @@ class ControlPlane(StandInKubelet):
         without it the ServiceAccount admission plugin is disabled instead. ``node_ip`` (the
         machine's own address, for a real node: :mod:`lorafleet_dev.node`) makes the API server
         listen and advertise there, with that address in its certificate, the ``kubernetes``
-        Endpoints maintained, and the workload controllers running too.
+        Endpoints maintained, and the workload controllers running too. ``go_gc`` sets GOGC
+        for etcd and kube-apiserver (see :attr:`go_gc`).
         """
         last: HarnessError | None = None
         for attempt in range(1, attempts + 1):
@@ -137,6 +142,7 @@ class ControlPlane(StandInKubelet):
             cluster = cls._new(bin_dir, work_dir, with_controller_manager)
             if node_ip:
                 cluster.advertise_ip = node_ip
+            cluster.go_gc = go_gc
             try:
                 cluster._boot(ready_timeout_s)
                 return cluster
@@ -194,7 +200,7 @@ class ControlPlane(StandInKubelet):
             # Test data is disposable: skip fsync, it is the slowest part of etcd on a busy disk.
             "--unsafe-no-fsync",
             "--log-level=warn",
-        ], logs)
+        ], logs, self._go_env())
         self._procs.append(proc)
 
         def healthy() -> bool:
@@ -240,10 +246,14 @@ class ControlPlane(StandInKubelet):
         if not self.with_controller_manager:
             # Pods would wait for a "default" ServiceAccount that only a controller creates.
             argv.append("--disable-admission-plugins=ServiceAccount")
-        proc = ChildProcess.spawn("kube-apiserver", argv, logs)
+        proc = ChildProcess.spawn("kube-apiserver", argv, logs, self._go_env())
         self._procs.append(proc)
         self._write_kubeconfig()
         proc.wait_until("kube-apiserver /readyz", self._apiserver_ready, timeout_s, 0.5)
+
+    def _go_env(self) -> dict[str, str] | None:
+        """The environment of etcd and kube-apiserver: ours, with :attr:`go_gc` if set."""
+        return None if self.go_gc is None else {**os.environ, "GOGC": str(self.go_gc)}
 
     def _apiserver_ready(self) -> bool:
         status, _ = self.request("GET", "/readyz")
@@ -301,7 +311,7 @@ class ControlPlane(StandInKubelet):
         old = self._procs[index]
         old.stop()
         time.sleep(downtime_s)
-        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent)
+        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent, old.env)
         self._procs[index] = new
         new.wait_until("kube-apiserver /readyz after restart", self._apiserver_ready,
                        ready_timeout_s, 0.5)
@@ -314,7 +324,7 @@ class ControlPlane(StandInKubelet):
         old = self._procs[index]
         old.stop()
         time.sleep(downtime_s)
-        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent)
+        new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent, old.env)
         self._procs[index] = new
         new.wait_until("kube-apiserver /readyz after the etcd restart", self._apiserver_ready,
                        ready_timeout_s, 0.5)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -39,7 +39,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def popen_dying_with_parent(
-    argv: Sequence[str], log_path: Path, *, new_session: bool = False
+    argv: Sequence[str], log_path: Path, *, new_session: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` with its output appended to ``log_path``; it gets SIGTERM when we die.
 
@@ -49,13 +50,13 @@ def popen_dying_with_parent(
     while the parent runs threads (gRPC's, for one). The signal fires when the *thread* that
     started the child ends: start servers from the main thread (as pytest fixtures and the demo
     do). ``new_session`` puts the child in a process group of its own, so one signal reaches its
-    children too.
+    children too. ``env``: its whole environment (ours when None).
     """
     launcher = [sys.executable, "-m", __name__, str(os.getpid())]
     with log_path.open("ab") as out:
         return subprocess.Popen(
             [*launcher, *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=new_session,
+            start_new_session=new_session, env=env,
         )
 
 
@@ -87,14 +88,17 @@ class ChildProcess:
     popen: subprocess.Popen[bytes]
     log_path: Path
     argv: list[str]
+    env: Mapping[str, str] | None = None
 
     @classmethod
-    def spawn(cls, name: str, argv: Sequence[str], log_dir: Path) -> ChildProcess:
-        """Start one server, its output appended to ``<log_dir>/<name>.log``."""
+    def spawn(cls, name: str, argv: Sequence[str], log_dir: Path,
+              env: Mapping[str, str] | None = None) -> ChildProcess:
+        """Start one server, its output appended to ``<log_dir>/<name>.log`` (``env``: its
+        environment, ours when None)."""
         log_path = log_dir / f"{name}.log"
-        popen = popen_dying_with_parent(argv, log_path)
+        popen = popen_dying_with_parent(argv, log_path, env=env)
         log.info("started %s (pid %d), log %s", name, popen.pid, log_path)
-        return cls(name, popen, log_path, list(argv))
+        return cls(name, popen, log_path, list(argv), env)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of this server's log."""

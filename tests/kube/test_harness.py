@@ -150,14 +150,23 @@ def test_missing_binaries_fail_with_instructions(
         find_bin_dir(CHECKOUT)
 
 
+def _gogc(pid: int) -> str | None:
+    """The GOGC in a process's environment (None when it has none)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOGC=")), None)
+
+
 def test_restart_apiserver_keeps_objects(kube_bin_dir: Path) -> None:
-    """restart_apiserver() (a fault for operator tests) brings the same server back with data."""
-    cluster = ControlPlane.start(kube_bin_dir, with_controller_manager=False)
+    """restart_apiserver() (a fault for operator tests) brings the same server back with data,
+    and with the environment it started with (``go_gc``: GOGC of etcd and kube-apiserver)."""
+    cluster = ControlPlane.start(kube_bin_dir, with_controller_manager=False, go_gc=300)
     try:
         ns = cluster.create_namespace()
         before = cluster.pids
+        assert [_gogc(pid) for pid in before] == ["300", "300"]
         cluster.restart_apiserver(downtime_s=0.5)
         assert cluster.pids != before and len(cluster.pids) == 2
+        assert [_gogc(pid) for pid in cluster.pids] == ["300", "300"]
         assert cluster.kubectl("get", "namespace", ns, "-o", "name").stdout.strip() \
             == f"namespace/{ns}"
     finally:
