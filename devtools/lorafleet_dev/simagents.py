@@ -11,7 +11,9 @@ recorded in the registry and answered exactly as by a real agent. What is simula
   rank, so the operator sees a per-rank failure exactly as from a real engine: the ranks' replies
   are merged failure-first by the real ``merge_control`` and a partial load is rolled back by the
   real driver's rollback. The adapter's files are not parsed or verified by an engine driver
-  (no rank reads them).
+  (no rank reads them). Every reply lists all its rank holds, as a real rank's does; ranks that
+  held the same before a load share one tuple after it, made once per load instead of once per
+  rank (eight tuples of up to a thousand names; about 1.5 of 26 CPU-seconds for 64,000 loads).
 * Sources are read once per process, not once per agent (:class:`SharedSources`): the first
   load of a (URI, sha256) runs the real source check (roots, size caps, no pickle, the private
   copy and its digests) and every simulated agent then loads that one checked copy, which none
@@ -103,13 +105,19 @@ class SimulatedRank:
             case _:
                 return RankReply(*head, True)
 
-    def load(self, name: str, digests: FileDigests | None) -> ControlReply:
+    def load(self, name: str, digests: FileDigests | None, grown: dict[int, tuple[str, ...]]) -> ControlReply:
         """A real rank's reply to a load of `name` whose files the caller verified as `digests`
-        (a real rank reports the digests the driver confirmed)."""
+        (a real rank reports the digests the driver confirmed). `grown` is this load's
+        holdings after it, by the holdings before it (their ``id``, alive for the load): ranks
+        that held the same before share one tuple after, made once, not once per rank (each
+        lists up to a thousand names, eight ranks per load)."""
         error = self._load_error(name)
         if not error:
             self.held[name] = None
-            self.holds = tuple(self.held)
+            after = grown.get(id(self.holds))
+            if after is None:
+                after = grown[id(self.holds)] = (*self.holds, name)
+            self.holds = after
         return ControlReply(self.rank, self.attn_dp_rank, self.attn_tp_rank, not error, error, holds=self.holds,
                             digests=None if error else digests)
 
@@ -153,7 +161,8 @@ class SimulatedEngine(Engine):
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            replies = [rank.load(name, expected) for rank in self._ranks]
+            grown: dict[int, tuple[str, ...]] = {}
+            replies = [rank.load(name, expected, grown) for rank in self._ranks]
             self._record(replies)
             result = merge_control(replies)
             if not result.ok:
