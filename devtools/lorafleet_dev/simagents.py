@@ -72,6 +72,12 @@ FAILING_RANK = 3
 _SOURCE_CHECK = "resolve_source"
 
 
+#: One load's holdings after it, by the tuple held before it: id -> (before, after). Keeping
+#: `before` keeps its id unique for the load; ranks that held the same share one `after`, made
+#: once per load instead of once per rank (up to a thousand names, eight ranks).
+Grown = dict[int, tuple[tuple[str, ...], tuple[str, ...]]]
+
+
 @dataclass
 class SimulatedRank:
     """One rank's pool as far as loads go: the adapters it holds, in load order."""
@@ -105,19 +111,17 @@ class SimulatedRank:
             case _:
                 return RankReply(*head, True)
 
-    def load(self, name: str, digests: FileDigests | None, grown: dict[int, tuple[str, ...]]) -> ControlReply:
+    def load(self, name: str, digests: FileDigests | None, grown: Grown) -> ControlReply:
         """A real rank's reply to a load of `name` whose files the caller verified as `digests`
-        (a real rank reports the digests the driver confirmed). `grown` is this load's
-        holdings after it, by the holdings before it (their ``id``, alive for the load): ranks
-        that held the same before share one tuple after, made once, not once per rank (each
-        lists up to a thousand names, eight ranks per load)."""
+        (a real rank reports the digests the driver confirmed). `grown`: this load's holdings
+        made so far, shared by the ranks that held the same tuple before it."""
         error = self._load_error(name)
         if not error:
             self.held[name] = None
-            after = grown.get(id(self.holds))
-            if after is None:
-                after = grown[id(self.holds)] = (*self.holds, name)
-            self.holds = after
+            made = grown.get(id(self.holds))
+            if made is None or made[0] is not self.holds:
+                made = grown[id(self.holds)] = (self.holds, (*self.holds, name))
+            self.holds = made[1]
         return ControlReply(self.rank, self.attn_dp_rank, self.attn_tp_rank, not error, error, holds=self.holds,
                             digests=None if error else digests)
 
@@ -161,7 +165,7 @@ class SimulatedEngine(Engine):
         with self._lock:
             if name in self.adapters:
                 raise AdapterLoadError(f"adapter {name!r} is already loaded")
-            grown: dict[int, tuple[str, ...]] = {}
+            grown: Grown = {}
             replies = [rank.load(name, expected, grown) for rank in self._ranks]
             self._record(replies)
             result = merge_control(replies)
