@@ -85,9 +85,12 @@ class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
 
     def build(self, *, body: kopf.Body,
               extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
-        """The essence kopf compares (as its own build makes it); extra fields (which may name
-        status fields) take kopf's own path over the whole body."""
-        if extra_fields or not set(body) <= {"apiVersion", "kind", "metadata", "spec", "status"}:
+        """The essence kopf compares (as its own build makes it). Extra fields under ``spec``
+        are in it already (kopf passes ``spec`` itself, the field of the update handler, at
+        every event); others (which may name status fields) take kopf's own path over the
+        whole body."""
+        outside_spec = [f for f in extra_fields or () if _field_path(f)[:1] != ("spec",)]
+        if outside_spec or not set(body) <= {"apiVersion", "kind", "metadata", "spec", "status"}:
             return super().build(body=body, extra_fields=extra_fields)
         meta = body.get("metadata") or {}
         reduced = kopf.RawBody(metadata={})
@@ -98,6 +101,11 @@ class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
         if "spec" in body:
             reduced["spec"] = body["spec"]
         return super().build(body=kopf.Body(reduced))
+
+
+def _field_path(field: kopf.FieldSpec) -> tuple[str, ...]:
+    """A kopf field spec ("spec.x", its parts, or None: no field) as its path."""
+    return tuple(field.split(".")) if isinstance(field, str) else tuple(field or ())
 
 
 @kopf.on.startup()

@@ -64,14 +64,22 @@ def test_the_essence_is_kopfs_own(raw: dict[str, Any]) -> None:
     kopfs = kopf.AnnotationsDiffBaseStorage(prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     body = kopf.Body(copy.deepcopy(raw))
     assert ours.build(body=body) == kopfs.build(body=body)
-    assert ours.build(body=body, extra_fields=["status.phase"]) == \
-        kopfs.build(body=body, extra_fields=["status.phase"])
+    for extra in (["status.phase"], [("spec",)], ["spec.source"], [("spec",), "status.phase"]):
+        assert ours.build(body=body, extra_fields=extra) == kopfs.build(body=body, extra_fields=extra)
 
 
-def test_the_status_is_never_copied() -> None:
-    """Fails with kopf's own storage (the operator's before): it deep-copies the whole body."""
+#: The extra fields kopf passes at every LoraAdapter event: the fields its handlers watch, as
+#: paths (the update handler's ``field="spec"``).
+HANDLER_FIELDS = {("spec",)}
+
+
+@pytest.mark.parametrize("extra_fields", [None, HANDLER_FIELDS], ids=["none", "the-handlers-fields"])
+def test_the_status_is_never_copied(extra_fields: Any) -> None:
+    """Fails with kopf's own storage (the operator's before): it deep-copies the whole body;
+    with the handlers' fields, fails with the operator before 2026-12-05 (any extra field took
+    kopf's path, and kopf passes ``spec`` at every event)."""
     raw = adapter()
     raw["status"]["agents"].append(Copies())
     Copies.count = 0
-    configured().persistence.diffbase_storage.build(body=kopf.Body(raw))
+    configured().persistence.diffbase_storage.build(body=kopf.Body(raw), extra_fields=extra_fields)
     assert Copies.count == 0

@@ -245,6 +245,26 @@ def test_the_crds_caps_are_the_operators() -> None:
     assert fleet["conditions"]["items"]["properties"]["message"]["maxLength"] == MAX_MESSAGE
 
 
+def _lists(schema: dict[str, Any], path: str = "status") -> list[tuple[str, dict[str, Any]]]:
+    """Every array in a schema, by its dotted path."""
+    found = [(path, schema)] if schema.get("type") == "array" else []
+    for name, sub in (schema.get("properties") or {}).items():
+        found += _lists(sub, f"{path}.{name}")
+    return found + (_lists(schema["items"], f"{path}[]") if "items" in schema else [])
+
+
+def test_the_status_lists_are_atomic_but_conditions() -> None:
+    """Only the operator writes status, a whole list at a time: a list keyed per entry (map)
+    would cost an entry per item in managedFields at every write and watch event; conditions
+    keep the Kubernetes convention (a map by type)."""
+    for crd in ("lorafleet.dev_loraadapters.yaml", "lorafleet.dev_lorafleets.yaml"):
+        lists = _lists(_schema(crd)["status"])
+        assert lists, crd
+        for path, schema in lists:
+            expected = "map" if path == "status.conditions" else "atomic"
+            assert schema.get("x-kubernetes-list-type") == expected, (crd, path)
+
+
 def test_a_big_fleets_status_lists_its_members_capped_not_ready_first() -> None:
     """LoraFleet: at most MAX_LISTED_MEMBERS members, those not ready chosen first; the rest
     counted (membersNotListed); agents and readyAgents count every pod."""

@@ -150,6 +150,16 @@ def test_every_status_is_accepted_by_the_api_server(
             assert stored["status"].get(key) == value, key  # None: removed (merge patch)
     table = kube_cluster.kubectl("get", "la", "a", "-n", kube_namespace).stdout
     assert "Terminating" in table
+    # The agents[] list is atomic: the status write's managedFields name the list, not each
+    # listed pod (a keyed list would add an entry per pod to every write and watch event).
+    many = build_status([AgentResult(f"agent-{i}", AgentState.LOADED, 2, 2) for i in range(32)],
+                        generation=1)
+    asyncio.run(kube.patch_adapter_status(kube_namespace, "a", many))
+    stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace,
+                                       "--show-managed-fields", "-o", "json")
+    fields = json.dumps([m["fieldsV1"] for m in stored["metadata"]["managedFields"]
+                         if m.get("subresource") == "status"])
+    assert '"f:agents": {}' in fields and "agent-3" not in fields, fields
 
 
 def test_inconsistent_summary_is_refused_by_the_api_server(
