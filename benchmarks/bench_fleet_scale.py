@@ -6,7 +6,9 @@ endpoints, each the real ``lorafleet.v1.NodeAgent`` server over the real agent, 
 engine driver (validation, command lock, failure-first merge of 8 ranks' replies, rollback), with
 in-process ranks that hold no weights. Only this benchmark uses them. The control plane
 (lorafleet_dev.controlplane) and the ``lorafleet-operator`` process are real; the agents' Pods
-are stand-ins (lorafleet_dev.kubelet) pointing at the simulated endpoints.
+are stand-ins (lorafleet_dev.kubelet) pointing at the simulated endpoints on 127.0.0.1, an
+address the API server refuses in EndpointSlices: each adapter's slice lists no pod here, where a
+real fleet's lists the pods holding it (docs/operator.md says what that leaves out).
 
 Cases: ``replicas`` unset (every agent holds every adapter: 64,000 loads) and ``replicas: 4``;
 each with every agent healthy, then with 10% of the agents (6 of 64) refusing every load on one
