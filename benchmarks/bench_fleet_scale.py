@@ -20,9 +20,10 @@ waiting for one agent go together in one LoadAdapters call, up to LORAFLEET_LOAD
 LoadAdapter carries one), API requests per adapter (the API server's
 ``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object,
 with failing agents the requests per adapter in a further quiet window (a hot loop shows
-there), and the deletion of every adapter that ends the case (one DELETE of the collection):
-seconds until all
-are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
+there), the phases at its end and when every adapter was first Ready, if within it (an
+adapter placed on failing agents first is placed again on others by the next drift check),
+and the deletion of every adapter that ends the case (one DELETE of the collection): seconds
+until all are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
 calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from agents that
 may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
 for 1,000 adapters x 64 agents whatever the replicas); and per case the requests per adapter by
@@ -101,6 +102,11 @@ class CaseResult:
     requests_per_adapter: float
     largest_object_kib: float
     quiet_requests_per_adapter: float | None
+    #: The phases at the end of the quiet window (None without one).
+    quiet_phases: dict[str, int] | None
+    #: Seconds from the apply until every adapter was Ready, watched until the quiet window
+    #: ends (None: not by then).
+    all_ready_s: float | None
     #: Deleting every adapter (one request): seconds until all are gone, the operator's peak
     #: RSS during the deletion alone, and the UnloadAdapter calls it made meanwhile.
     deleted_s: float
@@ -409,12 +415,17 @@ class Bench:
         counts_settled = request_counts(self.cluster)
         requests = (sum(counts_settled.values()) - requests_before - own) / len(self.adapters)
         applying = per_adapter(counts_before, counts_settled, len(self.adapters))
-        quiet = None
+        quiet, quiet_phases = None, None
+        all_ready = settled if phases.get("Ready", 0) == len(self.adapters) else None
         if quiet_s:
             before, polls = sum(request_counts(self.cluster).values()), self.polls + self.watch.requests
-            time.sleep(quiet_s)
+            window_end = time.perf_counter() + quiet_s
+            if all_ready is None:
+                all_ready = self.first_all_ready(started, quiet_s)
+            time.sleep(max(0.0, window_end - time.perf_counter()))
             own_quiet = self.polls + self.watch.requests - polls + 1  # and the metrics read
             quiet = (sum(request_counts(self.cluster).values()) - before - own_quiet) / len(self.adapters)
+            quiet_phases = self.watch.phases()
         cpu_s, peak = process_cpu_s(self.operator.pid) - cpu_before, peak_rss_mib(self.operator.pid)
         reset_peak_rss(self.operator.pid)
         unloads_before = operator_calls(self.metrics_port, "UnloadAdapter")
@@ -425,9 +436,20 @@ class Bench:
         unloads = int(operator_calls(self.metrics_port, "UnloadAdapter") - unloads_before)
         deleting_requests = per_adapter(counts_deleting, request_counts(self.cluster), len(self.adapters))
         cpu_all = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
-        return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, deleted,
+        return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, quiet_phases, all_ready, deleted,
                           peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all,
                           cpu_applying, load_calls, applied)
+
+    def first_all_ready(self, started: float, window_s: float) -> float | None:
+        """Seconds from ``started`` until every adapter is Ready, watched for ``window_s`` at
+        most (None: not within it)."""
+        assert self.watch is not None
+        end = time.perf_counter() + window_s
+        while time.perf_counter() < end:
+            if self.watch.phases().get("Ready", 0) == len(self.adapters):
+                return time.perf_counter() - started
+            time.sleep(POLL_S)
+        return None
 
     def wait_settled(self, failing: bool, started: float, timeout_s: float) -> dict[str, int]:
         while True:
@@ -503,6 +525,9 @@ def main() -> None:
               f"{r.unloads:>9}  {r.phases}")
     for r in results:
         print(f"\n{r.name}: the apply command took {r.apply_s:.1f} s ({'server' if args.server_side else 'client'}-side)")
+        if r.quiet_phases is not None:
+            ready = "not within it" if r.all_ready_s is None else f"at {r.all_ready_s:.1f} s"
+            print(f"  phases at the end of the quiet window: {r.quiet_phases}; all Ready {ready}")
         print("  CPU s applying (until settled): "
               + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_applying_s.items()))
         print("  CPU s over apply and deletion: " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_all_s.items()))

@@ -695,14 +695,27 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
 async def place_and_load(rt: Runtime, view: FleetView,
                          body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
     """Place the adapter (with the fleet's others, oldest first) and load it on every placed
-    agent at once (:func:`load_each`); one result per placed agent. Raises the credential's
-    refusal when no agent serves the adapter (:func:`credential_refusal`)."""
+    agent at once (:func:`load_each`); one result per placed agent. With ``replicas``, the
+    places of agents that refused it go to other agents at once, in a second round (placement
+    keeps a refusing agent only when nothing else fits), not at the next drift check. Raises
+    the credential's refusal when no agent serves the adapter (:func:`credential_refusal`)."""
     registries = await list_registries(rt, view, fresh=False)
     meta = body["metadata"]
-    placement = place_fleet(rt, view, registries, [body], complete=False)[
-        names.agent_name(meta["namespace"], meta["name"])]
+    name = names.agent_name(meta["namespace"], meta["name"])
+    placement = place_fleet(rt, view, registries, [body], complete=False)[name]
     credential = await adapter_credential(rt, view, body)
     results = await load_each(rt, view, placed_targets(view, placement), body, credential)
+    if placement.replicas is not None and any(r.state is AgentState.FAILED for r in results):
+        # Placed where it was just placed (stable), less the agents that refused it.
+        placed = {**body, "status": {**(body.get("status") or {}),
+                                     "placement": {"placed": list(placement.placed)}}}
+        again = place_fleet(rt, view, registries, [placed], complete=False)[name]
+        new = [t for t in placed_targets(view, again) if t.agent.name not in placement.placed]
+        if new:
+            done = {r.pod: r for r in results}
+            done.update((r.pod, r) for r in await load_each(rt, view, new, body, credential))
+            placement = again
+            results = [done[t.agent.name] for t in placed_targets(view, again)]
     refusal = credential_refusal(credential, results)
     if refusal is not None:
         raise refusal

@@ -543,6 +543,45 @@ def test_replicas_changed_on_a_ready_adapter_are_honoured(
              operator)
 
 
+def test_a_refused_place_goes_to_another_agent_in_the_same_reconcile(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+) -> None:
+    """Rank 16, not stated in the spec, one replica: placement picks agent-1 (the least
+    loaded), which refuses it (max_lora_rank 8); the handler gives the place to agent-0 in the
+    same reconcile, so the adapter goes Ready without ever being Failed (no Failed Event).
+    Fails with the operator before 2026-12-05, which moved the place at the next drift check
+    after writing Failed."""
+    (a0, a1), root = small_agents
+    ns = kube_namespace
+    for a in (a0, a1):
+        add_pod(kube_cluster, ns, a)
+    apply(kube_cluster, ns, fleet_manifest())
+
+    def ready(name: str) -> bool:
+        return status(kube_cluster, ns, name).get("phase") == "Ready"
+
+    def reasons() -> list[str]:
+        events = kube_cluster.kubectl_json("get", "events", "-n", ns)["items"]
+        return [e["reason"] for e in events if e["involvedObject"]["name"] == "big"]
+
+    # agent-0 holds one adapter first (ties go by pod name), so agent-1 is the least loaded.
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("first", make_adapter(root / ns, "first")), 1))
+    wait_for(lambda: ready("first"), 90, "first Ready", operator)
+    assert placed(kube_cluster, ns, "first") == ["agent-0"]
+    apply(kube_cluster, ns, with_replicas(
+        adapter_manifest("big", make_adapter(root / ns, "big", rank=16)), 1))
+    wait_for(lambda: ready("big") and "Ready" in reasons(), 90, "big Ready", operator)
+    st = status(kube_cluster, ns, "big")
+    assert placed(kube_cluster, ns, "big") == ["agent-0"]
+    assert [(s["pod"], s["reason"]) for s in st["placement"]["skipped"]] == [("agent-1", "Refused")]
+    assert (set(registry(a0, ns)), registry(a1, ns)) == ({f"{ns}.first", f"{ns}.big"}, {})
+    assert "Failed" not in reasons(), reasons()
+    kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
+    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied",
+             operator)
+
+
 def routed(cluster: ControlPlane, ns: str, adapter: str) -> list[str]:
     """The pods listed by the adapter's EndpointSlices (docs/operator.md, Routing)."""
     slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
