@@ -18,7 +18,8 @@ one watch) until every adapter has settled
 operator's CPU seconds and peak RSS over the case, its load calls while applying (the loads
 waiting for one agent go together in one LoadAdapters call, up to LORAFLEET_LOAD_BATCH;
 LoadAdapter carries one), API requests per adapter (the API server's
-``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object,
+``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object
+as stored (managedFields included),
 with failing agents the requests per adapter in a further quiet window (a hot loop shows
 there), the phases at its end and when every adapter was first Ready, if within it (an
 adapter placed on failing agents first is placed again on others by the next drift check),
@@ -347,8 +348,9 @@ class Bench:
                 self.operator.wait()
 
     def items(self) -> list[dict[str, Any]]:
+        """The adapters as stored (kubectl leaves managedFields out unless asked)."""
         self.polls += 1
-        return list(self.cluster.kubectl_json("get", "la", "-n", self.ns)["items"])
+        return list(self.cluster.kubectl_json("get", "la", "-n", self.ns, "--show-managed-fields")["items"])
 
     def delete_all(self, timeout_s: float) -> None:
         """Delete every adapter with one request (DELETE of the collection), then wait until

@@ -246,7 +246,11 @@ def test_degraded_status_shows_in_columns(
                  "status.conditions[0].reason: Required value", id="condition-reason"),
     pytest.param(ready_status(agents=[{"pod": "a", "state": "Loaded"},
                                       {"pod": "a", "state": "Failed"}]),
-                 "Duplicate value", id="duplicate-agent"),
+                 "status.agents lists a pod more than once", id="duplicate-agent"),
+    pytest.param(ready_status(placement={
+        "placed": ["agent-0", "agent-1"], "placedCount": 2, "skippedCount": 2,
+        "skipped": [{"pod": "agent-2", "reason": "Full"}, {"pod": "agent-2", "reason": "Full"}]}),
+                 "status.placement.skipped lists a pod more than once", id="duplicate-skip"),
 ])
 def test_bad_status_is_refused(
     kube_cluster: ControlPlane, kube_namespace: str, status: dict[str, Any], message: str
@@ -305,6 +309,12 @@ def test_fleet_defaults_and_status(kube_cluster: ControlPlane, kube_namespace: s
     row = kube_cluster.kubectl("get", "lorafleets", "-n", kube_namespace,
                                "--no-headers").stdout.split()
     assert row[:3] == ["f", "1", "1"]
+    twice = {**status, "members": status["members"] * 2}
+    with pytest.raises(KubectlError) as err:
+        kube_cluster.kubectl("patch", "lorafleet", "f", "-n", kube_namespace,
+                             "--subresource=status", "--type=merge", "-p",
+                             json.dumps({"status": twice}))
+    assert "status.members lists a pod more than once" in err.value.stderr
 
 
 @pytest.mark.parametrize(("spec", "message"), [
