@@ -19,12 +19,12 @@ operator's CPU seconds and peak RSS over the case, its load calls while applying
 waiting for one agent go together in one LoadAdapters call, up to LORAFLEET_LOAD_BATCH;
 LoadAdapter carries one), API requests per adapter (the API server's
 ``apiserver_request_total``, less the benchmark's own requests), the largest LoraAdapter object
-as stored (managedFields included),
-with failing agents the requests per adapter in a further quiet window (a hot loop shows
-there), the phases at its end and when every adapter was first Ready, if within it (an
-adapter placed on failing agents first is placed again on others by the next drift check),
-and the deletion of every adapter that ends the case (one DELETE of the collection): seconds
-until all are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
+as stored (managedFields included), with failing agents the requests per adapter in a further
+quiet window (a hot loop shows there), the phases at its end and when every adapter was first
+Ready, if within it (an adapter first placed on agents that refuse it is placed again on
+others: with ``replicas`` by the same reconcile, without by the next drift check), and the
+deletion of every adapter that ends the case (one DELETE of the collection): seconds until all
+are gone, the operator's peak RSS during it alone (its VmHWM reset first) and the UnloadAdapter
 calls it made (its ``lorafleet_agent_calls_total``; a deletion unloads only from agents that
 may hold the adapter: about replicas x adapters, where every agent was asked before, 64,000
 for 1,000 adapters x 64 agents whatever the replicas); and per case the requests per adapter by
