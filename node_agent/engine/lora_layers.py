@@ -103,7 +103,7 @@ def add_lora(
     if not batch.active_slots:
         return  # no token uses an adapter: the delta is zero, and so would every collective's be
     if (not fully_sharded and slot_views is not None
-            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch)):
+            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, a_joined, b_stacks)):
         return  # no collective of its own: the default mode's delta is added before the layer's reduction
     shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
     if fully_sharded and style is ParallelStyle.ROW:
@@ -155,7 +155,7 @@ class LoraLinear(nn.Module):
         out_width, in_width = layout.base_shape
         self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_width, dtype=dtype, device=device), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # `dense.pack` of the weight, once loaded
+        self.packed: dense.Packed | None = None  # `dense.pack` of the weight, once loaded
         # Every slice's A as consecutive row blocks of one tensor, so the CPU path's shrink
         # serves all slices (q, k, v; gate, up) with one product (`torch_ops.shrink`'s `joined`).
         self.a_joined = self._joined_a_stacks(capacity.slots, dtype, device)

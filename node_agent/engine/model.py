@@ -223,7 +223,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, setup: RankSetup, serves_logits: bool) -> None:
         super().__init__()
         self.serves_logits = serves_logits
-        self.packed: torch.Tensor | None = None
+        self.packed: dense.Packed | None = None
         cfg = setup.cfg
         self.span = vocab_span(cfg, setup.topology, setup.rank)
         self.vocab_size = cfg.vocab_size

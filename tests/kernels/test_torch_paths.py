@@ -1,5 +1,5 @@
 """The CPU path's shrink/expand equal a per-token reference, a slot's rows become slices, and
-the base layers' oneDNN matmul equals `F.linear` (node_agent/engine/kernels/torch_ops.py,
+the base layers' matmuls over their packed layouts equal `F.linear` (node_agent/engine/kernels/torch_ops.py,
 batch.py, dense.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from node_agent.engine.kernels import LoraBatch, dense, torch_ops
+from node_agent.engine.kernels import LoraBatch, cpu_kernels, dense, torch_ops
 from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem, random_y
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -70,27 +70,37 @@ def test_a_slots_rows_are_slices_of_its_runs_up_to_a_limit() -> None:
     assert isinstance(rows1, torch.Tensor) and rows1.tolist() == [1, 3, 5, 7, 9]
 
 
-@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(0, 24, 16), (1, 24, 16), (8, 5632, 64), (300, 40, 72)])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(0, 24, 16), (1, 24, 16), (3, 40, 67), (8, 5632, 64), (9, 33, 16), (300, 40, 72)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_with_the_packed_copy_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+def test_linear_with_the_packed_copies_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows + out_features)
     weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
     b = torch.randn(out_features, generator=gen) if bias else None
     # A column view: the layers pass slices of wider activations.
     x = torch.randn(rows, in_features + 8, generator=gen)[:, 4 : 4 + in_features]
     packed = dense.pack(weight)
-    assert packed is not None and packed.is_mkldnn and packed.shape == weight.shape
+    assert packed is not None and packed.onednn is not None and packed.onednn.is_mkldnn
+    assert (packed.few_rows is not None) == (cpu_kernels.library() is not None)
     torch.testing.assert_close(dense.linear(x, weight, packed, b), F.linear(x, weight, b), **FP32)
 
 
-def test_one_row_reads_the_plain_weight() -> None:
-    # Several rows go through the packed copy, one row through the plain weight (MKL's GEMV is
-    # faster there): a packed copy of another weight shows which one was read.
+def test_the_row_count_chooses_the_layout() -> None:
+    # Layouts of another weight show which one was read: up to 8 rows the compiled kernel's
+    # (where it serves), more rows oneDNN's, and without the kernel one row the plain weight
+    # (MKL's GEMV is faster there than oneDNN).
     weight, other = torch.randn(6, 4), torch.randn(6, 4)
-    x = torch.randn(1, 4)
-    assert torch.equal(dense.linear(x, weight, dense.pack(other)), F.linear(x, weight))
-    rows = torch.randn(3, 4)
-    torch.testing.assert_close(dense.linear(rows, weight, dense.pack(other)), F.linear(rows, other), **FP32)
+    others = dense.pack(other)
+    assert others is not None
+    few, many = torch.randn(3, 4), torch.randn(9, 4)
+    torch.testing.assert_close(dense.linear(many, weight, others), F.linear(many, other), **FP32)
+    without_kernel = dense.Packed(None, others.onednn)
+    one = torch.randn(1, 4)
+    assert torch.equal(dense.linear(one, weight, without_kernel), F.linear(one, weight))
+    torch.testing.assert_close(dense.linear(few, weight, without_kernel), F.linear(few, other), **FP32)
+    if cpu_kernels.library() is not None:
+        for x in (one, few):
+            torch.testing.assert_close(dense.linear(x, weight, others), F.linear(x, other), **FP32)
 
 
 def test_pack_makes_no_copy_of_other_dtypes() -> None:

@@ -1,36 +1,58 @@
-"""The base layers' dense matmul: on the CPU, several rows go through oneDNN over a copy of the
-weight reordered once at load; one row, and every CUDA matmul, go through `F.linear`.
+"""The base layers' dense matmul. On the CPU, in fp32, each weight is kept in two more layouts
+made once at load: up to 8 rows (a decode step's, one per running sequence) go through the
+compiled kernel's (`cpu_kernels`), more rows through oneDNN's reordered copy, and `F.linear` over
+the plain weight serves whatever neither takes (one row without the kernel, every CUDA matmul).
 
-Why: on the CPU `F.linear` calls MKL, whose GEMM re-packs the whole weight on every call. A
-decode step multiplies a few rows (one per running sequence) by every weight, so that packing is
-most of its work: on the development CPU 8 rows cost about 2.5x one row, where streaming the
-weight once would allow close to 1x. oneDNN over a reordered copy runs 8 rows in about 1.2x the
-time of one, but one row more slowly than MKL's GEMV over the plain weight, so both layouts are
-kept and the row count chooses (docs/kernels.md, "The CPU path"). The copy doubles the CPU
-engine's weight memory; CUDA weights and 16-bit ones get no copy (oneDNN's 16-bit matmul rounds
-differently from `F.linear`).
+Why: a decode step's matmuls are bound by streaming the weight. MKL's GEMV streams it at full
+speed for one row, but `F.linear` for several rows re-packs the whole weight on every call
+(8 rows about 2.7x one row on the development CPU), and oneDNN over its copy runs 8 rows in
+about 1.4x one row's time; the compiled kernel runs 1 to 8 rows in about one row's time
+(docs/kernels.md, "The CPU path"). A prefill's many rows are compute-bound, where oneDNN is at
+its best. The extra layouts triple the CPU engine's fp32 weight memory (without the kernel:
+double); CUDA weights and 16-bit ones get none (oneDNN's 16-bit matmul rounds differently from
+`F.linear`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from node_agent.engine.kernels import cpu_kernels
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's reordered copy of `weight` ([out, in]) for `linear`, for a CPU fp32 weight;
-    None for any other (it needs none)."""
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() == 0
-            or not torch._C._has_mkldnn):
+
+@dataclass(frozen=True)
+class Packed:
+    """A CPU fp32 weight's extra layouts: the compiled kernel's (None where it cannot serve) and
+    oneDNN's (None where torch has no oneDNN)."""
+
+    few_rows: torch.Tensor | None
+    onednn: torch.Tensor | None
+
+
+def pack(weight: torch.Tensor) -> Packed | None:
+    """The extra layouts of `weight` ([out, in]) for `linear`, for a CPU fp32 weight; None for any
+    other (it needs none)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() == 0:
         return None
-    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-    return packed
+    weight = weight.contiguous()
+    few_rows = cpu_kernels.pack(weight) if cpu_kernels.library() is not None else None
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if torch._C._has_mkldnn else None
+    return Packed(few_rows, onednn) if few_rows is not None or onednn is not None else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x · weightᵀ + bias`; `packed` is what `pack` returned for `weight`."""
-    if packed is not None and x.shape[0] > 1:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return out
+    """`x · weightᵀ + bias` for 2-D `x`; `packed` is what `pack` returned for `weight`."""
+    if packed is not None:
+        rows = x.shape[0]
+        lib = cpu_kernels.library()
+        if (packed.few_rows is not None and lib is not None and 0 < rows <= cpu_kernels.MAX_ROWS
+                and x.dtype == torch.float32 and not x.requires_grad):
+            return cpu_kernels.gemm(lib, x, packed.few_rows, weight.shape[0], bias)
+        if packed.onednn is not None and rows > 1:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+            return out
     return F.linear(x, weight, bias)

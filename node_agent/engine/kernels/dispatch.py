@@ -1,8 +1,10 @@
-"""Choose the kernel implementation by device: triton on CUDA, torch elsewhere.
+"""Choose the kernel implementation by device: triton on CUDA, torch elsewhere (on the CPU, a
+decode step's few rows through the compiled kernel, `cpu_kernels`, where it serves).
 
 `LORAFLEET_KERNELS` overrides the choice: `torch` always takes the torch path; `triton` also
 runs CPU tensors through triton, which works only under its interpreter (`TRITON_INTERPRET=1`,
-what the kernel tests use). Unset (or `auto`) means: triton for CUDA tensors, torch otherwise.
+what the kernel tests use). Unset (or `auto`) means: triton for CUDA tensors, the compiled
+kernel or torch otherwise.
 The environment is read per call so tests can flip it; the triton module is imported only when
 first needed, so the CPU path never loads triton.
 """
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from node_agent.engine.kernels import torch_ops
+from node_agent.engine.kernels import cpu_kernels, torch_ops
 from node_agent.engine.kernels.batch import LoraBatch
 
 MODE_ENV = "LORAFLEET_KERNELS"
@@ -45,10 +47,21 @@ def add_fp32(
     b_slots: Sequence[Sequence[torch.Tensor]],
     scales: torch.Tensor,
     batch: LoraBatch,
+    a_joined: torch.Tensor | None = None,
+    b_stacks: Sequence[torch.Tensor] | None = None,
 ) -> bool:
-    """`torch_ops.add_fp32` (shrink and expand in one pass) where the torch path serves `x`;
-    False, having done nothing, where it does not (then call `shrink` and `expand`)."""
-    return not use_triton(x) and torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
+    """Shrink and expand in one pass where the CPU serves `x`: up to `cpu_kernels.MAX_ROWS` rows
+    through the compiled kernel (given the layer's `a_joined` and `b_stacks`, the same buffers
+    as the per-slot views), else `torch_ops.add_fp32`; False, having done nothing, where neither
+    serves (then call `shrink` and `expand`)."""
+    if use_triton(x):
+        return False
+    lib = cpu_kernels.library()
+    if (lib is not None and a_joined is not None and b_stacks is not None and x.shape[0] <= cpu_kernels.MAX_ROWS
+            and os.environ.get(MODE_ENV, "auto").lower() == "auto"
+            and cpu_kernels.add_lora_rows(lib, x, out, a_joined, b_stacks, scales, batch.token_slots)):
+        return True
+    return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
 
 
 def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch,

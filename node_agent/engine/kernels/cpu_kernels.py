@@ -1,0 +1,183 @@
+"""The compiled CPU kernels of a decode step (`cpu_kernels.c`), built at first use: a few rows
+times a weight (`gemm`), and the LoRA delta of a few rows, each with its own slot (`add_lora_rows`).
+
+Why kernels of our own: a CPU decode step multiplies one row per running sequence by every
+weight, so its time is the weight's stream from memory. MKL's matrix-vector product streams a
+weight at that speed for one row; for several rows neither MKL (which packs the weight on
+every call) nor oneDNN (which runs the arithmetic after the stream instead of under it) does,
+so a step of 8 sequences cost 1.5x a step of one (docs/kernels.md, "The CPU path"). `gemm`
+runs 1 to 8 rows in about the time of one. The LoRA delta of 8 rows over 8 adapters in torch
+is about 350 small ops a step (a matrix-vector product per row and slice); `add_lora_rows` is
+one call per layer, which reads each row's A and B once.
+
+Built like triton's launchers: the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`)
+compiles the source once per machine into a cache directory (`$LORAFLEET_CACHE_DIR`, else
+`$XDG_CACHE_HOME/lorafleet`, else `~/.cache/lorafleet`), keyed by the source and flags. Without
+a compiler, on a CPU without AVX-512F, or with `LORAFLEET_CPU_KERNEL=off`, `library()` is None
+and the dense layers keep oneDNN and MKL (the agent image ships no compiler: it serves that way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8  # the most rows `gemm` takes (registers hold 2 x 8 accumulators of 16 columns); `add_lora_rows` serves as many
+MAX_TOTAL_RANK = 4096  # of one layer's slices together, for `add_lora_rows` (its shrink lives on the stack)
+BLOCK = 32  # output columns per packed block
+SWITCH = "LORAFLEET_CPU_KERNEL"
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_COMPILE_TIMEOUT_S = 120
+
+
+class KernelUnavailable(RuntimeError):
+    """Why the compiled kernel cannot serve on this machine."""
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept (see the module's docstring)."""
+    if explicit := os.environ.get("LORAFLEET_CACHE_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lorafleet"
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, loaded once per process; None where it cannot serve (logged once)."""
+    if os.environ.get(SWITCH, "on").lower() in ("off", "0", "false", "no"):
+        log.info("the compiled CPU kernel is off (%s); oneDNN and MKL serve the dense layers", SWITCH)
+        return None
+    try:
+        lib = _load(_build())
+    except KernelUnavailable as error:
+        log.info("the compiled CPU kernel is unavailable (%s); oneDNN and MKL serve the dense layers", error)
+        return None
+    return lib
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [n, k] as the kernel reads it: [ceil(n / 32), k, 32], zero columns past n."""
+    n, k = weight.shape
+    blocks = -(-n // BLOCK)
+    padded = torch.zeros(blocks * BLOCK, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x · weightᵀ + bias` for 1 to MAX_ROWS fp32 rows of `x` [rows, k], `packed` = `pack(weight)`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32)
+    status = lib.lf_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                         None if bias is None else bias.contiguous().data_ptr(),
+                         out.data_ptr(), n, rows, n, k, torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"the compiled CPU kernel takes 1 to {MAX_ROWS} rows, not {rows}")
+    return out
+
+
+def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, a_joined: torch.Tensor,
+                  b_stacks: Sequence[torch.Tensor], scales: torch.Tensor, token_slots: torch.Tensor) -> bool:
+    """Add the LoRA delta of each row of `x` [rows, in] into `out` [rows, Σ widths]: row t with
+    slot s = `token_slots[t]` (−1: none) gets Σ_i `scales[i, s]` · B_i[s] · (A_i[s] · x[t]) in
+    slice i's columns. `a_joined` [slots, Σ ranks, in]: every slice's A as its row block;
+    `b_stacks[i]` [slots, width, rank]: each slot's B column-major (the CPU layout of
+    `lora_layers`). Returns False, having done nothing, for tensors in any other form.
+    """
+    ranks = [b.shape[2] for b in b_stacks]
+    fp32 = (x, out, a_joined, scales, *b_stacks)
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fp32)
+            or x.stride(1) != 1 or out.stride(1) != 1 or not a_joined.is_contiguous() or not scales.is_contiguous()
+            or sum(ranks) != a_joined.shape[1] or a_joined.shape[1] > MAX_TOTAL_RANK
+            or any(b.stride() != (b.shape[1] * b.shape[2], 1, b.shape[1]) for b in b_stacks)):
+        return False
+    widths = [b.shape[1] for b in b_stacks]
+    count = len(b_stacks)
+    slots = token_slots.to(torch.int32).contiguous()
+    status = lib.lf_lora_rows(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], slots.data_ptr(),
+                              a_joined.data_ptr(), a_joined.shape[1], a_joined.shape[2], count,
+                              (ctypes.c_void_p * count)(*(b.data_ptr() for b in b_stacks)),
+                              (ctypes.c_int64 * count)(*widths), (ctypes.c_int64 * count)(*ranks),
+                              scales.data_ptr(), scales.shape[1], torch.get_num_threads())
+    return bool(status == 0)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise KernelUnavailable(f"cannot load {path}: {error}") from error
+    if not lib.lf_supported():
+        raise KernelUnavailable("this CPU has no AVX-512F")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.lf_gemm.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+    lib.lf_gemm.restype = ctypes.c_int
+    lib.lf_lora_rows.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, p, p, p, p, i64, ctypes.c_int]
+    lib.lf_lora_rows.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> Path:
+    """The built library's path, compiling it first if no process has on this machine."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"the kernel is for x86-64, not {platform.machine()}")
+    compiler = _compiler()
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), *(flag.encode() for flag in _FLAGS)])).hexdigest()
+    target = cache_dir() / f"cpu_kernels-{key[:16]}.so"
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Ranks start together: one compiles, the others wait for its file.
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                _compile(compiler, target)
+    except OSError as error:
+        raise KernelUnavailable(f"cannot write {target.parent}: {error}") from error
+    return target
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and (path := shutil.which(name)):
+            return path
+    raise KernelUnavailable("no C compiler ($CC, cc, gcc or clang) on PATH")
+
+
+def _compile(compiler: str, target: Path) -> None:
+    fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", scratch], capture_output=True, text=True,
+                              timeout=_COMPILE_TIMEOUT_S, check=False)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise KernelUnavailable(f"{Path(compiler).name} failed on {_SOURCE.name}: {last}")
+        os.replace(scratch, target)
+        log.info("built the compiled CPU kernel: %s", target)
+    except subprocess.TimeoutExpired as error:
+        raise KernelUnavailable(f"{Path(compiler).name} took over {_COMPILE_TIMEOUT_S} s") from error
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
