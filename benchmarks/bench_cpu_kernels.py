@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import torch
@@ -98,39 +99,49 @@ def bench_base(repeats: int, evict: torch.Tensor, lib: ctypes.CDLL | None) -> No
             f"{own:>12.2f}{own / m['onednn']:>19.2f}x{own / one_row_mkl:>13.2f}x" if own is not None else f"{'-':>12}"))
 
 
+@dataclass
+class LoraModule:
+    """One module's LoRA buffers in both forms, and a decode step's rows for it."""
+
+    a_joined: torch.Tensor
+    b_stacks: list[torch.Tensor]
+    scales: torch.Tensor
+    x: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    out: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+
 def bench_lora(repeats: int, evict: torch.Tensor, lib: ctypes.CDLL | None) -> None:
-    layers = []
-    for inp, widths in lora_modules():
-        a_joined = torch.randn(SLOTS, RANK * len(widths), inp) / inp**0.5
-        b_stacks = [torch.randn(SLOTS, RANK, w).transpose(1, 2) / RANK**0.5 for w in widths]  # column-major, as the layers
-        scales = torch.rand(len(widths), SLOTS) + 0.5
-        views = (tuple(a_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in b_stacks), strict=True)))
-        layers.append((inp, widths, a_joined, b_stacks, scales, views))
-    mb = sum(a.numel() + sum(b.numel() for b in bs) for _, _, a, bs, _, _ in layers) * 4 / 2**20
-    print(f"\n(b) a decode step's LoRA pass, {len(layers)} modules, rank {RANK}, {SLOTS} slots ({mb:.0f} MiB of A and B), median ms")
+    modules = [LoraModule(torch.randn(SLOTS, RANK * len(widths), inp) / inp**0.5,
+                          [torch.randn(SLOTS, RANK, w).transpose(1, 2) / RANK**0.5 for w in widths],  # column-major, as the layers
+                          torch.rand(len(widths), SLOTS) + 0.5)
+               for inp, widths in lora_modules()]
+    buffers = [cpu_kernels.lora_buffers(m.a_joined, m.b_stacks, m.scales) for m in modules]
+    views = [(tuple(m.a_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in m.b_stacks), strict=True))) for m in modules]
+    mb = sum(m.a_joined.numel() + sum(b.numel() for b in m.b_stacks) for m in modules) * 4 / 2**20
+    print(f"\n(b) a decode step's LoRA pass, {len(modules)} modules, rank {RANK}, {SLOTS} slots ({mb:.0f} MiB of A and B), median ms")
     print(f"{'rows':>6}{'torch add_fp32':>18}{'compiled':>12}{'ratio':>10}")
     for rows in (1, 8):
         batch = LoraBatch.from_token_slots(torch.arange(rows, dtype=torch.int32) % SLOTS)
-        xs = [torch.randn(rows, layer[0]) for layer in layers]
-        outs = [torch.zeros(rows, sum(layer[1])) for layer in layers]
+        for m in modules:
+            m.x, m.out = torch.randn(rows, m.a_joined.shape[2]), torch.zeros(rows, sum(b.shape[1] for b in m.b_stacks))
 
-        def in_torch() -> None:
-            for (_, _, _, _, scales, views), x, out in zip(layers, xs, outs, strict=True):
-                torch_ops.add_fp32(x, out, views[0], views[1], scales, batch)
+        def in_torch(batch: LoraBatch = batch) -> None:
+            for m, (a_slots, b_slots) in zip(modules, views, strict=True):
+                torch_ops.add_fp32(m.x, m.out, a_slots, b_slots, m.scales, batch)
 
-        def compiled() -> None:
-            for (_, _, a_joined, b_stacks, scales, _), x, out in zip(layers, xs, outs, strict=True):
-                assert lib is not None
-                cpu_kernels.add_lora_rows(lib, x, out, a_joined, b_stacks, scales, batch.token_slots)
+        def compiled(batch: LoraBatch = batch) -> None:
+            for m, prepared in zip(modules, buffers, strict=True):
+                assert lib is not None and prepared is not None
+                cpu_kernels.add_lora_rows(lib, m.x, m.out, prepared, batch.token_slots)
 
         kinds = {"torch": in_torch, **({"compiled": compiled} if lib is not None else {})}
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for _ in range(repeats):
             for kind, work in kinds.items():
                 times[kind].append(timed(evict, work))
-        m = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
-        own = m.get("compiled")
-        print(f"{rows:>6}{m['torch']:>18.2f}" + (f"{own:>12.2f}{own / m['torch']:>9.2f}x" if own is not None else f"{'-':>12}"))
+        med = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
+        own = med.get("compiled")
+        print(f"{rows:>6}{med['torch']:>18.2f}" + (f"{own:>12.2f}{own / med['torch']:>9.2f}x" if own is not None else f"{'-':>12}"))
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from node_agent.engine import kernels
 from node_agent.engine.checkpoint import Checkpoint
 from node_agent.engine.distributed import all_gather_last_dim, all_reduce
-from node_agent.engine.kernels import dense
+from node_agent.engine.kernels import cpu_kernels, dense
 from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
 
 
@@ -60,10 +60,12 @@ class LoraSlots(Protocol):
 @dataclass(frozen=True)
 class SlotViews:
     """A layer's LoRA buffers as views per slot, made once: `a[s]` slot `s`'s joined A
-    `[Σ rank widths, in]`, `b[s][i]` its B of slice `i` (`kernels.add_fp32`)."""
+    `[Σ rank widths, in]`, `b[s][i]` its B of slice `i`; `compiled` the same buffers as the
+    compiled CPU kernel reads them, None where it cannot (`kernels.add_fp32`)."""
 
     a: tuple[torch.Tensor, ...]
     b: tuple[tuple[torch.Tensor, ...], ...]
+    compiled: cpu_kernels.LoraBuffers | None
 
 
 def fill_slot(a: list[torch.Tensor], b: list[torch.Tensor], scales: torch.Tensor, weights: list[SliceWeights | None]) -> None:
@@ -103,7 +105,7 @@ def add_lora(
     if not batch.active_slots:
         return  # no token uses an adapter: the delta is zero, and so would every collective's be
     if (not fully_sharded and slot_views is not None
-            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, a_joined, b_stacks)):
+            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, slot_views.compiled)):
         return  # no collective of its own: the default mode's delta is added before the layer's reduction
     shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
     if fully_sharded and style is ParallelStyle.ROW:
@@ -165,7 +167,8 @@ class LoraLinear(nn.Module):
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
         # Views of the same memory: what `set_slot` writes, they show.
         self.slot_views = SlotViews(tuple(self.a_joined.unbind(0)),
-                                    tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)))
+                                    tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)),
+                                    cpu_kernels.lora_buffers(self.a_joined, self.b_stacks, self.scales))
 
     def _joined_a_stacks(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`[slots, Σ rank widths, in]`, zeroed: every slice's A stack as its row block. All slices

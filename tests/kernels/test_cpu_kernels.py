@@ -137,25 +137,33 @@ def test_the_lora_rows_equal_the_float64_reference(kernel: ctypes.CDLL, token_sl
     shrunk = torch_ops.shrink(problem.x.double(), [a.double() for a in problem.a_stacks], problem.batch)
     _, want = per_token(problem, shrunk.float(), torch.float64)
     got = problem.out.clone()
-    assert cpu_kernels.add_lora_rows(kernel, problem.x, got, a_joined, column_major(problem.b_stacks),
-                                     problem.scales, problem.batch.token_slots)
+    buffers = cpu_kernels.lora_buffers(a_joined, column_major(problem.b_stacks), problem.scales)
+    assert buffers is not None
+    assert cpu_kernels.add_lora_rows(kernel, problem.x, got, buffers, problem.batch.token_slots)
     torch.testing.assert_close(got.double(), want, **FP32)
     untargeted = problem.batch.token_slots < 0
     assert torch.equal(got[untargeted], problem.out[untargeted]), "a row without an adapter is left as it was"
 
 
 @pytest.mark.parametrize("form", ["row-major-b", "bf16", "ranks-unlike-a"])
-def test_the_lora_rows_decline_other_forms(kernel: ctypes.CDLL, form: str) -> None:
+def test_buffers_in_another_form_are_not_taken(form: str) -> None:
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
     problem = make_problem([0, 1, -1], num_slots=4, dtype=dtype, out_dtype=dtype)
     a_joined = torch.cat(problem.a_stacks, dim=1)
     b_stacks = problem.b_stacks if form == "row-major-b" else column_major(problem.b_stacks)
     if form == "ranks-unlike-a":
         a_joined = a_joined[:, :-1].contiguous()
-    got = problem.out.clone()
-    assert not cpu_kernels.add_lora_rows(kernel, problem.x, got, a_joined, b_stacks, problem.scales,
-                                         problem.batch.token_slots)
-    assert torch.equal(got, problem.out), "nothing written when the kernel declines"
+    assert cpu_kernels.lora_buffers(a_joined, b_stacks, problem.scales) is None
+
+
+def test_rows_in_another_form_are_declined(kernel: ctypes.CDLL) -> None:
+    problem = make_problem([0, 1, -1], num_slots=4)
+    buffers = cpu_kernels.lora_buffers(torch.cat(problem.a_stacks, dim=1), column_major(problem.b_stacks), problem.scales)
+    assert buffers is not None
+    for x, out in ((problem.x.bfloat16(), problem.out.bfloat16()), (problem.x.t().contiguous().t(), problem.out)):
+        got = out.clone()
+        assert not cpu_kernels.add_lora_rows(kernel, x, got, buffers, problem.batch.token_slots)
+        assert torch.equal(got, out), "nothing written when the kernel declines"
 
 
 @pytest.mark.parametrize(("rows", "mode", "compiled"), [(8, "auto", True), (9, "auto", False), (3, "torch", False)])
@@ -171,7 +179,8 @@ def test_a_decode_steps_rows_take_the_compiled_lora_pass(kernel: ctypes.CDLL, mo
     a_slots, b_slots = tuple(views_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in problem.b_stacks), strict=True))
     got = problem.out.clone()
     assert dispatch.add_fp32(problem.x, got, a_slots, b_slots, problem.scales, problem.batch,
-                             torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks))
+                             cpu_kernels.lora_buffers(torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks),
+                                                      problem.scales))
     source = other if compiled else problem
     shrunk = torch_ops.shrink(problem.x, source.a_stacks, problem.batch)
     want = problem.out.clone()

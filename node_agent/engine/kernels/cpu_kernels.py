@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -95,29 +96,51 @@ def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
     return out
 
 
-def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, a_joined: torch.Tensor,
-                  b_stacks: Sequence[torch.Tensor], scales: torch.Tensor, token_slots: torch.Tensor) -> bool:
-    """Add the LoRA delta of each row of `x` [rows, in] into `out` [rows, Σ widths]: row t with
-    slot s = `token_slots[t]` (−1: none) gets Σ_i `scales[i, s]` · B_i[s] · (A_i[s] · x[t]) in
-    slice i's columns. `a_joined` [slots, Σ ranks, in]: every slice's A as its row block;
-    `b_stacks[i]` [slots, width, rank]: each slot's B column-major (the CPU layout of
-    `lora_layers`). Returns False, having done nothing, for tensors in any other form.
-    """
+@dataclass(frozen=True)
+class LoraBuffers:
+    """A layer's LoRA buffers in the form `add_lora_rows` reads, checked once (`lora_buffers`):
+    their pointers stay valid because slots are written in place."""
+
+    a_joined: torch.Tensor  # [slots, Σ ranks, in]: every slice's A as its row block
+    b_stacks: tuple[torch.Tensor, ...]  # [slots, width, rank] each: each slot's B column-major
+    scales: torch.Tensor  # [slices, slots]
+    b_pointers: ctypes.Array[ctypes.c_void_p]
+    widths: ctypes.Array[ctypes.c_int64]
+    ranks: ctypes.Array[ctypes.c_int64]
+
+
+def lora_buffers(a_joined: torch.Tensor, b_stacks: Sequence[torch.Tensor], scales: torch.Tensor) -> LoraBuffers | None:
+    """The layer's buffers for `add_lora_rows`; None where they are not in its form (another
+    dtype or device, a B stack row-major, ranks unlike A's row blocks, a total rank over
+    MAX_TOTAL_RANK)."""
     ranks = [b.shape[2] for b in b_stacks]
-    fp32 = (x, out, a_joined, scales, *b_stacks)
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in fp32)
-            or x.stride(1) != 1 or out.stride(1) != 1 or not a_joined.is_contiguous() or not scales.is_contiguous()
+    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (a_joined, scales, *b_stacks))
+            or not a_joined.is_contiguous() or not scales.is_contiguous()
             or sum(ranks) != a_joined.shape[1] or a_joined.shape[1] > MAX_TOTAL_RANK
             or any(b.stride() != (b.shape[1] * b.shape[2], 1, b.shape[1]) for b in b_stacks)):
-        return False
-    widths = [b.shape[1] for b in b_stacks]
+        return None
     count = len(b_stacks)
-    slots = token_slots.to(torch.int32).contiguous()
+    return LoraBuffers(a_joined, tuple(b_stacks), scales, (ctypes.c_void_p * count)(*(b.data_ptr() for b in b_stacks)),
+                       (ctypes.c_int64 * count)(*(b.shape[1] for b in b_stacks)), (ctypes.c_int64 * count)(*ranks))
+
+
+def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, buffers: LoraBuffers,
+                  token_slots: torch.Tensor) -> bool:
+    """Add the LoRA delta of each row of `x` [rows, in] into `out` [rows, Σ widths]: row t with
+    slot s = `token_slots[t]` (−1: none) gets Σ_i `scales[i, s]` · B_i[s] · (A_i[s] · x[t]) in
+    slice i's columns. Returns False, having done nothing, for `x` or `out` in another form
+    (not fp32 on the CPU with unit column stride).
+    """
+    if (x.dtype != torch.float32 or out.dtype != torch.float32 or x.device.type != "cpu" or out.device.type != "cpu"
+            or x.stride(1) != 1 or out.stride(1) != 1):
+        return False
+    slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else (
+        token_slots.to(torch.int32).contiguous())
+    a = buffers.a_joined
     status = lib.lf_lora_rows(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], slots.data_ptr(),
-                              a_joined.data_ptr(), a_joined.shape[1], a_joined.shape[2], count,
-                              (ctypes.c_void_p * count)(*(b.data_ptr() for b in b_stacks)),
-                              (ctypes.c_int64 * count)(*widths), (ctypes.c_int64 * count)(*ranks),
-                              scales.data_ptr(), scales.shape[1], torch.get_num_threads())
+                              a.data_ptr(), a.shape[1], a.shape[2], len(buffers.b_stacks), buffers.b_pointers,
+                              buffers.widths, buffers.ranks, buffers.scales.data_ptr(), buffers.scales.shape[1],
+                              torch.get_num_threads())
     return bool(status == 0)
 
 

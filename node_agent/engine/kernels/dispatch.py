@@ -47,19 +47,18 @@ def add_fp32(
     b_slots: Sequence[Sequence[torch.Tensor]],
     scales: torch.Tensor,
     batch: LoraBatch,
-    a_joined: torch.Tensor | None = None,
-    b_stacks: Sequence[torch.Tensor] | None = None,
+    compiled: cpu_kernels.LoraBuffers | None = None,
 ) -> bool:
     """Shrink and expand in one pass where the CPU serves `x`: up to `cpu_kernels.MAX_ROWS` rows
-    through the compiled kernel (given the layer's `a_joined` and `b_stacks`, the same buffers
-    as the per-slot views), else `torch_ops.add_fp32`; False, having done nothing, where neither
-    serves (then call `shrink` and `expand`)."""
+    through the compiled kernel (given `compiled`, the layer's buffers behind the same per-slot
+    views), else `torch_ops.add_fp32`; False, having done nothing, where neither serves (then
+    call `shrink` and `expand`)."""
     if use_triton(x):
         return False
     lib = cpu_kernels.library()
-    if (lib is not None and a_joined is not None and b_stacks is not None and x.shape[0] <= cpu_kernels.MAX_ROWS
+    if (lib is not None and compiled is not None and x.shape[0] <= cpu_kernels.MAX_ROWS
             and os.environ.get(MODE_ENV, "auto").lower() == "auto"
-            and cpu_kernels.add_lora_rows(lib, x, out, a_joined, b_stacks, scales, batch.token_slots)):
+            and cpu_kernels.add_lora_rows(lib, x, out, compiled, batch.token_slots)):
         return True
     return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
 
