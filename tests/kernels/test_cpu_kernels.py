@@ -1,7 +1,8 @@
 """The compiled CPU kernels (node_agent/engine/kernels/cpu_kernels.c, .py): the few-row matmul
 equals `F.linear` over row counts, column tails, odd inner sizes, bias and threads; the LoRA
 rows equal a float64 reference and take a decode step's rows; the library is built once into
-the cache directory; without a compiler, or switched off, oneDNN and torch serve."""
+the cache directory; without a compiler, or with LORAFLEET_KERNELS=torch, oneDNN, MKL and torch
+serve."""
 
 from __future__ import annotations
 
@@ -110,11 +111,14 @@ def test_a_failing_compiler_is_reported_in_one_line(fresh_library: Path, monkeyp
     assert list(fresh_library.glob("*.so*")) == []  # no library, half-built or not, left behind
 
 
-@pytest.mark.parametrize("value", ["off", "0"])
-def test_the_switch_turns_the_kernel_off(fresh_library: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    monkeypatch.setenv(cpu_kernels.SWITCH, value)
-    assert cpu_kernels.library() is None
-    assert list(fresh_library.iterdir()) == []  # nothing built
+def test_the_torch_mode_keeps_the_torch_paths(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Layouts of two weights show which one was read: the kernel's copy is of `other`.
+    weight, other, x = torch.randn(24, 16), torch.randn(24, 16), torch.randn(3, 16)
+    mixed = dense.Packed(cpu_kernels.pack(other), torch.ops.mkldnn._reorder_linear_weight(weight, None))
+    torch.testing.assert_close(dense.linear(x, weight, mixed), F.linear(x, other), **FP32)
+    monkeypatch.setenv(dispatch.MODE_ENV, "torch")
+    assert dispatch.compiled_cpu(x) is None
+    torch.testing.assert_close(dense.linear(x, weight, mixed), F.linear(x, weight), **FP32)
 
 
 def column_major(b_stacks: list[torch.Tensor]) -> list[torch.Tensor]:

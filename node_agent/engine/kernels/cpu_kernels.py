@@ -13,8 +13,9 @@ one call per layer, which reads each row's A and B once.
 Built like triton's launchers: the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`)
 compiles the source once per machine into a cache directory (`$LORAFLEET_CACHE_DIR`, else
 `$XDG_CACHE_HOME/lorafleet`, else `~/.cache/lorafleet`), keyed by the source and flags. Without
-a compiler, on a CPU without AVX-512F, or with `LORAFLEET_CPU_KERNEL=off`, `library()` is None
-and the dense layers keep oneDNN and MKL (the agent image ships no compiler: it serves that way).
+a compiler, or on a CPU without AVX-512F, `library()` is None and the engine keeps oneDNN, MKL
+and torch (the agent image ships no compiler: it serves that way); `LORAFLEET_KERNELS=torch`
+keeps them too (`dispatch.compiled_cpu`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 8  # the most rows `gemm` takes (registers hold 2 x 8 accumulators of 16 columns); `add_lora_rows` serves as many
 MAX_TOTAL_RANK = 4096  # of one layer's slices together, for `add_lora_rows` (its shrink lives on the stack)
 BLOCK = 32  # output columns per packed block
-SWITCH = "LORAFLEET_CPU_KERNEL"
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _COMPILE_TIMEOUT_S = 120
@@ -60,14 +60,11 @@ def cache_dir() -> Path:
 
 @cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, loaded once per process; None where it cannot serve (logged once)."""
-    if os.environ.get(SWITCH, "on").lower() in ("off", "0", "false", "no"):
-        log.info("the compiled CPU kernel is off (%s); oneDNN and MKL serve the dense layers", SWITCH)
-        return None
+    """The built kernels, loaded once per process; None where they cannot serve (logged once)."""
     try:
         lib = _load(_build())
     except KernelUnavailable as error:
-        log.info("the compiled CPU kernel is unavailable (%s); oneDNN and MKL serve the dense layers", error)
+        log.info("the compiled CPU kernels are unavailable (%s); oneDNN, MKL and torch serve", error)
         return None
     return lib
 
@@ -198,7 +195,7 @@ def _compile(compiler: str, target: Path) -> None:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise KernelUnavailable(f"{Path(compiler).name} failed on {_SOURCE.name}: {last}")
         os.replace(scratch, target)
-        log.info("built the compiled CPU kernel: %s", target)
+        log.info("built the compiled CPU kernels: %s", target)
     except subprocess.TimeoutExpired as error:
         raise KernelUnavailable(f"{Path(compiler).name} took over {_COMPILE_TIMEOUT_S} s") from error
     finally:

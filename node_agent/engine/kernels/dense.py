@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from node_agent.engine.kernels import cpu_kernels
+from node_agent.engine.kernels import cpu_kernels, dispatch
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
     """`x · weightᵀ + bias` for 2-D `x`; `packed` is what `pack` returned for `weight`."""
     if packed is not None:
         rows = x.shape[0]
-        lib = cpu_kernels.library()
+        lib = dispatch.compiled_cpu(x)
         if (packed.few_rows is not None and lib is not None and 0 < rows <= cpu_kernels.MAX_ROWS
                 and x.dtype == torch.float32 and not x.requires_grad):
             return cpu_kernels.gemm(lib, x, packed.few_rows, weight.shape[0], bias)

@@ -1,7 +1,9 @@
 """Choose the kernel implementation by device: triton on CUDA, torch elsewhere (on the CPU, a
-decode step's few rows through the compiled kernel, `cpu_kernels`, where it serves).
+decode step's few rows through the compiled kernels, `cpu_kernels`, where they serve: its base
+matmuls and its LoRA pass).
 
-`LORAFLEET_KERNELS` overrides the choice: `torch` always takes the torch path; `triton` also
+`LORAFLEET_KERNELS` overrides the choice: `torch` always takes the torch path (and oneDNN and
+MKL for the base matmuls); `triton` also
 runs CPU tensors through triton, which works only under its interpreter (`TRITON_INTERPRET=1`,
 what the kernel tests use). Unset (or `auto`) means: triton for CUDA tensors, the compiled
 kernel or torch otherwise.
@@ -11,6 +13,7 @@ first needed, so the CPU path never loads triton.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Sequence
 
@@ -40,6 +43,14 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
+def compiled_cpu(tensor: torch.Tensor) -> ctypes.CDLL | None:
+    """The compiled CPU kernels for a call on `tensor`, where they serve: a CPU tensor, the mode
+    `auto`, the kernels built (`cpu_kernels.library`)."""
+    if tensor.device.type != "cpu" or os.environ.get(MODE_ENV, "auto").lower() != "auto":
+        return None
+    return cpu_kernels.library()
+
+
 def add_fp32(
     x: torch.Tensor,
     out: torch.Tensor,
@@ -55,9 +66,8 @@ def add_fp32(
     call `shrink` and `expand`)."""
     if use_triton(x):
         return False
-    lib = cpu_kernels.library()
+    lib = compiled_cpu(x)
     if (lib is not None and compiled is not None and x.shape[0] <= cpu_kernels.MAX_ROWS
-            and os.environ.get(MODE_ENV, "auto").lower() == "auto"
             and cpu_kernels.add_lora_rows(lib, x, out, compiled, batch.token_slots)):
         return True
     return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
