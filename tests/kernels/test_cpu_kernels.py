@@ -77,6 +77,17 @@ def test_more_rows_than_the_kernel_takes_is_an_error(kernel: ctypes.CDLL) -> Non
         cpu_kernels.gemm(kernel, torch.randn(9, 16), cpu_kernels.pack(weight), 40)
 
 
+@pytest.mark.parametrize("mismatch", ["inner-size", "columns", "bias"])
+def test_sizes_that_do_not_fit_the_packed_weight_are_an_error(kernel: ctypes.CDLL, mismatch: str) -> None:
+    # The C code reads what the sizes say: a mismatch must stop before it, not read past a buffer.
+    packed = cpu_kernels.pack(torch.randn(40, 16))
+    x = torch.randn(2, 17 if mismatch == "inner-size" else 16)
+    n = 65 if mismatch == "columns" else 40
+    bias = torch.randn(39) if mismatch == "bias" else None
+    with pytest.raises(ValueError, match="do not fit a packed weight"):
+        cpu_kernels.gemm(kernel, x, packed, n, bias)
+
+
 def test_the_kernel_is_built_once_into_the_cache_directory(kernel: ctypes.CDLL, fresh_library: Path) -> None:
     assert cpu_kernels.library() is not None
     (built,) = fresh_library.glob("cpu_kernels-*.so")
@@ -164,9 +175,16 @@ def test_rows_in_another_form_are_declined(kernel: ctypes.CDLL) -> None:
     problem = make_problem([0, 1, -1], num_slots=4)
     buffers = cpu_kernels.lora_buffers(torch.cat(problem.a_stacks, dim=1), column_major(problem.b_stacks), problem.scales)
     assert buffers is not None
-    for x, out in ((problem.x.bfloat16(), problem.out.bfloat16()), (problem.x.t().contiguous().t(), problem.out)):
+    wrong = (
+        (problem.x.bfloat16(), problem.out.bfloat16(), problem.batch.token_slots),  # another dtype
+        (problem.x.t().contiguous().t(), problem.out, problem.batch.token_slots),  # a column-major x
+        (problem.x[:, :-1], problem.out, problem.batch.token_slots),  # narrower than A
+        (problem.x, problem.out[:, :-1], problem.batch.token_slots),  # narrower than the slices
+        (problem.x, problem.out, problem.batch.token_slots[:-1]),  # a slot short
+    )
+    for x, out, token_slots in wrong:
         got = out.clone()
-        assert not cpu_kernels.add_lora_rows(kernel, x, got, buffers, problem.batch.token_slots)
+        assert not cpu_kernels.add_lora_rows(kernel, x, got, buffers, token_slots)
         assert torch.equal(got, out), "nothing written when the kernel declines"
 
 

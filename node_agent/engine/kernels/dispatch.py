@@ -3,12 +3,11 @@ decode step's few rows through the compiled kernels, `cpu_kernels`, where they s
 matmuls and its LoRA pass).
 
 `LORAFLEET_KERNELS` overrides the choice: `torch` always takes the torch path (and oneDNN and
-MKL for the base matmuls); `triton` also
-runs CPU tensors through triton, which works only under its interpreter (`TRITON_INTERPRET=1`,
-what the kernel tests use). Unset (or `auto`) means: triton for CUDA tensors, the compiled
-kernel or torch otherwise.
-The environment is read per call so tests can flip it; the triton module is imported only when
-first needed, so the CPU path never loads triton.
+MKL for the base matmuls); `triton` also runs CPU tensors through triton, which works only under
+its interpreter (`TRITON_INTERPRET=1`, what the kernel tests use). Unset (or `auto`) means:
+triton for CUDA tensors, the compiled kernels or torch otherwise. The environment is read per
+call so tests can flip it; the triton module is imported only when first needed, so the CPU
+path never loads triton.
 """
 
 from __future__ import annotations
