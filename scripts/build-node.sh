@@ -57,9 +57,12 @@ finish() {
 
 # Debian packages the node needs at run time (not cached by us: apt-get is idempotent).
 # runc: the OCI runtime; CNI plugins: bridge, host-local, loopback, portmap; iptables: kube-proxy
-# and the portmap plugin; mmdebstrap: the images' base root filesystem.
+# and the portmap plugin; mmdebstrap: the images' base root filesystem. Beside them, for the
+# suite rather than the node: a C compiler, with which the engine builds its compiled CPU kernels
+# at first use (node_agent/engine/kernels/cpu_kernels.py), so that tests run them, not skip them.
 ensure_packages() {
     local missing=()
+    command -v cc >/dev/null || command -v gcc >/dev/null || missing+=(gcc)
     [ -x /usr/sbin/runc ] || [ -x /usr/bin/runc ] || missing+=(runc)
     [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
     command -v iptables >/dev/null || missing+=(iptables)
