@@ -34,7 +34,7 @@ def kernel() -> ctypes.CDLL:
 def fresh_library(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """`library()` forgets this process's kernel and builds into an empty cache directory; the
     process's own comes back afterwards."""
-    monkeypatch.setenv("LORAFLEET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LORAFLEET_CACHE", str(tmp_path))
     cpu_kernels.library.cache_clear()
     yield tmp_path
     monkeypatch.undo()

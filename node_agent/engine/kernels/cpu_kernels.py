@@ -11,8 +11,8 @@ is about 350 small ops a step (a matrix-vector product per row and slice); `add_
 one call per layer, which reads each row's A and B once.
 
 Built like triton's launchers: the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`)
-compiles the source once per machine into a cache directory (`$LORAFLEET_CACHE_DIR`, else
-`$XDG_CACHE_HOME/lorafleet`, else `~/.cache/lorafleet`), keyed by the source and flags. Without
+compiles the source once per machine into the project's cache directory (`$LORAFLEET_CACHE`,
+else `~/.cache/lorafleet`, as the development scripts use), keyed by the source and flags. Without
 a compiler, or on a CPU without AVX-512F, `library()` is None and the engine keeps oneDNN, MKL
 and torch (the agent image ships no compiler: it serves that way); `LORAFLEET_KERNELS=torch`
 keeps them too (`dispatch.compiled_cpu`).
@@ -52,10 +52,8 @@ class KernelUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """Where built kernels are kept (see the module's docstring)."""
-    if explicit := os.environ.get("LORAFLEET_CACHE_DIR"):
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lorafleet"
+    explicit = os.environ.get("LORAFLEET_CACHE")
+    return Path(explicit) if explicit else Path.home() / ".cache" / "lorafleet"
 
 
 @cache
