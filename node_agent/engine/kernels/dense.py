@@ -47,12 +47,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x · weightᵀ + bias` for 2-D `x`; `packed` is what `pack` returned for `weight`."""
     if packed is not None:
-        rows = x.shape[0]
         lib = dispatch.compiled_cpu(x)
-        if (packed.few_rows is not None and lib is not None and 0 < rows <= cpu_kernels.MAX_ROWS
-                and x.dtype == torch.float32 and not x.requires_grad):
+        if packed.few_rows is not None and lib is not None:
             return cpu_kernels.gemm(lib, x, packed.few_rows, weight.shape[0], bias)
-        if packed.onednn is not None and rows > 1:
+        if packed.onednn is not None and x.shape[0] > 1:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
             return out
     return F.linear(x, weight, bias)

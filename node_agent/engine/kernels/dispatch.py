@@ -42,10 +42,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def compiled_cpu(tensor: torch.Tensor) -> ctypes.CDLL | None:
-    """The compiled CPU kernels for a call on `tensor`, where they serve: a CPU tensor, the mode
-    `auto`, the kernels built (`cpu_kernels.library`)."""
-    if tensor.device.type != "cpu" or os.environ.get(MODE_ENV, "auto").lower() != "auto":
+def compiled_cpu(x: torch.Tensor) -> ctypes.CDLL | None:
+    """The compiled CPU kernels for a call on the rows of `x`, where they serve: a decode step's
+    few rows (1 to `cpu_kernels.MAX_ROWS`) of fp32 on the CPU, outside autograd, the mode `auto`,
+    the kernels built (`cpu_kernels.library`). The one place of that rule, for the base layers'
+    matmuls and the LoRA pass alike."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad
+            or not 0 < x.shape[0] <= cpu_kernels.MAX_ROWS or os.environ.get(MODE_ENV, "auto").lower() != "auto"):
         return None
     return cpu_kernels.library()
 
@@ -66,8 +69,7 @@ def add_fp32(
     if use_triton(x):
         return False
     lib = compiled_cpu(x)
-    if (lib is not None and compiled is not None and x.shape[0] <= cpu_kernels.MAX_ROWS
-            and cpu_kernels.add_lora_rows(lib, x, out, compiled, batch.token_slots)):
+    if lib is not None and compiled is not None and cpu_kernels.add_lora_rows(lib, x, out, compiled, batch.token_slots):
         return True
     return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
 
