@@ -286,7 +286,10 @@ class AdapterConfig:
         return int(rank) if rank is not None else self.r, alpha if alpha is not None else self.lora_alpha
 
     def targets(self, module_name: str) -> bool:
-        """Whether a string `target_modules` selects the module (a list is checked by name, elsewhere)."""
+        """Whether `target_modules` selects the module, by PEFT's rule: a list names it exactly or
+        as a dotted suffix, a string fully matches it; "all-linear" selects every module."""
+        if self.target_modules is not None:
+            return module_name in self.target_modules or any(module_name.endswith(f".{t}") for t in self.target_modules)
         return self.target_regex is None or self.target_regex.fullmatch(module_name) is not None
 
 

@@ -347,6 +347,8 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     "rank_pattern_key_too_long": (_config(rank_pattern={"v_proj|" * 200 + "v_proj": 4}), ("rank_pattern:", "fails maxlength 1024")),
     # target_modules as a regex selects modules as PEFT does (re.fullmatch): tensors it does not select are refused
     "target_modules_regex_unselected": (_config(target_modules=r".*\.(q_proj|v_proj)"), ("does not select", "down_proj")),
+    # ... and as a list (names or dotted suffixes): PEFT leaves tensors of modules it does not name unapplied
+    "target_modules_list_unselected": (_config(target_modules=["q_proj", "self_attn.v_proj"]), ("does not select", "down_proj")),
     # the same module twice, or a module the model does not have under an integer's other spelling
     "duplicate_module_layer_01": (make_duplicate_module_adapter,
                                   ("twice", "model.layers.01.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_a")),
