@@ -2,7 +2,9 @@
 
 (a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks): one whose config
     and header bytes the engine validated before (every adapter of one training recipe after the
-    first: the driver's spec memo, `peft_adapter.SpecMemo`) and one whose bytes are new to it; the
+    first: the driver's spec memo, `peft_adapter.SpecMemo`), one with a config new to it beside a
+    header it has seen (the same recipe, other metadata in the config: the memo's second level),
+    and one whose config and header are both new to it (the first adapter of a recipe); the
     validation the driver does once for it, and what one rank does (read its shard of the verified files; one
     process), vs reading the same file once; the load's CPU time (the driver's thread and the
     ranks' main threads) and the wall-time floor it sets on this machine's cores, every load
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
@@ -114,14 +116,20 @@ def loader_peak(adapter: Path, cfg: ModelConfig, layouts: dict[ModuleKey, tuple[
     return peak, shard
 
 
-def config_variants(root: Path, adapter: Path, count: int) -> list[Path]:
-    """`count` copies of the adapter, the weights hard-linked, each config with its own
-    `revision` (a PEFT field the engine ignores): bytes no spec memo has seen."""
+def config_variants(root: Path, adapter: Path, count: int, new_headers: bool = False) -> list[Path]:
+    """`count` copies of the adapter, each config with its own `revision` (a PEFT field the
+    engine ignores): config bytes no spec memo has seen. The weights are hard-linked (a header
+    the memo has seen) or, with `new_headers`, written again with their own metadata (the same
+    tensors behind a header no memo has seen)."""
+    tensors = load_file(adapter / WEIGHTS_FILE) if new_headers else {}
     variants = []
     for index in range(count):
-        variant = root / f"variant-{index}"
+        variant = root / f"{'recipe' if new_headers else 'config'}-{index}"
         variant.mkdir()
-        os.link(adapter / WEIGHTS_FILE, variant / WEIGHTS_FILE)
+        if new_headers:
+            save_file(tensors, variant / WEIGHTS_FILE, metadata={"format": "pt", "bench": str(index)})
+        else:
+            os.link(adapter / WEIGHTS_FILE, variant / WEIGHTS_FILE)
         text = (adapter / CONFIG_FILE).read_text().replace("{", f'{{\n  "revision": "bench-{index}",', 1)
         (variant / CONFIG_FILE).write_text(text)
         variants.append(variant)
@@ -174,8 +182,8 @@ class Paired:
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     file_bytes = (adapter / "adapter_model.safetensors").stat().st_size
 
-    def read() -> object:
-        return load_file(str(adapter / "adapter_model.safetensors"))
+    def read(directory: Path = adapter) -> object:
+        return load_file(str(directory / WEIGHTS_FILE))
 
     read_once = timed(read, repeats)
     cfg = ModelConfig.from_dir(model)
@@ -186,7 +194,8 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     verified = verify_adapter(adapter, seen, None)
     rank_once = timed(lambda: rank_read(verified, layouts), repeats)
     hash_once = timed(lambda: file_digests(adapter), repeats)
-    variants = config_variants(root, adapter, repeats)
+    configs, recipes = config_variants(root, adapter, repeats), config_variants(root, adapter, repeats, new_headers=True)
+    os.sync()  # the new files written back now, not by a kernel thread during the timed loads
     digests = file_digests(adapter)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
@@ -200,16 +209,18 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
         command_bytes = [len(pickle.dumps(Load("bench", verified.files, plan, False), pickle.HIGHEST_PROTOCOL)) + 4
                          for plan in plans]
-        seen_loads, new_loads, hashed_loads = Paired(), Paired(), Paired()
+        seen_loads, config_loads, new_loads, hashed_loads = Paired(), Paired(), Paired(), Paired()
         # The kinds alternate load by load, each after its own read: one kind never runs in a
         # quieter minute than another.
-        for variant in variants:
+        for config, recipe in zip(configs, recipes, strict=True):
             read_before = rank_read_chars(engine.pids)
             seen_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter))
             for rank_reads, after, before, command in zip(reads, rank_read_chars(engine.pids), read_before, command_bytes,
                                                           strict=True):
                 rank_reads.append(after - before - command)
-            new_loads.add(engine, read, lambda variant=variant: engine.load_adapter("bench", variant))
+            config_loads.add(engine, read, lambda config=config: engine.load_adapter("bench", config))
+            # Its own file, read just before it as every other kind's file is.
+            new_loads.add(engine, lambda recipe=recipe: read(recipe), lambda recipe=recipe: engine.load_adapter("bench", recipe))
             hashed_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter, expected=digests))
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>8.2f} ms   (alone, before the loads)")
@@ -218,6 +229,7 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>8.2f} ms   ratio {rank_once / read_once:.2f}x")
     print("Engine.load_adapter, tp=4, each load right after a read of the file (medians):")
     print(seen_loads.line("  config and header seen before"))
+    print(config_loads.line("  a new config, header seen before"))
     print(new_loads.line("  bytes new to the engine"))
     print(hashed_loads.line("  with the digests (agent path)") + f"; hashing both files alone {hash_once * 1e3:.2f} ms")
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"

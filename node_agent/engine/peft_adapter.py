@@ -18,7 +18,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -113,7 +113,9 @@ class AdapterSpec:
     max_module_rank: int
     tensors: Mapping[str, TensorEntry]  # the parsed safetensors header, read once
     file_size: int  # of the weights file when its header was read
-    content: str = ""  # AdapterBytes.digest of what it was parsed from ("": made by hand, never memoized)
+    # AdapterBytes.structure of what it was parsed from: equal for every adapter whose spec is
+    # equal ("": made by hand, never memoized)
+    content: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class AdapterBytes:
     """All that validating an adapter reads of it: the config file (up to one byte over its cap),
     the weights file's header (its 8-byte length, then the JSON when that length fits the file)
     and the weights file's size. The spec is a function of these bytes, the base model and the
-    max rank alone, so equal bytes give an equal spec (`SpecMemo`)."""
+    max rank alone, and of the config only through what matching reads of it: equal bytes, or
+    an equal `structure`, give an equal spec (`SpecMemo`)."""
 
     config: bytes
     header: bytes
@@ -132,6 +135,16 @@ class AdapterBytes:
         """sha256 over the three, each delimited (the header by its own length prefix)."""
         digest = hashlib.sha256(len(self.config).to_bytes(8, "little"))
         for part in (self.config, self.header, self.file_size.to_bytes(8, "little")):
+            digest.update(part)
+        return digest.hexdigest()
+
+    def structure(self, config: AdapterConfig) -> str:
+        """sha256 over what the spec is a function of besides the model: the header, the file size
+        and the config's `matching_key` (the config parsed from these bytes). Configs that differ
+        in fields the engine does not read (`revision`, `base_model_name_or_path`, `peft_version`
+        ...) give one structure for one header."""
+        digest = hashlib.sha256(repr(config.matching_key).encode())
+        for part in (self.header, self.file_size.to_bytes(8, "little")):
             digest.update(part)
         return digest.hexdigest()
 
@@ -157,43 +170,58 @@ def read_adapter_bytes(config_fd: int, weights_fd: int) -> AdapterBytes:
     return AdapterBytes(os.pread(config_fd, MAX_CONFIG_BYTES + 1, 0), header, file_size)
 
 
-def spec_from_bytes(path: Path, data: AdapterBytes, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
-    """Everything `read_adapter_spec` checks, on bytes already read (`read_adapter_bytes`) of the
-    adapter in `path`: the same refusals, in the same order."""
-    return _spec(path, data, _config_from_bytes(path, data.config), cfg, max_lora_rank)
-
-
 def _spec(path: Path, data: AdapterBytes, config: AdapterConfig, cfg: ModelConfig, max_lora_rank: int) -> AdapterSpec:
     tensors = _parse_header(data.header, data.file_size)
     modules = _Matcher(config, tensors, cfg, max_lora_rank).modules()
-    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, data.file_size, data.digest)
+    return AdapterSpec(path, tuple(modules), max(m.rank for m in modules), tensors, data.file_size, data.structure(config))
 
 
 class SpecMemo:
-    """The specs validated so far for one base model and max rank, by the bytes they were parsed
-    from (`AdapterBytes.digest`; least recently used dropped beyond `limit`). Adapters trained by
-    one recipe have byte-equal configs and headers (the same tensors, shapes and offsets), so
-    a load of any of them after the first skips the parse and the matching (docs/engine.md
-    "Measured"); a refusal is never stored, so it is made again, with its message, every time."""
+    """The specs validated so far for one base model and max rank, on two levels (least recently
+    used dropped beyond `limit` on each): by the bytes they were parsed from
+    (`AdapterBytes.digest`), which skips every check, and by their structure
+    (`AdapterBytes.structure`), which skips the header parse and the matching once the config
+    itself is validated. Adapters trained by one recipe have byte-equal headers (the same
+    tensors, shapes and offsets) and configs that are byte-equal or differ only in fields the
+    engine does not read, so a load of any of them after the first reuses the first one's spec
+    (docs/engine.md "Measured"). A refusal is never stored, so it is made again, with its
+    message, every time."""
 
     def __init__(self, cfg: ModelConfig, max_lora_rank: int, limit: int = 64) -> None:
         self.cfg, self.max_lora_rank, self.limit = cfg, max_lora_rank, limit
-        self._specs: OrderedDict[str, AdapterSpec] = OrderedDict()
+        self._specs: OrderedDict[str, AdapterSpec] = OrderedDict()  # by structure
+        self._structures: OrderedDict[str, str] = OrderedDict()  # bytes digest -> structure
         self._lock = threading.Lock()  # loads are validated before the engine's command lock
 
     def spec(self, path: Path, data: AdapterBytes) -> AdapterSpec:
         """The spec of the adapter in `path` whose bytes are `data` (AdapterLoadError if refused)."""
         with self._lock:
-            known = self._specs.get(data.digest)
+            known = self._recall(self._structures.get(data.digest))
             if known is not None:
-                self._specs.move_to_end(data.digest)
-                return replace(known, path=Path(path))
-        spec = spec_from_bytes(path, data, self.cfg, self.max_lora_rank)
-        with self._lock:
-            self._specs[data.digest] = spec
-            while len(self._specs) > self.limit:
-                self._specs.popitem(last=False)
-        return spec
+                self._structures.move_to_end(data.digest)
+        if known is None:
+            config = _config_from_bytes(path, data.config)  # config bytes not seen before are always validated
+            structure = data.structure(config)
+            with self._lock:
+                known = self._recall(structure)
+            if known is None:
+                known = _spec(path, data, config, self.cfg, self.max_lora_rank)
+            with self._lock:
+                self._remember(self._specs, structure, known)
+                self._remember(self._structures, data.digest, structure)
+        return known if known.path == path else replace(known, path=Path(path))
+
+    def _recall(self, structure: str | None) -> AdapterSpec | None:
+        known = self._specs.get(structure) if structure is not None else None
+        if known is not None:
+            self._specs.move_to_end(known.content)
+        return known
+
+    def _remember(self, memo: OrderedDict[str, Any], key: str, value: Any) -> None:
+        memo[key] = value
+        memo.move_to_end(key)
+        while len(memo) > self.limit:
+            memo.popitem(last=False)
 
 
 def validate_adapter(path: Path, model_dir: Path, max_lora_rank: int) -> AdapterSpec:
@@ -250,6 +278,8 @@ _ALL_LINEAR = "all-linear"
 class _Regex(Protocol):
     """A compiled RE2 pattern (google-re2 ships no type information)."""
 
+    pattern: str
+
     def match(self, text: str) -> object | None: ...
 
     def fullmatch(self, text: str) -> object | None: ...
@@ -279,6 +309,13 @@ class AdapterConfig:
     rank_pattern: tuple[ModulePattern, ...]
     alpha_pattern: tuple[ModulePattern, ...]
 
+    @cached_property
+    def matching_key(self) -> tuple[object, ...]:
+        """Every field matching reads (all but `path` and `raw`, which only name things in
+        messages), patterns as their text: configs with equal keys match one header to equal
+        modules (`AdapterBytes.structure`)."""
+        return tuple(_key_part(getattr(self, field.name)) for field in fields(self) if field.name not in ("path", "raw"))
+
     def rank_and_alpha(self, module_name: str) -> tuple[int, float]:
         """r and alpha of one module, with rank_pattern / alpha_pattern applied as PEFT does."""
         rank = _pattern_value(self.rank_pattern, module_name)
@@ -291,6 +328,15 @@ class AdapterConfig:
         if self.target_modules is not None:
             return module_name in self.target_modules or any(module_name.endswith(f".{t}") for t in self.target_modules)
         return self.target_regex is None or self.target_regex.fullmatch(module_name) is not None
+
+
+def _key_part(value: object) -> object:
+    """A config field as plain, comparable data: a pattern by its text and value."""
+    if isinstance(value, ModulePattern):
+        return value.key, value.value
+    if isinstance(value, tuple):
+        return tuple(_key_part(part) for part in value)
+    return value.pattern if hasattr(value, "pattern") else value
 
 
 def _pattern_value(patterns: tuple[ModulePattern, ...], module_name: str) -> float | None:
