@@ -241,6 +241,7 @@ MAX_PATTERN_CHARS = 1024
 _PATTERN_KEYS = {"type": "string", "maxLength": MAX_PATTERN_CHARS}
 _FLAG = {"type": ["boolean", "null"]}
 _NAMES = {"type": ["array", "null"], "items": {"type": "string"}}
+_NAMES_OR_PATTERN = {"type": ["string", "array", "null"], "maxLength": MAX_PATTERN_CHARS, "items": {"type": "string"}}
 
 # The fields the engine reads (and those it refuses), declared; other PEFT fields are free.
 ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
@@ -258,8 +259,11 @@ ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
         "lora_bias": _FLAG,
         "bias": {"type": ["string", "null"]},
         "modules_to_save": _NAMES,
-        "target_modules": {"type": ["string", "array", "null"], "maxLength": MAX_PATTERN_CHARS, "items": {"type": "string"}},
+        "target_modules": _NAMES_OR_PATTERN,
         "target_parameters": _NAMES,
+        "exclude_modules": _NAMES_OR_PATTERN,
+        "layers_to_transform": {"type": ["integer", "array", "null"], "minimum": 0, "items": {"type": "integer", "minimum": 0}},
+        "layers_pattern": {"type": ["string", "array", "null"], "maxLength": MAX_PATTERN_CHARS, "items": _PATTERN_KEYS},
         "rank_pattern": {
             "type": ["object", "null"], "maxProperties": MAX_PATTERNS, "propertyNames": _PATTERN_KEYS,
             "additionalProperties": {"type": "integer", "minimum": 1},
@@ -273,6 +277,16 @@ ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
 _CONFIG_VALIDATOR = jsonschema.Draft202012Validator(ADAPTER_CONFIG_SCHEMA)
 # "all-linear" is PEFT's shorthand, expanded against the model (saved adapters list the names).
 _ALL_LINEAR = "all-linear"
+# The config fields that choose which modules get LoRA (PEFT's `check_target_module_exists`).
+_SELECTING_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern", "target_parameters")
+# Where PEFT reads a module's layer index without `layers_pattern`: the first numbered segment.
+_FIRST_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.", re.ASCII)
+
+
+class _Match(Protocol):
+    """A match of a `_Regex`."""
+
+    def group(self, name: str, /) -> str | Any: ...
 
 
 class _Regex(Protocol):
@@ -280,7 +294,7 @@ class _Regex(Protocol):
 
     pattern: str
 
-    def match(self, text: str) -> object | None: ...
+    def match(self, text: str) -> _Match | None: ...
 
     def fullmatch(self, text: str) -> object | None: ...
 
@@ -306,6 +320,11 @@ class AdapterConfig:
     target_modules: tuple[str, ...] | None  # list form (PEFT: exact name or dotted suffix)
     target_regex: _Regex | None  # string form (PEFT: re.fullmatch against the module name)
     target_parameters: tuple[str, ...]
+    parameters_only: bool  # no target_modules, only target_parameters: PEFT targets no module
+    exclude_modules: tuple[str, ...] | None  # list form, as target_modules
+    exclude_regex: _Regex | None  # string form
+    layers_to_transform: tuple[int, ...]  # empty: every layer
+    layer_patterns: tuple[_Regex, ...]  # layers_pattern, each in PEFT's form; empty: the first index
     rank_pattern: tuple[ModulePattern, ...]
     alpha_pattern: tuple[ModulePattern, ...]
 
@@ -323,11 +342,35 @@ class AdapterConfig:
         return int(rank) if rank is not None else self.r, alpha if alpha is not None else self.lora_alpha
 
     def targets(self, module_name: str) -> bool:
-        """Whether `target_modules` selects the module, by PEFT's rule: a list names it exactly or
-        as a dotted suffix, a string fully matches it; "all-linear" selects every module."""
-        if self.target_modules is not None:
-            return module_name in self.target_modules or any(module_name.endswith(f".{t}") for t in self.target_modules)
-        return self.target_regex is None or self.target_regex.fullmatch(module_name) is not None
+        """Whether PEFT puts LoRA on the module (its `check_target_module_exists`): not excluded by
+        `exclude_modules`; then a string `target_modules` fully matches the name, or a list names
+        it exactly, or as a dotted suffix (then, when `layers_to_transform` is set, in one of its
+        layers, found by `layers_pattern`); "all-linear" selects every module."""
+        if _selects(self.exclude_modules, self.exclude_regex, module_name):
+            return False
+        if self.target_modules is None:
+            return self.target_regex.fullmatch(module_name) is not None if self.target_regex else not self.parameters_only
+        if module_name in self.target_modules:
+            return True
+        return any(module_name.endswith(f".{t}") for t in self.target_modules) and (
+            not self.layers_to_transform or _layer_index(module_name, self.layer_patterns) in self.layers_to_transform)
+
+
+def _selects(names: tuple[str, ...] | None, regex: _Regex | None, module_name: str) -> bool:
+    """PEFT's rule for a list of names (exact, or a dotted suffix) or a pattern (full match)."""
+    if regex is not None:
+        return regex.fullmatch(module_name) is not None
+    return names is not None and (module_name in names or any(module_name.endswith(f".{n}") for n in names))
+
+
+def _layer_index(module_name: str, patterns: tuple[_Regex, ...]) -> int | None:
+    """The layer index PEFT reads from a module name: after the first pattern that matches, or
+    the first numbered segment without patterns."""
+    for pattern in patterns or (_FIRST_INDEX,):
+        match = pattern.match(module_name)
+        if match is not None:
+            return int(match.group("idx"))
+    return None
 
 
 def _key_part(value: object) -> object:
@@ -370,7 +413,8 @@ def _config_from_bytes(path: Path, data: bytes) -> AdapterConfig:
             f"{_shorten(repr(error.instance), 60)} fails {error.validator} {_shorten(repr(error.validator_value), 60)}")
         raise AdapterLoadError(f"{CONFIG_FILE}: {_field(error.absolute_path)}: {_shorten(message)}")
     _refuse_unsupported_features(raw)
-    targets = raw.get("target_modules")
+    targets, excluded, layers = raw.get("target_modules"), raw.get("exclude_modules"), raw.get("layers_to_transform")
+    patterns = raw.get("layers_pattern") or ()
     return AdapterConfig(
         path=path,
         raw=raw,
@@ -381,6 +425,12 @@ def _config_from_bytes(path: Path, data: bytes) -> AdapterConfig:
         target_regex=_compile("target_modules", targets, targets) if isinstance(targets, str) and targets != _ALL_LINEAR
         else None,
         target_parameters=tuple(raw.get("target_parameters") or ()),
+        parameters_only=targets is None and bool(raw.get("target_parameters")),
+        exclude_modules=tuple(excluded) if isinstance(excluded, list) else None,
+        exclude_regex=_compile("exclude_modules", excluded, excluded) if isinstance(excluded, str) else None,
+        layers_to_transform=(layers,) if isinstance(layers, int) else tuple(layers or ()),
+        layer_patterns=tuple(_compile("layers_pattern", pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
+                             for pattern in ((patterns,) if isinstance(patterns, str) else patterns)),
         rank_pattern=_patterns(raw, "rank_pattern"),
         alpha_pattern=_patterns(raw, "alpha_pattern"),
     )
@@ -485,6 +535,12 @@ def _refuse_unsupported_features(config: dict[str, Any]) -> None:
         raise AdapterLoadError("LoRA bias is not supported (adapter config sets bias/lora_bias)")
     if config.get("fan_in_fan_out"):
         raise AdapterLoadError("fan_in_fan_out adapters (Conv1D models) are not supported")
+    # What PEFT's LoraConfig refuses to load.
+    for field in ("layers_to_transform", "layers_pattern"):
+        if isinstance(config.get("target_modules"), str) and config.get(field) is not None:
+            raise AdapterLoadError(f"{CONFIG_FILE}: {field} cannot be used with a string target_modules (PEFT refuses it)")
+    if config.get("layers_pattern") and config.get("layers_to_transform") is None:
+        raise AdapterLoadError(f"{CONFIG_FILE}: layers_pattern needs layers_to_transform (PEFT refuses it without)")
     # Entries match parameter names by suffix (PEFT may also move a target_modules name here).
     fused_names = {name.rsplit(".", 1)[-1] for name in FUSED_PARAMETERS}
     unknown = sorted(t for t in config.get("target_parameters") or [] if t.rsplit(".", 1)[-1] not in fused_names)
@@ -687,9 +743,10 @@ class _Matcher:
             raise AdapterLoadError(f"base model does not have module {module_name}")
         _refuse_non_canonical(module_name, match["layer"], match["expert"])
         if not self.config.targets(module_name):
+            selecting = ", ".join(f"{field} {_shorten(repr(self.config.raw[field]), 120)}" for field in _SELECTING_FIELDS
+                                  if self.config.raw.get(field) not in (None, [], ""))
             raise AdapterLoadError(
-                f"module {module_name} has LoRA tensors, but target_modules {_shorten(repr(self.config.raw['target_modules']), 120)} "
-                "does not select it (PEFT would not apply them)"
+                f"module {module_name} has LoRA tensors, but the config does not select it ({selecting}): PEFT would not apply them"
             )
         layer, name = int(match["layer"]), match["name"]
         expert = int(match["expert"]) if match["expert"] is not None else None

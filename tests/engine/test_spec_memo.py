@@ -103,6 +103,8 @@ def test_a_config_that_differs_only_in_fields_the_engine_does_not_read_reuses_th
     ("alpha_pattern", {"q_proj": 2.0}, None),
     ("rank_pattern", {"q_proj": 2}, "rank"),  # the tensors have rank 4
     ("target_modules", ["q_proj", "v_proj"], "does not select"),  # the header has every module
+    ("exclude_modules", ["down_proj"], "does not select"),
+    ("layers_to_transform", [0], "does not select"),  # the header has every layer
 ])
 def test_a_config_that_differs_in_a_field_matching_reads_is_matched_anew(model, tmp_path, field, value, refused):
     cfg, _ = model

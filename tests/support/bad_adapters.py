@@ -349,6 +349,9 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     "target_modules_regex_unselected": (_config(target_modules=r".*\.(q_proj|v_proj)"), ("does not select", "down_proj")),
     # ... and as a list (names or dotted suffixes): PEFT leaves tensors of modules it does not name unapplied
     "target_modules_list_unselected": (_config(target_modules=["q_proj", "self_attn.v_proj"]), ("does not select", "down_proj")),
+    # ... and with exclude_modules or layers_to_transform, which PEFT applies before and after the names
+    "exclude_modules_selected": (_config(exclude_modules=["mlp.down_proj"]), ("does not select", "down_proj", "exclude_modules")),
+    "layers_to_transform_unselected": (_config(layers_to_transform=[0]), ("does not select", "layers.1.", "layers_to_transform [0]")),
     # the same module twice, or a module the model does not have under an integer's other spelling
     "duplicate_module_layer_01": (make_duplicate_module_adapter,
                                   ("twice", "model.layers.01.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_a")),
