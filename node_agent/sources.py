@@ -80,7 +80,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
-from node_agent.engine import AdapterLoadError, FileDigests, read_adapter_config
+from node_agent.engine import ADAPTER_CONFIG_FIELDS, AdapterLoadError, FileDigests, read_adapter_config
 from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
 from node_agent.hub import COMMIT_HEADER, DEFAULT_HUB_ENDPOINT, parse_hub_uri, pinned_commit
 
@@ -108,11 +108,8 @@ ALLOW_NETWORK_FLAG = "--allow-source-network"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _ANY_PORT = -1
 _MAX_SAFETENSORS_HEADER = 100_000_000  # safetensors' own limit on the header's length
-# The top-level fields of adapter_config.json the engine reads or refuses (its schema's
-# properties): a refusal of a downloaded config names the first of these its message mentions.
-_CONFIG_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "lora_bias", "bias",
-                  "modules_to_save", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern")
-_CONFIG_FIELD = re.compile(r"(?<![\w.])(" + "|".join(sorted(_CONFIG_FIELDS, key=len, reverse=True)) + r")(?![\w])")
+# A refusal of a downloaded config names the first of the engine's config fields its message mentions.
+_CONFIG_FIELD = re.compile(r"(?<![\w.])(" + "|".join(sorted(ADAPTER_CONFIG_FIELDS, key=len, reverse=True)) + r")(?![\w])")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from node_agent.engine.engine import (
     ServingStats,
 )
 from node_agent.engine.peft_adapter import (
+    ADAPTER_CONFIG_FIELDS,
     MAX_CONFIG_BYTES,
     AdapterConfig,
     AdapterLoadError,
@@ -39,6 +40,7 @@ from node_agent.engine.scheduler import QueueFull, SchedulerError
 from node_agent.engine.topology import Topology, TopologyError
 
 __all__ = [
+    "ADAPTER_CONFIG_FIELDS",
     "MAX_CONFIG_BYTES",
     "AdapterConfig",
     "AdapterLoadError",

@@ -275,6 +275,7 @@ ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
     },
 }
 _CONFIG_VALIDATOR = jsonschema.Draft202012Validator(ADAPTER_CONFIG_SCHEMA)
+ADAPTER_CONFIG_FIELDS = tuple(ADAPTER_CONFIG_SCHEMA["properties"])  # the top-level fields the engine reads or refuses
 # "all-linear" is PEFT's shorthand, expanded against the model (saved adapters list the names).
 _ALL_LINEAR = "all-linear"
 # The config fields that choose which modules get LoRA (PEFT's `check_target_module_exists`).

@@ -240,6 +240,8 @@ HOSTILE_CONFIGS = {
     "rank-pattern": {"rank_pattern": {f"({SECRET}": 4}},
     "wrong-type": {"r": SECRET},
     "nested-nan": {"alpha_pattern": {SECRET: float("nan")}},
+    "exclude-modules": {"exclude_modules": f"({SECRET}"},
+    "layers-pattern": {"layers_pattern": [f"({SECRET}"], "layers_to_transform": [0]},
 }
 
 
