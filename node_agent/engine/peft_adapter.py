@@ -143,8 +143,9 @@ class AdapterBytes:
         and the config's `matching_key` (the config parsed from these bytes). Configs that differ
         in fields the engine does not read (`revision`, `base_model_name_or_path`, `peft_version`
         ...) give one structure for one header."""
-        digest = hashlib.sha256(repr(config.matching_key).encode())
-        for part in (self.header, self.file_size.to_bytes(8, "little")):
+        key = repr(config.matching_key).encode()
+        digest = hashlib.sha256(len(key).to_bytes(8, "little"))
+        for part in (key, self.header, self.file_size.to_bytes(8, "little")):
             digest.update(part)
         return digest.hexdigest()
 
