@@ -323,12 +323,14 @@ class AgentServer:
         self.not_serving_reason = ""  # why health is NOT_SERVING ("" while SERVING)
 
     def start(self) -> None:
+        """Serve. The metrics port is bound first: a port that cannot be bound (OSError) fails
+        the start before health has said SERVING to anyone."""
+        if self.options.metrics_port is not None:
+            self._metrics = MetricsEndpoint(self.agent.metrics, self.options.metrics_port)
         self._set_health(self.agent.alive, "" if self.agent.alive else self.agent.failure())
         self.server.start()
         if self.health_server is not None:
             self.health_server.start()
-        if self.options.metrics_port is not None:
-            self._metrics = MetricsEndpoint(self.agent.metrics, self.options.metrics_port)
         self._watcher = threading.Thread(target=self._watch, name="lorafleet-health", daemon=True)
         self._watcher.start()
 

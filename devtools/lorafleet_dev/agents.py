@@ -58,6 +58,9 @@ class AgentSpec:
         return argv + list(self.extra_args)
 
 
+PORT_RETRIES = 3  # new ports for a first start that lost its port to another process
+
+
 @dataclass
 class AgentProcess:
     """One running agent; :meth:`start` again after :meth:`kill` models a restarted container."""
@@ -91,14 +94,30 @@ class AgentProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> AgentProcess:
-        """Wait until grpc.health.v1 says SERVING; raise with the log tail if it exits."""
+        """Wait until grpc.health.v1 says SERVING; raise with the log tail if it exits.
+
+        A first start whose port another process took after `free_port` chose it (the agent
+        exits with "Address already in use") is started again on new ports, at most
+        `PORT_RETRIES` times; a restart keeps its ports (it models a restarted container)."""
         deadline = time.monotonic() + timeout_s
-        while not self.serving():
+        retries = 0
+        while True:
+            try:
+                if self.serving():
+                    return self
+            except RuntimeError:
+                if self.starts != 1 or retries >= PORT_RETRIES or "Address already in use" not in self.log_tail():
+                    raise
+                retries += 1
+                log.warning("agent %s lost its port to another process; starting it on new ports", self.name)
+                self.port, self.metrics_port = free_port(), free_port()
+                self.starts = 0
+                self.start()
+                continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n"
                                    f"{self.log_tail()}")
             time.sleep(0.2)
-        return self
 
     def serving(self) -> bool:
         """One health check: whether grpc.health.v1 says SERVING now; raises with the log tail

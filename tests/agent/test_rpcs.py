@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.wire import REASON_METADATA_KEY
+from node_agent.server import ServerOptions, create_server
 from tests.agent.conftest import SLOTS
 from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, make_nan_adapter, rpc_error
 
@@ -209,6 +211,24 @@ def test_health_is_serving_for_the_server_and_the_service(shared):
     health = health_pb2_grpc.HealthStub(shared.channel)
     for service in ("", "lorafleet.v1.NodeAgent"):
         assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_metrics_port_taken_fails_the_start_before_health_says_serving(shared):
+    """The metrics port is bound before the gRPC server starts: a conflict fails the start while
+    nothing answers on the gRPC port (no SERVING that a probe could see before the exit)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = create_server(shared.agent, ServerOptions(listen="127.0.0.1:0", metrics_port=taken.getsockname()[1]))
+        try:
+            with pytest.raises(OSError, match="in use"):
+                server.start()
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                # The port is bound but never served: the call waits out its deadline.
+                error = rpc_error(lambda: health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1))
+            assert error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+        finally:
+            server.stop(grace=0)
 
 
 def test_reflection_lists_the_services(shared):
