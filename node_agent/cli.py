@@ -40,6 +40,7 @@ from node_agent.server import (
     DEFAULT_MAX_CONTROL_CALLS,
     DEFAULT_MAX_INFERENCE_CALLS,
     DEFAULT_RESERVED_WORKERS,
+    AgentServer,
     ServerOptions,
     create_server,
 )
@@ -374,26 +375,38 @@ def http_options(args: argparse.Namespace, options: ServerOptions) -> HttpOption
     return HttpOptions(listen=args.http_listen, auth_token=options.auth_token, tls=options.tls, stop_grace_s=options.stop_grace_s)
 
 
+def start_servers(agent: Agent, options: ServerOptions, http: HttpOptions | None) -> tuple[AgentServer, HttpApiServer | None]:
+    """The agent's gRPC server and, with `http`, its HTTP API, serving. Every listener is bound
+    before gRPC serves: a port that is taken (OSError) fails the start before health has said
+    SERVING to any probe (the process then exits: `run_serve`)."""
+    server = create_server(agent, options)
+    http_server = None
+    try:
+        if http is not None:
+            # The same inference budget and shutdown flag as gRPC: one limit, one stop.
+            api = HttpApiServer(agent, http, server.servicer.budgets["inference"], server.servicer.closing)
+            api.start()
+            http_server = api
+        server.start()
+    except BaseException:
+        if http_server is not None:
+            http_server.stop()
+        server.stop(grace=0)
+        raise
+    return server, http_server
+
+
 def run_serve(args: argparse.Namespace) -> None:
     options = server_options(args)
     http = http_options(args, options)
     config = agent_config(args)
     with Agent.start(engine_config(args), config) as agent:
-        server = create_server(agent, options)
-        server.start()
+        server, http_server = start_servers(agent, options, http)
         log.info("serving lorafleet.v1.NodeAgent on %s (port %d)", args.listen, server.port)
         if server.health_port is not None:
             log.info("serving grpc.health.v1 alone, in plaintext, on %s (port %d)", args.health_listen, server.health_port)
-        http_server = None
-        if http is not None:
-            # The same inference budget and shutdown flag as gRPC: one limit, one stop.
-            http_server = HttpApiServer(agent, http, server.servicer.budgets["inference"], server.servicer.closing)
-            try:
-                http_server.start()
-            except OSError:
-                server.stop(grace=0)
-                raise
-            log.info("serving the OpenAI-compatible HTTP API on %s (port %d)", http.listen, http_server.port)
+        if http_server is not None:
+            log.info("serving the OpenAI-compatible HTTP API on %s (port %d)", http_server.options.listen, http_server.port)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: server.request_stop())
         died = server.wait()

@@ -18,6 +18,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.wire import REASON_METADATA_KEY
+from lorafleet_dev.processes import free_port
+from node_agent.cli import start_servers
+from node_agent.http_api import HttpOptions
 from node_agent.server import ServerOptions, create_server
 from tests.agent.conftest import SLOTS
 from tests.agent.helpers import SHAPE, WORDS, forward, generate, make_adapter, make_nan_adapter, rpc_error
@@ -229,6 +232,26 @@ def test_a_metrics_port_taken_fails_the_start_before_health_says_serving(shared)
             assert error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
         finally:
             server.stop(grace=0)
+
+
+def test_a_taken_http_port_fails_the_start_before_anything_serves(shared):
+    """`start_servers` binds the HTTP API before gRPC serves: when its port is taken the start
+    fails naming the flag, gRPC never answered (no SERVING a probe could have seen), and the
+    metrics port was never opened."""
+    with socket.socket() as taken, socket.socket() as probe:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        probe.bind(("127.0.0.1", 0))
+        grpc_port, metrics_port = probe.getsockname()[1], free_port()
+        probe.close()
+        options = ServerOptions(listen=f"127.0.0.1:{grpc_port}", metrics_port=metrics_port)
+        with pytest.raises(OSError, match="--http-listen"):
+            start_servers(shared.agent, options, HttpOptions(listen=f"127.0.0.1:{taken.getsockname()[1]}"))
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        error = rpc_error(lambda: health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1))
+    assert error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", metrics_port))  # raises if the metrics endpoint had been opened
 
 
 def test_reflection_lists_the_services(shared):
