@@ -111,7 +111,7 @@ class AgentProcess:
                 retries += 1
                 log.warning("agent %s lost its port to another process; starting it on new ports", self.name)
                 self.port, self.metrics_port = free_port(), free_port()
-                self.starts = 0
+                self.starts = 0  # the start below is still this process's first
                 self.start()
                 continue
             if time.monotonic() > deadline:
