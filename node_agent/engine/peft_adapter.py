@@ -353,8 +353,8 @@ class AdapterConfig:
         if self.target_modules is None:
             return self.target_regex.fullmatch(module_name) is not None if self.target_regex else not self.parameters_only
         if module_name in self.target_modules:
-            return True
-        return any(module_name.endswith(f".{t}") for t in self.target_modules) and (
+            return True  # named exactly: layers_to_transform does not apply
+        return _selects(self.target_modules, None, module_name) and (
             not self.layers_to_transform or _layer_index(module_name, self.layer_patterns) in self.layers_to_transform)
 
 
