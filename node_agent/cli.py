@@ -75,7 +75,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where ranks run (default cpu, gloo)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--master-port", type=int, default=0, help="torch.distributed port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--master-port", type=int, default=0,
+                        help="the ranks' rendezvous port on 127.0.0.1, held by the agent while they run (default: one the kernel picks)")
     parser.add_argument("--engine-startup-timeout-s", type=float, default=EngineConfig.startup_timeout_s, metavar="S",
                         help="how long the ranks may take to start and load the base model before the command fails "
                         f"(default {EngineConfig.startup_timeout_s:g}; keep it under a pod's start-up probe)")

@@ -6,6 +6,8 @@ Every collective takes its group explicitly; which group a module uses comes fro
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,17 +28,46 @@ class ProcessGroups:
         return self.groups[group]
 
 
-def init_process_groups(
-    topology: Topology, rank: int, master_addr: str, master_port: int, backend: str, timeout_s: float
-) -> ProcessGroups:
-    """Join the engine's world and build every subgroup (all ranks create all groups, in order)."""
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=topology.tp_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+RENDEZVOUS_HOST = "127.0.0.1"
+# Every rank of an engine runs on one host: gloo's pairs listen on loopback, not on the address
+# the host name resolves to (a pod's IP in Kubernetes), where anyone could reach them.
+LOOPBACK_INTERFACE = "lo"
+
+
+def rendezvous_store(port: int, timeout_s: float) -> dist.TCPStore:
+    """The store the ranks meet at, served by the engine's driver on loopback `port` (0: one the
+    kernel picks; `.port` says which). Raises OSError when the port cannot be bound.
+
+    The driver binds the socket itself and hands it to the store: the port is held from its
+    choice until the ranks are gone, so no other process can take it in between; and it is bound
+    to loopback only, where a store of torch's own making listens on every address.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((RENDEZVOUS_HOST, port))
+        listener.listen()
+        bound = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    descriptor = listener.detach()  # the store owns it from here, and closes it when collected
+    try:
+        return dist.TCPStore(RENDEZVOUS_HOST, bound, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=descriptor)
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def init_process_groups(topology: Topology, rank: int, store_port: int, backend: str, timeout_s: float) -> ProcessGroups:
+    """Join the engine's world at the driver's store (`rendezvous_store`) and build every
+    subgroup (all ranks create all groups, in order)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK_INTERFACE  # read when gloo makes its device
+    store = dist.TCPStore(RENDEZVOUS_HOST, store_port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=topology.tp_size, timeout=timeout)
     coords = topology.coords(rank)
     attn_group = _subgroup(
         [topology.attn_group_ranks(g) for g in range(topology.dp_size)], coords.attn_dp_rank, backend

@@ -17,7 +17,6 @@ import logging
 import pickle
 import queue
 import select
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,9 +30,11 @@ from typing import NoReturn, TypeVar
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.adapter_files import FileDigests, verify_adapter
+from node_agent.engine.distributed import RENDEZVOUS_HOST, rendezvous_store
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner, SpecMemo
 from node_agent.engine.protocol import (
@@ -98,7 +99,7 @@ class EngineConfig:
     max_loaded_loras: int = 32
     device: str = "cpu"
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
-    master_port: int = 0  # 0: pick a free loopback port
+    master_port: int = 0  # the ranks' rendezvous on loopback, served by the driver (0: a port the kernel picks)
     startup_timeout_s: float = 300.0
     call_timeout_s: float = 300.0
     fault_fail_load_on_rank: int | None = None  # test-only fault hook: this rank refuses every load
@@ -272,6 +273,7 @@ class Engine:
         self._lock = threading.RLock()
         self._processes: list[SpawnProcess] = []
         self._conns: list[Connection] = []
+        self._store: TCPStore | None = None  # the ranks' rendezvous, served here while they run
         self._holds: list[tuple[str, ...]] = [() for _ in range(config.topology.tp_size)]  # as each rank last said
         self._running: RunningCommand | None = None  # read without the lock (health)
         self._pinned: set[str] = set()
@@ -321,6 +323,13 @@ class Engine:
         device = config.device
         if device == "cuda" and torch.cuda.device_count() < config.topology.tp_size:
             raise EngineError(f"--tp {config.topology.tp_size} needs that many CUDA devices, found {torch.cuda.device_count()}")
+        try:
+            self._store = rendezvous_store(config.master_port, config.startup_timeout_s)
+        except OSError as error:
+            reason = (error.strerror or str(error)).lower()
+            where = f"{RENDEZVOUS_HOST}:{config.master_port}"
+            raise EngineError(f"--master-port {config.master_port}: cannot listen on {where}: {reason}") from None
+        store_port = self._store.port
         worker_config = WorkerConfig(
             model_dir=Path(config.model_dir),
             topology=config.topology,
@@ -329,7 +338,7 @@ class Engine:
             max_loaded_loras=config.max_loaded_loras,
             device=device,
             dtype=config.dtype or ("float32" if device == "cpu" else "bfloat16"),
-            master_port=config.master_port or _free_port(),
+            store_port=store_port,
             timeout_s=config.startup_timeout_s,
             fault_fail_load_on_rank=config.fault_fail_load_on_rank,
             fault_stall_load_on_rank=config.fault_stall_load_on_rank,
@@ -382,6 +391,7 @@ class Engine:
         for conn in self._conns:
             conn.close()
         self._processes, self._conns = [], []
+        self._store = None
 
     def _stop_step_loop(self) -> None:
         loop = getattr(self, "_loop", None)  # absent when the ranks never started
@@ -794,8 +804,3 @@ def _readable(fds: Sequence[int], timeout_s: float) -> set[int]:
         poller.register(fd, select.POLLIN)
     return {fd for fd, _ in poller.poll(timeout_s * 1000)}
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

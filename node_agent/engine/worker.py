@@ -63,7 +63,7 @@ class WorkerConfig:
     max_loaded_loras: int
     device: str
     dtype: str
-    master_port: int
+    store_port: int  # the driver's rendezvous store (distributed.rendezvous_store)
     timeout_s: float
     kv_cache_bytes: int = 64 << 20  # this rank's KV cache budget
     block_size: int = 16  # tokens per KV block
@@ -86,7 +86,7 @@ class RankWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.groups = init_process_groups(config.topology, rank, "127.0.0.1", config.master_port, backend, config.timeout_s)
+        self.groups = init_process_groups(config.topology, rank, config.store_port, backend, config.timeout_s)
         self.cfg = ModelConfig.from_dir(config.model_dir)
         capacity = LoraCapacity(config.max_lora_rank, config.max_loras_per_batch, config.topology.fully_sharded_loras)
         self.model = CausalLM(self.cfg, config.topology, rank, self.groups, capacity, self.dtype, self.device)

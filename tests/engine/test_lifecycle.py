@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
+import struct
 import time
 
 import pytest
@@ -27,6 +30,56 @@ def test_port_in_use_is_a_clear_error(model_dir):
         port = busy.getsockname()[1]
         with pytest.raises(EngineError, match="address already in use"):
             Engine(EngineConfig(model_dir=model_dir, topology=Topology(2), master_port=port, startup_timeout_s=120))
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP (address, port) pairs process `pid` listens on, from /proc (IPv6 shown as "v6")."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # a descriptor closed while we look
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as rows:
+            for row in rows.readlines()[1:]:
+                local, state, inode = (row.split()[i] for i in (1, 3, 9))
+                if state == "0A" and f"socket:[{inode}]" in inodes:  # 0A: LISTEN
+                    address, port = local.split(":")
+                    shown = socket.inet_ntoa(bytes.fromhex(address)[::-1]) if table == "tcp" else "v6"
+                    found.add((shown, int(port, 16)))
+    return found
+
+
+def _outward_interfaces() -> list[str]:
+    """Interfaces other than loopback that have an IPv4 address."""
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            with contextlib.suppress(OSError):  # SIOCGIFADDR fails for an interface without one
+                fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()))
+                found.append(name)
+    return [name for name in found if name != "lo"]
+
+
+def test_ranks_meet_at_a_store_the_driver_holds_and_listen_on_loopback_only(model_dir, monkeypatch):
+    # gloo listens where GLOO_SOCKET_IFNAME or the host name points: name an interface that is
+    # not loopback, as a pod's host name resolves to the pod's IP.
+    outward = _outward_interfaces()
+    if outward:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", outward[0])
+    before = _listening(os.getpid())
+    engine = Engine(EngineConfig(model_dir=model_dir, topology=Topology(2)))
+    try:
+        # The driver bound the rendezvous before any rank started (no other process can take
+        # the port in between), on loopback.
+        rendezvous = _listening(os.getpid()) - before
+        assert [address for address, _ in rendezvous] == ["127.0.0.1"], rendezvous
+        for pid in engine.pids:
+            ranks = _listening(pid)
+            assert ranks and {address for address, _ in ranks} == {"127.0.0.1"}, (pid, ranks)
+    finally:
+        engine.close()
+    assert _listening(os.getpid()) - before == set()
 
 
 def test_a_rank_that_cannot_start_ends_startup_with_its_reason(model_dir, tmp_path):
