@@ -8,6 +8,7 @@ outlives the process that started it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -28,11 +29,40 @@ class HarnessError(RuntimeError):
     """A local server (or the binaries it needs) could not be found, started or used."""
 
 
+# Ports for servers this harness starts come from 20000-29999: below the kernel's ephemeral
+# range (32768-60999 by default, where bind(0) and every outgoing connection get theirs) and
+# below Kubernetes' NodePorts (30000-32767), in a block of 1000 for each pytest-xdist worker (the
+# other blocks for processes outside pytest-xdist). So the port a child binds a moment after its
+# choice here is not meanwhile taken by a port the kernel handed out, nor chosen by another worker.
+PORT_BASE, PORT_BLOCK, PORT_BLOCKS = 20000, 1000, 10
+_next_in_block = itertools.count()  # this process's walk through its block
+
+
+def port_block() -> range:
+    """This process's ports: its pytest-xdist worker's block (``PYTEST_XDIST_WORKER`` gwN), or
+    for other processes one of the upper blocks, by process id."""
+    worker, half = os.environ.get("PYTEST_XDIST_WORKER", ""), PORT_BLOCKS // 2
+    if worker.startswith("gw") and worker[2:].isdigit():
+        block = int(worker[2:]) % half
+    else:
+        block = half + os.getpid() % half
+    start = PORT_BASE + block * PORT_BLOCK
+    return range(start, start + PORT_BLOCK)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (start-up retries cover the race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port of this process's block (`port_block`) free on 127.0.0.1 now; each call
+    walks on, so a port handed out is not handed out again until the block comes round."""
+    block = port_block()
+    for _ in block:
+        port = block[next(_next_in_block) % len(block)]
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use (or lingering): the next one
+                continue
+            return port
+    raise HarnessError(f"no free port on 127.0.0.1 in {block.start}-{block.stop - 1}")
 
 
 PR_SET_PDEATHSIG = 1

@@ -5,12 +5,48 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError, KubectlError, find_bin_dir
+from lorafleet_dev.processes import port_block
+from tests.kube.harness import CHECKOUT, ControlPlane, HarnessError, KubectlError, find_bin_dir, free_port
+
+
+def test_free_ports_come_from_this_workers_block_outside_the_kernels_range() -> None:
+    """A port chosen here and bound a moment later by a child cannot meanwhile be one the kernel
+    handed to another socket (bind(0), an outgoing connection), nor one chosen again here."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(port in port_block() and not low <= port <= high for port in ports), (low, high, ports)
+
+
+def test_free_port_passes_over_ports_in_use() -> None:
+    first = free_port()
+    held = []
+    for port in range(first + 1, min(first + 4, port_block().stop)):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        held.append(listener)
+    try:
+        assert free_port() not in {listener.getsockname()[1] for listener in held}
+    finally:
+        for listener in held:
+            listener.close()
+
+
+def test_pytest_workers_and_other_processes_get_disjoint_port_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        blocks.append(set(port_block()))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    blocks.append(set(port_block()))
+    assert all(not a & b for i, a in enumerate(blocks) for b in blocks[i + 1:])
 
 
 def test_server_version_is_stamped(kube_cluster: ControlPlane) -> None:
