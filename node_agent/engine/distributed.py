@@ -34,9 +34,15 @@ RENDEZVOUS_HOST = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"
 
 
-def rendezvous_store(port: int, timeout_s: float) -> dist.TCPStore:
+# The driver's own handle on the store only connects to its server once, at creation (it never
+# waits on a key): the ranks' handles carry the engine's start-up timeout.
+_SELF_CONNECT = timedelta(seconds=60)
+
+
+def rendezvous_store(port: int) -> dist.TCPStore:
     """The store the ranks meet at, served by the engine's driver on loopback `port` (0: one the
-    kernel picks; `.port` says which). Raises OSError when the port cannot be bound.
+    kernel picks; `.port` says which). Raises OSError when the port cannot be bound, DistError
+    when the store cannot start on it.
 
     The driver binds the socket itself and hands it to the store: the port is held from its
     choice until the ranks are gone, so no other process can take it in between; and it is bound
@@ -51,13 +57,9 @@ def rendezvous_store(port: int, timeout_s: float) -> dist.TCPStore:
     except OSError:
         listener.close()
         raise
-    descriptor = listener.detach()  # the store owns it from here, and closes it when collected
-    try:
-        return dist.TCPStore(RENDEZVOUS_HOST, bound, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s), master_listen_fd=descriptor)
-    except BaseException:
-        os.close(descriptor)
-        raise
+    # The store owns the descriptor from this call on, and closes it (even when the call fails).
+    return dist.TCPStore(RENDEZVOUS_HOST, bound, is_master=True, wait_for_workers=False, timeout=_SELF_CONNECT,
+                         master_listen_fd=listener.detach())
 
 
 def init_process_groups(topology: Topology, rank: int, store_port: int, backend: str, timeout_s: float) -> ProcessGroups:

@@ -30,7 +30,7 @@ from typing import NoReturn, TypeVar
 import numpy as np
 import torch
 import torch.multiprocessing as mp
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from lorafleet_common.merge import merge_failure_first
 from node_agent.engine.adapter_files import FileDigests, verify_adapter
@@ -323,12 +323,14 @@ class Engine:
         device = config.device
         if device == "cuda" and torch.cuda.device_count() < config.topology.tp_size:
             raise EngineError(f"--tp {config.topology.tp_size} needs that many CUDA devices, found {torch.cuda.device_count()}")
+        where = f"{RENDEZVOUS_HOST}:{config.master_port}"
         try:
-            self._store = rendezvous_store(config.master_port, config.startup_timeout_s)
+            self._store = rendezvous_store(config.master_port)
         except OSError as error:
             reason = (error.strerror or str(error)).lower()
-            where = f"{RENDEZVOUS_HOST}:{config.master_port}"
             raise EngineError(f"--master-port {config.master_port}: cannot listen on {where}: {reason}") from None
+        except DistError as error:
+            raise EngineError(f"the ranks' rendezvous store on {where} did not start: {error}") from None
         store_port = self._store.port
         worker_config = WorkerConfig(
             model_dir=Path(config.model_dir),
