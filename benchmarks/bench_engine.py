@@ -11,7 +11,9 @@
     timed right after a read of the file in the same loop (read, load, read, load ...), the kinds
     of load alternating, so that each ratio compares figures taken in the same seconds; the bytes
     each rank reads per load (its shard's rows, from the page cache: no rank hashes the file);
-    the load with the caller's digests, as the agent loads (the driver then hashes both files once);
+    the load with the caller's digests: of files still as the agent wrote them (the agent's path:
+    the driver compares their identities with those the agent recorded) and of other versions
+    (the driver hashes both files once);
     each rank's peak RSS growth during the engine's first load and during a second one beside
     it (new memory too, without the first's one-time growth), and the loader's own peak
     allocation for one rank's shard (tracemalloc, one process), vs that shard;
@@ -39,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
-from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
+from node_agent.engine import Engine, EngineConfig, FileIdentity, SequenceInput, Topology, WrittenFiles
 from node_agent.engine.adapter_files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, SpecMemo, plan_shard, read_planned_shard
@@ -95,6 +97,11 @@ def rank_read(verified: VerifiedAdapter, layouts: dict[ModuleKey, tuple[LoraSlic
         shard = read_planned_shard(plan, held.weights_fd, tuple(layouts), torch.float32)
         held.check_unchanged()
     return shard.nbytes
+
+
+def as_written(adapter: Path) -> WrittenFiles:
+    """The files' identities, as the agent records them once it has written and hashed a snapshot."""
+    return WrittenFiles(*(FileIdentity.of(os.stat(adapter / name)) for name in (WEIGHTS_FILE, CONFIG_FILE)))
 
 
 def file_digests(adapter: Path) -> FileDigests:
@@ -196,7 +203,7 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     hash_once = timed(lambda: file_digests(adapter), repeats)
     configs, recipes = config_variants(root, adapter, repeats), config_variants(root, adapter, repeats, new_headers=True)
     os.sync()  # the new files written back now, not by a kernel thread during the timed loads
-    digests = file_digests(adapter)
+    digests, written = file_digests(adapter), as_written(adapter)
     with Engine(EngineConfig(model_dir=model, topology=Topology(4, 1), max_lora_rank=RANK)) as engine:
         # Memory from the engine's first load: later loads reuse the heap the unloads freed.
         first = engine.load_adapter("bench", adapter).ranks
@@ -209,7 +216,7 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
         command_bytes = [len(pickle.dumps(Load("bench", verified.files, plan, False), pickle.HIGHEST_PROTOCOL)) + 4
                          for plan in plans]
-        seen_loads, config_loads, new_loads, hashed_loads = Paired(), Paired(), Paired(), Paired()
+        seen_loads, config_loads, new_loads, hashed_loads, agent_loads = Paired(), Paired(), Paired(), Paired(), Paired()
         # The kinds alternate load by load, each after its own read: one kind never runs in a
         # quieter minute than another.
         for config, recipe in zip(configs, recipes, strict=True):
@@ -222,6 +229,7 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
             # Its own file, read just before it as every other kind's file is.
             new_loads.add(engine, lambda recipe=recipe: read(recipe), lambda recipe=recipe: engine.load_adapter("bench", recipe))
             hashed_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter, expected=digests))
+            agent_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter, expected=digests, written=written))
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>8.2f} ms   (alone, before the loads)")
     print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>8.2f} ms   ratio {validate_once / read_once:.2f}x"
@@ -231,7 +239,8 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     print(seen_loads.line("  config and header seen before"))
     print(config_loads.line("  a new config, header seen before"))
     print(new_loads.line("  bytes new to the engine"))
-    print(hashed_loads.line("  with the digests (agent path)") + f"; hashing both files alone {hash_once * 1e3:.2f} ms")
+    print(hashed_loads.line("  with digests, files hashed") + f"; hashing both files alone {hash_once * 1e3:.2f} ms")
+    print(agent_loads.line("  with digests, as written (agent)"))
     print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"
           "   (first load; second load beside it)")
     for reply, beside, rank_reads in zip(first, second, reads, strict=True):

@@ -256,7 +256,8 @@ class Agent:
         engine_name = self.registry.new_engine_name(name)
         try:
             with _discarded_on_failure(source):  # every failure, expected or not: no snapshot stays behind
-                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=source.content)
+                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=source.content,
+                                                   written=source.written)
         except RankLoadError as error:  # refused somewhere (or read other bytes); the engine rolled the others back
             source.discard()
             return self._public(error.result)

@@ -80,7 +80,14 @@ from pathlib import Path, PurePosixPath
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
-from node_agent.engine import ADAPTER_CONFIG_FIELDS, AdapterLoadError, FileDigests, read_adapter_config
+from node_agent.engine import (
+    ADAPTER_CONFIG_FIELDS,
+    AdapterLoadError,
+    FileDigests,
+    FileIdentity,
+    WrittenFiles,
+    read_adapter_config,
+)
 from node_agent.errors import InvalidRequest, SourceNotFound, SourceRefused, SourceUnavailable, TooManyDownloads
 from node_agent.hub import COMMIT_HEADER, DEFAULT_HUB_ENDPOINT, parse_hub_uri, pinned_commit
 
@@ -216,6 +223,35 @@ Content = FileDigests
 
 
 @dataclass(frozen=True)
+class _Written:
+    """A file the agent wrote: the sha256 of every byte written, and its identity after the last."""
+
+    sha256: str
+    identity: FileIdentity
+
+
+class _HashedWriter:
+    """Writes a new file of a snapshot or a download and hashes the same bytes on the way."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.digest = out, hashlib.sha256()
+
+    def write(self, chunk: bytes) -> None:
+        self.digest.update(chunk)
+        self.out.write(chunk)
+
+    def done(self) -> _Written:
+        """The digest, and the identity taken through the descriptor once every byte is out (a
+        stat by path could name another file by then)."""
+        self.out.flush()
+        return _Written(self.digest.hexdigest(), FileIdentity.of(os.fstat(self.out.fileno())))
+
+
+def _content(weights: _Written, config: _Written) -> tuple[Content, WrittenFiles]:
+    return Content(weights.sha256, config.sha256), WrittenFiles(weights.identity, config.identity)
+
+
+@dataclass(frozen=True)
 class ResolvedSource:
     """A checked private adapter directory: a download (`downloaded`) or a file:// snapshot.
 
@@ -228,6 +264,8 @@ class ResolvedSource:
     downloaded: bool = False
     owned: bool = False
     revision: str = ""  # hf:// sources: the commit both files were fetched at
+    # The files' identities once written and hashed: the engine need not hash them again.
+    written: WrittenFiles | None = None
 
     def discard(self) -> None:
         """Remove the agent's private copy (downloads and snapshots)."""
@@ -423,28 +461,29 @@ def _resolve_file(uri: str, shown: str, host: str, raw_path: str, extra: str, po
             files[name] = (fd, cap)
         snapshot = _private_dir(policy, SNAPSHOT_PREFIX)
         try:
-            digests = {name: _copy_fd(fd, snapshot / name, cap, f"{name} in {shown!r}") for name, (fd, cap) in files.items()}
+            written = {name: _copy_fd(fd, snapshot / name, cap, f"{name} in {shown!r}") for name, (fd, cap) in files.items()}
         except BaseException:
             shutil.rmtree(snapshot, ignore_errors=True)
             raise
     log.debug("snapshotted %s into %s", shown, snapshot)
-    return ResolvedSource(uri, snapshot, Content(digests[ADAPTER_WEIGHTS], digests[ADAPTER_CONFIG]), owned=True)
+    content, identities = _content(written[ADAPTER_WEIGHTS], written[ADAPTER_CONFIG])
+    return ResolvedSource(uri, snapshot, content, owned=True, written=identities)
 
 
-def _copy_fd(fd: int, dest: Path, cap: int, what: str) -> str:
-    """Copy an open file into `dest` (never more than `cap` bytes); the sha256 of what was written."""
-    digest, total = hashlib.sha256(), 0
+def _copy_fd(fd: int, dest: Path, cap: int, what: str) -> _Written:
+    """Copy an open file into `dest` (never more than `cap` bytes); what was written."""
+    total = 0
     try:
         with open(dest, "xb") as out:
+            writer = _HashedWriter(out)
             while chunk := os.read(fd, CHUNK_BYTES):
                 total += len(chunk)
                 if total > cap:  # the file grew after it was measured
                     raise SourceRefused(f"{what} exceeds the {cap}-byte cap", "too_large")
-                digest.update(chunk)
-                out.write(chunk)
+                writer.write(chunk)
+            return writer.done()
     except OSError as error:  # a read error under the root, or a full cache
         raise SourceUnavailable(f"copying {what} into {dest.parent} failed: {error.strerror or error}", "snapshot_failed") from None
-    return digest.hexdigest()
 
 
 def _kind(mode: int) -> str:
@@ -827,9 +866,10 @@ def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, credential
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
     base = uri.rstrip("/")
-    target, content, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}",
+    target, written, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}",
                                         progress=progress)
-    return ResolvedSource(uri, target, content, downloaded=True, owned=True)
+    content, identities = _content(*written)
+    return ResolvedSource(uri, target, content, downloaded=True, owned=True, written=identities)
 
 
 def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None,
@@ -840,19 +880,22 @@ def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: Source
     def weights_url(answered: str | None) -> str:
         return hub.file_url(endpoint, ADAPTER_WEIGHTS, pinned_commit(hub, answered, shown))
 
-    target, content, commit = _fetch_adapter(shown, policy, credential, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
+    target, written, commit = _fetch_adapter(shown, policy, credential, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
                                              also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS), progress=progress)
     log.debug("downloaded %s (%s at commit %s) into %s", shown, hub.repo_id, commit or hub.revision, target)
-    return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown))
+    content, identities = _content(*written)
+    return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown),
+                          written=identities)
 
 
 def _fetch_adapter(
     shown: str, policy: SourcePolicy, credential: SourceCredential | None, config_url: str, weights_url: Callable[[str | None], str],
     also_allowed: str | None = None, progress: DownloadProgress | None = None,
-) -> tuple[Path, Content, str | None]:
+) -> tuple[Path, tuple[_Written, _Written], str | None]:
     """Download both files into a fresh private directory, under every http(s) check: the config
     first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the config's
-    answers carried, or None). Returns the directory, the digests and that commit."""
+    answers carried, or None). Returns the directory, what was written (weights, config) and that
+    commit."""
     prefixes = _prefixes(tuple(policy.allowed_sources))
     for url in (config_url, also_allowed or weights_url(None)):
         _check_allowed(url, prefixes, what=f"the source {shown!r}")
@@ -868,18 +911,18 @@ def _fetch_adapter(
                 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), redirects)
                 fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s,
                                           credential=credential, answers=redirects.hops, progress=progress)
-                config_sha = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+                config = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 _check_downloaded_config(target, shown)
                 commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
                 url = weights_url(commit)
                 _check_allowed(url, prefixes, what=f"the source {shown!r}")
-                weights_sha = fetch(url, target / ADAPTER_WEIGHTS, policy.max_download_bytes)
+                weights = fetch(url, target / ADAPTER_WEIGHTS, policy.max_download_bytes)
                 _check_downloaded_weights(target / ADAPTER_WEIGHTS, shown)
         except BaseException:
             shutil.rmtree(target, ignore_errors=True)
             raise
     log.debug("downloaded %s into %s", shown, target)
-    return target, Content(weights_sha, config_sha), commit
+    return target, (weights, config), commit
 
 
 def _check_downloaded_config(directory: Path, shown: str) -> None:
@@ -919,8 +962,8 @@ def _reason_phrase(code: int) -> str:
 
 def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float,
            credential: SourceCredential | None = None, answers: list[HTTPMessage] | None = None,
-           progress: DownloadProgress | None = None) -> str:
-    """Stream `url` into `dest`, refusing more than `cap` bytes; returns the sha256. `credential`
+           progress: DownloadProgress | None = None) -> _Written:
+    """Stream `url` into `dest`, refusing more than `cap` bytes; returns what was written. `credential`
     goes to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
     shown = redact_uri(url)
     request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
@@ -937,7 +980,7 @@ def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirec
                 raise SourceRefused(f"{shown} is {declared} bytes, over the {cap}-byte cap", "too_large")
             if progress is not None and declared is not None:
                 progress.expect(declared)
-            digest, total = hashlib.sha256(), 0
+            writer, total = _HashedWriter(out), 0
             while chunk := response.read1(CHUNK_BYTES):
                 total += len(chunk)
                 watchdog.count(len(chunk))
@@ -945,12 +988,11 @@ def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirec
                     progress.count(len(chunk))
                 if total > cap:  # a server may omit or understate Content-Length
                     raise SourceRefused(f"{shown} exceeds the {cap}-byte cap", "too_large")
-                digest.update(chunk)
-                out.write(chunk)
+                writer.write(chunk)
             _check_watchdog(watchdog, shown)
             if declared is not None and total != declared:
                 raise SourceUnavailable(f"download of {shown} failed: the body ended after {total} of {declared} bytes (truncated)")
-            return digest.hexdigest()
+            return writer.done()
     except urllib.error.HTTPError as error:
         status = f"HTTP {error.code} {_reason_phrase(error.code)}".rstrip()
         if error.code in (404, 410):

@@ -54,6 +54,7 @@ from node_agent.engine import (
     RankLoadError,
     RankReply,
     SliceShape,
+    WrittenFiles,
 )
 from node_agent.engine.engine import R
 from node_agent.engine.model_config import ModelConfig
@@ -158,7 +159,8 @@ class SimulatedEngine(Engine):
         return SimulatedRank(rank, coords.attn_dp_rank, coords.attn_tp_rank, tuple(modules),
                              self.config.max_loaded_loras, self._fails_loads)
 
-    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None) -> ControlResult:
+    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None,
+                     written: WrittenFiles | None = None) -> ControlResult:
         """The driver's load without its file checks (no rank reads the files): under the
         command lock, every rank's reply merged failure-first, a partial load rolled back by
         the real driver's rollback (``RankLoadError`` carries every rank's answer)."""

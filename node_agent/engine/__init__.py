@@ -5,7 +5,7 @@ replies (`node_agent.engine.protocol`); a load or unload answers with one `Contr
 merged failure-first, that carries what every rank holds afterwards.
 """
 
-from node_agent.engine.adapter_files import ContentChanged, FileDigests
+from node_agent.engine.adapter_files import ContentChanged, FileDigests, FileIdentity, WrittenFiles
 from node_agent.engine.engine import (
     Engine,
     EngineConfig,
@@ -52,6 +52,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "FileDigests",
+    "FileIdentity",
     "FinishReason",
     "GeneratedStep",
     "Generation",
@@ -70,6 +71,7 @@ __all__ = [
     "TokenLogprobs",
     "Topology",
     "TopologyError",
+    "WrittenFiles",
     "read_adapter_config",
     "validate_adapter",
 ]

@@ -70,6 +70,17 @@ class FileIdentity:
 
 
 @dataclass(frozen=True)
+class WrittenFiles:
+    """The identities an adapter's two files had once their writer had written and hashed every
+    byte of them (the agent's private snapshot, whose `FileDigests` are of those bytes). Files
+    still of these identities hold those bytes, by the argument a rank's read rests on (module
+    docstring), so the driver takes the digests as read instead of hashing the files again."""
+
+    weights: FileIdentity
+    config: FileIdentity
+
+
+@dataclass(frozen=True)
 class VerifiedFiles:
     """Which versions of an adapter's two files the driver checked: what a rank holds its reads to."""
 
@@ -121,6 +132,10 @@ class HeldFiles:
         """The sha256 of both files, read through the held descriptors."""
         return FileDigests(_sha256(self.fds[WEIGHTS_FILE]), _sha256(self.fds[CONFIG_FILE]))
 
+    def are(self, written: WrittenFiles | None) -> bool:
+        """Whether the held files are the versions their writer recorded (False for None)."""
+        return written is not None and (self.identities[WEIGHTS_FILE], self.identities[CONFIG_FILE]) == (written.weights, written.config)
+
     def require(self, verified: VerifiedFiles) -> None:
         """Refuse files that are not the verified versions (ContentChanged)."""
         for name, want in ((WEIGHTS_FILE, verified.weights), (CONFIG_FILE, verified.config)):
@@ -149,20 +164,23 @@ class HeldFiles:
         self.close()
 
 
-def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None) -> VerifiedAdapter:
-    """Check an adapter once for every rank: its files' digests (when `expected`), its config,
-    patterns and header against the base model of `specs` (which remembers the specs of bytes
-    it validated before). Raises AdapterLoadError naming the problem."""
+def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None,
+                   written: WrittenFiles | None = None) -> VerifiedAdapter:
+    """Check an adapter once for every rank: its files' digests (when `expected`; hashed unless
+    the files are still the `written` ones), its config, patterns and header against the base
+    model of `specs` (which remembers the specs of bytes it validated before). Raises
+    AdapterLoadError naming the problem."""
     try:
         with HeldFiles(path, "the driver") as held:
-            return _verify_held(held, specs, expected)
+            return _verify_held(held, specs, expected, written)
     except CannotOpen:
         read_adapter_spec(Path(path), specs.cfg, specs.max_lora_rank)  # its refusal names a missing or pickled file exactly
         raise
 
 
-def _verify_held(held: HeldFiles, specs: SpecMemo, expected: FileDigests | None) -> VerifiedAdapter:
-    if expected is not None:
+def _verify_held(held: HeldFiles, specs: SpecMemo, expected: FileDigests | None,
+                 written: WrittenFiles | None) -> VerifiedAdapter:
+    if expected is not None and not held.are(written):
         read = held.digests()
         if read != expected:
             raise ContentChanged(_digest_mismatch(read, expected))

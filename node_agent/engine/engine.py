@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from torch.distributed import DistError, TCPStore
 
 from lorafleet_common.merge import merge_failure_first
-from node_agent.engine.adapter_files import FileDigests, verify_adapter
+from node_agent.engine.adapter_files import FileDigests, WrittenFiles, verify_adapter
 from node_agent.engine.distributed import RENDEZVOUS_HOST, rendezvous_store
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner, SpecMemo
@@ -438,18 +438,20 @@ class Engine:
             raise EngineError(merged.error)
         return replies
 
-    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None) -> ControlResult:
+    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None,
+                     written: WrittenFiles | None = None) -> ControlResult:
         """Load on every rank, or on none: a failure anywhere is rolled back everywhere
         (`RankLoadError` then carries every rank's answer).
 
         The adapter is validated once, here and before the command lock (`verify_adapter`:
         AdapterLoadError names what is wrong; no rank is asked). With `expected` (the digests the
-        caller verified) the files must have those digests; every rank then reads exactly the
-        verified files or refuses (`adapter_files`).
+        caller verified) the files must have those digests, hashed here unless they are still the
+        `written` versions their writer hashed; every rank then reads exactly the verified files
+        or refuses (`adapter_files`).
         """
         if name in self.adapters:
             raise AdapterLoadError(f"adapter {name!r} is already loaded")
-        verified = verify_adapter(Path(path), self._specs, expected)
+        verified = verify_adapter(Path(path), self._specs, expected, written)
         # Every rank's read, planned once here from its layouts: a rank unpickles flat arrays
         # and copies bytes, with no per-module work of its own (docs/engine.md "Measured").
         plans = self._planner.plans(verified.spec)

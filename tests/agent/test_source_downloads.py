@@ -7,6 +7,7 @@ called in-process, and each status code is checked once through the shared agent
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import http.server
 import json
 import logging
@@ -26,6 +27,7 @@ import pytest
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_dev.pki import Authority
 from node_agent import errors
+from node_agent.engine import FileDigests, FileIdentity, WrittenFiles
 from node_agent.errors import SourceRefused, SourceUnavailable
 from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ResolvedSource, SourcePolicy, resolve_source
 from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, rpc_error, wait_until
@@ -184,7 +186,15 @@ def test_honest_downloads_still_pass_under_the_limits(tmp_path, served):
     with misbehaving(served) as http:
         source = resolve_source(http.url("files", "ad"), None, policy(tmp_path, download_timeout_s=30, download_rate_window_s=1.0))
     assert (source.path / ADAPTER_WEIGHTS).read_bytes() == (served / "ad" / ADAPTER_WEIGHTS).read_bytes()
+    # What the engine is told: the digests of the bytes written, and the files' identities after.
+    assert source.content == FileDigests(*(sha256_of(source.path / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)))
+    assert source.written == WrittenFiles(*(FileIdentity.of(os.stat(source.path / name))
+                                            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)))
     source.discard()
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_https_downloads_verify_the_server_and_obey_the_deadline(tmp_path, served, monkeypatch):

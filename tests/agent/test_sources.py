@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
+from node_agent.engine import FileDigests, FileIdentity, WrittenFiles
 from node_agent.errors import SourceNotFound, SourceRefused, SourceUnavailable
 from node_agent.sources import SourcePolicy, clean_cache, parse_sha256, resolve_source
 from tests.agent.helpers import LOOPBACK_SOURCES, http_server, make_adapter, rpc_error
@@ -117,6 +118,10 @@ def test_symlinks_that_stay_inside_a_root_are_followed(tmp_path):
     assert source.path.parent == tmp_path / "cache" and source.owned and not source.downloaded
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (source.path / name).read_bytes() == (real / "ad" / name).read_bytes()
+    # What the engine is told: the digests of the bytes written, and the files' identities after.
+    files = [source.path / name for name in ("adapter_model.safetensors", "adapter_config.json")]
+    assert source.content == FileDigests(*(hashlib.sha256(file.read_bytes()).hexdigest() for file in files))
+    assert source.written == WrittenFiles(*(FileIdentity.of(os.stat(file)) for file in files))
 
 
 def test_file_sources_need_an_adapter_root_and_http_sources_a_cache(tmp_path):
