@@ -98,7 +98,9 @@ class AgentProcess:
 
         A first start whose port another process took after `free_port` chose it (the agent
         exits with "Address already in use") is started again on new ports, at most
-        `PORT_RETRIES` times; a restart keeps its ports (it models a restarted container)."""
+        `PORT_RETRIES` times; a restart keeps its ports (it models a restarted container).
+        `free_port` keeps this harness's processes off each other's ports and off the kernel's;
+        this covers what it cannot: another program on the machine binding a port of the block."""
         deadline = time.monotonic() + timeout_s
         retries = 0
         while True:
