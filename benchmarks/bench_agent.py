@@ -71,8 +71,10 @@ def bench_load(agent: Agent, stub: agent_pb2_grpc.NodeAgentStub, adapter: Path, 
         samples["describe"].append(time_once(agent.engine.describe))
     size = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     engine = statistics.median(samples["engine"])
-    print(f"\n(a) adapter load on tp=2 dp=2, rank {RANK}, {SHAPE.num_layers} layers x 7 modules, file {size:.2f} MiB, "
-          f"{repeats} repeats (median, range)")
+    print(
+        f"\n(a) adapter load on tp=2 dp=2, rank {RANK}, {SHAPE.num_layers} layers x 7 modules, file {size:.2f} MiB, "
+        f"{repeats} repeats (median, range)"
+    )
     print(f"{'Engine.load_adapter (in-process)':<40}{spread(samples['engine'])}")
     for key, label in (("agent", "Agent.load (in-process)"), ("grpc", "LoadAdapter over gRPC"), ("describe", "one describe fan-out")):
         ratio = statistics.median(samples[key]) / engine
@@ -95,12 +97,14 @@ def bench_forward(agent: Agent, stub: agent_pb2_grpc.NodeAgentStub, adapters: li
         for _ in range(repeats):
             samples.setdefault((label, "in-process"), []).append(time_once(in_process))
             samples.setdefault((label, "gRPC"), []).append(time_once(over_grpc))
-    print(f"\n(b) Forward, tp=2 dp=2, {BATCH} sequences x {TOKENS} tokens, vocab {SHAPE.vocab_size} "
-          f"({BATCH * TOKENS * SHAPE.vocab_size * 4 / 2**20:.0f} MiB of logits), {repeats} repeats")
+    print(
+        f"\n(b) Forward, tp=2 dp=2, {BATCH} sequences x {TOKENS} tokens, vocab {SHAPE.vocab_size} "
+        f"({BATCH * TOKENS * SHAPE.vocab_size * 4 / 2**20:.0f} MiB of logits), {repeats} repeats"
+    )
     print(f"{'batch':<14}{'path':<12}{'latency (median, range)':>32}{'tokens/s':>12}")
     for (label, path), values in samples.items():
         print(f"{label:<14}{path:<12}{spread(values):>32}{BATCH * TOKENS / statistics.median(values):>12.0f}")
-    one, eight = (statistics.median(samples[(label, 'gRPC')]) for label in batches)
+    one, eight = (statistics.median(samples[(label, "gRPC")]) for label in batches)
     print(f"8 adapters vs 1 adapter over gRPC: {eight / one:.2f}x the latency")
     for name in names:
         agent.unload(name)

@@ -40,8 +40,12 @@ def base_shapes() -> list[tuple[int, int]]:
     """[out, in] of every dense weight of one rank at tp 1: qkv, o, gate_up, down per layer, the LM head."""
     s = BENCHMARK_MODEL
     qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    layer = [(qkv, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
-             (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size)]
+    layer = [
+        (qkv, s.hidden_size),
+        (s.hidden_size, s.num_heads * s.head_dim),
+        (2 * s.intermediate_size, s.hidden_size),
+        (s.hidden_size, s.intermediate_size),
+    ]
     return layer * s.num_layers + [(s.vocab_size, s.hidden_size)]
 
 
@@ -49,8 +53,12 @@ def lora_modules() -> list[tuple[int, list[int]]]:
     """(in, slice widths) of every LoRA module of the benchmark model's layers."""
     s = BENCHMARK_MODEL
     kv = s.num_kv_heads * s.head_dim
-    layer = [(s.hidden_size, [s.num_heads * s.head_dim, kv, kv]), (s.num_heads * s.head_dim, [s.hidden_size]),
-             (s.hidden_size, [s.intermediate_size, s.intermediate_size]), (s.intermediate_size, [s.hidden_size])]
+    layer = [
+        (s.hidden_size, [s.num_heads * s.head_dim, kv, kv]),
+        (s.num_heads * s.head_dim, [s.hidden_size]),
+        (s.hidden_size, [s.intermediate_size, s.intermediate_size]),
+        (s.intermediate_size, [s.hidden_size]),
+    ]
     return layer * s.num_layers
 
 
@@ -95,8 +103,10 @@ def bench_base(repeats: int, evict: torch.Tensor, lib: ctypes.CDLL | None) -> No
         m = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
         one_row_mkl = one_row_mkl or m["mkl"]
         own = m.get("compiled")
-        print(f"{rows:>6}{m['mkl']:>16.2f}{m['onednn']:>16.2f}" + (
-            f"{own:>12.2f}{own / m['onednn']:>19.2f}x{own / one_row_mkl:>13.2f}x" if own is not None else f"{'-':>12}"))
+        print(
+            f"{rows:>6}{m['mkl']:>16.2f}{m['onednn']:>16.2f}"
+            + (f"{own:>12.2f}{own / m['onednn']:>19.2f}x{own / one_row_mkl:>13.2f}x" if own is not None else f"{'-':>12}")
+        )
 
 
 @dataclass
@@ -111,10 +121,14 @@ class LoraModule:
 
 
 def bench_lora(repeats: int, evict: torch.Tensor, lib: ctypes.CDLL | None) -> None:
-    modules = [LoraModule(torch.randn(SLOTS, RANK * len(widths), inp) / inp**0.5,
-                          [torch.randn(SLOTS, RANK, w).transpose(1, 2) / RANK**0.5 for w in widths],  # column-major, as the layers
-                          torch.rand(len(widths), SLOTS) + 0.5)
-               for inp, widths in lora_modules()]
+    modules = [
+        LoraModule(
+            torch.randn(SLOTS, RANK * len(widths), inp) / inp**0.5,
+            [torch.randn(SLOTS, RANK, w).transpose(1, 2) / RANK**0.5 for w in widths],  # column-major, as the layers
+            torch.rand(len(widths), SLOTS) + 0.5,
+        )
+        for inp, widths in lora_modules()
+    ]
     buffers = [cpu_kernels.lora_buffers(m.a_joined, m.b_stacks, m.scales) for m in modules]
     views = [(tuple(m.a_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in m.b_stacks), strict=True))) for m in modules]
     mb = sum(m.a_joined.numel() + sum(b.numel() for b in m.b_stacks) for m in modules) * 4 / 2**20
@@ -151,8 +165,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lib = cpu_kernels.library()
-    print(f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads, "
-          f"load average {os.getloadavg()[0]:.2f}; compiled kernels {'built' if lib is not None else 'UNAVAILABLE (see the log)'}")
+    print(
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads, "
+        f"load average {os.getloadavg()[0]:.2f}; compiled kernels {'built' if lib is not None else 'UNAVAILABLE (see the log)'}"
+    )
     evict = torch.zeros(320 << 18)  # 320 MiB of fp32
     with torch.inference_mode():
         bench_base(args.repeats, evict, lib)

@@ -180,10 +180,12 @@ class Paired:
         ranks = statistics.median(sum(row) for row in self.ranks)
         cores = os.cpu_count() or 1
         floor = driver + ranks / min(cores, len(per_rank))
-        return (f"{label:<34}{load * 1e3:>8.2f} ms   read {read * 1e3:.2f} ms   ratio {load / read:.2f}x"
-                f" (per pair {pairs:.2f}x)\n{'':<34}CPU driver {driver * 1e3:.2f} ms, ranks "
-                f"{' / '.join(f'{c * 1e3:.2f}' for c in per_rank)} ms (sum {ranks * 1e3:.2f}); floor on {cores} cores "
-                f"{floor * 1e3:.2f} ms = {floor / statistics.median(self.read_cpu):.2f}x the read's CPU")
+        return (
+            f"{label:<34}{load * 1e3:>8.2f} ms   read {read * 1e3:.2f} ms   ratio {load / read:.2f}x"
+            f" (per pair {pairs:.2f}x)\n{'':<34}CPU driver {driver * 1e3:.2f} ms, ranks "
+            f"{' / '.join(f'{c * 1e3:.2f}' for c in per_rank)} ms (sum {ranks * 1e3:.2f}); floor on {cores} cores "
+            f"{floor * 1e3:.2f} ms = {floor / statistics.median(self.read_cpu):.2f}x the read's CPU"
+        )
 
 
 def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
@@ -214,16 +216,14 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
         reads: list[list[int]] = [[] for _ in engine.pids]
         # What a rank's pipe delivers for a load: its pickled command (as the driver sends it) and its length.
         plans = tuple(plan_shard(verified.spec, rank_layouts(cfg, Topology(4, 1), rank), torch.float32) for rank in range(4))
-        command_bytes = [len(pickle.dumps(Load("bench", verified.files, plan, False), pickle.HIGHEST_PROTOCOL)) + 4
-                         for plan in plans]
+        command_bytes = [len(pickle.dumps(Load("bench", verified.files, plan, False), pickle.HIGHEST_PROTOCOL)) + 4 for plan in plans]
         seen_loads, config_loads, new_loads, hashed_loads, agent_loads = Paired(), Paired(), Paired(), Paired(), Paired()
         # The kinds alternate load by load, each after its own read: one kind never runs in a
         # quieter minute than another.
         for config, recipe in zip(configs, recipes, strict=True):
             read_before = rank_read_chars(engine.pids)
             seen_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter))
-            for rank_reads, after, before, command in zip(reads, rank_read_chars(engine.pids), read_before, command_bytes,
-                                                          strict=True):
+            for rank_reads, after, before, command in zip(reads, rank_read_chars(engine.pids), read_before, command_bytes, strict=True):
                 rank_reads.append(after - before - command)
             config_loads.add(engine, read, lambda config=config: engine.load_adapter("bench", config))
             # Its own file, read just before it as every other kind's file is.
@@ -232,8 +232,10 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
             agent_loads.add(engine, read, lambda: engine.load_adapter("bench", adapter, expected=digests, written=written))
     print(f"\n(a) adapter load, rank {RANK}, all 7 modules x {SHAPE.num_layers} layers, file {file_bytes / 2**20:.2f} MiB")
     print(f"{'read file once (1 process)':<34}{read_once * 1e3:>8.2f} ms   (alone, before the loads)")
-    print(f"{'validation, once (the driver)':<34}{validate_once * 1e3:>8.2f} ms   ratio {validate_once / read_once:.2f}x"
-          f"   (bytes validated before: {validate_seen * 1e3:.2f} ms)")
+    print(
+        f"{'validation, once (the driver)':<34}{validate_once * 1e3:>8.2f} ms   ratio {validate_once / read_once:.2f}x"
+        f"   (bytes validated before: {validate_seen * 1e3:.2f} ms)"
+    )
     print(f"{'one rank reads its shard':<34}{rank_once * 1e3:>8.2f} ms   ratio {rank_once / read_once:.2f}x")
     print("Engine.load_adapter, tp=4, each load right after a read of the file (medians):")
     print(seen_loads.line("  config and header seen before"))
@@ -241,17 +243,23 @@ def bench_load(root: Path, model: Path, adapter: Path, repeats: int) -> None:
     print(new_loads.line("  bytes new to the engine"))
     print(hashed_loads.line("  with digests, files hashed") + f"; hashing both files alone {hash_once * 1e3:.2f} ms")
     print(agent_loads.line("  with digests, as written (agent)"))
-    print(f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"
-          "   (first load; second load beside it)")
+    print(
+        f"{'rank':<6}{'shard MiB':>12}{'peak RSS growth MiB':>22}{'growth / shard':>16}{'shard / file':>14}"
+        "   (first load; second load beside it)"
+    )
     for reply, beside, rank_reads in zip(first, second, reads, strict=True):
         shard, growth, then = reply.shard_bytes, reply.peak_rss_growth_bytes, beside.peak_rss_growth_bytes
         read_bytes = statistics.median(rank_reads)
-        print(f"{reply.rank:<6}{shard / 2**20:>12.2f}{growth / 2**20:>10.2f}; {then / 2**20:>.2f}"
-              f"{growth / shard:>10.2f}; {then / shard:.2f}{shard / file_bytes:>14.2f}"
-              f"   reads {read_bytes / 2**20:.2f} MiB of the file per load ({read_bytes / file_bytes:.2f} of it)")
+        print(
+            f"{reply.rank:<6}{shard / 2**20:>12.2f}{growth / 2**20:>10.2f}; {then / 2**20:>.2f}"
+            f"{growth / shard:>10.2f}; {then / shard:.2f}{shard / file_bytes:>14.2f}"
+            f"   reads {read_bytes / 2**20:.2f} MiB of the file per load ({read_bytes / file_bytes:.2f} of it)"
+        )
     peak, shard_bytes = loader_peak(adapter, cfg, layouts)
-    print(f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>8.2f} MiB   {peak / shard_bytes:.2f}x its shard "
-          f"({shard_bytes / 2**20:.2f} MiB)")
+    print(
+        f"{'loader peak allocation, rank 0':<34}{peak / 2**20:>8.2f} MiB   {peak / shard_bytes:.2f}x its shard "
+        f"({shard_bytes / 2**20:.2f} MiB)"
+    )
 
 
 def bench_forward(root: Path, model: Path, repeats: int) -> None:

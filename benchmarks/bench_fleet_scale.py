@@ -250,8 +250,9 @@ class PhaseWatch:
         self.requests += 1
         # The server ends each watch within a minute: then a fresh list (a closed watch's thread
         # ends by then too).
-        for event in self._watch.stream(self.api.list_namespaced_custom_object, *args, timeout_seconds=60,
-                                        resource_version=listed["metadata"]["resourceVersion"]):
+        for event in self._watch.stream(
+            self.api.list_namespaced_custom_object, *args, timeout_seconds=60, resource_version=listed["metadata"]["resourceVersion"]
+        ):
             item = event["object"]
             if event["type"] == "ERROR":
                 raise ApiException(status=int(item.get("code", 0)), reason=str(item.get("reason", "")))
@@ -279,8 +280,7 @@ def _phase(item: dict[str, Any]) -> str:
 class Bench:
     """The control plane, the operator and a simulated fleet, and the cases run on them."""
 
-    def __init__(self, root: Path, cluster: ControlPlane, agents: int, adapters: dict[str, Path],
-                 server_side: bool = False) -> None:
+    def __init__(self, root: Path, cluster: ControlPlane, agents: int, adapters: dict[str, Path], server_side: bool = False) -> None:
         self.root, self.cluster, self.agents, self.adapters = root, cluster, agents, adapters
         self.server_side = server_side  # apply with `kubectl apply --server-side`
         self.model = write_model(root / "model", SHAPE)
@@ -297,10 +297,26 @@ class Bench:
         ports_file = self.root / f"ports-{failing}.json"
         with open(self.root / "simagents.log", "ab") as out:
             self.fleet = subprocess.Popen(
-                [sys.executable, "-m", "lorafleet_dev.simagents", "--model", str(self.model),
-                 "--adapter-root", str(self.root / "adapters"), "--base-model-name", "tiny",
-                 "--count", str(self.agents), "--failing", str(failing), "--ports-file", str(ports_file)],
-                stdout=out, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "lorafleet_dev.simagents",
+                    "--model",
+                    str(self.model),
+                    "--adapter-root",
+                    str(self.root / "adapters"),
+                    "--base-model-name",
+                    "tiny",
+                    "--count",
+                    str(self.agents),
+                    "--failing",
+                    str(failing),
+                    "--ports-file",
+                    str(ports_file),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 300
         while not ports_file.exists():
             if self.fleet.poll() is not None or time.monotonic() > deadline:
@@ -318,13 +334,26 @@ class Bench:
         self.fleet = None
 
     def start_operator(self) -> None:
-        self.cluster.apply(json.dumps({
-            "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet", "metadata": {"name": "default"},
-            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}}}), self.ns)
+        self.cluster.apply(
+            json.dumps(
+                {
+                    "apiVersion": "lorafleet.dev/v1alpha1",
+                    "kind": "LoraFleet",
+                    "metadata": {"name": "default"},
+                    "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}},
+                }
+            ),
+            self.ns,
+        )
         self.metrics_port = free_port()
-        env = {**self.cluster.tool_env(), "LORAFLEET_WATCH_NAMESPACES": self.ns, "LORAFLEET_LEASE_NAMESPACE": self.ns,
-               "LORAFLEET_METRICS_PORT": str(self.metrics_port), "LORAFLEET_HEALTH_PORT": str(free_port()),
-               "LORAFLEET_LOG_LEVEL": "WARNING"}
+        env = {
+            **self.cluster.tool_env(),
+            "LORAFLEET_WATCH_NAMESPACES": self.ns,
+            "LORAFLEET_LEASE_NAMESPACE": self.ns,
+            "LORAFLEET_METRICS_PORT": str(self.metrics_port),
+            "LORAFLEET_HEALTH_PORT": str(free_port()),
+            "LORAFLEET_LOG_LEVEL": "WARNING",
+        }
         with open(self.root / "operator.log", "ab") as out:
             self.operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
@@ -363,8 +392,7 @@ class Bench:
         deadline = time.perf_counter() + timeout_s
         while True:
             try:
-                self.cluster.kubectl("delete", "--raw",
-                                     f"/apis/lorafleet.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
+                self.cluster.kubectl("delete", "--raw", f"/apis/lorafleet.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
                 break
             except KubectlError as err:
                 if time.perf_counter() > deadline:
@@ -379,8 +407,9 @@ class Bench:
     def run_case(self, name: str, replicas: int | None, failing: int, quiet_s: float, timeout_s: float) -> CaseResult:
         assert self.operator is not None
         log.info("case %s", name)
-        manifest = json.dumps({"apiVersion": "v1", "kind": "List",
-                               "items": [adapter_manifest(n, p, replicas) for n, p in self.adapters.items()]})
+        manifest = json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": [adapter_manifest(n, p, replicas) for n, p in self.adapters.items()]}
+        )
         self.watch = PhaseWatch(self.cluster.kubeconfig, self.ns)
         try:
             return self._run_case(name, manifest, failing, quiet_s, timeout_s)
@@ -438,9 +467,27 @@ class Bench:
         unloads = int(operator_calls(self.metrics_port, "UnloadAdapter") - unloads_before)
         deleting_requests = per_adapter(counts_deleting, request_counts(self.cluster), len(self.adapters))
         cpu_all = {k: v - cpu_all_before.get(k, 0.0) for k, v in self.cpu_now().items()}
-        return CaseResult(name, settled, phases, cpu_s, peak, requests, largest, quiet, quiet_phases, all_ready, deleted,
-                          peak_rss_mib(self.operator.pid), unloads, applying, deleting_requests, cpu_all,
-                          cpu_applying, load_calls, applied)
+        return CaseResult(
+            name,
+            settled,
+            phases,
+            cpu_s,
+            peak,
+            requests,
+            largest,
+            quiet,
+            quiet_phases,
+            all_ready,
+            deleted,
+            peak_rss_mib(self.operator.pid),
+            unloads,
+            applying,
+            deleting_requests,
+            cpu_all,
+            cpu_applying,
+            load_calls,
+            applied,
+        )
 
     def first_all_ready(self, started: float, window_s: float) -> float | None:
         """Seconds from ``started`` until every adapter is Ready, watched for ``window_s`` at
@@ -457,8 +504,11 @@ class Bench:
         while True:
             assert self.watch is not None
             phases = self.watch.phases()
-            settled = phases.get("Ready", 0) == len(self.adapters) if not failing else (
-                sum(phases.get(phase, 0) for phase in SETTLED) == len(self.adapters))
+            settled = (
+                phases.get("Ready", 0) == len(self.adapters)
+                if not failing
+                else (sum(phases.get(phase, 0) for phase in SETTLED) == len(self.adapters))
+            )
             if settled:
                 return phases
             if time.perf_counter() - started > timeout_s:
@@ -474,19 +524,34 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4, help="the placed case's spec.replicas")
     parser.add_argument("--quiet-s", type=float, default=30.0, help="window after settling, with failing agents")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on a case after this long")
-    parser.add_argument("--placed-only", action="store_true",
-                        help="only the replicas N cases (replicas unset means adapters x agents loads: "
-                             "64,000 at the default size, minutes of the simulator's CPU)")
+    parser.add_argument(
+        "--placed-only",
+        action="store_true",
+        help="only the replicas N cases (replicas unset means adapters x agents loads: "
+        "64,000 at the default size, minutes of the simulator's CPU)",
+    )
     parser.add_argument("--unset-only", action="store_true", help="only the replicas-unset cases")
-    parser.add_argument("--fleets", choices=("both", "healthy", "failing"), default="both",
-                        help="the all-healthy fleet, the one with 10%% of its agents failing, or both in turn")
-    parser.add_argument("--server-side", action="store_true",
-                        help="apply with `kubectl apply --server-side` (one PATCH per object) instead of the "
-                             "client-side apply (a GET and a POST per object, and a last-applied annotation)")
-    parser.add_argument("--go-gc", type=int, default=None, metavar="PERCENT",
-                        help="GOGC of the control plane's etcd and kube-apiserver (default: Go's, 100). They "
-                             "share this machine's cores with the operator and the simulated agents: a larger "
-                             "value trades their memory for CPU")
+    parser.add_argument(
+        "--fleets",
+        choices=("both", "healthy", "failing"),
+        default="both",
+        help="the all-healthy fleet, the one with 10%% of its agents failing, or both in turn",
+    )
+    parser.add_argument(
+        "--server-side",
+        action="store_true",
+        help="apply with `kubectl apply --server-side` (one PATCH per object) instead of the "
+        "client-side apply (a GET and a POST per object, and a last-applied annotation)",
+    )
+    parser.add_argument(
+        "--go-gc",
+        type=int,
+        default=None,
+        metavar="PERCENT",
+        help="GOGC of the control plane's etcd and kube-apiserver (default: Go's, 100). They "
+        "share this machine's cores with the operator and the simulated agents: a larger "
+        "value trades their memory for CPU",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     failing = max(1, args.agents // 10)
@@ -495,14 +560,14 @@ def main() -> None:
     results: list[CaseResult] = []
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
-        adapters = {f"a{i:04d}": write_adapter(root / "adapters" / f"a{i:04d}", SHAPE, rank=8, seed=i)
-                    for i in range(args.adapters)}
+        adapters = {f"a{i:04d}": write_adapter(root / "adapters" / f"a{i:04d}", SHAPE, rank=8, seed=i) for i in range(args.adapters)}
         cluster = ControlPlane.start(find_bin_dir(CHECKOUT), go_gc=args.go_gc)
         bench = Bench(root, cluster, args.agents, adapters, args.server_side)
         try:
             cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                            "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
+            cluster.kubectl(
+                "wait", "--for=condition=Established", "--timeout=60s", "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev"
+            )
             for fails in fleets:
                 bench.start_fleet(fails)
                 bench.start_operator()
@@ -516,22 +581,27 @@ def main() -> None:
             bench.stop_operator()
             bench.stop_fleet()
             cluster.stop()
-    print(f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane "
-          f"(GOGC {args.go_gc or 'default'}) and operator:")
-    print(f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
-          f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}{'unloads':>9}  phases")
+    print(
+        f"\n{args.adapters} LoraAdapters on {args.agents} simulated agents (8 ranks each), real control plane "
+        f"(GOGC {args.go_gc or 'default'}) and operator:"
+    )
+    print(
+        f"{'case':<40}{'settled s':>10}{'op CPU s':>10}{'op RSS MiB':>11}{'req/adapter':>12}{'largest KiB':>12}"
+        f"{'quiet req/ad':>13}{'delete s':>10}{'del RSS MiB':>12}{'unloads':>9}  phases"
+    )
     for r in results:
         quiet = "" if r.quiet_requests_per_adapter is None else f"{r.quiet_requests_per_adapter:.2f}"
-        print(f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
-              f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}"
-              f"{r.unloads:>9}  {r.phases}")
+        print(
+            f"{r.name:<40}{r.settled_s:>10.1f}{r.cpu_s:>10.1f}{r.peak_rss_mib:>11.0f}{r.requests_per_adapter:>12.1f}"
+            f"{r.largest_object_kib:>12.1f}{quiet:>13}{r.deleted_s:>10.1f}{r.delete_peak_rss_mib:>12.0f}"
+            f"{r.unloads:>9}  {r.phases}"
+        )
     for r in results:
         print(f"\n{r.name}: the apply command took {r.apply_s:.1f} s ({'server' if args.server_side else 'client'}-side)")
         if r.quiet_phases is not None:
             ready = "not within it" if r.all_ready_s is None else f"at {r.all_ready_s:.1f} s"
             print(f"  phases at the end of the quiet window: {r.quiet_phases}; all Ready {ready}")
-        print("  CPU s applying (until settled): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_applying_s.items()))
+        print("  CPU s applying (until settled): " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_applying_s.items()))
         print("  CPU s over apply and deletion: " + ", ".join(f"{k} {v:.1f}" for k, v in r.cpu_all_s.items()))
         print("  load calls applying: " + ", ".join(f"{k} {v}" for k, v in r.load_calls.items()))
         for what, counts in (("applying", r.requests_applying), ("deleting", r.requests_deleting)):

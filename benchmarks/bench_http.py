@@ -56,10 +56,28 @@ def write_tokenizer(model_dir: Path) -> None:
 def start_agent(root: Path, model: Path, concurrency: int) -> tuple[subprocess.Popen[bytes], int, int]:
     """`lorafleet-agent serve` with gRPC and HTTP on free ports; returns it and both ports."""
     log = root / "agent.log"
-    command = [str(Path(sys.executable).parent / "lorafleet-agent"), "--log-level", "INFO", "serve", "--model", str(model),
-               "--tp", "2", "--dp", "2", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0",
-               "--adapter-root", str(root / "adapters"), "--max-num-seqs", str(concurrency),
-               "--max-inference-calls", str(concurrency)]
+    command = [
+        str(Path(sys.executable).parent / "lorafleet-agent"),
+        "--log-level",
+        "INFO",
+        "serve",
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--adapter-root",
+        str(root / "adapters"),
+        "--max-num-seqs",
+        str(concurrency),
+        "--max-inference-calls",
+        str(concurrency),
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -162,16 +180,23 @@ def main() -> None:
     def median(name: str, index: int) -> float:
         return statistics.median(sample[index] for sample in alone[name])
 
-    rows = {"one stream: first token": {name: median(name, 0) for name in paths},
-            "one stream: last token": {name: median(name, 1) for name in paths},
-            f"{args.concurrency} concurrent streams: all done": {name: statistics.median(bursts[name]) for name in paths}}
-    print(f"tp=2 dp=2 CPU, hidden {SHAPE.hidden_size}, {SHAPE.num_layers} layers, adapter rank 16, "
-          f"prompt {len(PROMPT)} tokens, {args.tokens} new tokens (greedy), median of {args.repeats}")
+    rows = {
+        "one stream: first token": {name: median(name, 0) for name in paths},
+        "one stream: last token": {name: median(name, 1) for name in paths},
+        f"{args.concurrency} concurrent streams: all done": {name: statistics.median(bursts[name]) for name in paths},
+    }
+    print(
+        f"tp=2 dp=2 CPU, hidden {SHAPE.hidden_size}, {SHAPE.num_layers} layers, adapter rank 16, "
+        f"prompt {len(PROMPT)} tokens, {args.tokens} new tokens (greedy), median of {args.repeats}"
+    )
     names = list(paths)
     print(f"  {'':<34}" + "".join(f"{name:>13}" for name in names) + "".join(f"{name + '/gRPC':>18}" for name in names[1:]))
     for what, figures in rows.items():
-        print(f"  {what:<34}" + "".join(f"{figures[name] * 1e3:>10.1f} ms" for name in names)
-              + "".join(f"{figures[name] / figures['gRPC']:>17.3f}x" for name in names[1:]))
+        print(
+            f"  {what:<34}"
+            + "".join(f"{figures[name] * 1e3:>10.1f} ms" for name in names)
+            + "".join(f"{figures[name] / figures['gRPC']:>17.3f}x" for name in names[1:])
+        )
 
 
 if __name__ == "__main__":

@@ -165,19 +165,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     flush = None if args.no_flush else torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    print(f"device: {torch.cuda.get_device_name()}  peak: {args.peak_gbps:.0f} GB/s  dtype: {args.dtype}  "
-          f"hidden: {args.hidden}  L2 flush: {not args.no_flush}")
-    header = (f"{'op':<7}{'phase':<8}{'slices':<7}{'rank':>5}{'adapt':>6}{'tokens':>7}{'MB':>9}"
-              f"{'triton us':>11}{'GB/s':>9}{'% peak':>8}{'torch us':>11}{'speedup':>9}{'max|err|':>10}")
+    print(
+        f"device: {torch.cuda.get_device_name()}  peak: {args.peak_gbps:.0f} GB/s  dtype: {args.dtype}  "
+        f"hidden: {args.hidden}  L2 flush: {not args.no_flush}"
+    )
+    header = (
+        f"{'op':<7}{'phase':<8}{'slices':<7}{'rank':>5}{'adapt':>6}{'tokens':>7}{'MB':>9}"
+        f"{'triton us':>11}{'GB/s':>9}{'% peak':>8}{'torch us':>11}{'speedup':>9}{'max|err|':>10}"
+    )
     print(header)
     print("-" * len(header))
     for case in cases(args):
         row = run_case(case, args, dtype, flush, torch.device("cuda"))
         torch_us = "-" if row["torch_us"] is None else f"{row['torch_us']:.1f}"
         speedup = "-" if row["speedup"] is None else f"{row['speedup']:.1f}x"
-        print(f"{case.op:<7}{case.phase:<8}{case.slices:<7}{case.rank:>5}{case.adapters:>6}{case.tokens:>7}"
-              f"{row['mbytes']:>9.2f}{row['triton_us']:>11.1f}{row['gbps']:>9.0f}{100 * row['peak_frac']:>7.1f}%"
-              f"{torch_us:>11}{speedup:>9}{row['max_err']:>10.1e}")
+        print(
+            f"{case.op:<7}{case.phase:<8}{case.slices:<7}{case.rank:>5}{case.adapters:>6}{case.tokens:>7}"
+            f"{row['mbytes']:>9.2f}{row['triton_us']:>11.1f}{row['gbps']:>9.0f}{100 * row['peak_frac']:>7.1f}%"
+            f"{torch_us:>11}{speedup:>9}{row['max_err']:>10.1e}"
+        )
     return 0
 
 

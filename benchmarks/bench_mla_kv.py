@@ -28,14 +28,44 @@ from node_agent.engine.model_config import ModelConfig
 BLOCK_SIZE = 16
 # The published configs' MLA and attention fields (no weights needed).
 SHAPES: dict[str, dict[str, Any]] = {
-    "DeepSeek-V2-Lite": dict(model_type="deepseek_v2", num_hidden_layers=27, num_attention_heads=16, hidden_size=2048,
-                             kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                             v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
-                             n_shared_experts=2, first_k_dense_replace=1, intermediate_size=10944, vocab_size=102400),
-    "DeepSeek-V3": dict(model_type="deepseek_v3", num_hidden_layers=61, num_attention_heads=128, hidden_size=7168,
-                        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                        n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                        first_k_dense_replace=3, n_group=8, topk_group=4, intermediate_size=18432, vocab_size=129280),
+    "DeepSeek-V2-Lite": dict(
+        model_type="deepseek_v2",
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        hidden_size=2048,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        intermediate_size=10944,
+        vocab_size=102400,
+    ),
+    "DeepSeek-V3": dict(
+        model_type="deepseek_v3",
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        hidden_size=7168,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=2048,
+        n_shared_experts=1,
+        first_k_dense_replace=3,
+        n_group=8,
+        topk_group=4,
+        intermediate_size=18432,
+        vocab_size=129280,
+    ),
 }
 
 
@@ -72,37 +102,60 @@ def tiny_model(root: Path) -> Path:
     """A tiny random DeepSeek-V2 written by transformers (4 heads, kv_lora_rank 32, 4 layers)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    config = DeepseekV2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                              num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                              first_k_dense_replace=1, max_position_embeddings=512)
+    config = DeepseekV2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=512,
+    )
     DeepseekV2ForCausalLM(config).save_pretrained(root)
     return root
 
 
 def measured(model: Path, tp: int, budget: int, seq_len: int) -> None:
     """Part (2): real engines, the same per-rank budget, dp = tp against dp = 1."""
-    print(f"\n(2) measured: tiny DeepSeek-V2 ({model.name}), tp={tp}, fp32, budget {budget >> 10} KiB per rank, "
-          f"block {BLOCK_SIZE}, requests of {seq_len} tokens (prompt {seq_len - 1}, one new token)")
+    print(
+        f"\n(2) measured: tiny DeepSeek-V2 ({model.name}), tp={tp}, fp32, budget {budget >> 10} KiB per rank, "
+        f"block {BLOCK_SIZE}, requests of {seq_len} tokens (prompt {seq_len - 1}, one new token)"
+    )
     print(f"{'engine':<14}{'bytes/token/rank':>18}{'blocks/group':>14}{'largest batch':>15}{'ran at once':>13}{'preempted':>11}")
     cfg = ModelConfig.from_dir(model)
     for dp in (tp, 1):
         layout = kv_cache_layout(cfg, Topology(tp, dp), 0, BLOCK_SIZE, torch.float32)
         batch = largest_batch(layout, budget, dp, seq_len)
-        config = EngineConfig(model_dir=model, topology=Topology(tp, dp), max_lora_rank=4, max_loras_per_batch=1,
-                              kv_cache_bytes=budget, block_size=BLOCK_SIZE, max_num_seqs=batch,
-                              max_num_batched_tokens=batch * seq_len)
+        config = EngineConfig(
+            model_dir=model,
+            topology=Topology(tp, dp),
+            max_lora_rank=4,
+            max_loras_per_batch=1,
+            kv_cache_bytes=budget,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=batch,
+            max_num_batched_tokens=batch * seq_len,
+        )
         with Engine(config) as engine:
             blocks = engine.serving_stats().num_blocks
-            handles = [engine.submit([(7 * i + j) % 256 for j in range(seq_len - 1)], None, SamplingParams(max_tokens=1))
-                       for i in range(batch)]
+            handles = [
+                engine.submit([(7 * i + j) % 256 for j in range(seq_len - 1)], None, SamplingParams(max_tokens=1)) for i in range(batch)
+            ]
             for handle in handles:
                 list(handle.tokens())
             stats = engine.serving_stats()
         # One step per request would mean they did not share steps; every request ran in the first.
-        print(f"{f'dp={dp}':<14}{layout.bytes_per_token:>18,}{blocks:>14,}{batch:>15,}{stats.steps == 1!s:>13}"
-              f"{stats.preemptions:>11}")
+        print(f"{f'dp={dp}':<14}{layout.bytes_per_token:>18,}{blocks:>14,}{batch:>15,}{stats.steps == 1!s:>13}{stats.preemptions:>11}")
 
 
 def main() -> None:

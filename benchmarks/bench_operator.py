@@ -35,17 +35,17 @@ AGENTS = 4
 
 
 def adapter(name: str, path: Path) -> dict[str, object]:
-    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-            "metadata": {"name": name},
-            "spec": {"baseModel": "tiny", "source": {"uri": f"file://{path}"},
-                     "fleetRef": {"name": "default"}}}
+    return {
+        "apiVersion": "lorafleet.dev/v1alpha1",
+        "kind": "LoraAdapter",
+        "metadata": {"name": name},
+        "spec": {"baseModel": "tiny", "source": {"uri": f"file://{path}"}, "fleetRef": {"name": "default"}},
+    }
 
 
-def apply_and_wait(cluster: ControlPlane, ns: str, paths: dict[str, Path],
-                   timeout_s: float = 900) -> float:
+def apply_and_wait(cluster: ControlPlane, ns: str, paths: dict[str, Path], timeout_s: float = 900) -> float:
     """Seconds from the apply of these adapters (one request) until all of them are Ready."""
-    manifest = json.dumps({"apiVersion": "v1", "kind": "List",
-                           "items": [adapter(n, p) for n, p in paths.items()]})
+    manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": [adapter(n, p) for n, p in paths.items()]})
     started = time.perf_counter()
     cluster.apply(manifest, ns)
     while True:
@@ -72,32 +72,40 @@ def main() -> None:
         root = Path(tmp)
         model = write_model(root / "model", SHAPE)
         adapters = root / "adapters"
-        paths = {f"a{i:03d}": write_adapter(adapters / f"a{i:03d}", SHAPE, rank=8, seed=i)
-                 for i in range(max(args.sizes))}
+        paths = {f"a{i:03d}": write_adapter(adapters / f"a{i:03d}", SHAPE, rank=8, seed=i) for i in range(max(args.sizes))}
         cluster = ControlPlane.start(find_bin_dir(CHECKOUT))
         agents = []
         operator = None
         try:
             cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                            "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
-            spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name="tiny",
-                             max_loaded_loras=max(args.sizes) + 8)
+            cluster.kubectl(
+                "wait", "--for=condition=Established", "--timeout=60s", "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev"
+            )
+            spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name="tiny", max_loaded_loras=max(args.sizes) + 8)
             agents = start_agents([f"agent-{i}" for i in range(AGENTS)], spec, root / "logs")
             ns = cluster.create_namespace("bench")
             for agent in agents:
                 cluster.create_agent_pod(ns, agent.name, agent.port)
-            cluster.apply(json.dumps({
-                "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet",
-                "metadata": {"name": "default"},
-                "spec": {"selector": {"matchLabels": {
-                    "app.kubernetes.io/name": "lorafleet-agent"}}}}), ns)
-            env = {**cluster.tool_env(), "LORAFLEET_WATCH_NAMESPACES": ns,
-                   "LORAFLEET_LEASE_NAMESPACE": ns, "LORAFLEET_METRICS_PORT": str(free_port()),
-                   "LORAFLEET_LOG_LEVEL": "WARNING"}
+            cluster.apply(
+                json.dumps(
+                    {
+                        "apiVersion": "lorafleet.dev/v1alpha1",
+                        "kind": "LoraFleet",
+                        "metadata": {"name": "default"},
+                        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}},
+                    }
+                ),
+                ns,
+            )
+            env = {
+                **cluster.tool_env(),
+                "LORAFLEET_WATCH_NAMESPACES": ns,
+                "LORAFLEET_LEASE_NAMESPACE": ns,
+                "LORAFLEET_METRICS_PORT": str(free_port()),
+                "LORAFLEET_LOG_LEVEL": "WARNING",
+            }
             with open(root / "operator.log", "wb") as out:
-                operator = subprocess.Popen(["lorafleet-operator"], stdout=out,
-                                            stderr=subprocess.STDOUT, env=env)
+                operator = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
             # Warm-up: the operator's start (leader election, first watch) is not measured.
             apply_and_wait(cluster, ns, dict(list(paths.items())[:1]))
             delete_all(cluster, ns)

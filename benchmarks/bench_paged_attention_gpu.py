@@ -74,8 +74,10 @@ def run_case(seqs: int, context: int, args: argparse.Namespace, flush: torch.Ten
     torch_ms = None if args.no_torch else time_ms(torch_fn, args.warmup, args.iters, flush)
     gbps = moved / (triton_ms * 1e-3) / 1e9
     torch_us = "-" if torch_ms is None else f"{torch_ms * 1e3:.1f}"
-    return (f"{seqs:>6}{context:>9}{moved / 1e6:>10.2f}{triton_ms * 1e3:>11.1f}{gbps:>9.0f}"
-            f"{100 * gbps / args.peak_gbps:>7.1f}%{torch_us:>11}{error:>10.1e}")
+    return (
+        f"{seqs:>6}{context:>9}{moved / 1e6:>10.2f}{triton_ms * 1e3:>11.1f}{gbps:>9.0f}"
+        f"{100 * gbps / args.peak_gbps:>7.1f}%{torch_us:>11}{error:>10.1e}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_paged_attention_gpu: needs a CUDA GPU and none is visible; nothing was measured.", file=sys.stderr)
         return 2
     flush = None if args.no_flush else torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    print(f"device: {torch.cuda.get_device_name()}  peak: {args.peak_gbps:.0f} GB/s  bf16  heads {args.heads}/"
-          f"{args.kv_heads}  head_dim {args.head_dim}  page {args.page_size}  L2 flush: {not args.no_flush}")
+    print(
+        f"device: {torch.cuda.get_device_name()}  peak: {args.peak_gbps:.0f} GB/s  bf16  heads {args.heads}/"
+        f"{args.kv_heads}  head_dim {args.head_dim}  page {args.page_size}  L2 flush: {not args.no_flush}"
+    )
     header = f"{'seqs':>6}{'context':>9}{'MB':>10}{'triton us':>11}{'GB/s':>9}{'% peak':>8}{'torch us':>11}{'max|err|':>10}"
     print(header)
     print("-" * len(header))

@@ -126,8 +126,7 @@ def weight_floor(model_dir: Path, place: Place, repeats: int) -> tuple[float, fl
     decode step can take: it must stream every weight once): wall-clock and CPU medians."""
     from safetensors.torch import load_file
 
-    weights = [w.to(place.device, place.dtype) for w in load_file(str(model_dir / "model.safetensors")).values()
-               if w.dim() == 2]
+    weights = [w.to(place.device, place.dtype) for w in load_file(str(model_dir / "model.safetensors")).values() if w.dim() == 2]
     vectors = [torch.randn(w.shape[1], device=place.device, dtype=place.dtype) for w in weights]
 
     def once() -> tuple[float, float]:
@@ -143,8 +142,7 @@ def weight_floor(model_dir: Path, place: Place, repeats: int) -> tuple[float, fl
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
-def hf_generate(model_dir: Path, adapter: Path, tokens: list[int], place: Place,
-                repeats: int) -> tuple[float, float, list[int]]:
+def hf_generate(model_dir: Path, adapter: Path, tokens: list[int], place: Place, repeats: int) -> tuple[float, float, list[int]]:
     """Best seconds of transformers + peft greedy `generate` of NEW_TOKENS tokens (wall-clock,
     CPU), and its tokens."""
     from peft import PeftModel
@@ -159,11 +157,17 @@ def hf_generate(model_dir: Path, adapter: Path, tokens: list[int], place: Place,
         nonlocal out
         start, cpu = time.perf_counter(), cpu_seconds()
         with torch.inference_mode():
-            result = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            result = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
         place.sync()
         elapsed = time.perf_counter() - start, cpu_seconds() - cpu
-        out = result[0, len(tokens):].tolist()
+        out = result[0, len(tokens) :].tolist()
         return elapsed
 
     once()
@@ -186,8 +190,10 @@ def bench_single(engine: Engine, model_dir: Path, adapter: Path, place: Place, r
     engine_s = best.token_times[-1] - best.submitted
     per_token = statistics.median(best.gaps)
     ours = list(_tokens(engine, tokens, "a0"))
-    print(f"\n(1) one {NEW_TOKENS}-token greedy Generate with an adapter, prompt {PROMPT}, tp=1, {place.device} "
-          f"{place.dtype} (best of {repeats})")
+    print(
+        f"\n(1) one {NEW_TOKENS}-token greedy Generate with an adapter, prompt {PROMPT}, tp=1, {place.device} "
+        f"{place.dtype} (best of {repeats})"
+    )
     print(f"{'transformers + peft generate':<40}{hf_s * 1e3:>10.1f} ms")
     print(f"{'engine Generate':<40}{engine_s * 1e3:>10.1f} ms   ratio {engine_s / hf_s:.2f}x   (target <= 1.0x)")
     print(f"{'  of which time to first token':<40}{best.ttft * 1e3:>10.1f} ms")
@@ -199,10 +205,13 @@ def bench_single(engine: Engine, model_dir: Path, adapter: Path, place: Place, r
     print(f"{'  transformers + peft generate':<40}{hf_cpu * 1e3:>10.1f} ms")
     print(f"{'  engine Generate':<40}{engine_cpu * 1e3:>10.1f} ms   ratio {engine_cpu / hf_cpu:.2f}x   (target <= 1.0x)")
     print(f"{'  floor (one mv pass)':<40}{floor_cpu * 1e3:>10.1f} ms")
-    print(f"{'  engine per token (total / 48)':<40}{engine_cpu / NEW_TOKENS * 1e3:>10.1f} ms   ratio "
-          f"{engine_cpu / NEW_TOKENS / floor_cpu:.2f}x   (its prefill included)")
-    print(f"{'  transformers per token (total / 48)':<40}{hf_cpu / NEW_TOKENS * 1e3:>10.1f} ms   ratio "
-          f"{hf_cpu / NEW_TOKENS / floor_cpu:.2f}x")
+    print(
+        f"{'  engine per token (total / 48)':<40}{engine_cpu / NEW_TOKENS * 1e3:>10.1f} ms   ratio "
+        f"{engine_cpu / NEW_TOKENS / floor_cpu:.2f}x   (its prefill included)"
+    )
+    print(
+        f"{'  transformers per token (total / 48)':<40}{hf_cpu / NEW_TOKENS * 1e3:>10.1f} ms   ratio {hf_cpu / NEW_TOKENS / floor_cpu:.2f}x"
+    )
 
 
 def _tokens(engine: Engine, tokens: list[int], adapter: str | None) -> list[int]:
@@ -224,11 +233,14 @@ def bench_throughput(engine: Engine, repeats: int) -> float:
     for n in (1, 8, 32):
         runs = [throughput(engine, n, NEW_TOKENS) for _ in range(repeats)]
         figures[n] = (max(r[0] for r in runs), max(r[1] for r in runs))
-    print(f"\n(2) throughput, concurrent mixed-adapter Generates ({ADAPTERS} adapters and base), prompt {PROMPT}, "
-          f"{NEW_TOKENS} tokens each (best of {repeats}; then per CPU second of this process and the ranks)")
+    print(
+        f"\n(2) throughput, concurrent mixed-adapter Generates ({ADAPTERS} adapters and base), prompt {PROMPT}, "
+        f"{NEW_TOKENS} tokens each (best of {repeats}; then per CPU second of this process and the ranks)"
+    )
     for n, (rate, per_cpu) in figures.items():
-        print(f"{f'{n} concurrent':<40}{rate:>10.1f} tok/s   ratio {rate / figures[1][0]:.2f}x vs 1"
-              + ("   (target >= 5x)" if n == 8 else ""))
+        print(
+            f"{f'{n} concurrent':<40}{rate:>10.1f} tok/s   ratio {rate / figures[1][0]:.2f}x vs 1" + ("   (target >= 5x)" if n == 8 else "")
+        )
         print(f"{'  per CPU second':<40}{per_cpu:>10.1f} tok/s   ratio {per_cpu / figures[1][1]:.2f}x vs 1")
     return figures[8][0]
 
@@ -282,8 +294,10 @@ def bench_open_loop(engine: Engine, capacity: float, requests: int, load: float)
         thread.join()
     ttft = [t.ttft for t in timings]
     itl = [g for t in timings for g in t.gaps]
-    print(f"\n(4) open-loop Poisson load: {requests} requests at {rate:.2f}/s ({load:.0%} of the 8-concurrent throughput), "
-          f"prompts 8-63 tokens, {max_tokens} tokens each, mixed adapters")
+    print(
+        f"\n(4) open-loop Poisson load: {requests} requests at {rate:.2f}/s ({load:.0%} of the 8-concurrent throughput), "
+        f"prompts 8-63 tokens, {max_tokens} tokens each, mixed adapters"
+    )
     print(f"{'time to first token p50 / p99':<40}{percentile(ttft, 0.5) * 1e3:>10.1f} / {percentile(ttft, 0.99) * 1e3:.1f} ms")
     print(f"{'inter-token latency p50 / p99':<40}{percentile(itl, 0.5) * 1e3:>10.1f} / {percentile(itl, 0.99) * 1e3:.1f} ms")
 
@@ -291,8 +305,12 @@ def bench_open_loop(engine: Engine, capacity: float, requests: int, load: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="repetitions per figure (best; default 3)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads of this process (transformers, the floor) and of the engine's rank")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of this process (transformers, the floor) and of the engine's rank",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
     parser.add_argument("--open-loop-requests", type=int, default=48)
@@ -306,14 +324,24 @@ def main() -> None:
     place = Place(args.device, getattr(torch, dtype))
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
-        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {os.cpu_count()} CPUs, torch {torch.__version__}, "
-              f"{args.threads} threads, {args.device} {dtype}; model hidden {SHAPE.hidden_size}, {SHAPE.num_layers} "
-              f"layers, rank {RANK}")
+        print(
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{args.threads} threads, {args.device} {dtype}; model hidden {SHAPE.hidden_size}, {SHAPE.num_layers} "
+            f"layers, rank {RANK}"
+        )
         model = write_model(root / "model", SHAPE)
         adapters = {f"a{i}": write_adapter(root / f"a{i}", SHAPE, rank=RANK, seed=i) for i in range(ADAPTERS)}
-        config = EngineConfig(model_dir=model, topology=Topology(1, 1), max_lora_rank=RANK, max_loras_per_batch=ADAPTERS,
-                              kv_cache_bytes=256 << 20, max_num_seqs=64, cpu_threads=args.threads, device=args.device,
-                              dtype=dtype)
+        config = EngineConfig(
+            model_dir=model,
+            topology=Topology(1, 1),
+            max_lora_rank=RANK,
+            max_loras_per_batch=ADAPTERS,
+            kv_cache_bytes=256 << 20,
+            max_num_seqs=64,
+            cpu_threads=args.threads,
+            device=args.device,
+            dtype=dtype,
+        )
         with Engine(config) as engine:
             for name, path in adapters.items():
                 engine.load_adapter(name, path)

@@ -210,7 +210,10 @@ class Agent:
         holdings = {reply.rank: frozenset(reply.holds) for reply in self._describe_ranks()}
         return [
             RegistryEntry(
-                entry.name, entry.source.uri, entry.source.content.weights_sha256, entry.pinned,
+                entry.name,
+                entry.source.uri,
+                entry.source.content.weights_sha256,
+                entry.pinned,
                 tuple(rank for rank, names in sorted(holdings.items()) if entry.engine_name in names),
             )
             for entry in self.registry.entries()
@@ -218,8 +221,15 @@ class Agent:
 
     # -- LoadAdapter -----------------------------------------------------------------------------
 
-    def load(self, name: str, source_uri: str, sha256: str = "", pinned: bool = False, replace_existing: bool = False,
-             credential: SourceCredential | None = None) -> ControlResult:
+    def load(
+        self,
+        name: str,
+        source_uri: str,
+        sha256: str = "",
+        pinned: bool = False,
+        replace_existing: bool = False,
+        credential: SourceCredential | None = None,
+    ) -> ControlResult:
         """Load `name` on every rank or on none; idempotent for the same content and pinning.
         `credential` authenticates the download of an http(s) or hf:// source (never logged)."""
         with ControlCall(self.metrics, "load", name, source=source_uri) as call:
@@ -256,8 +266,7 @@ class Agent:
         engine_name = self.registry.new_engine_name(name)
         try:
             with _discarded_on_failure(source):  # every failure, expected or not: no snapshot stays behind
-                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=source.content,
-                                                   written=source.written)
+                result = self.engine.load_adapter(engine_name, source.path, pinned, expected=source.content, written=source.written)
         except RankLoadError as error:  # refused somewhere (or read other bytes); the engine rolled the others back
             source.discard()
             return self._public(error.result)
@@ -291,8 +300,12 @@ class Agent:
     def _retire(self, entry: AdapterEntry) -> ControlResult:
         """Drain a version that no longer routes, then unload it from every rank."""
         if not self.registry.wait_idle(entry.engine_name, self.config.drain_timeout_s):
-            log.warning("adapter %s: %d requests still running after %.0fs; unloading anyway (they are aborted)",
-                        entry.name, self.registry.in_flight(entry.engine_name), self.config.drain_timeout_s)
+            log.warning(
+                "adapter %s: %d requests still running after %.0fs; unloading anyway (they are aborted)",
+                entry.name,
+                self.registry.in_flight(entry.engine_name),
+                self.config.drain_timeout_s,
+            )
         try:
             return self.engine.unload_adapter(entry.engine_name)
         except RankUnloadError as error:
@@ -325,10 +338,16 @@ class Agent:
             config = self.config
             check_generate(tokens, max_new, config.max_new_tokens, self.engine.model_config.vocab_size, config.max_request_tokens)
             try:
-                sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                          min_p=params.min_p, seed=params.seed, max_tokens=max_new,
-                                          stop_token_ids=tuple(params.stop_token_ids or self._eos),
-                                          logprobs=params.logprobs)
+                sampling = SamplingParams(
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=params.top_k,
+                    min_p=params.min_p,
+                    seed=params.seed,
+                    max_tokens=max_new,
+                    stop_token_ids=tuple(params.stop_token_ids or self._eos),
+                    logprobs=params.logprobs,
+                )
             except ValueError as error:
                 raise InvalidRequest(str(error)) from None
             stops = self._stop_strings(params.stop)
@@ -355,10 +374,14 @@ class Agent:
                             elif finish:
                                 text += stops.flush()
                         lp = step.logprobs
-                        yield GeneratedToken(step.token_id, text, finish,
-                                             logprob=lp.logprob if lp is not None else None,
-                                             top_logprobs=tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp else (),
-                                             usage=(len(tokens), count) if finish else None)
+                        yield GeneratedToken(
+                            step.token_id,
+                            text,
+                            finish,
+                            logprob=lp.logprob if lp is not None else None,
+                            top_logprobs=tuple(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp else (),
+                            usage=(len(tokens), count) if finish else None,
+                        )
                         if stops is not None and stops.matched is not None:
                             break  # the stop string ended it: `finally` cancels the sequence now
                     if generation.cancelled:
@@ -489,8 +512,10 @@ def _unchanged(entry: AdapterEntry, uri: str, sha256: str | None, pinned: bool) 
 def _conflict_message(entry: AdapterEntry, new_sha256: str, pinned: bool) -> str:
     if entry.source.content.weights_sha256 == new_sha256 and entry.pinned != pinned:
         return f"adapter {entry.name!r} is loaded with pinned={entry.pinned}; set replace to change it"
-    return (f"adapter {entry.name!r} is loaded with other content (sha256 {entry.source.content.weights_sha256}, "
-            f"new {new_sha256}); set replace to swap it")
+    return (
+        f"adapter {entry.name!r} is loaded with other content (sha256 {entry.source.content.weights_sha256}, "
+        f"new {new_sha256}); set replace to swap it"
+    )
 
 
 def _ranks_running(pids: list[int], tp_size: int, engine_alive: bool) -> list[bool]:

@@ -53,8 +53,13 @@ class ControlCall:
         histogram.labels(self.outcome).observe(duration)
         if self.outcome != "ok":
             self.metrics.failures.labels(self.operation, self.outcome).inc()
-        line = {"call": self.operation, "adapter": self.adapter, "outcome": self.outcome,
-                "duration_ms": round(duration * 1000, 1), **self.fields}
+        line = {
+            "call": self.operation,
+            "adapter": self.adapter,
+            "outcome": self.outcome,
+            "duration_ms": round(duration * 1000, 1),
+            **self.fields,
+        }
         if self.operation == "load":
             line["already_loaded"] = self.already_loaded
         if self.error:

@@ -98,8 +98,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -73,30 +73,70 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras-per-batch", type=int, default=4, help="device LoRA slots per rank (default 4)")
     parser.add_argument("--max-loaded-loras", type=int, default=32, help="adapters kept loaded on the host (default 32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where ranks run (default cpu, gloo)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
-    parser.add_argument("--master-port", type=int, default=0,
-                        help="the ranks' rendezvous port on 127.0.0.1, held by the agent while they run (default: one the kernel picks)")
-    parser.add_argument("--engine-startup-timeout-s", type=float, default=EngineConfig.startup_timeout_s, metavar="S",
-                        help="how long the ranks may take to start and load the base model before the command fails "
-                        f"(default {EngineConfig.startup_timeout_s:g}; keep it under a pod's start-up probe)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="weights dtype (default: float32 on cpu, bfloat16 on cuda)"
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        help="the ranks' rendezvous port on 127.0.0.1, held by the agent while they run (default: one the kernel picks)",
+    )
+    parser.add_argument(
+        "--engine-startup-timeout-s",
+        type=float,
+        default=EngineConfig.startup_timeout_s,
+        metavar="S",
+        help="how long the ranks may take to start and load the base model before the command fails "
+        f"(default {EngineConfig.startup_timeout_s:g}; keep it under a pod's start-up probe)",
+    )
     # Serving (docs/serving.md): the paged KV cache and the scheduler's limits.
-    parser.add_argument("--kv-cache-bytes", type=int, default=EngineConfig.kv_cache_bytes, metavar="B",
-                        help=f"each rank's paged KV cache budget in bytes (default {EngineConfig.kv_cache_bytes >> 20} MiB)")
-    parser.add_argument("--gpu-memory-utilization", type=float, metavar="F",
-                        help="on cuda: size each rank's KV cache so the engine uses this fraction of the device's "
-                             "memory (what the model already holds comes off; replaces --kv-cache-bytes)")
-    parser.add_argument("--cpu-threads", type=int, metavar="N",
-                        help="torch threads of each cpu rank (default: the machine's cores / --tp; fewer on a busy machine)")
-    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
-                        help=f"tokens per KV block (default {EngineConfig.block_size})")
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, metavar="S",
-                        help=f"sequences per step over all DP groups (default {EngineConfig.max_num_seqs})")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="T",
-                        help=f"new tokens per step over all DP groups, at least --max-num-seqs "
-                             f"(default {EngineConfig.max_num_batched_tokens})")
-    parser.add_argument("--enable-prefix-caching", action="store_true",
-                        help="reuse the KV of cached prompt prefixes (never across adapters or the base model)")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=EngineConfig.kv_cache_bytes,
+        metavar="B",
+        help=f"each rank's paged KV cache budget in bytes (default {EngineConfig.kv_cache_bytes >> 20} MiB)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="F",
+        help="on cuda: size each rank's KV cache so the engine uses this fraction of the device's "
+        "memory (what the model already holds comes off; replaces --kv-cache-bytes)",
+    )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        metavar="N",
+        help="torch threads of each cpu rank (default: the machine's cores / --tp; fewer on a busy machine)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        metavar="N",
+        help=f"tokens per KV block (default {EngineConfig.block_size})",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        metavar="S",
+        help=f"sequences per step over all DP groups (default {EngineConfig.max_num_seqs})",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        metavar="T",
+        help=f"new tokens per step over all DP groups, at least --max-num-seqs (default {EngineConfig.max_num_batched_tokens})",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the KV of cached prompt prefixes (never across adapters or the base model)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -183,8 +223,7 @@ def run_forward(args: argparse.Namespace) -> None:
     log.info("wrote %d logits tensors to %s", len(logits), args.output)
 
 
-_REQUEST_FIELDS = {"tokens", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
-                   "logprobs"}
+_REQUEST_FIELDS = {"tokens", "adapter", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "logprobs"}
 
 
 def read_generate_requests(path: Path, logprobs: int | None = None) -> list[tuple[list[int], str | None, SamplingParams]]:
@@ -202,9 +241,14 @@ def read_generate_requests(path: Path, logprobs: int | None = None) -> list[tupl
             raise UsageError(f"input request {index}: 'stop_token_ids' must be a list of token ids")
         try:
             params = SamplingParams(
-                temperature=item.get("temperature", 0.0), top_p=item.get("top_p", 1.0), top_k=item.get("top_k", 0),
-                min_p=item.get("min_p", 0.0), seed=item.get("seed"), max_tokens=item.get("max_tokens", DEFAULT_NEW_TOKENS),
-                stop_token_ids=tuple(stop), logprobs=item.get("logprobs", logprobs),
+                temperature=item.get("temperature", 0.0),
+                top_p=item.get("top_p", 1.0),
+                top_k=item.get("top_k", 0),
+                min_p=item.get("min_p", 0.0),
+                seed=item.get("seed"),
+                max_tokens=item.get("max_tokens", DEFAULT_NEW_TOKENS),
+                stop_token_ids=tuple(stop),
+                logprobs=item.get("logprobs", logprobs),
             )
         except (TypeError, ValueError) as error:
             raise UsageError(f"input request {index}: {error}") from error
@@ -252,61 +296,129 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's own flags (the engine's come from add_engine_arguments)."""
-    parser.add_argument("--listen", default="0.0.0.0:50051", metavar="HOST:PORT",
-                        help="gRPC address; port 0 picks a free one (default 0.0.0.0:50051)")
-    parser.add_argument("--http-listen", metavar="HOST:PORT",
-                        help="also serve the OpenAI-compatible HTTP API here (docs/http-api.md), with the same token "
-                        "and TLS files as gRPC; port 0 picks a free one (default: off)")
-    parser.add_argument("--base-model-name", metavar="NAME",
-                        help="base model name reported by Describe (default: the --model directory's name)")
-    parser.add_argument("--adapter-root", action="append", default=[], type=Path, metavar="DIR",
-                        help="directory file:// adapter sources must lie under (repeatable; none: file:// refused)")
-    parser.add_argument("--cache-dir", type=Path, metavar="DIR",
-                        help="where http(s) adapter sources are downloaded (none: http(s) refused)")
-    parser.add_argument("--auth-token-file", type=Path, metavar="FILE",
-                        help="require 'authorization: Bearer <token>' on every call but health")
-    parser.add_argument("--pod-name", metavar="NAMESPACE/NAME",
-                        help="this agent's pod: identity challenges (ProveIdentity) for another pod are not answered, so a "
-                        "pod cannot relay them here (the chart sets it from the downward API; default: any pod)")
+    parser.add_argument(
+        "--listen", default="0.0.0.0:50051", metavar="HOST:PORT", help="gRPC address; port 0 picks a free one (default 0.0.0.0:50051)"
+    )
+    parser.add_argument(
+        "--http-listen",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible HTTP API here (docs/http-api.md), with the same token "
+        "and TLS files as gRPC; port 0 picks a free one (default: off)",
+    )
+    parser.add_argument(
+        "--base-model-name", metavar="NAME", help="base model name reported by Describe (default: the --model directory's name)"
+    )
+    parser.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="directory file:// adapter sources must lie under (repeatable; none: file:// refused)",
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, metavar="DIR", help="where http(s) adapter sources are downloaded (none: http(s) refused)"
+    )
+    parser.add_argument(
+        "--auth-token-file", type=Path, metavar="FILE", help="require 'authorization: Bearer <token>' on every call but health"
+    )
+    parser.add_argument(
+        "--pod-name",
+        metavar="NAMESPACE/NAME",
+        help="this agent's pod: identity challenges (ProveIdentity) for another pod are not answered, so a "
+        "pod cannot relay them here (the chart sets it from the downward API; default: any pod)",
+    )
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this PEM certificate chain")
     parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE",
-                        help="mutual TLS: require client certificates issued by this PEM CA")
+    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE", help="mutual TLS: require client certificates issued by this PEM CA")
     parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics over HTTP on this port")
-    parser.add_argument("--health-listen", metavar="HOST:PORT",
-                        help="also serve grpc.health.v1 alone, in plaintext and without the token, here: for "
-                        "kubelet's gRPC probes when --tls-cert is set (default: off)")
-    parser.add_argument("--download-timeout-s", type=float, default=DEFAULT_DOWNLOAD_TIMEOUT_S, metavar="S",
-                        help=f"overall deadline of one http(s) source's download (default {DEFAULT_DOWNLOAD_TIMEOUT_S:g})")
-    parser.add_argument("--download-min-bytes-per-s", type=int, default=DEFAULT_DOWNLOAD_MIN_BYTES_PER_S, metavar="B",
-                        help="fail a download that receives fewer bytes per second over "
-                        f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})")
-    parser.add_argument("--max-concurrent-downloads", type=int, default=DEFAULT_MAX_CONCURRENT_DOWNLOADS, metavar="N",
-                        help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})")
-    parser.add_argument("--allow-source", action="append", default=[], metavar="PREFIX",
-                        help="an http(s) URL prefix adapters may be downloaded from, e.g. https://huggingface.co/ "
-                        "(repeatable; every redirect hop must match one too; none: http(s) sources refused)")
-    parser.add_argument("--hub-endpoint", default=DEFAULT_HUB_ENDPOINT, metavar="URL",
-                        help="where hf:// sources are fetched from: the Hugging Face Hub or a mirror; it must lie under "
-                        f"an --allow-source prefix too (default {DEFAULT_HUB_ENDPOINT})")
-    parser.add_argument("--allow-source-network", action="append", default=[], metavar="CIDR",
-                        help="a loopback, link-local or private network downloads may connect to (repeatable; "
-                        "default none: such addresses are refused, every DNS answer and redirect checked)")
-    parser.add_argument("--max-control-calls", type=int, default=DEFAULT_MAX_CONTROL_CALLS, metavar="N",
-                        help="LoadAdapter/UnloadAdapter calls at once; more are refused with RESOURCE_EXHAUSTED "
-                        f"(default {DEFAULT_MAX_CONTROL_CALLS})")
-    parser.add_argument("--max-inference-calls", type=int, default=DEFAULT_MAX_INFERENCE_CALLS, metavar="N",
-                        help="Forward calls and Generate streams at once; more are refused with RESOURCE_EXHAUSTED "
-                        f"(default {DEFAULT_MAX_INFERENCE_CALLS})")
-    parser.add_argument("--reserved-workers", type=int, default=DEFAULT_RESERVED_WORKERS, metavar="N",
-                        help="gRPC threads beyond both budgets, for health, Describe, ListAdapters and reflection "
-                        f"(default {DEFAULT_RESERVED_WORKERS})")
-    parser.add_argument("--engine-hang-timeout-s", type=float, default=DEFAULT_ENGINE_HANG_TIMEOUT_S, metavar="S",
-                        help="an engine command running longer makes health NOT_SERVING until it completes "
-                        f"(default {DEFAULT_ENGINE_HANG_TIMEOUT_S:g})")
-    parser.add_argument("--exit-linger-s", type=float, default=DEFAULT_EXIT_LINGER_S, metavar="S",
-                        help="after a rank died, keep answering Describe this long before exiting "
-                        f"(default {DEFAULT_EXIT_LINGER_S:g})")
+    parser.add_argument(
+        "--health-listen",
+        metavar="HOST:PORT",
+        help="also serve grpc.health.v1 alone, in plaintext and without the token, here: for "
+        "kubelet's gRPC probes when --tls-cert is set (default: off)",
+    )
+    parser.add_argument(
+        "--download-timeout-s",
+        type=float,
+        default=DEFAULT_DOWNLOAD_TIMEOUT_S,
+        metavar="S",
+        help=f"overall deadline of one http(s) source's download (default {DEFAULT_DOWNLOAD_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--download-min-bytes-per-s",
+        type=int,
+        default=DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
+        metavar="B",
+        help="fail a download that receives fewer bytes per second over "
+        f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})",
+    )
+    parser.add_argument(
+        "--max-concurrent-downloads",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_DOWNLOADS,
+        metavar="N",
+        help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})",
+    )
+    parser.add_argument(
+        "--allow-source",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="an http(s) URL prefix adapters may be downloaded from, e.g. https://huggingface.co/ "
+        "(repeatable; every redirect hop must match one too; none: http(s) sources refused)",
+    )
+    parser.add_argument(
+        "--hub-endpoint",
+        default=DEFAULT_HUB_ENDPOINT,
+        metavar="URL",
+        help="where hf:// sources are fetched from: the Hugging Face Hub or a mirror; it must lie under "
+        f"an --allow-source prefix too (default {DEFAULT_HUB_ENDPOINT})",
+    )
+    parser.add_argument(
+        "--allow-source-network",
+        action="append",
+        default=[],
+        metavar="CIDR",
+        help="a loopback, link-local or private network downloads may connect to (repeatable; "
+        "default none: such addresses are refused, every DNS answer and redirect checked)",
+    )
+    parser.add_argument(
+        "--max-control-calls",
+        type=int,
+        default=DEFAULT_MAX_CONTROL_CALLS,
+        metavar="N",
+        help=f"LoadAdapter/UnloadAdapter calls at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONTROL_CALLS})",
+    )
+    parser.add_argument(
+        "--max-inference-calls",
+        type=int,
+        default=DEFAULT_MAX_INFERENCE_CALLS,
+        metavar="N",
+        help="Forward calls and Generate streams at once; more are refused with RESOURCE_EXHAUSTED "
+        f"(default {DEFAULT_MAX_INFERENCE_CALLS})",
+    )
+    parser.add_argument(
+        "--reserved-workers",
+        type=int,
+        default=DEFAULT_RESERVED_WORKERS,
+        metavar="N",
+        help=f"gRPC threads beyond both budgets, for health, Describe, ListAdapters and reflection (default {DEFAULT_RESERVED_WORKERS})",
+    )
+    parser.add_argument(
+        "--engine-hang-timeout-s",
+        type=float,
+        default=DEFAULT_ENGINE_HANG_TIMEOUT_S,
+        metavar="S",
+        help=f"an engine command running longer makes health NOT_SERVING until it completes (default {DEFAULT_ENGINE_HANG_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--exit-linger-s",
+        type=float,
+        default=DEFAULT_EXIT_LINGER_S,
+        metavar="S",
+        help=f"after a rank died, keep answering Describe this long before exiting (default {DEFAULT_EXIT_LINGER_S:g})",
+    )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -323,16 +435,27 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     except ValueError as error:
         raise UsageError(str(error)) from error
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    for flag, value in (("--max-control-calls", args.max_control_calls), ("--max-inference-calls", args.max_inference_calls),
-                        ("--reserved-workers", args.reserved_workers)):
+    for flag, value in (
+        ("--max-control-calls", args.max_control_calls),
+        ("--max-inference-calls", args.max_inference_calls),
+        ("--reserved-workers", args.reserved_workers),
+    ):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1")
     if args.exit_linger_s < 0:
         raise UsageError("--exit-linger-s must be 0 or more")
-    return ServerOptions(listen=args.listen, auth_token=token, tls=tls, metrics_port=args.metrics_port,
-                         health_listen=args.health_listen, pod_name=args.pod_name,
-                         max_control_calls=args.max_control_calls, max_inference_calls=args.max_inference_calls,
-                         reserved_workers=args.reserved_workers, exit_linger_s=args.exit_linger_s)
+    return ServerOptions(
+        listen=args.listen,
+        auth_token=token,
+        tls=tls,
+        metrics_port=args.metrics_port,
+        health_listen=args.health_listen,
+        pod_name=args.pod_name,
+        max_control_calls=args.max_control_calls,
+        max_inference_calls=args.max_inference_calls,
+        reserved_workers=args.reserved_workers,
+        exit_linger_s=args.exit_linger_s,
+    )
 
 
 def agent_config(args: argparse.Namespace) -> AgentConfig:
@@ -357,11 +480,16 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
             raise UsageError(f"--allow-source-network {entry!r} is not an IP network (CIDR, e.g. 10.0.0.0/8)") from None
     if not args.engine_hang_timeout_s > 0:
         raise UsageError("--engine-hang-timeout-s must be positive")
-    sources = SourcePolicy(adapter_roots=tuple(args.adapter_root), cache_dir=args.cache_dir,
-                           download_timeout_s=args.download_timeout_s, download_min_bytes_per_s=args.download_min_bytes_per_s,
-                           max_concurrent_downloads=args.max_concurrent_downloads,
-                           allowed_sources=tuple(args.allow_source), allowed_networks=tuple(args.allow_source_network),
-                           hub_endpoint=args.hub_endpoint)
+    sources = SourcePolicy(
+        adapter_roots=tuple(args.adapter_root),
+        cache_dir=args.cache_dir,
+        download_timeout_s=args.download_timeout_s,
+        download_min_bytes_per_s=args.download_min_bytes_per_s,
+        max_concurrent_downloads=args.max_concurrent_downloads,
+        allowed_sources=tuple(args.allow_source),
+        allowed_networks=tuple(args.allow_source_network),
+        hub_endpoint=args.hub_endpoint,
+    )
     return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
 
 
@@ -434,10 +562,17 @@ def build_parser() -> argparse.ArgumentParser:
         "tensors logits.0, logits.1, ... of shape [len(tokens), vocab_size] to OUT.safetensors.",
     )
     add_engine_arguments(forward)
-    forward.add_argument("--adapter", action="append", default=[], type=parse_adapter, metavar="NAME=DIR",
-                         help="a PEFT adapter directory to load under NAME (repeatable)")
-    forward.add_argument("--input", required=True, type=Path, metavar="IN.json",
-                         help='JSON list of {"tokens": [int, ...], "adapter": "NAME" or null}')
+    forward.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=parse_adapter,
+        metavar="NAME=DIR",
+        help="a PEFT adapter directory to load under NAME (repeatable)",
+    )
+    forward.add_argument(
+        "--input", required=True, type=Path, metavar="IN.json", help='JSON list of {"tokens": [int, ...], "adapter": "NAME" or null}'
+    )
     forward.add_argument("--output", required=True, type=Path, metavar="OUT.safetensors", help="where to write the logits")
     forward.set_defaults(run=run_forward)
     generate = commands.add_parser(
@@ -452,15 +587,30 @@ def build_parser() -> argparse.ArgumentParser:
         "highest first (lower id first on ties).",
     )
     add_engine_arguments(generate)
-    generate.add_argument("--adapter", action="append", default=[], type=parse_adapter, metavar="NAME=DIR",
-                          help="a PEFT adapter directory to load under NAME (repeatable)")
-    generate.add_argument("--input", required=True, type=Path, metavar="IN.json",
-                          help='JSON list of {"tokens": [...], "adapter": NAME or null, "max_tokens": N, "temperature": 0.0, '
-                               '"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop_token_ids": [], "logprobs": null} '
-                               '(only tokens required)')
-    generate.add_argument("--logprobs", type=int, metavar="N",
-                          help=f"per generated token, its logprob and the N (0-{MAX_LOGPROBS}) most likely tokens' in OUT.json, "
-                               'for every request without its own "logprobs" (default: none)')
+    generate.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=parse_adapter,
+        metavar="NAME=DIR",
+        help="a PEFT adapter directory to load under NAME (repeatable)",
+    )
+    generate.add_argument(
+        "--input",
+        required=True,
+        type=Path,
+        metavar="IN.json",
+        help='JSON list of {"tokens": [...], "adapter": NAME or null, "max_tokens": N, "temperature": 0.0, '
+        '"top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop_token_ids": [], "logprobs": null} '
+        "(only tokens required)",
+    )
+    generate.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help=f"per generated token, its logprob and the N (0-{MAX_LOGPROBS}) most likely tokens' in OUT.json, "
+        'for every request without its own "logprobs" (default: none)',
+    )
     generate.add_argument("--output", required=True, type=Path, metavar="OUT.json", help="where to write the generations")
     generate.set_defaults(run=run_generate)
     serve = commands.add_parser(

@@ -36,9 +36,7 @@ def description(d: Description) -> pb.DescribeResponse:
             ep_size=d.topology.ep_size,
             moe_tp_size=d.topology.moe_tp_size,
         ),
-        capacity=pb.Capacity(
-            max_lora_rank=d.max_lora_rank, max_loras_per_batch=d.max_loras_per_batch, max_loaded_loras=d.max_loaded_loras
-        ),
+        capacity=pb.Capacity(max_lora_rank=d.max_lora_rank, max_loras_per_batch=d.max_loras_per_batch, max_loaded_loras=d.max_loaded_loras),
         ranks=[pb.RankInfo(rank=r.rank, attn_dp_rank=r.attn_dp_rank, attn_tp_rank=r.attn_tp_rank, alive=r.alive) for r in d.ranks],
         modules=[
             pb.ModuleShapes(
@@ -55,8 +53,13 @@ def description(d: Description) -> pb.DescribeResponse:
 def _rank_results(result: ControlResult) -> list[pb.RankResult]:
     return [
         pb.RankResult(
-            rank=o.rank, attn_dp_rank=o.attn_dp_rank, attn_tp_rank=o.attn_tp_rank, success=o.ok, error_message=o.error,
-            weights_sha256=o.digests.weights_sha256 if o.digests else "", config_sha256=o.digests.config_sha256 if o.digests else "",
+            rank=o.rank,
+            attn_dp_rank=o.attn_dp_rank,
+            attn_tp_rank=o.attn_tp_rank,
+            success=o.ok,
+            error_message=o.error,
+            weights_sha256=o.digests.weights_sha256 if o.digests else "",
+            config_sha256=o.digests.config_sha256 if o.digests else "",
         )
         for o in result.ranks
     ]
@@ -85,9 +88,7 @@ def list_response(adapters: list[RegistryEntry], downloading: Mapping[str, Downl
     """ListAdapters' reply: the registry, and the loads whose source is downloading now."""
     progress = {name: p.snapshot() for name, p in list(downloading.items())}
     return pb.ListAdaptersResponse(
-        adapters=[
-            pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters
-        ],
+        adapters=[pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters],
         downloading=[pb.DownloadProgress(name=name, bytes_done=done, bytes_total=total) for name, (done, total) in progress.items()],
     )
 
@@ -127,9 +128,13 @@ def generate_params(request: pb.GenerateRequest) -> GenerateParams:
 
 def generated(token: GeneratedToken) -> pb.GenerateResponse:
     """One streamed Generate message."""
-    response = pb.GenerateResponse(token_id=token.token_id, text=token.text, finish_reason=token.finish_reason,
-                                   finish=_FINISH[token.finish_reason],
-                                   top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs])
+    response = pb.GenerateResponse(
+        token_id=token.token_id,
+        text=token.text,
+        finish_reason=token.finish_reason,
+        finish=_FINISH[token.finish_reason],
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in token.top_logprobs],
+    )
     if token.logprob is not None:
         response.logprob = token.logprob
     if token.usage is not None:

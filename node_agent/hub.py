@@ -52,13 +52,14 @@ class HubSource:
 
     def file_url(self, endpoint: str, filename: str, commit: str | None = None) -> str:
         """The Hub's URL of one file at `commit` (default: the revision as given)."""
-        return hf_hub_url(self.repo_id, filename, subfolder=self.subfolder or None,
-                          revision=commit or self.revision, endpoint=endpoint.rstrip("/"))
+        return hf_hub_url(
+            self.repo_id, filename, subfolder=self.subfolder or None, revision=commit or self.revision, endpoint=endpoint.rstrip("/")
+        )
 
 
 def parse_hub_uri(uri: str, shown: str) -> HubSource:
     """The repository, revision and folder of an hf:// URI; SourceRefused naming what is wrong."""
-    rest = uri[len(SCHEME):]
+    rest = uri[len(SCHEME) :]
     if "?" in rest or "#" in rest or "\x00" in rest:
         raise SourceRefused(f"hf:// sources have no query or fragment: {shown!r}", "bad_uri")
     parts = rest.split("/")

@@ -34,19 +34,31 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.load_seconds = Histogram(
-            "lorafleet_agent_adapter_load_seconds", "LoadAdapter latency by outcome (ok, or the failure reason)",
-            ["outcome"], buckets=CONTROL_BUCKETS, registry=r)
+            "lorafleet_agent_adapter_load_seconds",
+            "LoadAdapter latency by outcome (ok, or the failure reason)",
+            ["outcome"],
+            buckets=CONTROL_BUCKETS,
+            registry=r,
+        )
         self.unload_seconds = Histogram(
-            "lorafleet_agent_adapter_unload_seconds", "UnloadAdapter latency (including the drain) by outcome",
-            ["outcome"], buckets=CONTROL_BUCKETS, registry=r)
-        self.failures = Counter(
-            "lorafleet_agent_failures", "Failed calls by operation and reason", ["operation", "reason"], registry=r)
+            "lorafleet_agent_adapter_unload_seconds",
+            "UnloadAdapter latency (including the drain) by outcome",
+            ["outcome"],
+            buckets=CONTROL_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter("lorafleet_agent_failures", "Failed calls by operation and reason", ["operation", "reason"], registry=r)
         self.loaded_adapters = Gauge("lorafleet_agent_loaded_adapters", "Adapters routable on this agent", registry=r)
         self.requests = Counter(
-            "lorafleet_agent_inference_requests", "Forward/Generate calls by method and outcome", ["method", "outcome"], registry=r)
+            "lorafleet_agent_inference_requests", "Forward/Generate calls by method and outcome", ["method", "outcome"], registry=r
+        )
         self.request_seconds = Histogram(
-            "lorafleet_agent_inference_seconds", "Forward/Generate latency (whole stream for Generate)",
-            ["method"], buckets=INFERENCE_BUCKETS, registry=r)
+            "lorafleet_agent_inference_seconds",
+            "Forward/Generate latency (whole stream for Generate)",
+            ["method"],
+            buckets=INFERENCE_BUCKETS,
+            registry=r,
+        )
         self.generated_tokens = Counter("lorafleet_agent_generated_tokens", "Tokens streamed by Generate", registry=r)
         self.engine_up = Gauge("lorafleet_agent_engine_up", "1 while every rank of the engine is alive", registry=r)
 
@@ -86,10 +98,14 @@ class ServingCollector(Collector):
         yield GaugeMetricFamily("vllm:num_requests_running", "Requests running (scheduled on the engine)", value=stats.running)
         total = stats.num_blocks * len(stats.free_blocks)
         used = total - sum(stats.free_blocks)
-        yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 = every block used)",
-                                value=used / total if total else 0.0)
-        info = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of running and waiting requests (value: time of the scrape)",
-                                 labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+        yield GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (1 = every block used)", value=used / total if total else 0.0
+        )
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters of running and waiting requests (value: time of the scrape)",
+            labels=("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        )
         info.add_metric((self._names(stats.running_adapters), self._names(stats.waiting_adapters), str(self._max_lora)), time.time())
         yield info
         yield CounterMetricFamily("lorafleet_engine_steps", "Steps the engine's ranks ran", value=stats.steps)

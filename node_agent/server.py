@@ -110,8 +110,7 @@ class CallBudget:
         with self._idle:
             if self.running >= self.limit:
                 raise TooManyCalls(
-                    f"too many concurrent {self.what} calls: {self.running} running, the limit is {self.limit} "
-                    f"({self.flag}); retry later"
+                    f"too many concurrent {self.what} calls: {self.running} running, the limit is {self.limit} ({self.flag}); retry later"
                 )
             self.running += 1
 
@@ -181,8 +180,9 @@ def _streaming(
 class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     """`lorafleet.v1.NodeAgent` over an `Agent`, with a budget for control and for inference calls."""
 
-    def __init__(self, agent: Agent, control: CallBudget, inference: CallBudget, token: str | None = None,
-                 pod_name: str | None = None) -> None:
+    def __init__(
+        self, agent: Agent, control: CallBudget, inference: CallBudget, token: str | None = None, pod_name: str | None = None
+    ) -> None:
         self.agent = agent
         self.token, self.pod_name = token, pod_name  # for ProveIdentity
         self.budgets = {"control": control, "inference": inference}
@@ -220,24 +220,26 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         """Each load as LoadAdapter would do it, in order, under one control place; one fails alone.
         What the ranks hold is listed once for the call (after its last load that reached them)."""
         if len(request.loads) > MAX_LOADS_PER_CALL:
-            raise InvalidRequest(f"LoadAdapters carries {len(request.loads)} loads; at most {MAX_LOADS_PER_CALL} per call "
-                                 f"(send the others in further calls); nothing was loaded")
+            raise InvalidRequest(
+                f"LoadAdapters carries {len(request.loads)} loads; at most {MAX_LOADS_PER_CALL} per call "
+                f"(send the others in further calls); nothing was loaded"
+            )
         outcomes: list[pb.LoadAdapterOutcome] = []
         holds: tuple[str, ...] = ()
         for load in request.loads:
             try:
                 result = self._load(load)
             except AgentError as error:
-                outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error),
-                                                      reason=error.reason))
+                outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason))
             else:
                 outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False)))
                 holds = result.holds
         return pb.LoadAdaptersResponse(outcomes=outcomes, loaded_adapters=holds)
 
     def _load(self, request: pb.LoadAdapterRequest) -> ControlResult:
-        return self.agent.load(request.name, request.source_uri, request.sha256, request.pinned, request.replace,
-                               credential=convert.source_credential(request))
+        return self.agent.load(
+            request.name, request.source_uri, request.sha256, request.pinned, request.replace, credential=convert.source_credential(request)
+        )
 
     @_unary("control")
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:
@@ -301,7 +303,12 @@ class AgentServer:
     """A bound gRPC server over one agent, with its health watcher and metrics endpoint."""
 
     def __init__(
-        self, agent: Agent, server: grpc.Server, health_servicer: health.HealthServicer, port: int, options: ServerOptions,
+        self,
+        agent: Agent,
+        server: grpc.Server,
+        health_servicer: health.HealthServicer,
+        port: int,
+        options: ServerOptions,
         servicer: NodeAgentServicer,
     ) -> None:
         self.agent = agent
@@ -454,8 +461,7 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
 def _health_only_server(health_servicer: health.HealthServicer, listen: str) -> tuple[grpc.Server, int]:
     """A plaintext server answering grpc.health.v1 from the same servicer, and its bound port.
     Health carries no secret and changes nothing, so it needs neither TLS nor the token."""
-    server = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="lorafleet-health"),
-                         options=[("grpc.so_reuseport", 0)])
+    server = grpc.server(ThreadPoolExecutor(max_workers=2, thread_name_prefix="lorafleet-health"), options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         port = server.add_insecure_port(listen)

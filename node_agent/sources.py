@@ -209,8 +209,13 @@ class SourcePolicy:
     def __post_init__(self) -> None:
         _prefixes(tuple(self.allowed_sources))  # ValueError naming the flag and the entry
         _networks(tuple(self.allowed_networks))
-        for name in ("max_download_bytes", "download_timeout_s", "download_rate_window_s",
-                     "download_socket_timeout_s", "max_concurrent_downloads"):
+        for name in (
+            "max_download_bytes",
+            "download_timeout_s",
+            "download_rate_window_s",
+            "download_socket_timeout_s",
+            "max_concurrent_downloads",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SourcePolicy.{name} must be positive, got {getattr(self, name)!r}")
         if self.download_min_bytes_per_s < 0:
@@ -295,7 +300,7 @@ def _userinfo_span(uri: str) -> tuple[int, int] | None:
 def redact_uri(uri: str) -> str:
     """`uri` safe for messages and logs: userinfo becomes ``***@``, a query or fragment ``?<redacted>``."""
     span = _userinfo_span(uri)
-    shown = uri if span is None else uri[: span[0]] + "***@" + uri[span[1]:]
+    shown = uri if span is None else uri[: span[0]] + "***@" + uri[span[1] :]
     cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=-1)
     return shown if cut < 0 else shown[:cut] + "?<redacted>"
 
@@ -360,8 +365,13 @@ class DownloadProgress:
             return self._done, self._total
 
 
-def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy,
-                   credential: SourceCredential | None = None, progress: DownloadProgress | None = None) -> ResolvedSource:
+def resolve_source(
+    uri: str,
+    expected_sha256: str | None,
+    policy: SourcePolicy,
+    credential: SourceCredential | None = None,
+    progress: DownloadProgress | None = None,
+) -> ResolvedSource:
     """Check `uri` against the policy and make a private copy of its adapter. A `credential`
     (http(s) and hf:// sources) is sent to the source's own URLs only: never on a redirect, never
     logged or repeated in a message; a file:// source with one is refused. A download counts its
@@ -387,8 +397,7 @@ def resolve_source(uri: str, expected_sha256: str | None, policy: SourcePolicy,
     elif scheme == "hf":
         source = _download_hub(uri, shown, policy, credential, progress)
     else:
-        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://",
-                            "scheme")
+        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://", "scheme")
     if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
         source.discard()
         raise SourceRefused(
@@ -415,8 +424,7 @@ def _private_dir(policy: SourcePolicy, prefix: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=policy.cache_dir))
     except OSError as error:
         raise SourceUnavailable(
-            f"the adapter cache directory {where} is not usable ({error.strerror or error}): "
-            "--cache-dir must name a writable directory",
+            f"the adapter cache directory {where} is not usable ({error.strerror or error}): --cache-dir must name a writable directory",
             "cache_unavailable",
         ) from None
 
@@ -446,13 +454,17 @@ def _resolve_file(uri: str, shown: str, host: str, raw_path: str, extra: str, po
         if start is None:
             raise SourceRefused(f"{shown!r} is outside the adapter roots ({', '.join(r for r, _ in roots)})", "outside_roots")
         directory = beneath.walk(
-            [beneath.root_fd(start[0])], start[1], want_dir=True,
+            [beneath.root_fd(start[0])],
+            start[1],
+            want_dir=True,
             missing=f"adapter directory {shown!r} does not exist",
         )
         files = {}
         for name, cap in ((ADAPTER_CONFIG, MAX_CONFIG_BYTES), (ADAPTER_WEIGHTS, policy.max_download_bytes)):
             fd = beneath.walk(
-                directory, [name], want_dir=False,
+                directory,
+                [name],
+                want_dir=False,
                 missing=f"{name} not found in {shown!r} (only safetensors adapters are served; pickle files are never read)",
             )[-1]
             size = os.fstat(fd).st_size
@@ -487,9 +499,15 @@ def _copy_fd(fd: int, dest: Path, cap: int, what: str) -> _Written:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(mode):
             return name
     return "a special file"
@@ -693,9 +711,13 @@ _SHARED_NETWORK = ipaddress.ip_network("100.64.0.0/10")
 
 def _address_class(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """What kind of non-public address `ip` is (None: a global unicast address)."""
-    for test, name in (("is_unspecified", "unspecified"), ("is_loopback", "loopback"),
-                       ("is_link_local", "link-local (where cloud metadata services answer)"),
-                       ("is_multicast", "multicast"), ("is_site_local", "site-local")):
+    for test, name in (
+        ("is_unspecified", "unspecified"),
+        ("is_loopback", "loopback"),
+        ("is_link_local", "link-local (where cloud metadata services answer)"),
+        ("is_multicast", "multicast"),
+        ("is_site_local", "site-local"),
+    ):
         if getattr(ip, test, False):
             return name
     if ip in _SHARED_NETWORK:
@@ -708,7 +730,10 @@ def _address_class(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | N
 
 
 def _connect_checked(
-    address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None, *,
+    address: tuple[str, int],
+    timeout: float | None = None,
+    source_address: tuple[str, int] | None = None,
+    *,
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...],
 ) -> socket.socket:
     """`socket.create_connection`, but only to addresses the policy allows.
@@ -848,8 +873,7 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
         running = _ACTIVE_DOWNLOADS.get(key, 0)
         if running >= limit:
             raise TooManyDownloads(
-                f"too many concurrent downloads: {running} running, the limit is {limit} "
-                "(--max-concurrent-downloads); retry later"
+                f"too many concurrent downloads: {running} running, the limit is {limit} (--max-concurrent-downloads); retry later"
             )
         _ACTIVE_DOWNLOADS[key] = running + 1
     try:
@@ -861,36 +885,50 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
                 del _ACTIVE_DOWNLOADS[key]
 
 
-def _download(uri: str, shown: str, extra: str, policy: SourcePolicy, credential: SourceCredential | None,
-              progress: DownloadProgress | None) -> ResolvedSource:
+def _download(
+    uri: str, shown: str, extra: str, policy: SourcePolicy, credential: SourceCredential | None, progress: DownloadProgress | None
+) -> ResolvedSource:
     if extra:
         raise SourceRefused(f"http(s) sources are directory URLs without query or fragment: {shown!r}", "bad_uri")
     base = uri.rstrip("/")
-    target, written, _ = _fetch_adapter(shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}",
-                                        progress=progress)
+    target, written, _ = _fetch_adapter(
+        shown, policy, credential, f"{base}/{ADAPTER_CONFIG}", lambda _: f"{base}/{ADAPTER_WEIGHTS}", progress=progress
+    )
     content, identities = _content(*written)
     return ResolvedSource(uri, target, content, downloaded=True, owned=True, written=identities)
 
 
-def _download_hub(uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None,
-                  progress: DownloadProgress | None) -> ResolvedSource:
+def _download_hub(
+    uri: str, shown: str, policy: SourcePolicy, credential: SourceCredential | None, progress: DownloadProgress | None
+) -> ResolvedSource:
     hub = parse_hub_uri(uri, shown)
     endpoint = policy.hub_endpoint
 
     def weights_url(answered: str | None) -> str:
         return hub.file_url(endpoint, ADAPTER_WEIGHTS, pinned_commit(hub, answered, shown))
 
-    target, written, commit = _fetch_adapter(shown, policy, credential, hub.file_url(endpoint, ADAPTER_CONFIG), weights_url,
-                                             also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS), progress=progress)
+    target, written, commit = _fetch_adapter(
+        shown,
+        policy,
+        credential,
+        hub.file_url(endpoint, ADAPTER_CONFIG),
+        weights_url,
+        also_allowed=hub.file_url(endpoint, ADAPTER_WEIGHTS),
+        progress=progress,
+    )
     log.debug("downloaded %s (%s at commit %s) into %s", shown, hub.repo_id, commit or hub.revision, target)
     content, identities = _content(*written)
-    return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown),
-                          written=identities)
+    return ResolvedSource(uri, target, content, downloaded=True, owned=True, revision=pinned_commit(hub, commit, shown), written=identities)
 
 
 def _fetch_adapter(
-    shown: str, policy: SourcePolicy, credential: SourceCredential | None, config_url: str, weights_url: Callable[[str | None], str],
-    also_allowed: str | None = None, progress: DownloadProgress | None = None,
+    shown: str,
+    policy: SourcePolicy,
+    credential: SourceCredential | None,
+    config_url: str,
+    weights_url: Callable[[str | None], str],
+    also_allowed: str | None = None,
+    progress: DownloadProgress | None = None,
 ) -> tuple[Path, tuple[_Written, _Written], str | None]:
     """Download both files into a fresh private directory, under every http(s) check: the config
     first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the config's
@@ -909,8 +947,15 @@ def _fetch_adapter(
                 redirects = _HttpOnlyRedirects(prefixes)
                 # No ProxyHandler with environment proxies: every connection is the agent's own, checked.
                 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _TrackedHandler(watchdog, networks), redirects)
-                fetch = functools.partial(_fetch, opener=opener, watchdog=watchdog, socket_timeout_s=policy.download_socket_timeout_s,
-                                          credential=credential, answers=redirects.hops, progress=progress)
+                fetch = functools.partial(
+                    _fetch,
+                    opener=opener,
+                    watchdog=watchdog,
+                    socket_timeout_s=policy.download_socket_timeout_s,
+                    credential=credential,
+                    answers=redirects.hops,
+                    progress=progress,
+                )
                 config = fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
                 _check_downloaded_config(target, shown)
                 commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
@@ -960,9 +1005,18 @@ def _reason_phrase(code: int) -> str:
         return ""
 
 
-def _fetch(url: str, dest: Path, cap: int, *, opener: urllib.request.OpenerDirector, watchdog: _Watchdog, socket_timeout_s: float,
-           credential: SourceCredential | None = None, answers: list[HTTPMessage] | None = None,
-           progress: DownloadProgress | None = None) -> _Written:
+def _fetch(
+    url: str,
+    dest: Path,
+    cap: int,
+    *,
+    opener: urllib.request.OpenerDirector,
+    watchdog: _Watchdog,
+    socket_timeout_s: float,
+    credential: SourceCredential | None = None,
+    answers: list[HTTPMessage] | None = None,
+    progress: DownloadProgress | None = None,
+) -> _Written:
     """Stream `url` into `dest`, refusing more than `cap` bytes; returns what was written. `credential`
     goes to `url` alone (an unredirected header); the final answer's headers are added to `answers`."""
     shown = redact_uri(url)

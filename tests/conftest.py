@@ -56,6 +56,5 @@ def kube_namespace(kube_cluster: ControlPlane) -> Iterator[str]:
 def lorafleet_crds(kube_cluster: ControlPlane) -> tuple[str, ...]:
     """The chart's CRDs applied for real (once per session) and Established; returns their names."""
     kube_cluster.kubectl("apply", "--server-side", "-f", str(CHECKOUT.crds))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         *(f"crd/{name}" for name in CRD_NAMES))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{name}" for name in CRD_NAMES))
     return CRD_NAMES

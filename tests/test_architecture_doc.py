@@ -13,10 +13,7 @@ LISTED = re.compile(r"`((?:node_agent|common|operator|devtools)/[\w/]+\.py)`")
 def modules_in_tree() -> set[str]:
     """Every module of the packages, `__init__.py` files aside (they hand names on)."""
     return {
-        path.relative_to(ROOT).as_posix()
-        for package in PACKAGES
-        for path in (ROOT / package).rglob("*.py")
-        if path.name != "__init__.py"
+        path.relative_to(ROOT).as_posix() for package in PACKAGES for path in (ROOT / package).rglob("*.py") if path.name != "__init__.py"
     }
 
 

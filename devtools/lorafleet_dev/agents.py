@@ -44,11 +44,26 @@ class AgentSpec:
 
     def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
         """The ``lorafleet-agent serve`` command line for an agent on ``host:port``."""
-        argv = ["lorafleet-agent", "--log-level", "INFO", "serve",
-                "--model", str(self.model_dir), "--tp", str(self.tp), "--dp", str(self.dp),
-                "--listen", f"{self.host}:{port}", "--base-model-name", self.base_model_name,
-                "--max-lora-rank", str(self.max_lora_rank),
-                "--max-loaded-loras", str(self.max_loaded_loras)]
+        argv = [
+            "lorafleet-agent",
+            "--log-level",
+            "INFO",
+            "serve",
+            "--model",
+            str(self.model_dir),
+            "--tp",
+            str(self.tp),
+            "--dp",
+            str(self.dp),
+            "--listen",
+            f"{self.host}:{port}",
+            "--base-model-name",
+            self.base_model_name,
+            "--max-lora-rank",
+            str(self.max_lora_rank),
+            "--max-loaded-loras",
+            str(self.max_loaded_loras),
+        ]
         for root in self.adapter_roots:
             argv += ["--adapter-root", str(root)]
         # Local agents download only from loopback test servers (docs/agent.md, Sources).
@@ -86,9 +101,7 @@ class AgentProcess:
     def start(self) -> AgentProcess:
         """Start the process (same port every time) without waiting for it."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.popen = popen_dying_with_parent(
-            self.spec.argv(self.port, self.metrics_port), self.log_path, new_session=True
-        )
+        self.popen = popen_dying_with_parent(self.spec.argv(self.port, self.metrics_port), self.log_path, new_session=True)
         self.starts += 1
         log.info("started agent %s (pid %d) on %s", self.name, self.popen.pid, self.endpoint)
         return self
@@ -117,8 +130,7 @@ class AgentProcess:
                 self.start()
                 continue
             if time.monotonic() > deadline:
-                raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(f"agent {self.name} not serving after {timeout_s}s:\n{self.log_tail()}")
             time.sleep(0.2)
 
     def serving(self) -> bool:
@@ -128,8 +140,7 @@ class AgentProcess:
             raise RuntimeError(f"agent {self.name} exited:\n{self.log_tail()}")
         with grpc.insecure_channel(self.endpoint) as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=2)
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
             except grpc.RpcError:
                 return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
@@ -162,8 +173,7 @@ class AgentProcess:
         return log_tail(self.log_path, lines)
 
 
-def start_agents(names: Sequence[str], spec: AgentSpec, log_dir: Path,
-                 timeout_s: float = 180.0) -> list[AgentProcess]:
+def start_agents(names: Sequence[str], spec: AgentSpec, log_dir: Path, timeout_s: float = 180.0) -> list[AgentProcess]:
     """Start several agents at once and wait for all (they load their models in parallel)."""
     agents = [AgentProcess(name, spec, log_dir).start() for name in names]
     try:

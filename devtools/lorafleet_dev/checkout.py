@@ -56,8 +56,7 @@ class Checkout:
         checkout = cls(root.resolve())
         if not checkout.is_valid():
             raise CheckoutError(
-                f"{checkout.root} is not a lorafleet checkout (no deploy/helm/lorafleet/Chart.yaml "
-                "and scripts/build-kube.sh)"
+                f"{checkout.root} is not a lorafleet checkout (no deploy/helm/lorafleet/Chart.yaml and scripts/build-kube.sh)"
             )
         return checkout
 
@@ -70,6 +69,5 @@ class Checkout:
             if checkout.is_valid():
                 return checkout
         raise CheckoutError(
-            f"{start} is not inside a lorafleet checkout; run from the repository (or below it) "
-            "or pass its path with --repo"
+            f"{start} is not inside a lorafleet checkout; run from the repository (or below it) or pass its path with --repo"
         )

@@ -50,8 +50,11 @@ KUBERNETES_SERVICE_IP = "10.96.0.1"
 #: hand-written Ready pods NotReady) and no podgc (it would delete pods bound to a node that has
 #: no Node object).
 BASE_CONTROLLERS = (
-    "namespace-controller", "garbage-collector-controller", "serviceaccount-controller",
-    "clusterrole-aggregation-controller", "serviceaccount-token-controller",
+    "namespace-controller",
+    "garbage-collector-controller",
+    "serviceaccount-controller",
+    "clusterrole-aggregation-controller",
+    "serviceaccount-token-controller",
     "root-ca-certificate-publisher-controller",
 )
 #: Added when a real node joins (:mod:`lorafleet_dev.node`): workloads become pods, Jobs (Helm
@@ -61,10 +64,16 @@ BASE_CONTROLLERS = (
 #: a namespace holding a claim would never finish deleting). Still no podgc: stand-in pods
 #: bound to a node without a Node object may coexist with real ones.
 NODE_CONTROLLERS = (
-    "deployment-controller", "replicaset-controller", "statefulset-controller",
-    "job-controller", "disruption-controller", "endpointslice-controller",
-    "node-lifecycle-controller", "persistentvolume-binder-controller",
-    "persistentvolumeclaim-protection-controller", "persistentvolume-protection-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "statefulset-controller",
+    "job-controller",
+    "disruption-controller",
+    "endpointslice-controller",
+    "node-lifecycle-controller",
+    "persistentvolume-binder-controller",
+    "persistentvolumeclaim-protection-controller",
+    "persistentvolume-protection-controller",
 )
 
 
@@ -86,8 +95,9 @@ def find_bin_dir(checkout: Checkout) -> Path:
     ``scripts/build-kube.sh`` (which alone knows the versions, hence the cache path) names it. Building takes 10-20 minutes cold, far
     longer than a test should wait, so a missing build is an error telling what to run.
     """
-    return built_bin_dir(checkout.build_kube_script, "LORAFLEET_KUBE_BIN_DIR", BINARIES,
-                         "Kubernetes control-plane binaries", "10-20 minutes")
+    return built_bin_dir(
+        checkout.build_kube_script, "LORAFLEET_KUBE_BIN_DIR", BINARIES, "Kubernetes control-plane binaries", "10-20 minutes"
+    )
 
 
 @dataclass
@@ -136,9 +146,7 @@ class ControlPlane(StandInKubelet):
         last: HarnessError | None = None
         for attempt in range(1, attempts + 1):
             shm = Path("/dev/shm")
-            work_dir = Path(
-                tempfile.mkdtemp(prefix="lorafleet-kube-", dir=shm if shm.is_dir() else None)
-            )
+            work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-kube-", dir=shm if shm.is_dir() else None))
             cluster = cls._new(bin_dir, work_dir, with_controller_manager)
             if node_ip:
                 cluster.advertise_ip = node_ip
@@ -173,8 +181,7 @@ class ControlPlane(StandInKubelet):
 
     def _boot(self, ready_timeout_s: float) -> None:
         # In-cluster clients dial the advertised address or the kubernetes Service's ClusterIP.
-        extra_ips = () if self.advertise_ip == "127.0.0.1" else (
-            self.advertise_ip, KUBERNETES_SERVICE_IP)
+        extra_ips = () if self.advertise_ip == "127.0.0.1" else (self.advertise_ip, KUBERNETES_SERVICE_IP)
         pki = make_control_plane_pki(self.work_dir / "pki", extra_ips=extra_ips)
         logs = self.work_dir / "logs"
         logs.mkdir()
@@ -187,20 +194,25 @@ class ControlPlane(StandInKubelet):
     def _start_etcd(self, timeout_s: float, logs: Path) -> str:
         client = f"http://127.0.0.1:{free_port()}"
         peer = f"http://127.0.0.1:{free_port()}"
-        proc = ChildProcess.spawn("etcd", [
-            str(self.bin_dir / "etcd"),
-            "--name=lorafleet",
-            f"--data-dir={self.work_dir / 'etcd'}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=lorafleet={peer}",
-            "--initial-cluster-state=new",
-            # Test data is disposable: skip fsync, it is the slowest part of etcd on a busy disk.
-            "--unsafe-no-fsync",
-            "--log-level=warn",
-        ], logs, self._go_env())
+        proc = ChildProcess.spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--name=lorafleet",
+                f"--data-dir={self.work_dir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=lorafleet={peer}",
+                "--initial-cluster-state=new",
+                # Test data is disposable: skip fsync, it is the slowest part of etcd on a busy disk.
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+            logs,
+            self._go_env(),
+        )
         self._procs.append(proc)
 
         def healthy() -> bool:
@@ -265,33 +277,34 @@ class ControlPlane(StandInKubelet):
             controllers += NODE_CONTROLLERS
         kubeconfig = self.work_dir / "controller-manager.kubeconfig"
         self._write_kubeconfig_file(
-            kubeconfig, "kube-controller-manager",
-            {"client-certificate": str(pki.controller_manager_cert),
-             "client-key": str(pki.controller_manager_key)},
+            kubeconfig,
+            "kube-controller-manager",
+            {"client-certificate": str(pki.controller_manager_cert), "client-key": str(pki.controller_manager_key)},
         )
-        proc = ChildProcess.spawn("kube-controller-manager", [
-            str(self.bin_dir / "kube-controller-manager"),
-            f"--kubeconfig={kubeconfig}",
-            # No HTTPS endpoint of its own: nothing scrapes it, and it would need another port.
-            "--secure-port=0",
-            "--leader-elect=false",
-            f"--controllers={','.join(controllers)}",
-            f"--service-account-private-key-file={pki.sa_key}",
-            f"--root-ca-file={pki.ca_cert}",
-            "--use-service-account-credentials=false",
-            "--profiling=false",
-            "--v=1",
-        ], logs)
+        proc = ChildProcess.spawn(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                f"--kubeconfig={kubeconfig}",
+                # No HTTPS endpoint of its own: nothing scrapes it, and it would need another port.
+                "--secure-port=0",
+                "--leader-elect=false",
+                f"--controllers={','.join(controllers)}",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                "--use-service-account-credentials=false",
+                "--profiling=false",
+                "--v=1",
+            ],
+            logs,
+        )
         self._procs.append(proc)
 
         def default_sa_exists() -> bool:
-            status, _ = self.request(
-                "GET", "/api/v1/namespaces/default/serviceaccounts/default"
-            )
+            status, _ = self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
             return status == 200
 
-        proc.wait_until("the controller manager to create ServiceAccount default/default",
-                        default_sa_exists, timeout_s, 0.5)
+        proc.wait_until("the controller manager to create ServiceAccount default/default", default_sa_exists, timeout_s, 0.5)
 
     def stop(self) -> None:
         """Stop every process (newest first) and remove the work dir unless kept for a failure."""
@@ -313,8 +326,7 @@ class ControlPlane(StandInKubelet):
         time.sleep(downtime_s)
         new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent, old.env)
         self._procs[index] = new
-        new.wait_until("kube-apiserver /readyz after restart", self._apiserver_ready,
-                       ready_timeout_s, 0.5)
+        new.wait_until("kube-apiserver /readyz after restart", self._apiserver_ready, ready_timeout_s, 0.5)
 
     def restart_etcd(self, downtime_s: float = 0.0, ready_timeout_s: float = 120.0) -> None:
         """Stop etcd, wait ``downtime_s``, start it again on the same ports and data dir, and
@@ -326,8 +338,7 @@ class ControlPlane(StandInKubelet):
         time.sleep(downtime_s)
         new = ChildProcess.spawn(old.name, old.argv, old.log_path.parent, old.env)
         self._procs[index] = new
-        new.wait_until("kube-apiserver /readyz after the etcd restart", self._apiserver_ready,
-                       ready_timeout_s, 0.5)
+        new.wait_until("kube-apiserver /readyz after the etcd restart", self._apiserver_ready, ready_timeout_s, 0.5)
 
     def __enter__(self) -> ControlPlane:
         return self
@@ -356,11 +367,9 @@ class ControlPlane(StandInKubelet):
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "lorafleet-test", "cluster": {
-                "server": self.server, "certificate-authority": str(self.ca_file)}}],
+            "clusters": [{"name": "lorafleet-test", "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)}}],
             "users": [{"name": user, "user": credentials}],
-            "contexts": [{"name": "lorafleet-test",
-                          "context": {"cluster": "lorafleet-test", "user": user}}],
+            "contexts": [{"name": "lorafleet-test", "context": {"cluster": "lorafleet-test", "user": user}}],
             "current-context": "lorafleet-test",
         }
         path.write_text(json.dumps(config, indent=2))  # JSON is YAML; no dependency needed
@@ -370,15 +379,14 @@ class ControlPlane(StandInKubelet):
         """An SSL context that trusts this cluster's CA (for raw HTTPS calls)."""
         return ssl.create_default_context(cafile=str(self.ca_file))
 
-    def request(
-        self, method: str, path: str, body: Any = None, timeout_s: float = 5.0
-    ) -> tuple[int, Any]:
+    def request(self, method: str, path: str, body: Any = None, timeout_s: float = 5.0) -> tuple[int, Any]:
         """One admin HTTPS request to the API server; returns (status, decoded JSON or text)."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
-            self.server + path, data=data, method=method,
-            headers={"Authorization": f"Bearer {self.token}",
-                     "Content-Type": "application/json", "Accept": "application/json"},
+            self.server + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json", "Accept": "application/json"},
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s, context=self.ssl_context()) as r:
@@ -398,8 +406,7 @@ class ControlPlane(StandInKubelet):
         env = dict(os.environ)
         env["KUBECONFIG"] = str(self.kubeconfig)
         # Keep helm's and kubectl's caches and config out of $HOME and per cluster.
-        for var, sub in (("HELM_CACHE_HOME", "helm/cache"), ("HELM_CONFIG_HOME", "helm/config"),
-                         ("HELM_DATA_HOME", "helm/data")):
+        for var, sub in (("HELM_CACHE_HOME", "helm/cache"), ("HELM_CONFIG_HOME", "helm/config"), ("HELM_DATA_HOME", "helm/data")):
             env[var] = str(self.work_dir / sub)
         return env
 
@@ -416,15 +423,19 @@ class ControlPlane(StandInKubelet):
 
         Raises KubectlError (with stderr) on a non-zero exit unless ``check`` is False.
         """
-        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}",
-                f"--cache-dir={self.work_dir / 'kubectl-cache'}"]
+        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={self.work_dir / 'kubectl-cache'}"]
         if as_user:
             argv.append(f"--as={as_user}")
         argv += [f"--as-group={g}" for g in as_groups]
         argv += list(args)
         proc = subprocess.run(
-            argv, input=input, capture_output=True, text=True, timeout=timeout_s,
-            env=self.tool_env(), check=False,
+            argv,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.tool_env(),
+            check=False,
         )
         if check and proc.returncode != 0:
             raise KubectlError(args, proc.returncode, proc.stdout, proc.stderr)
@@ -434,13 +445,15 @@ class ControlPlane(StandInKubelet):
         """kubectl with ``-o json``, decoded."""
         return json.loads(self.kubectl(*args, "-o", "json", **kwargs).stdout)
 
-    def helm(
-        self, *args: str, check: bool = True, timeout_s: float = 120.0
-    ) -> subprocess.CompletedProcess[str]:
+    def helm(self, *args: str, check: bool = True, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run the real helm binary against this cluster."""
         proc = subprocess.run(
-            [str(self.bin_dir / "helm"), *args], capture_output=True, text=True,
-            timeout=timeout_s, env=self.tool_env(), check=False,
+            [str(self.bin_dir / "helm"), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.tool_env(),
+            check=False,
         )
         if check and proc.returncode != 0:
             raise HarnessError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
@@ -449,14 +462,11 @@ class ControlPlane(StandInKubelet):
     def apply(self, manifest: str, namespace: str | None = None, *extra: str) -> str:
         """``kubectl apply --validate=strict -f -`` of a YAML/JSON manifest; returns stdout."""
         ns = ["-n", namespace] if namespace else []
-        return self.kubectl("apply", "--validate=strict", *ns, *extra, "-f", "-",
-                            input=manifest).stdout
+        return self.kubectl("apply", "--validate=strict", *ns, *extra, "-f", "-", input=manifest).stdout
 
     # ---- namespaces -------------------------------------------------------------------------
 
-    def create_namespace(
-        self, name: str | None = None, *, prefix: str = "t", wait_s: float = 60.0
-    ) -> str:
+    def create_namespace(self, name: str | None = None, *, prefix: str = "t", wait_s: float = 60.0) -> str:
         """Create a namespace (random name unless given) and return its name.
 
         With the controller manager running this waits for its "default" ServiceAccount,
@@ -467,8 +477,7 @@ class ControlPlane(StandInKubelet):
         if self.with_controller_manager:
             deadline = time.monotonic() + wait_s
             while True:
-                status, _ = self.request(
-                    "GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
+                status, _ = self.request("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
                 if status == 200:
                     break
                 if time.monotonic() > deadline:
@@ -478,5 +487,4 @@ class ControlPlane(StandInKubelet):
 
     def delete_namespace(self, name: str, *, wait: bool = False) -> None:
         """Delete a namespace; the controller manager empties and removes it."""
-        self.kubectl("delete", "namespace", name, "--ignore-not-found",
-                     f"--wait={'true' if wait else 'false'}")
+        self.kubectl("delete", "namespace", name, "--ignore-not-found", f"--wait={'true' if wait else 'false'}")

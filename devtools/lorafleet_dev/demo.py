@@ -72,21 +72,23 @@ def write_files(checkout: Checkout, root: Path) -> tuple[Path, Path]:
 
 def example_manifests(checkout: Checkout, adapter_root: Path) -> str:
     """deploy/examples/*.yaml as one stream, file:// paths pointed at the demo's adapters."""
-    docs = [p.read_text().replace(EXAMPLE_ADAPTER_ROOT, str(adapter_root))
-            for p in sorted(checkout.examples.glob("*.yaml"))]
+    docs = [p.read_text().replace(EXAMPLE_ADAPTER_ROOT, str(adapter_root)) for p in sorted(checkout.examples.glob("*.yaml"))]
     return "\n---\n".join(docs)
 
 
 @contextmanager
 def running_operator(cluster: ControlPlane, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``lorafleet-operator`` for the demo namespace, stopped with SIGTERM on exit."""
-    env = {**cluster.tool_env(), "LORAFLEET_WATCH_NAMESPACES": NAMESPACE,
-           "LORAFLEET_LEASE_NAMESPACE": NAMESPACE, "POD_NAME": "demo-operator",
-           "LORAFLEET_DRIFT_INTERVAL_SECONDS": "5",
-           "LORAFLEET_METRICS_PORT": str(free_port())}
+    env = {
+        **cluster.tool_env(),
+        "LORAFLEET_WATCH_NAMESPACES": NAMESPACE,
+        "LORAFLEET_LEASE_NAMESPACE": NAMESPACE,
+        "POD_NAME": "demo-operator",
+        "LORAFLEET_DRIFT_INTERVAL_SECONDS": "5",
+        "LORAFLEET_METRICS_PORT": str(free_port()),
+    }
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(["lorafleet-operator"], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(["lorafleet-operator"], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc
     finally:
@@ -107,8 +109,7 @@ def wait_ready(cluster: ControlPlane, timeout_s: float, operator_log: Path) -> N
         if items and all(p == "Ready" for p in phases.values()):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"adapters not Ready after {timeout_s:.0f}s: {phases}\n"
-                               f"{operator_log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(f"adapters not Ready after {timeout_s:.0f}s: {phases}\n{operator_log.read_text(errors='replace')[-3000:]}")
         time.sleep(0.5)
 
 
@@ -127,12 +128,12 @@ def run(checkout: Checkout, work: Path, keep_running: bool) -> int:
         cluster = ControlPlane.start(find_bin_dir(checkout))
         stack.callback(cluster.stop)
         cluster.kubectl("apply", "--server-side", "-f", str(checkout.crds))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                        "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
+        cluster.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s", "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev"
+        )
 
         model, adapters = write_files(checkout, work)
-        log.info("wrote a tiny random model and adapters %s under %s",
-                 sorted(p.name for p in adapters.iterdir()), work)
+        log.info("wrote a tiny random model and adapters %s under %s", sorted(p.name for p in adapters.iterdir()), work)
         spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name=BASE_MODEL)
         log.info("starting two node agents (tp=2, dp=2 on the CPU)")
         agents = start_agents(["lorafleet-agent-0", "lorafleet-agent-1"], spec, work / "logs")
@@ -143,8 +144,7 @@ def run(checkout: Checkout, work: Path, keep_running: bool) -> int:
         operator_log = work / "logs" / "operator.log"
         log.info("starting the operator (log: %s)", operator_log)
         stack.enter_context(running_operator(cluster, operator_log))
-        log.info("applying deploy/examples/ (adapter root %s -> %s)", EXAMPLE_ADAPTER_ROOT,
-                 adapters)
+        log.info("applying deploy/examples/ (adapter root %s -> %s)", EXAMPLE_ADAPTER_ROOT, adapters)
         started = time.monotonic()
         log.info(cluster.apply(example_manifests(checkout, adapters), NAMESPACE).rstrip())
         wait_ready(cluster, 300, operator_log)
@@ -157,8 +157,7 @@ def run(checkout: Checkout, work: Path, keep_running: bool) -> int:
             log.info("Generate, adapter support-bot on %s: %s", agent.name, tokens)
         log.info("\n$ kubectl get la\n%s", cluster.kubectl("get", "la", "-n", NAMESPACE).stdout)
         if keep_running:
-            log.info("running; try: KUBECONFIG=%s kubectl get la,lfleet -o wide   (Ctrl-C stops)",
-                     cluster.kubeconfig)
+            log.info("running; try: KUBECONFIG=%s kubectl get la,lfleet -o wide   (Ctrl-C stops)", cluster.kubeconfig)
             while True:
                 time.sleep(3600)
     log.info("stopped everything")
@@ -167,12 +166,9 @@ def run(checkout: Checkout, work: Path, keep_running: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m lorafleet_dev.demo [--repo PATH] [--keep-running]``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m lorafleet_dev.demo",
-                                     description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--repo", type=Path, default=None,
-                        help="the lorafleet checkout (default: the one holding the current directory)")
-    parser.add_argument("--keep-running", action="store_true",
-                        help="leave everything up until Ctrl-C")
+    parser = argparse.ArgumentParser(prog="python -m lorafleet_dev.demo", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repo", type=Path, default=None, help="the lorafleet checkout (default: the one holding the current directory)")
+    parser.add_argument("--keep-running", action="store_true", help="leave everything up until Ctrl-C")
     args = parser.parse_args(argv)
     try:
         checkout = Checkout.at(args.repo) if args.repo else Checkout.find(Path.cwd())

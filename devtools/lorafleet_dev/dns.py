@@ -35,11 +35,13 @@ def find_coredns_bin_dir(checkout: Checkout) -> Path:
     if override:
         bin_dir = Path(override)
     else:
-        proc = subprocess.run(["bash", str(checkout.build_node_script), "--print-coredns-bin-dir", "--no-build"],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            ["bash", str(checkout.build_node_script), "--print-coredns-bin-dir", "--no-build"], capture_output=True, text=True, check=False
+        )
         if proc.returncode != 0:
-            raise HarnessError("CoreDNS is not built; run scripts/build-node.sh first (minutes cold, "
-                               f"cached afterwards).\n{proc.stderr.strip()}")
+            raise HarnessError(
+                f"CoreDNS is not built; run scripts/build-node.sh first (minutes cold, cached afterwards).\n{proc.stderr.strip()}"
+            )
         bin_dir = Path(proc.stdout.strip())
     if not os.access(bin_dir / "coredns", os.X_OK):
         raise HarnessError(f"{bin_dir} lacks coredns; run scripts/build-node.sh to build it")
@@ -50,36 +52,55 @@ def reader_manifest() -> str:
     """CoreDNS's ServiceAccount and its read-only ClusterRole and binding: what the kubernetes
     plugin lists and watches (pods too only with ``pods verified``, which is not used)."""
     reads = ["list", "watch"]
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": [
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": ACCOUNT, "namespace": ACCOUNT_NAMESPACE}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": ACCOUNT},
-         "rules": [{"apiGroups": [""], "resources": ["services", "namespaces"], "verbs": reads},
-                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": reads}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": ACCOUNT},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ACCOUNT},
-         "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": ACCOUNT_NAMESPACE}]},
-    ]})
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "List",
+            "items": [
+                {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": ACCOUNT, "namespace": ACCOUNT_NAMESPACE}},
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "ClusterRole",
+                    "metadata": {"name": ACCOUNT},
+                    "rules": [
+                        {"apiGroups": [""], "resources": ["services", "namespaces"], "verbs": reads},
+                        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": reads},
+                    ],
+                },
+                {
+                    "apiVersion": "rbac.authorization.k8s.io/v1",
+                    "kind": "ClusterRoleBinding",
+                    "metadata": {"name": ACCOUNT},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ACCOUNT},
+                    "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": ACCOUNT_NAMESPACE}],
+                },
+            ],
+        }
+    )
 
 
 def write_reader_kubeconfig(cluster: ControlPlane, path: Path) -> None:
     """Create CoreDNS's ServiceAccount and role, and write a kubeconfig with a token of it."""
     cluster.apply(reader_manifest())
     status, reply = cluster.request(
-        "POST", f"/api/v1/namespaces/{ACCOUNT_NAMESPACE}/serviceaccounts/{ACCOUNT}/token",
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-         "spec": {"expirationSeconds": TOKEN_LIFETIME_S}})
+        "POST",
+        f"/api/v1/namespaces/{ACCOUNT_NAMESPACE}/serviceaccounts/{ACCOUNT}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": TOKEN_LIFETIME_S}},
+    )
     if status != 201 or not isinstance(reply, dict):
         raise HarnessError(f"TokenRequest for {ACCOUNT_NAMESPACE}/{ACCOUNT} failed ({status}): {reply}")
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "cluster", "cluster": {"server": cluster.server,
-                                                     "certificate-authority": str(cluster.ca_file)}}],
-        "users": [{"name": ACCOUNT, "user": {"token": reply["status"]["token"]}}],
-        "contexts": [{"name": ACCOUNT, "context": {"cluster": "cluster", "user": ACCOUNT}}],
-        "current-context": ACCOUNT,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "cluster", "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca_file)}}],
+                "users": [{"name": ACCOUNT, "user": {"token": reply["status"]["token"]}}],
+                "contexts": [{"name": ACCOUNT, "context": {"cluster": "cluster", "user": ACCOUNT}}],
+                "current-context": ACCOUNT,
+            }
+        )
+    )
     path.chmod(0o600)
 
 
@@ -100,8 +121,7 @@ def corefile(ip: str, kubeconfig: Path, ready_port: int) -> str:
 """
 
 
-def start_coredns(cluster: ControlPlane, bin_dir: Path, ip: str, work_dir: Path, logs: Path,
-                  timeout_s: float) -> ChildProcess:
+def start_coredns(cluster: ControlPlane, bin_dir: Path, ip: str, work_dir: Path, logs: Path, timeout_s: float) -> ChildProcess:
     """Start CoreDNS on ``ip``:53 with its own credentials and files under ``work_dir``; returns
     once its ``ready`` endpoint answers (the kubernetes plugin has synced Services and
     EndpointSlices). A CoreDNS that does not get ready is stopped before the error is raised."""

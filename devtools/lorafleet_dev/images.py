@@ -108,8 +108,7 @@ def _context_files(checkout: Checkout, roots: list[str]) -> list[Path]:
     for name in roots:
         top = checkout.root / name
         candidates = [top] if top.is_file() else sorted(top.rglob("*"))
-        files += [p for p in candidates if p.is_file()
-                  and not any(part in _NOT_CONTEXT for part in p.parts) and p.suffix != ".pyc"]
+        files += [p for p in candidates if p.is_file() and not any(part in _NOT_CONTEXT for part in p.parts) and p.suffix != ".pyc"]
     return files
 
 
@@ -137,29 +136,26 @@ def _prune(keep: Path, unused_s: float) -> None:
     prefix = keep.name.split("-", 1)[0] + "-"
     cutoff = time.time() - unused_s
     for old in keep.parent.glob(f"{prefix}*"):
-        finished = old.name.endswith((".log", ".lock")) or (
-            old.name.endswith(".tar") and not old.name.endswith(".partial.tar"))
+        finished = old.name.endswith((".log", ".lock")) or (old.name.endswith(".tar") and not old.name.endswith(".partial.tar"))
         with contextlib.suppress(FileNotFoundError):
-            if finished and not old.name.startswith(keep.stem + ".") \
-                    and old.stat().st_mtime < cutoff:
+            if finished and not old.name.startswith(keep.stem + ".") and old.stat().st_mtime < cutoff:
                 old.unlink()
 
 
 def _buildah(storage: Path) -> list[str]:
     """The buildah command line for a storage of our own (nothing lands in the machine's)."""
-    return ["buildah", f"--root={storage / 'root'}", f"--runroot={storage / 'run'}",
-            "--storage-driver=overlay"]
+    return ["buildah", f"--root={storage / 'root'}", f"--runroot={storage / 'run'}", "--storage-driver=overlay"]
 
 
 def _image_exists(buildah: list[str], name: str) -> bool:
-    return subprocess.run([*buildah, "inspect", "--type=image", name], capture_output=True,
-                          check=False).returncode == 0
+    return subprocess.run([*buildah, "inspect", "--type=image", name], capture_output=True, check=False).returncode == 0
 
 
 def _image_names(buildah: list[str], repository: str) -> list[str]:
     """Tagged images of ``repository`` in a storage."""
-    proc = subprocess.run([*buildah, "images", "--noheading", "--format={{.Name}}:{{.Tag}}",
-                           repository], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [*buildah, "images", "--noheading", "--format={{.Name}}:{{.Tag}}", repository], capture_output=True, text=True, check=False
+    )
     return [line for line in proc.stdout.split() if line.startswith(repository + ":")]
 
 
@@ -172,8 +168,7 @@ class ImageBuilder:
 
     def base_key(self) -> str:
         """Content key of the base root filesystem."""
-        return _digest([json.dumps({"suite": BASE_SUITE, "mirror": self.mirror,
-                                    "packages": BASE_PACKAGES, "variant": "minbase"}).encode()])
+        return _digest([json.dumps({"suite": BASE_SUITE, "mirror": self.mirror, "packages": BASE_PACKAGES, "variant": "minbase"}).encode()])
 
     def base_rootfs(self) -> Path:
         """The base root filesystem tar (mmdebstrap, about a minute on a cold cache)."""
@@ -183,9 +178,19 @@ class ImageBuilder:
                 return path
             started = time.monotonic()
             partial = path.with_suffix(".partial.tar")
-            _run(["mmdebstrap", "--quiet", "--variant=minbase",
-                  f"--include={','.join(BASE_PACKAGES)}", BASE_SUITE, str(partial), self.mirror],
-                 "mmdebstrap of the base root filesystem", path.with_suffix(".log"))
+            _run(
+                [
+                    "mmdebstrap",
+                    "--quiet",
+                    "--variant=minbase",
+                    f"--include={','.join(BASE_PACKAGES)}",
+                    BASE_SUITE,
+                    str(partial),
+                    self.mirror,
+                ],
+                "mmdebstrap of the base root filesystem",
+                path.with_suffix(".log"),
+            )
             partial.rename(path)
             log.info("built base root filesystem %s in %.0fs", path.name, time.monotonic() - started)
         return path
@@ -200,10 +205,8 @@ class ImageBuilder:
 
     def _key(self, sources: list[str]) -> str:
         root = self.checkout.root
-        inputs = [root / "Containerfile", root / ".dockerignore",
-                  *_context_files(self.checkout, sources)]
-        return _digest([self.base_key().encode()]
-                       + [str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() for p in inputs])
+        inputs = [root / "Containerfile", root / ".dockerignore", *_context_files(self.checkout, sources)]
+        return _digest([self.base_key().encode()] + [str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() for p in inputs])
 
     def operator_image(self) -> BuiltImage:
         """The operator image (Containerfile target ``operator``), built if not cached."""
@@ -248,19 +251,29 @@ class ImageBuilder:
             # Committed once per storage: a second commit of the same tar would be a new image
             # and miss every cached layer above it.
             if not _image_exists(buildah, base_name):
-                container = subprocess.run([*buildah, "from", "scratch"], capture_output=True,
-                                           text=True, check=True).stdout.strip()
+                container = subprocess.run([*buildah, "from", "scratch"], capture_output=True, text=True, check=True).stdout.strip()
                 _run([*buildah, "add", container, str(base), "/"], "buildah add of the base", log_path)
-                _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base",
-                     log_path)
+                _run([*buildah, "commit", "--rm", container, base_name], "buildah commit of the base", log_path)
             mounts = [f"--volume={p}:{p}:ro" for p in BUILD_MOUNTS if p.exists()]
-            _run([*buildah, "bud", "--isolation=chroot", "--network=host", "--layers=true",
-                  *mounts, f"--build-arg=BASE={base_name}", f"--target={target}",
-                  f"--tag={image.name}", f"--file={self.checkout.root / 'Containerfile'}",
-                  str(self.checkout.root)], f"buildah bud --target {target}", log_path)
+            _run(
+                [
+                    *buildah,
+                    "bud",
+                    "--isolation=chroot",
+                    "--network=host",
+                    "--layers=true",
+                    *mounts,
+                    f"--build-arg=BASE={base_name}",
+                    f"--target={target}",
+                    f"--tag={image.name}",
+                    f"--file={self.checkout.root / 'Containerfile'}",
+                    str(self.checkout.root),
+                ],
+                f"buildah bud --target {target}",
+                log_path,
+            )
             partial.unlink(missing_ok=True)
-            _run([*buildah, "push", image.name, f"docker-archive:{partial}:{image.name}"],
-                 "buildah push to a docker-archive", log_path)
+            _run([*buildah, "push", image.name, f"docker-archive:{partial}:{image.name}"], "buildah push to a docker-archive", log_path)
             partial.rename(image.archive)
         finally:
             with contextlib.suppress(OSError):

@@ -60,12 +60,14 @@ class StandInKubelet(ABC):
                 "nodeName": LOCAL_NODE,
                 "terminationGracePeriodSeconds": 0,
                 "automountServiceAccountToken": False,
-                "containers": [{
-                    "name": "agent",
-                    "image": "lorafleet-agent:local",
-                    "command": ["lorafleet-agent", "serve"],
-                    "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
-                }],
+                "containers": [
+                    {
+                        "name": "agent",
+                        "image": "lorafleet-agent:local",
+                        "command": ["lorafleet-agent", "serve"],
+                        "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
+                    }
+                ],
             },
         }
         self.kubectl("create", "-f", "-", input=json.dumps(pod))
@@ -108,24 +110,30 @@ class StandInKubelet(ABC):
                     "name": c["name"],
                     "image": c["image"],
                     "imageID": "",
-                    "containerID": f"lorafleet-local://{namespace}/{name}/{c['name']}/"
-                                   f"{restart_count}",
+                    "containerID": f"lorafleet-local://{namespace}/{name}/{c['name']}/{restart_count}",
                     "ready": ready,
                     "started": phase == "Running",
                     "restartCount": restart_count,
-                    "state": ({"running": {"startedAt": now}} if phase == "Running" else
-                              {"waiting": {"reason": "ContainerCreating"}}),
+                    "state": ({"running": {"startedAt": now}} if phase == "Running" else {"waiting": {"reason": "ContainerCreating"}}),
                 }
                 for c in containers
             ],
         }
         out = self.kubectl(
-            "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": status}), "-o", "json",
+            "patch",
+            "pod",
+            name,
+            "-n",
+            namespace,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": status}),
+            "-o",
+            "json",
         )
         return dict(json.loads(out.stdout))
 
     def delete_pod(self, namespace: str, name: str) -> None:
         """Delete a pod immediately (grace period 0), as when an agent pod goes away."""
-        self.kubectl("delete", "pod", name, "-n", namespace, "--grace-period=0", "--force",
-                     "--ignore-not-found")
+        self.kubectl("delete", "pod", name, "-n", namespace, "--grace-period=0", "--force", "--ignore-not-found")

@@ -30,7 +30,6 @@ def mounts_under(root: Path) -> list[Path]:
 def unmount_all(root: Path) -> None:
     """Lazily unmount everything at or below ``root``; log what would not go."""
     for point in mounts_under(root):
-        proc = subprocess.run(["umount", "--lazy", str(point)], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(["umount", "--lazy", str(point)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             log.warning("could not unmount %s: %s", point, proc.stderr.strip())

@@ -54,8 +54,7 @@ from lorafleet_dev.processes import ChildProcess, HarnessError, built_bin_dir, f
 
 log = logging.getLogger(__name__)
 
-NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-proxy", "containerd", "ctr",
-                 "containerd-shim-runc-v2", "pause")
+NODE_BINARIES = ("kubelet", "kube-scheduler", "kube-proxy", "containerd", "ctr", "containerd-shim-runc-v2", "pause")
 #: Debian's runc and CNI plugins (packages runc, containernetworking-plugins).
 RUNC = Path("/usr/sbin/runc")
 CNI_BIN_DIR = Path("/usr/lib/cni")
@@ -74,8 +73,7 @@ CTR_NAMESPACE = "k8s.io"
 #: iptables chains and the kernel settings are machine-wide. A second node (another test session
 #: on a shared machine) waits for this lock.
 MACHINE_LOCK = Path("/run/lock/lorafleet-node.lock")
-KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops",
-                   "net/ipv4/ip_forward")
+KERNEL_SETTINGS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
 
 
 #: containerd's per-task and CRI per-container directories under its root: state of one run's
@@ -92,8 +90,9 @@ def store_dir() -> Path:
 def find_node_bin_dir(checkout: Checkout) -> Path:
     """The cached bin dir of scripts/build-node.sh (``LORAFLEET_NODE_BIN_DIR`` overrides it);
     nothing is built here: a missing build is an error naming the script."""
-    return built_bin_dir(checkout.build_node_script, "LORAFLEET_NODE_BIN_DIR", NODE_BINARIES,
-                         "node binaries (kubelet, containerd, ...)", "minutes")
+    return built_bin_dir(
+        checkout.build_node_script, "LORAFLEET_NODE_BIN_DIR", NODE_BINARIES, "node binaries (kubelet, containerd, ...)", "minutes"
+    )
 
 
 def check_machine() -> None:
@@ -103,11 +102,9 @@ def check_machine() -> None:
         problems.append("not root (containerd, runc and the kubelet need root)")
     if "overlay" not in Path("/proc/filesystems").read_text():
         problems.append("no overlayfs in /proc/filesystems (containerd's snapshotter)")
-    for tool in (RUNC, CNI_BIN_DIR / "bridge", CNI_BIN_DIR / "host-local",
-                 CNI_BIN_DIR / "loopback"):
+    for tool in (RUNC, CNI_BIN_DIR / "bridge", CNI_BIN_DIR / "host-local", CNI_BIN_DIR / "loopback"):
         if not os.access(tool, os.X_OK):
-            problems.append(f"{tool} missing (scripts/build-node.sh installs runc and "
-                            "containernetworking-plugins)")
+            problems.append(f"{tool} missing (scripts/build-node.sh installs runc and containernetworking-plugins)")
     if shutil.which("iptables") is None:
         problems.append("no iptables (kube-proxy)")
     if not _cgroup_dirs("memory"):
@@ -144,9 +141,9 @@ def _lock_machine(timeout_s: float) -> IO[str]:
         except BlockingIOError as busy:
             if time.monotonic() > deadline:
                 lock.close()
-                raise HarnessError(f"another real node held {MACHINE_LOCK} for {timeout_s:.0f}s "
-                                   "(one node per machine: the bridge and cgroups are shared)"
-                                   ) from busy
+                raise HarnessError(
+                    f"another real node held {MACHINE_LOCK} for {timeout_s:.0f}s (one node per machine: the bridge and cgroups are shared)"
+                ) from busy
             if not logged:
                 log.info("waiting for another real node to stop (%s)", MACHINE_LOCK)
                 logged = True
@@ -160,16 +157,17 @@ def _cgroup_dirs(controller: str | None = None) -> list[Path]:
     dirs = []
     for line in Path("/proc/self/mounts").read_text().splitlines():
         _, mount_point, fstype, options, *_ = line.split()
-        if fstype == "cgroup2" or (fstype == "cgroup" and (
-                controller is None or controller in options.split(","))):
+        if fstype == "cgroup2" or (fstype == "cgroup" and (controller is None or controller in options.split(","))):
             dirs.append(Path(mount_point))
     return dirs
 
 
 #: Chains the kubelet creates (per table) and the built-in chains that jump to them.
-_KUBELET_CHAINS = {"filter": ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY"),
-                   "nat": ("KUBE-KUBELET-CANARY",),
-                   "mangle": ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY")}
+_KUBELET_CHAINS = {
+    "filter": ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY"),
+    "nat": ("KUBE-KUBELET-CANARY",),
+    "mangle": ("KUBE-IPTABLES-HINT", "KUBE-KUBELET-CANARY"),
+}
 _KUBELET_JUMPS = (("filter", "INPUT", "KUBE-FIREWALL"), ("filter", "OUTPUT", "KUBE-FIREWALL"))
 
 
@@ -178,8 +176,7 @@ def _remove_kubelet_iptables() -> None:
     a chain that is not there is no error."""
     for tool in ("iptables", "ip6tables"):
         for table, chain, target in _KUBELET_JUMPS:
-            subprocess.run([tool, "-t", table, "-D", chain, "-j", target], capture_output=True,
-                           check=False)
+            subprocess.run([tool, "-t", table, "-D", chain, "-j", target], capture_output=True, check=False)
         for table, chains in _KUBELET_CHAINS.items():
             for name in chains:
                 subprocess.run([tool, "-t", table, "-F", name], capture_output=True, check=False)
@@ -215,9 +212,17 @@ class RealNode:
     # ---- lifecycle --------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, cluster: ControlPlane, bin_dir: Path, dns_bin_dir: Path, *,
-              name: str = "lorafleet-node", ready_timeout_s: float = 120.0,
-              lock_timeout_s: float = 480.0, store: Path | None = None) -> RealNode:
+    def start(
+        cls,
+        cluster: ControlPlane,
+        bin_dir: Path,
+        dns_bin_dir: Path,
+        *,
+        name: str = "lorafleet-node",
+        ready_timeout_s: float = 120.0,
+        lock_timeout_s: float = 480.0,
+        store: Path | None = None,
+    ) -> RealNode:
         """Start the node's processes and wait until its Node is Ready and untainted. The
         cluster's DNS (CoreDNS from ``dns_bin_dir``) serves on the node's address, port 53, and
         the kubelet gives pods that address as their nameserver.
@@ -229,13 +234,11 @@ class RealNode:
         """
         check_machine()
         if cluster.advertise_ip == "127.0.0.1":
-            raise HarnessError("RealNode needs ControlPlane.start(..., node_ip=machine_ip()): "
-                               "pods cannot reach an API server on loopback")
+            raise HarnessError("RealNode needs ControlPlane.start(..., node_ip=machine_ip()): pods cannot reach an API server on loopback")
         lock = _lock_machine(lock_timeout_s)
         # On disk, not /dev/shm: image layers are hundreds of MB.
         work_dir = Path(tempfile.mkdtemp(prefix="lorafleet-node-", dir="/var/tmp"))
-        node = cls(cluster, bin_dir, dns_bin_dir, work_dir, name, cluster.advertise_ip,
-                   store or store_dir(), _lock=lock)
+        node = cls(cluster, bin_dir, dns_bin_dir, work_dir, name, cluster.advertise_ip, store or store_dir(), _lock=lock)
         try:
             node._boot(ready_timeout_s)
         except BaseException:
@@ -247,17 +250,14 @@ class RealNode:
         logs = self.work_dir / "logs"
         logs.mkdir()
         started = time.monotonic()
-        self._kernel_settings = {k: (Path("/proc/sys") / k).read_text().strip()
-                                 for k in KERNEL_SETTINGS}
+        self._kernel_settings = {k: (Path("/proc/sys") / k).read_text().strip() for k in KERNEL_SETTINGS}
         self._start_containerd(logs, timeout_s)
         self.import_image(self._pause_archive())
         self._start_kube_proxy(logs)
         self._start_scheduler(logs)
-        self._procs.append(start_coredns(self.cluster, self.dns_bin_dir, self.ip,
-                                         self.work_dir / "coredns", logs, timeout_s))
+        self._procs.append(start_coredns(self.cluster, self.dns_bin_dir, self.ip, self.work_dir / "coredns", logs, timeout_s))
         self._start_kubelet(logs, timeout_s)
-        log.info("node %s ready in %.1fs (work dir %s)", self.name,
-                 time.monotonic() - started, self.work_dir)
+        log.info("node %s ready in %.1fs (work dir %s)", self.name, time.monotonic() - started, self.work_dir)
 
     def _start_containerd(self, logs: Path, timeout_s: float) -> None:
         """Start containerd on the kept store, with no record of an earlier node's containers:
@@ -268,8 +268,7 @@ class RealNode:
         config = self._write_containerd_config()
         self._spawn_containerd(config, logs, timeout_s)
         if stale := self._store_records():
-            log.warning("removing %d records an earlier node left in %s: %s", len(stale),
-                        self.store, stale[:5])
+            log.warning("removing %d records an earlier node left in %s: %s", len(stale), self.store, stale[:5])
             self._forget_containers()
             containerd = self._procs.pop()
             containerd.stop()
@@ -278,10 +277,8 @@ class RealNode:
                 raise HarnessError(f"containerd's store {self.store} keeps records: {stale}")
 
     def _spawn_containerd(self, config: Path, logs: Path, timeout_s: float) -> None:
-        proc = self._spawn("containerd", [str(self.bin_dir / "containerd"), "--config", str(config)],
-                           logs)
-        proc.wait_until("containerd's socket", lambda: self._ctr("version").returncode == 0,
-                        timeout_s, 0.2)
+        proc = self._spawn("containerd", [str(self.bin_dir / "containerd"), "--config", str(config)], logs)
+        proc.wait_until("containerd's socket", lambda: self._ctr("version").returncode == 0, timeout_s, 0.2)
 
     def _write_containerd_config(self) -> Path:
         state = self.work_dir / "containerd"
@@ -343,62 +340,69 @@ state = '{state}/state'
         conflist = {
             "cniVersion": "1.0.0",
             "name": "lorafleet",
-            "plugins": [{
-                "type": "bridge",
-                "bridge": BRIDGE,
-                # The host is the pods' gateway; no masquerading: pods talk to this machine only.
-                "isGateway": True,
-                "ipMasq": False,
-                "hairpinMode": True,
-                "ipam": {
-                    "type": "host-local",
-                    "ranges": [[{"subnet": POD_SUBNET}]],
-                    "routes": [{"dst": "0.0.0.0/0"}],
-                    "dataDir": str(self.work_dir / "cni" / "ipam"),
-                },
-            }],
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": BRIDGE,
+                    # The host is the pods' gateway; no masquerading: pods talk to this machine only.
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": POD_SUBNET}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": str(self.work_dir / "cni" / "ipam"),
+                    },
+                }
+            ],
         }
         (conf_dir / "10-lorafleet.conflist").write_text(json.dumps(conflist, indent=2))
 
     def _pause_archive(self) -> Path:
         """A one-file OCI image archive around the pause binary (written by Python, no builder)."""
         archive = self.work_dir / "pause.tar"
-        write_image_archive(archive, PAUSE_IMAGE, {"pause": self.bin_dir / "pause"},
-                            entrypoint=["/pause"])
+        write_image_archive(archive, PAUSE_IMAGE, {"pause": self.bin_dir / "pause"}, entrypoint=["/pause"])
         return archive
 
     def _start_kube_proxy(self, logs: Path) -> None:
         config = self.work_dir / "kube-proxy.yaml"
-        config.write_text(json.dumps({
-            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
-            "kind": "KubeProxyConfiguration",
-            "clientConnection": {"kubeconfig": str(self.cluster.kubeconfig)},
-            "mode": "iptables",
-            "hostnameOverride": self.name,
-            "clusterCIDR": POD_SUBNET,
-            "bindAddress": self.ip,
-            "healthzBindAddress": f"127.0.0.1:{free_port()}",
-            "metricsBindAddress": f"127.0.0.1:{free_port()}",
-            # Leave the machine's conntrack sysctls alone (0 means "do not set").
-            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
-                          "tcpCloseWaitTimeout": "0s"},
-            # No route_localnet sysctl: nothing uses NodePorts on 127.0.0.1.
-            "iptables": {"localhostNodePorts": False},
-        }))
-        self._spawn("kube-proxy", [str(self.bin_dir / "kube-proxy"), f"--config={config}", "--v=1"],
-                    logs)
+        config.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+                    "kind": "KubeProxyConfiguration",
+                    "clientConnection": {"kubeconfig": str(self.cluster.kubeconfig)},
+                    "mode": "iptables",
+                    "hostnameOverride": self.name,
+                    "clusterCIDR": POD_SUBNET,
+                    "bindAddress": self.ip,
+                    "healthzBindAddress": f"127.0.0.1:{free_port()}",
+                    "metricsBindAddress": f"127.0.0.1:{free_port()}",
+                    # Leave the machine's conntrack sysctls alone (0 means "do not set").
+                    "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+                    # No route_localnet sysctl: nothing uses NodePorts on 127.0.0.1.
+                    "iptables": {"localhostNodePorts": False},
+                }
+            )
+        )
+        self._spawn("kube-proxy", [str(self.bin_dir / "kube-proxy"), f"--config={config}", "--v=1"], logs)
 
     def _start_scheduler(self, logs: Path) -> None:
-        self._spawn("kube-scheduler", [
-            str(self.bin_dir / "kube-scheduler"),
-            f"--kubeconfig={self.cluster.kubeconfig}",
-            f"--authentication-kubeconfig={self.cluster.kubeconfig}",
-            f"--authorization-kubeconfig={self.cluster.kubeconfig}",
-            "--leader-elect=false",
-            f"--secure-port={free_port()}",
-            "--bind-address=127.0.0.1",
-            "--v=1",
-        ], logs)
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--authentication-kubeconfig={self.cluster.kubeconfig}",
+                f"--authorization-kubeconfig={self.cluster.kubeconfig}",
+                "--leader-elect=false",
+                f"--secure-port={free_port()}",
+                "--bind-address=127.0.0.1",
+                "--v=1",
+            ],
+            logs,
+        )
 
     def _start_kubelet(self, logs: Path, timeout_s: float) -> None:
         root = self.work_dir / "kubelet"
@@ -407,16 +411,20 @@ state = '{state}/state'
             (hierarchy / CGROUP_PARENT).mkdir(exist_ok=True)
         config = self.work_dir / "kubelet.yaml"
         config.write_text(json.dumps(self._kubelet_config(), indent=2))
-        proc = self._spawn("kubelet", [
-            str(self.bin_dir / "kubelet"),
-            f"--config={config}",
-            f"--kubeconfig={self.cluster.kubeconfig}",
-            f"--root-dir={root}",
-            f"--cert-dir={root / 'pki'}",
-            f"--hostname-override={self.name}",
-            f"--node-ip={self.ip}",
-            "--v=1",
-        ], logs)
+        proc = self._spawn(
+            "kubelet",
+            [
+                str(self.bin_dir / "kubelet"),
+                f"--config={config}",
+                f"--kubeconfig={self.cluster.kubeconfig}",
+                f"--root-dir={root}",
+                f"--cert-dir={root / 'pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={self.ip}",
+                "--v=1",
+            ],
+            logs,
+        )
         proc.wait_until(f"Node {self.name} Ready and untainted", self._node_ready, timeout_s, 0.5)
 
     def _kubelet_config(self) -> dict[str, Any]:
@@ -444,8 +452,7 @@ state = '{state}/state'
             "registerNode": True,
             # A busy shared disk must not evict test pods nor garbage-collect imported images
             # (they cannot be pulled again: there is no registry).
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
             "serializeImagePulls": False,
@@ -462,8 +469,7 @@ state = '{state}/state'
         status, node = self.cluster.request("GET", f"/api/v1/nodes/{self.name}")
         if status != 200 or not isinstance(node, dict):
             return False
-        ready = any(c["type"] == "Ready" and c["status"] == "True"
-                    for c in node.get("status", {}).get("conditions", []))
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in node.get("status", {}).get("conditions", []))
         # A taint (not-ready, set from the conditions by the node-lifecycle controller) would
         # keep the scheduler from placing pods here yet.
         return ready and not node.get("spec", {}).get("taints")
@@ -477,8 +483,11 @@ state = '{state}/state'
 
     def _ctr(self, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(self.bin_dir / "ctr"), f"--address={self.containerd_socket}", f"--namespace={CTR_NAMESPACE}",
-             *args], capture_output=True, text=True, timeout=timeout_s, check=False,
+            [str(self.bin_dir / "ctr"), f"--address={self.containerd_socket}", f"--namespace={CTR_NAMESPACE}", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
 
     def import_image(self, archive: Path) -> bool:
@@ -493,8 +502,7 @@ state = '{state}/state'
             log.info("%s already in the node's store", image.name)
             return False
         started = time.monotonic()
-        proc = self._ctr("images", "import", "--local", "--all-platforms", "--discard-unpacked-layers", str(archive),
-                         timeout_s=900.0)
+        proc = self._ctr("images", "import", "--local", "--all-platforms", "--discard-unpacked-layers", str(archive), timeout_s=900.0)
         if proc.returncode != 0:
             raise HarnessError(f"ctr images import {archive} failed:\n{proc.stderr}")
         log.info("imported %s in %.1fs", archive.name, time.monotonic() - started)
@@ -514,8 +522,9 @@ state = '{state}/state'
         if "manifests" in target:  # an index: the image's one manifest
             (only,) = target["manifests"]
             target = json.loads(self._ctr("content", "get", only["digest"]).stdout or "{}")
-        return bool(target.get("config", {}).get("digest") == image.config_digest
-                    and self._ctr("snapshots", "info", image.chain_id).returncode == 0)
+        return bool(
+            target.get("config", {}).get("digest") == image.config_digest and self._ctr("snapshots", "info", image.chain_id).returncode == 0
+        )
 
     def _listed(self, *args: str) -> list[str]:
         """The first column of a ``ctr ... list`` table, its header left out."""
@@ -529,9 +538,11 @@ state = '{state}/state'
         found += [f"container {c}" for c in self._ctr("containers", "list", "--quiet").stdout.split()]
         found += [f"sandbox {s}" for s in self._listed("sandboxes", "list")]
         found += [f"lease {lease}" for lease in self._ctr("leases", "list", "--quiet").stdout.split()]
-        found += [f"active snapshot {line.split()[0]}"
-                  for line in self._ctr("snapshots", "list").stdout.splitlines()[1:]
-                  if line.split()[-1:] == ["Active"]]
+        found += [
+            f"active snapshot {line.split()[0]}"
+            for line in self._ctr("snapshots", "list").stdout.splitlines()[1:]
+            if line.split()[-1:] == ["Active"]
+        ]
         return found
 
     def _forget_containers(self, timeout_s: float = 30.0) -> None:
@@ -567,8 +578,7 @@ state = '{state}/state'
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-        with urllib.request.urlopen(f"https://{self.ip}:{self.kubelet_port}{path}", timeout=10,
-                                    context=context) as reply:
+        with urllib.request.urlopen(f"https://{self.ip}:{self.kubelet_port}{path}", timeout=10, context=context) as reply:
             return str(reply.read().decode())
 
     def logs(self, name: str, lines: int = 60) -> str:
@@ -604,8 +614,7 @@ state = '{state}/state'
         unmount_all(self.work_dir)
         unmount_all(self.store)
         subprocess.run(["ip", "link", "delete", BRIDGE], check=False, capture_output=True)
-        subprocess.run([str(self.bin_dir / "kube-proxy"), "--cleanup"], check=False,
-                       capture_output=True)
+        subprocess.run([str(self.bin_dir / "kube-proxy"), "--cleanup"], check=False, capture_output=True)
         _remove_kubelet_iptables()
         self._remove_cgroups()
         for key, value in self._kernel_settings.items():
@@ -632,8 +641,7 @@ state = '{state}/state'
         found += [f"containerd record: {record}" for record in self._store_left]
         if Path("/sys/class/net", BRIDGE).exists():
             found.append(f"network interface {BRIDGE}")
-        found += [f"cgroup {h / CGROUP_PARENT}" for h in _cgroup_dirs()
-                  if (h / CGROUP_PARENT).exists()]
+        found += [f"cgroup {h / CGROUP_PARENT}" for h in _cgroup_dirs() if (h / CGROUP_PARENT).exists()]
         for tool in ("iptables-save", "ip6tables-save"):
             rules = subprocess.run([tool], capture_output=True, text=True, check=False).stdout
             found += [f"{tool}: {line}" for line in rules.splitlines() if "KUBE-" in line]
@@ -669,9 +677,16 @@ state = '{state}/state'
         if not any(p.name == "kubelet" and p.popen.poll() is None for p in self._procs):
             return
         with contextlib.suppress(HarnessError, subprocess.TimeoutExpired):
-            self.cluster.kubectl("delete", "pods", "--all-namespaces", "--force",
-                                 "--grace-period=0", f"--field-selector=spec.nodeName={self.name}",
-                                 "--wait=false", timeout_s=30)
+            self.cluster.kubectl(
+                "delete",
+                "pods",
+                "--all-namespaces",
+                "--force",
+                "--grace-period=0",
+                f"--field-selector=spec.nodeName={self.name}",
+                "--wait=false",
+                timeout_s=30,
+            )
         deadline = time.monotonic() + timeout_s
         while self.running_containers() and time.monotonic() < deadline:
             time.sleep(0.5)

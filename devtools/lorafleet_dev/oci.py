@@ -39,9 +39,7 @@ def _add(archive: tarfile.TarFile, name: str, data: bytes, mode: int) -> None:
     archive.addfile(info, io.BytesIO(data))
 
 
-def write_image_archive(
-    path: Path, name: str, files: Mapping[str, Path], *, entrypoint: Sequence[str]
-) -> None:
+def write_image_archive(path: Path, name: str, files: Mapping[str, Path], *, entrypoint: Sequence[str]) -> None:
     """Write an image ``name`` (``repo:tag``) whose root filesystem holds ``files`` (path in
     the image -> file here, all executable, owned by root) to the OCI archive ``path``."""
     layer_buf = io.BytesIO()
@@ -53,19 +51,17 @@ def write_image_archive(
     with tarfile.open(path, mode="w", format=tarfile.PAX_FORMAT) as layout:
         layer_desc = _blob(layout, layer_data, LAYER_TYPE)
         config = {
-            "architecture": arch, "os": "linux",
+            "architecture": arch,
+            "os": "linux",
             "config": {"Entrypoint": list(entrypoint)},
             "rootfs": {"type": "layers", "diff_ids": [layer_desc["digest"]]},
         }
         config_desc = _blob(layout, json.dumps(config).encode(), CONFIG_TYPE)
-        manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": config_desc,
-                    "layers": [layer_desc]}
+        manifest = {"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "config": config_desc, "layers": [layer_desc]}
         manifest_desc = _blob(layout, json.dumps(manifest).encode(), MANIFEST_TYPE)
         manifest_desc["platform"] = {"architecture": arch, "os": "linux"}
-        manifest_desc["annotations"] = {"io.containerd.image.name": name,
-                                        "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}
-        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-                 "manifests": [manifest_desc]}
+        manifest_desc["annotations"] = {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}
+        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [manifest_desc]}
         _add(layout, "index.json", json.dumps(index).encode(), 0o644)
         _add(layout, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode(), 0o644)
 
@@ -93,6 +89,7 @@ def read_archive_image(path: Path) -> ArchiveImage:
     named by the ``io.containerd.image.name`` annotation). Only the small members are read;
     the layers are skipped over (tarfile seeks past them)."""
     with tarfile.open(path, mode="r:") as archive:
+
         def member(name: str) -> bytes:
             file = archive.extractfile(name)
             if file is None:
@@ -110,8 +107,7 @@ def read_archive_image(path: Path) -> ArchiveImage:
             manifest = json.loads(member(_blob_path(manifest_desc["digest"])))
             config_bytes = member(_blob_path(manifest["config"]["digest"]))
     config = json.loads(config_bytes)
-    return ArchiveImage(name, "sha256:" + hashlib.sha256(config_bytes).hexdigest(),
-                        tuple(config["rootfs"]["diff_ids"]))
+    return ArchiveImage(name, "sha256:" + hashlib.sha256(config_bytes).hexdigest(), tuple(config["rootfs"]["diff_ids"]))
 
 
 def _blob_path(digest: str) -> str:

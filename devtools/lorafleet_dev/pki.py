@@ -49,16 +49,20 @@ def write_private(path: Path, data: bytes) -> None:
 
 def pem_private_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
     """A private key as unencrypted PKCS#8 PEM."""
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
 def _key_usage(*, ca: bool) -> x509.KeyUsage:
     return x509.KeyUsage(
-        digital_signature=True, key_cert_sign=ca, crl_sign=ca,
-        content_commitment=False, key_encipherment=False, data_encipherment=False,
-        key_agreement=False, encipher_only=False, decipher_only=False,
+        digital_signature=True,
+        key_cert_sign=ca,
+        crl_sign=ca,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        encipher_only=False,
+        decipher_only=False,
     )
 
 
@@ -83,8 +87,14 @@ class Authority:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
     def issue(
-        self, common_name: str, server: bool, *, organization: str | None = None,
-        extra_ips: Sequence[str] = (), dns_names: Sequence[str] = (), client_too: bool = False,
+        self,
+        common_name: str,
+        server: bool,
+        *,
+        organization: str | None = None,
+        extra_ips: Sequence[str] = (),
+        dns_names: Sequence[str] = (),
+        client_too: bool = False,
     ) -> KeyPair:
         """A new key and a certificate for it: a server's (valid for :data:`SERVER_NAMES`,
         ``dns_names`` and ``extra_ips``; with ``client_too`` also for client authentication, as
@@ -105,8 +115,11 @@ class Authority:
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )
         if server:
-            names = [*SERVER_NAMES, *(x509.DNSName(name) for name in dns_names),
-                     *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips)]
+            names = [
+                *SERVER_NAMES,
+                *(x509.DNSName(name) for name in dns_names),
+                *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
+            ]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), pem_private_key(key))
@@ -161,7 +174,5 @@ def make_control_plane_pki(directory: Path, *, extra_ips: Sequence[str] = ()) ->
     # RSA for service-account tokens: accepted by every consumer of these JWTs (RS256).
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     write_private(pki.sa_key, pem_private_key(sa_key))
-    pki.sa_pub.write_bytes(
-        sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
+    pki.sa_pub.write_bytes(sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     return pki

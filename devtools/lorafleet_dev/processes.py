@@ -69,7 +69,10 @@ PR_SET_PDEATHSIG = 1
 
 
 def popen_dying_with_parent(
-    argv: Sequence[str], log_path: Path, *, new_session: bool = False,
+    argv: Sequence[str],
+    log_path: Path,
+    *,
+    new_session: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` with its output appended to ``log_path``; it gets SIGTERM when we die.
@@ -85,8 +88,12 @@ def popen_dying_with_parent(
     launcher = [sys.executable, "-m", __name__, str(os.getpid())]
     with log_path.open("ab") as out:
         return subprocess.Popen(
-            [*launcher, *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=new_session, env=env,
+            [*launcher, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=new_session,
+            env=env,
         )
 
 
@@ -121,8 +128,7 @@ class ChildProcess:
     env: Mapping[str, str] | None = None
 
     @classmethod
-    def spawn(cls, name: str, argv: Sequence[str], log_dir: Path,
-              env: Mapping[str, str] | None = None) -> ChildProcess:
+    def spawn(cls, name: str, argv: Sequence[str], log_dir: Path, env: Mapping[str, str] | None = None) -> ChildProcess:
         """Start one server, its output appended to ``<log_dir>/<name>.log`` (``env``: its
         environment, ours when None)."""
         log_path = log_dir / f"{name}.log"
@@ -151,19 +157,14 @@ class ChildProcess:
         last_error = ""
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
-                raise HarnessError(
-                    f"{self.name} exited with {self.popen.returncode} while waiting for {what}:\n"
-                    f"{self.log_tail()}"
-                )
+                raise HarnessError(f"{self.name} exited with {self.popen.returncode} while waiting for {what}:\n{self.log_tail()}")
             try:
                 if probe():
                     return
             except (OSError, urllib.error.URLError, ValueError) as exc:
                 last_error = str(exc)
             time.sleep(interval_s)
-        raise HarnessError(
-            f"timed out after {timeout_s:.0f}s waiting for {what} ({last_error}):\n{self.log_tail()}"
-        )
+        raise HarnessError(f"timed out after {timeout_s:.0f}s waiting for {what} ({last_error}):\n{self.log_tail()}")
 
 
 if __name__ == "__main__":
@@ -178,11 +179,11 @@ def built_bin_dir(script: Path, override_env: str, binaries: Sequence[str], what
     if override:
         bin_dir = Path(override)
     else:
-        proc = subprocess.run(["bash", str(script), "--print-bin-dir", "--no-build"],
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(["bash", str(script), "--print-bin-dir", "--no-build"], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise HarnessError(f"the {what} are not built; run scripts/{script.name} first ({cold} cold, cached "
-                               f"afterwards).\n{proc.stderr.strip()}")
+            raise HarnessError(
+                f"the {what} are not built; run scripts/{script.name} first ({cold} cold, cached afterwards).\n{proc.stderr.strip()}"
+            )
         bin_dir = Path(proc.stdout.strip())
     missing = [b for b in binaries if not os.access(bin_dir / b, os.X_OK)]
     if missing:

@@ -100,9 +100,16 @@ class SimulatedRank:
         head = (self.rank, self.attn_dp_rank, self.attn_tp_rank)
         match command:
             case Describe():
-                return DescribeReply(*head, True, modules=self.modules, holds=self.holds, kv_blocks=1024,
-                                     kv_block_bytes=4096, kv_cache_bytes=1024 * 4096,
-                                     slot_digest=hashlib.sha256().hexdigest())
+                return DescribeReply(
+                    *head,
+                    True,
+                    modules=self.modules,
+                    holds=self.holds,
+                    kv_blocks=1024,
+                    kv_block_bytes=4096,
+                    kv_cache_bytes=1024 * 4096,
+                    slot_digest=hashlib.sha256().hexdigest(),
+                )
             case Unload():
                 if command.name not in self.held:
                     return ControlReply(*head, False, f"adapter {command.name!r} is not loaded", holds=self.holds)
@@ -123,8 +130,9 @@ class SimulatedRank:
             if made is None or made[0] is not self.holds:
                 made = grown[id(self.holds)] = (self.holds, (*self.holds, name))
             self.holds = made[1]
-        return ControlReply(self.rank, self.attn_dp_rank, self.attn_tp_rank, not error, error, holds=self.holds,
-                            digests=None if error else digests)
+        return ControlReply(
+            self.rank, self.attn_dp_rank, self.attn_tp_rank, not error, error, holds=self.holds, digests=None if error else digests
+        )
 
     def _load_error(self, name: str) -> str:
         if self.fails_loads and self.rank == FAILING_RANK:
@@ -152,15 +160,16 @@ class SimulatedEngine(Engine):
         modules = []
         for layer in range(cfg.num_layers):
             for kind in model_kinds(cfg):
-                slices = lora_layout(module_layout(cfg, topology, rank, kind), self.config.max_lora_rank,
-                                     topology.fully_sharded_loras)
+                slices = lora_layout(module_layout(cfg, topology, rank, kind), self.config.max_lora_rank, topology.fully_sharded_loras)
                 shapes = tuple(SliceShape((s.a_rank.width, s.a_in.width), (s.b_out.width, s.b_rank.width)) for s in slices)
                 modules.append(ModuleShape(f"layers.{layer}.{kind}", rank, shapes))
-        return SimulatedRank(rank, coords.attn_dp_rank, coords.attn_tp_rank, tuple(modules),
-                             self.config.max_loaded_loras, self._fails_loads)
+        return SimulatedRank(
+            rank, coords.attn_dp_rank, coords.attn_tp_rank, tuple(modules), self.config.max_loaded_loras, self._fails_loads
+        )
 
-    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None,
-                     written: WrittenFiles | None = None) -> ControlResult:
+    def load_adapter(
+        self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None, written: WrittenFiles | None = None
+    ) -> ControlResult:
         """The driver's load without its file checks (no rank reads the files): under the
         command lock, every rank's reply merged failure-first, a partial load rolled back by
         the real driver's rollback (``RankLoadError`` carries every rank's answer)."""
@@ -219,9 +228,14 @@ class SharedSources:
         setattr(node_agent.agent, _SOURCE_CHECK, resolve_source)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def resolve(self, uri: str, expected_sha256: str | None, policy: SourcePolicy,
-                credential: SourceCredential | None = None,
-                progress: DownloadProgress | None = None) -> ResolvedSource:
+    def resolve(
+        self,
+        uri: str,
+        expected_sha256: str | None,
+        policy: SourcePolicy,
+        credential: SourceCredential | None = None,
+        progress: DownloadProgress | None = None,
+    ) -> ResolvedSource:
         """The agent's ``resolve_source``: the real check on the first load of (``uri``,
         ``expected_sha256``), which the agents then share (a copy none of them owns). A load
         with a credential is checked on its own, as by a real agent (file:// refuses it)."""
@@ -258,13 +272,22 @@ class SimulatedFleet:
         self.servers: list[AgentServer] = []
         self.sources = SharedSources()
         self.sources.install()
-        engine_config = EngineConfig(model_dir=spec.model_dir, topology=Topology(spec.tp, spec.dp),
-                                     max_lora_rank=spec.max_lora_rank, max_loaded_loras=spec.max_loaded_loras)
+        engine_config = EngineConfig(
+            model_dir=spec.model_dir,
+            topology=Topology(spec.tp, spec.dp),
+            max_lora_rank=spec.max_lora_rank,
+            max_loaded_loras=spec.max_loaded_loras,
+        )
         try:
             for index in range(count):
-                agent = Agent(SimulatedEngine(engine_config, fails_loads=index < failing),
-                              AgentConfig(base_model_name=spec.base_model_name, agent_id=f"sim-{index}",
-                                          sources=SourcePolicy(adapter_roots=(spec.adapter_root,))))
+                agent = Agent(
+                    SimulatedEngine(engine_config, fails_loads=index < failing),
+                    AgentConfig(
+                        base_model_name=spec.base_model_name,
+                        agent_id=f"sim-{index}",
+                        sources=SourcePolicy(adapter_roots=(spec.adapter_root,)),
+                    ),
+                )
                 server = create_server(agent, ServerOptions(listen="127.0.0.1:0"))
                 server.start()
                 self.servers.append(server)

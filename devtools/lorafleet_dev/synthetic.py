@@ -41,8 +41,7 @@ def write_adapter_config(adapter_dir: Path, config: dict[str, Any]) -> None:
 
 def write_adapter_weights(adapter_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Write ``adapter_model.safetensors`` as PEFT does (contiguous tensors, format "pt")."""
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter_dir / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
 @dataclass(frozen=True)
@@ -81,14 +80,20 @@ class SyntheticModel:
         """(out, in) of each PEFT-targetable module."""
         q, kv, h, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size, self.intermediate_size
         return {
-            "self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
-            "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i),
+            "self_attn.q_proj": (q, h),
+            "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q),
+            "mlp.gate_proj": (i, h),
+            "mlp.up_proj": (i, h),
+            "mlp.down_proj": (h, i),
         }
 
 
 # The model every engine/agent benchmark uses: hidden 1024, 4 layers, GQA 16/4 (about 60M params).
-BENCHMARK_MODEL = SyntheticModel(hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4,
-                                 head_dim=64, vocab_size=8192)
+BENCHMARK_MODEL = SyntheticModel(
+    hidden_size=1024, intermediate_size=2816, num_layers=4, num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=8192
+)
 
 
 def write_model(out_dir: Path, shape: SyntheticModel, seed: int = 0) -> Path:
@@ -119,8 +124,9 @@ def write_model(out_dir: Path, shape: SyntheticModel, seed: int = 0) -> Path:
     return out_dir
 
 
-def write_adapter(out_dir: Path, shape: SyntheticModel, rank: int = 8, alpha: float = 16.0, seed: int = 0,
-                  targets: tuple[str, ...] = ALL_MODULES) -> Path:
+def write_adapter(
+    out_dir: Path, shape: SyntheticModel, rank: int = 8, alpha: float = 16.0, seed: int = 0, targets: tuple[str, ...] = ALL_MODULES
+) -> Path:
     """Write a PEFT-format LoRA adapter (adapter_config.json + adapter_model.safetensors)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,8 +140,17 @@ def write_adapter(out_dir: Path, shape: SyntheticModel, rank: int = 8, alpha: fl
             tensors[lora_key(layer, name, "A")] = torch.randn(rank, inp, generator=generator) * 0.05
             tensors[lora_key(layer, name, "B")] = torch.randn(out, rank, generator=generator) * 0.05
     write_adapter_weights(out_dir, tensors)
-    write_adapter_config(out_dir, {
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-        "bias": "none", "use_rslora": False, "use_dora": False, "task_type": "CAUSAL_LM",
-    })
+    write_adapter_config(
+        out_dir,
+        {
+            "peft_type": "LORA",
+            "r": rank,
+            "lora_alpha": alpha,
+            "target_modules": list(targets),
+            "bias": "none",
+            "use_rslora": False,
+            "use_dora": False,
+            "task_type": "CAUSAL_LM",
+        },
+    )
     return out_dir

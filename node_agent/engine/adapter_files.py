@@ -140,8 +140,10 @@ class HeldFiles:
         """Refuse files that are not the verified versions (ContentChanged)."""
         for name, want in ((WEIGHTS_FILE, verified.weights), (CONFIG_FILE, verified.config)):
             if self.identities[name] != want:
-                raise ContentChanged(f"{self.who} read other bytes than the agent verified: {name} "
-                                     f"is not the file that was verified (it was replaced or written to since)")
+                raise ContentChanged(
+                    f"{self.who} read other bytes than the agent verified: {name} "
+                    f"is not the file that was verified (it was replaced or written to since)"
+                )
 
     def check_unchanged(self) -> None:
         """Refuse the read if a file was written to or its directory entry replaced while held."""
@@ -164,8 +166,7 @@ class HeldFiles:
         self.close()
 
 
-def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None,
-                   written: WrittenFiles | None = None) -> VerifiedAdapter:
+def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None, written: WrittenFiles | None = None) -> VerifiedAdapter:
     """Check an adapter once for every rank: its files' digests (when `expected`; hashed unless
     the files are still the `written` ones), its config, patterns and header against the base
     model of `specs` (which remembers the specs of bytes it validated before). Raises
@@ -178,8 +179,7 @@ def verify_adapter(path: Path, specs: SpecMemo, expected: FileDigests | None,
         raise
 
 
-def _verify_held(held: HeldFiles, specs: SpecMemo, expected: FileDigests | None,
-                 written: WrittenFiles | None) -> VerifiedAdapter:
+def _verify_held(held: HeldFiles, specs: SpecMemo, expected: FileDigests | None, written: WrittenFiles | None) -> VerifiedAdapter:
     if expected is not None and not held.are(written):
         read = held.digests()
         if read != expected:
@@ -209,8 +209,10 @@ def _open_error(path: Path, error: OSError) -> str:
 def _digest_mismatch(read: FileDigests, expected: FileDigests) -> str:
     wrong = [
         f"{what} has sha256 {got}, the agent verified {want}"
-        for what, got, want in ((WEIGHTS_FILE, read.weights_sha256, expected.weights_sha256),
-                                (CONFIG_FILE, read.config_sha256, expected.config_sha256))
+        for what, got, want in (
+            (WEIGHTS_FILE, read.weights_sha256, expected.weights_sha256),
+            (CONFIG_FILE, read.config_sha256, expected.config_sha256),
+        )
         if got != want
     ]
     return f"the driver read other bytes than the agent verified: {'; '.join(wrong)}"

@@ -58,8 +58,9 @@ def rendezvous_store(port: int) -> dist.TCPStore:
         listener.close()
         raise
     # The store owns the descriptor from this call on, and closes it (even when the call fails).
-    return dist.TCPStore(RENDEZVOUS_HOST, bound, is_master=True, wait_for_workers=False, timeout=_SELF_CONNECT,
-                         master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        RENDEZVOUS_HOST, bound, is_master=True, wait_for_workers=False, timeout=_SELF_CONNECT, master_listen_fd=listener.detach()
+    )
 
 
 def init_process_groups(topology: Topology, rank: int, store_port: int, backend: str, timeout_s: float) -> ProcessGroups:
@@ -71,9 +72,7 @@ def init_process_groups(topology: Topology, rank: int, store_port: int, backend:
     store = dist.TCPStore(RENDEZVOUS_HOST, store_port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=topology.tp_size, timeout=timeout)
     coords = topology.coords(rank)
-    attn_group = _subgroup(
-        [topology.attn_group_ranks(g) for g in range(topology.dp_size)], coords.attn_dp_rank, backend
-    )
+    attn_group = _subgroup([topology.attn_group_ranks(g) for g in range(topology.dp_size)], coords.attn_dp_rank, backend)
     moe_group = _subgroup([topology.moe_group_ranks(e) for e in range(topology.ep_size)], coords.ep_rank, backend)
     full = dist.group.WORLD if topology.tp_size > 1 else None
     return ProcessGroups(

@@ -361,8 +361,9 @@ class Engine:
         try:
             # A rank that cannot start leaves the others blocked in the rendezvous: stop at the
             # first failure instead of waiting for them.
-            replies = self._collect(config.startup_timeout_s, "start", stop_on_failure=True,
-                                    limit="the engine's start-up timeout, --engine-startup-timeout-s")
+            replies = self._collect(
+                config.startup_timeout_s, "start", stop_on_failure=True, limit="the engine's start-up timeout, --engine-startup-timeout-s"
+            )
         except EngineError:
             self.close()
             raise
@@ -438,8 +439,9 @@ class Engine:
             raise EngineError(merged.error)
         return replies
 
-    def load_adapter(self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None,
-                     written: WrittenFiles | None = None) -> ControlResult:
+    def load_adapter(
+        self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None, written: WrittenFiles | None = None
+    ) -> ControlResult:
         """Load on every rank, or on none: a failure anywhere is rolled back everywhere
         (`RankLoadError` then carries every rank's answer).
 
@@ -519,8 +521,7 @@ class Engine:
             try:
                 for sequence in sequences:
                     request = _Request(next(self._ids), sequence.adapter, len(sequence.tokens))
-                    self._scheduler.submit(SequenceRequest(request.seq_id, sequence.adapter, tuple(sequence.tokens),
-                                                           prompt_logits=True))
+                    self._scheduler.submit(SequenceRequest(request.seq_id, sequence.adapter, tuple(sequence.tokens), prompt_logits=True))
                     self._requests[request.seq_id] = request
                     requests.append(request)
             except SchedulerError as error:
@@ -564,8 +565,16 @@ class Engine:
         """The step loop's counters and the scheduler's queue, running set and free blocks."""
         with self._work:
             running, waiting = self._scheduler.adapters()
-            return ServingStats(self._steps, self._preemptions, self.num_kv_blocks, self._scheduler.free_blocks(),
-                                self._scheduler.num_running, self._scheduler.num_waiting, running, waiting)
+            return ServingStats(
+                self._steps,
+                self._preemptions,
+                self.num_kv_blocks,
+                self._scheduler.free_blocks(),
+                self._scheduler.num_running,
+                self._scheduler.num_waiting,
+                running,
+                waiting,
+            )
 
     def _cancel(self, seq_id: int) -> bool:
         with self._work:
@@ -634,8 +643,13 @@ class Engine:
                 if self.failure is not None:
                     self._fail_all(EngineError(f"engine is not serving: {self.failure}"))
 
-    def _step_done(self, step: ScheduledStep, tokens: dict[int, int], logprobs: dict[int, TokenLogprobs],
-                   logits: tuple[tuple[int, int, np.ndarray], ...]) -> None:
+    def _step_done(
+        self,
+        step: ScheduledStep,
+        tokens: dict[int, int],
+        logprobs: dict[int, TokenLogprobs],
+        logits: tuple[tuple[int, int, np.ndarray], ...],
+    ) -> None:
         """Report a step to the scheduler (under `_work`) and put its callers' events in the outbox."""
         for seq_id, position, chunk in logits:
             request = self._requests.get(seq_id)
@@ -663,8 +677,7 @@ class Engine:
             self._scheduler.cancel(seq_id)
         self._fail_requests(victims, error)
 
-    def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs],
-                                                      tuple[tuple[int, int, np.ndarray], ...]]:
+    def _run_step(self, step: ScheduledStep) -> tuple[dict[int, int], dict[int, TokenLogprobs], tuple[tuple[int, int, np.ndarray], ...]]:
         """Run one step on every rank: the tokens drawn, their logprobs, the Forward chunks' logits.
         The last step's events go to the callers once this step is sent (`_broadcast`)."""
         with self._lock:
@@ -686,8 +699,10 @@ class Engine:
         wanted = {s.adapter for s in sequences if s.adapter is not None}
         pinned = self._pinned - wanted
         if len(wanted) + len(pinned) > self.config.max_loras_per_batch:
-            raise EngineError(f"no free LoRA slot: the batch needs {len(wanted)} adapters, "
-                              f"{self.config.max_loras_per_batch} slots (max_loras_per_batch), {len(pinned)} pinned")
+            raise EngineError(
+                f"no free LoRA slot: the batch needs {len(wanted)} adapters, "
+                f"{self.config.max_loras_per_batch} slots (max_loras_per_batch), {len(pinned)} pinned"
+            )
 
     def _check_loaded(self, sequences: Sequence[SequenceInput]) -> None:
         for index, sequence in enumerate(sequences):
@@ -695,8 +710,7 @@ class Engine:
                 raise EngineError(f"sequence {index}: adapter {sequence.adapter!r} is not loaded")
 
     def _control(self, command: Unload | Sequence[Load]) -> list[ControlReply]:
-        replies = (self._broadcast_each(command, ControlReply) if isinstance(command, Sequence)
-                   else self._broadcast(command, ControlReply))
+        replies = self._broadcast_each(command, ControlReply) if isinstance(command, Sequence) else self._broadcast(command, ControlReply)
         self._record(replies)
         return replies
 
@@ -723,8 +737,7 @@ class Engine:
             # Pickled once for every rank (what Connection.send does per rank). A Step holds
             # plain data only: plain pickle, without ForkingPickler's per-call copy of its
             # reducer tables.
-            payload = (pickle.dumps(command, pickle.HIGHEST_PROTOCOL) if isinstance(command, Step)
-                       else ForkingPickler.dumps(command))
+            payload = pickle.dumps(command, pickle.HIGHEST_PROTOCOL) if isinstance(command, Step) else ForkingPickler.dumps(command)
             return [payload] * len(self._conns)
 
         return self._exchange(command, payloads, kind)
@@ -733,8 +746,7 @@ class Engine:
         """Send each rank its own command (rank order) and collect every rank's reply: a load,
         each rank's plan (about 8 KiB; all four plans in one command were 33 KiB for every rank
         to unpickle). A Load holds plain data only: plain pickle, as for a Step."""
-        return self._exchange(commands[0], lambda: [pickle.dumps(command, pickle.HIGHEST_PROTOCOL) for command in commands],
-                              kind)
+        return self._exchange(commands[0], lambda: [pickle.dumps(command, pickle.HIGHEST_PROTOCOL) for command in commands], kind)
 
     def _exchange(self, command: Command, payloads: Callable[[], Sequence[bytes | memoryview]], kind: type[R]) -> list[R]:
         """Send every rank its payload (`payloads()`, one per rank, of `command`'s kind) and collect
@@ -807,4 +819,3 @@ def _readable(fds: Sequence[int], timeout_s: float) -> set[int]:
     for fd in fds:
         poller.register(fd, select.POLLIN)
     return {fd for fd, _ in poller.poll(timeout_s * 1000)}
-

@@ -156,8 +156,7 @@ class BlockAllocator:
             seq.blocks.append(self._take_block())
         first = len(seq.tokens)
         seq.tokens.extend(token_ids)
-        return [seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-                for pos in range(first, len(seq.tokens))]
+        return [seq.blocks[pos // self.block_size] * self.block_size + pos % self.block_size for pos in range(first, len(seq.tokens))]
 
     def mark_written(self, seq_id: int) -> None:
         """Every slot handed out so far now holds its KV: register the sequence's new full blocks.
@@ -280,8 +279,7 @@ def budget_from_device_memory(free_bytes: int, total_bytes: int, utilization: fl
     if not 0 < utilization <= 1:
         raise KVCacheError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
     if not 0 <= free_bytes <= total_bytes or total_bytes <= 0:
-        raise KVCacheError(f"device memory must have 0 <= free <= total and total > 0, got free {free_bytes}, "
-                           f"total {total_bytes}")
+        raise KVCacheError(f"device memory must have 0 <= free <= total and total > 0, got free {free_bytes}, total {total_bytes}")
     in_use = total_bytes - free_bytes
     budget = int(utilization * total_bytes) - in_use
     if budget <= 0:
@@ -308,8 +306,7 @@ class PagedKVCache:
             raise KVCacheError(f"need at least one block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, layout.tensors_per_layer, num_blocks, layout.block_size, layout.num_kv_heads,
-                 layout.head_dim)
+        shape = (layout.num_layers, layout.tensors_per_layer, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._storage = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @classmethod
@@ -343,8 +340,10 @@ class PagedKVCache:
         """Store new tokens' latents (`[T, latent_dim]`) at `slot_mapping` (`[T]`)."""
         dim = self.layout.head_dim
         if latent.dim() != 2 or latent.shape[1] != dim or slot_mapping.shape != latent.shape[:1]:
-            raise KVCacheError(f"write_latent needs latent [T, {dim}] and slot_mapping [T]; got latent "
-                               f"{tuple(latent.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+            raise KVCacheError(
+                f"write_latent needs latent [T, {dim}] and slot_mapping [T]; got latent "
+                f"{tuple(latent.shape)}, slot_mapping {tuple(slot_mapping.shape)}"
+            )
         self.latent(layer).view(-1, dim).index_copy_(0, slot_mapping.to(torch.int64), latent.to(self.layout.dtype))
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

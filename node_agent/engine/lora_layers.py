@@ -104,8 +104,11 @@ def add_lora(
     """
     if not batch.active_slots:
         return  # no token uses an adapter: the delta is zero, and so would every collective's be
-    if (not fully_sharded and slot_views is not None
-            and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, slot_views.compiled)):
+    if (
+        not fully_sharded
+        and slot_views is not None
+        and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, slot_views.compiled)
+    ):
         return  # no collective of its own: the default mode's delta is added before the layer's reduction
     shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
     if fully_sharded and style is ParallelStyle.ROW:
@@ -166,9 +169,11 @@ class LoraLinear(nn.Module):
         self.b_stacks = [_b_stack(capacity.slots, s.b_out.width, s.b_rank.width, dtype, device) for s in self.lora]
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
         # Views of the same memory: what `set_slot` writes, they show.
-        self.slot_views = SlotViews(tuple(self.a_joined.unbind(0)),
-                                    tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)),
-                                    cpu_kernels.lora_buffers(self.a_joined, self.b_stacks, self.scales))
+        self.slot_views = SlotViews(
+            tuple(self.a_joined.unbind(0)),
+            tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)),
+            cpu_kernels.lora_buffers(self.a_joined, self.b_stacks, self.scales),
+        )
 
     def _joined_a_stacks(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """`[slots, Σ rank widths, in]`, zeroed: every slice's A stack as its row block. All slices
@@ -202,8 +207,20 @@ class LoraLinear(nn.Module):
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
         """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
-        add_lora(x, out, self.a_stacks, self.b_stacks, self.scales, batch, self.style, self.lora,
-                 self.gathers_shrink, self.group, self.a_joined, self.slot_views)
+        add_lora(
+            x,
+            out,
+            self.a_stacks,
+            self.b_stacks,
+            self.scales,
+            batch,
+            self.style,
+            self.lora,
+            self.gathers_shrink,
+            self.group,
+            self.a_joined,
+            self.slot_views,
+        )
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""

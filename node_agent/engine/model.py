@@ -299,11 +299,9 @@ class Attention(nn.Module):
         batch.kv.write(self.layer, batch.slot_mapping, k, v)
         key, value = batch.kv.key(self.layer), batch.kv.value(self.layer)
         if batch.decode_only:
-            out = paged_attention.decode(q, key, value, batch.block_tables, batch.context_tensor, self.scale,
-                                         batch.first_block)
+            out = paged_attention.decode(q, key, value, batch.block_tables, batch.context_tensor, self.scale, batch.first_block)
         else:
-            out = paged_attention.prefill(q, key, value, batch.block_tables, batch.query_lens, batch.context_lens,
-                                          self.scale)
+            out = paged_attention.prefill(q, key, value, batch.block_tables, batch.query_lens, batch.context_lens, self.scale)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, q_width), ctx.attn_lora)
         return result
 
@@ -338,8 +336,7 @@ class LatentAttention(nn.Module):
         self.q_up = setup.lora_linear("q_proj" if mla.q_lora_rank is None else "q_b_proj", False)
         self.q_down = setup.lora_linear("q_a_proj", bias) if mla.q_lora_rank is not None else None
         # transformers builds both latent norms with the default eps, not rms_norm_eps.
-        self.q_a_layernorm = (RMSNorm(mla.q_lora_rank, 1e-6, setup.dtype, setup.device)
-                              if mla.q_lora_rank is not None else None)
+        self.q_a_layernorm = RMSNorm(mla.q_lora_rank, 1e-6, setup.dtype, setup.device) if mla.q_lora_rank is not None else None
         self.kv_a_proj_with_mqa = setup.lora_linear("kv_a_proj_with_mqa", bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, 1e-6, setup.dtype, setup.device)
         self.kv_b_proj = setup.lora_linear("kv_b_proj", False)
@@ -434,13 +431,28 @@ class MoE(nn.Module):
         cfg, moe = setup.cfg, setup.cfg.experts()
         experts = local_experts(cfg, setup.topology, setup.rank)
         gate_up, down = (
-            ExpertLoraLinear(module_layout(cfg, setup.topology, setup.rank, kind), experts,
-                             setup.groups.get(MODULE_KINDS[kind].group), setup.capacity, setup.dtype, setup.device)
+            ExpertLoraLinear(
+                module_layout(cfg, setup.topology, setup.rank, kind),
+                experts,
+                setup.groups.get(MODULE_KINDS[kind].group),
+                setup.capacity,
+                setup.dtype,
+                setup.device,
+            )
             for kind in EXPERT_KINDS
         )
         self.deepseek = cfg.model_type in MLA_ARCHITECTURES
-        self.block = SparseMoeBlock(moe.num_experts, moe.top_k, moe.norm_topk_prob, cfg.hidden_size, gate_up, down,
-                                    setup.dtype, setup.device, Routing.of(moe, self.deepseek))
+        self.block = SparseMoeBlock(
+            moe.num_experts,
+            moe.top_k,
+            moe.norm_topk_prob,
+            cfg.hidden_size,
+            gate_up,
+            down,
+            setup.dtype,
+            setup.device,
+            Routing.of(moe, self.deepseek),
+        )
         self.full_group = setup.groups.get(MLP_GROUP)
         self.shared_expert: SharedExpert | MLP | None = None
         if moe.shared_expert_intermediate_size:
@@ -538,8 +550,16 @@ class CausalLM(nn.Module):
 
     inv_freq: torch.Tensor  # a registered buffer
 
-    def __init__(self, cfg: ModelConfig, topology: Topology, rank: int, groups: ProcessGroups,
-                 capacity: LoraCapacity, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        topology: Topology,
+        rank: int,
+        groups: ProcessGroups,
+        capacity: LoraCapacity,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         setup = RankSetup(cfg, topology, rank, groups, capacity, dtype, device)

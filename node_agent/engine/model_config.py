@@ -8,8 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE",
-                           "deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}
+SUPPORTED_ARCHITECTURES = {
+    "llama": "Llama",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "qwen2_moe": "Qwen2-MoE",
+    "deepseek_v2": "DeepSeek-V2",
+    "deepseek_v3": "DeepSeek-V3",
+}
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe")
 MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
@@ -47,8 +53,14 @@ class MoEConfig:
         dense_only = set(raw.get("mlp_only_layers") or [])
         step = int(raw.get("decoder_sparse_step") or 1)
         sparse = frozenset(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
-        return cls(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
-                   bool(raw.get("norm_topk_prob", False)), sparse, int(raw.get("shared_expert_intermediate_size") or 0))
+        return cls(
+            experts,
+            int(raw["num_experts_per_tok"]),
+            int(raw["moe_intermediate_size"]),
+            bool(raw.get("norm_topk_prob", False)),
+            sparse,
+            int(raw.get("shared_expert_intermediate_size") or 0),
+        )
 
     @classmethod
     def from_deepseek(cls, raw: dict[str, Any], num_layers: int) -> MoEConfig:
@@ -67,13 +79,20 @@ class MoEConfig:
             raise ModelConfigError(f"n_routed_experts {experts} is not divisible by n_group {groups}")
         first_sparse = int(raw.get("first_k_dense_replace") or 0)
         inter = int(raw["moe_intermediate_size"])
-        return cls(experts, int(raw["num_experts_per_tok"]), inter,
-                   # transformers' V2 router never renormalises its top-k weights.
-                   routing == "sigmoid_group_limited" and bool(raw.get("norm_topk_prob", False)),
-                   frozenset(range(first_sparse, num_layers)), inter * int(raw.get("n_shared_experts") or 0),
-                   shared_expert_gated=False, routing=routing, num_groups=groups,
-                   topk_groups=int(raw.get("topk_group") or 1) if routing != "softmax" else 1,
-                   routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
+        return cls(
+            experts,
+            int(raw["num_experts_per_tok"]),
+            inter,
+            # transformers' V2 router never renormalises its top-k weights.
+            routing == "sigmoid_group_limited" and bool(raw.get("norm_topk_prob", False)),
+            frozenset(range(first_sparse, num_layers)),
+            inter * int(raw.get("n_shared_experts") or 0),
+            shared_expert_gated=False,
+            routing=routing,
+            num_groups=groups,
+            topk_groups=int(raw.get("topk_group") or 1) if routing != "softmax" else 1,
+            routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0),
+        )
 
 
 @dataclass(frozen=True)
@@ -108,8 +127,15 @@ class MLAConfig:
             mscale = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
             scale = scale * mscale * mscale
         q_rank = raw.get("q_lora_rank")
-        return cls(None if q_rank is None else int(q_rank), int(raw["kv_lora_rank"]), nope, rope, int(raw["v_head_dim"]),
-                   raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", True)), scale)
+        return cls(
+            None if q_rank is None else int(q_rank),
+            int(raw["kv_lora_rank"]),
+            nope,
+            rope,
+            int(raw["v_head_dim"]),
+            raw["model_type"] == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
+            scale,
+        )
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -183,10 +209,7 @@ class ModelConfig:
         """Build from the parsed `config.json`, refusing what the engine does not implement."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
-            )
+            raise ModelConfigError(f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
         if raw.get("use_sliding_window"):
             raise ModelConfigError("sliding-window attention (use_sliding_window: true) is not supported")
         if raw.get("hidden_act", "silu") != "silu":
@@ -197,8 +220,10 @@ class ModelConfig:
         layers = int(raw["num_hidden_layers"])
         deepseek = model_type in MLA_ARCHITECTURES
         if deepseek and int(raw.get("num_key_value_heads") or heads) != heads:
-            raise ModelConfigError(f"num_key_value_heads {raw.get('num_key_value_heads')} differs from num_attention_heads "
-                                   f"{heads}: MLA expands its latent to every head")
+            raise ModelConfigError(
+                f"num_key_value_heads {raw.get('num_key_value_heads')} differs from num_attention_heads "
+                f"{heads}: MLA expands its latent to every head"
+            )
         moe = None
         if model_type in MOE_ARCHITECTURES:
             moe = MoEConfig.from_dict(raw, layers)
@@ -235,7 +260,5 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
+        raise ModelConfigError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return theta, (dict(params) if rope_type != "default" else None)

@@ -25,8 +25,15 @@ from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelSt
 class ExpertLoraLinear(nn.Module):
     """One projection (gate_up or down) of every local expert, with per-expert LoRA slots."""
 
-    def __init__(self, layout: ModuleLayout, experts: Span, group: dist.ProcessGroup | None,
-                 capacity: LoraCapacity, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: ModuleLayout,
+        experts: Span,
+        group: dist.ProcessGroup | None,
+        capacity: LoraCapacity,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.layout = layout
         self.experts = experts
@@ -36,12 +43,8 @@ class ExpertLoraLinear(nn.Module):
         self.gathers_shrink = lora_fully_sharded(layout.shard, capacity.fully_sharded)
         count = experts.width
         self.weight = nn.Parameter(torch.empty(count, *layout.base_shape, dtype=dtype, device=device), requires_grad=False)
-        self.a_stacks = [
-            torch.zeros(capacity.slots, count, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora
-        ]
-        self.b_stacks = [
-            torch.zeros(capacity.slots, count, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora
-        ]
+        self.a_stacks = [torch.zeros(capacity.slots, count, s.a_rank.width, s.a_in.width, dtype=dtype, device=device) for s in self.lora]
+        self.b_stacks = [torch.zeros(capacity.slots, count, s.b_out.width, s.b_rank.width, dtype=dtype, device=device) for s in self.lora]
         self.scales = torch.zeros(len(self.lora), capacity.slots, count, dtype=torch.float32, device=device)
 
     def load_base(self, checkpoint: Checkpoint, prefix: str) -> None:
@@ -56,14 +59,23 @@ class ExpertLoraLinear(nn.Module):
 
     def set_expert_slot(self, slot: int, local: int, weights: list[SliceWeights | None]) -> None:
         """Write one adapter's slices of local expert `local` into `slot` (untargeted: zero)."""
-        fill_slot([a[slot, local] for a in self.a_stacks], [b[slot, local] for b in self.b_stacks],
-                  self.scales[:, slot, local], weights)
+        fill_slot([a[slot, local] for a in self.a_stacks], [b[slot, local] for b in self.b_stacks], self.scales[:, slot, local], weights)
 
     def forward(self, x: torch.Tensor, local: int, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output of local expert `local` for its routed tokens `x` (unreduced)."""
         out = F.linear(x, self.weight[local])
-        add_lora(x, out, [a[:, local] for a in self.a_stacks], [b[:, local] for b in self.b_stacks],
-                 self.scales[:, :, local], batch, self.style, self.lora, self.gathers_shrink, self.group)
+        add_lora(
+            x,
+            out,
+            [a[:, local] for a in self.a_stacks],
+            [b[:, local] for b in self.b_stacks],
+            self.scales[:, :, local],
+            batch,
+            self.style,
+            self.lora,
+            self.gathers_shrink,
+            self.group,
+        )
         return out
 
 
@@ -118,9 +130,18 @@ class Routing:
 class SparseMoeBlock(nn.Module):
     """Router (replicated) + this rank's experts; returns the partial output to be reduced."""
 
-    def __init__(self, num_experts: int, top_k: int, norm_topk_prob: bool, hidden: int,
-                 gate_up: ExpertLoraLinear, down: ExpertLoraLinear, dtype: torch.dtype, device: torch.device,
-                 routing: Routing | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        hidden: int,
+        gate_up: ExpertLoraLinear,
+        down: ExpertLoraLinear,
+        dtype: torch.dtype,
+        device: torch.device,
+        routing: Routing | None = None,
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -176,8 +197,7 @@ class SparseMoeBlock(nn.Module):
         ids, weights = self.route(x)
         return self.experts_forward(x, ids, weights, batch)
 
-    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        batch: kernels.LoraBatch) -> torch.Tensor:
+    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """Sum over this rank's experts of weight · expert(x) for the tokens routed to them.
 
         `ids` may hold experts of other ranks and −1 (no expert); those rows contribute nothing.

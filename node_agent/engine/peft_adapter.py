@@ -266,11 +266,15 @@ ADAPTER_CONFIG_SCHEMA: dict[str, Any] = {
         "layers_to_transform": {"type": ["integer", "array", "null"], "minimum": 0, "items": {"type": "integer", "minimum": 0}},
         "layers_pattern": {"type": ["string", "array", "null"], "maxLength": MAX_PATTERN_CHARS, "items": _PATTERN_KEYS},
         "rank_pattern": {
-            "type": ["object", "null"], "maxProperties": MAX_PATTERNS, "propertyNames": _PATTERN_KEYS,
+            "type": ["object", "null"],
+            "maxProperties": MAX_PATTERNS,
+            "propertyNames": _PATTERN_KEYS,
             "additionalProperties": {"type": "integer", "minimum": 1},
         },
         "alpha_pattern": {
-            "type": ["object", "null"], "maxProperties": MAX_PATTERNS, "propertyNames": _PATTERN_KEYS,
+            "type": ["object", "null"],
+            "maxProperties": MAX_PATTERNS,
+            "propertyNames": _PATTERN_KEYS,
             "additionalProperties": {"type": "number", "exclusiveMinimum": 0},
         },
     },
@@ -355,7 +359,8 @@ class AdapterConfig:
         if module_name in self.target_modules:
             return True  # named exactly: layers_to_transform does not apply
         return _selects(self.target_modules, None, module_name) and (
-            not self.layers_to_transform or _layer_index(module_name, self.layer_patterns) in self.layers_to_transform)
+            not self.layers_to_transform or _layer_index(module_name, self.layer_patterns) in self.layers_to_transform
+        )
 
 
 def _selects(names: tuple[str, ...] | None, regex: _Regex | None, module_name: str) -> bool:
@@ -411,8 +416,11 @@ def _config_from_bytes(path: Path, data: bytes) -> AdapterConfig:
     _refuse_non_finite_numbers(raw, ())
     error = jsonschema.exceptions.best_match(_CONFIG_VALIDATOR.iter_errors(raw))
     if error is not None:
-        message = error.message if len(error.message) <= 200 else (
-            f"{_shorten(repr(error.instance), 60)} fails {error.validator} {_shorten(repr(error.validator_value), 60)}")
+        message = (
+            error.message
+            if len(error.message) <= 200
+            else (f"{_shorten(repr(error.instance), 60)} fails {error.validator} {_shorten(repr(error.validator_value), 60)}")
+        )
         raise AdapterLoadError(f"{CONFIG_FILE}: {_field(error.absolute_path)}: {_shorten(message)}")
     _refuse_unsupported_features(raw)
     targets, excluded, layers = raw.get("target_modules"), raw.get("exclude_modules"), raw.get("layers_to_transform")
@@ -424,15 +432,16 @@ def _config_from_bytes(path: Path, data: bytes) -> AdapterConfig:
         lora_alpha=float(raw["lora_alpha"]),
         use_rslora=bool(raw.get("use_rslora")),
         target_modules=tuple(targets) if isinstance(targets, list) else None,
-        target_regex=_compile("target_modules", targets, targets) if isinstance(targets, str) and targets != _ALL_LINEAR
-        else None,
+        target_regex=_compile("target_modules", targets, targets) if isinstance(targets, str) and targets != _ALL_LINEAR else None,
         target_parameters=tuple(raw.get("target_parameters") or ()),
         parameters_only=targets is None and bool(raw.get("target_parameters")),
         exclude_modules=tuple(excluded) if isinstance(excluded, list) else None,
         exclude_regex=_compile("exclude_modules", excluded, excluded) if isinstance(excluded, str) else None,
         layers_to_transform=(layers,) if isinstance(layers, int) else tuple(layers or ()),
-        layer_patterns=tuple(_compile("layers_pattern", pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
-                             for pattern in ((patterns,) if isinstance(patterns, str) else patterns)),
+        layer_patterns=tuple(
+            _compile("layers_pattern", pattern, rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")
+            for pattern in ((patterns,) if isinstance(patterns, str) else patterns)
+        ),
         rank_pattern=_patterns(raw, "rank_pattern"),
         alpha_pattern=_patterns(raw, "alpha_pattern"),
     )
@@ -555,8 +564,7 @@ def _refuse_unsupported_features(config: dict[str, Any]) -> None:
 def _patterns(config: Mapping[str, Any], field: str) -> tuple[ModulePattern, ...]:
     """A rank_pattern / alpha_pattern, in the config's order, each key compiled as PEFT wraps it."""
     return tuple(
-        ModulePattern(key, _compile(field, key, rf"(.*\.)?({key})$"), float(value))
-        for key, value in (config.get(field) or {}).items()
+        ModulePattern(key, _compile(field, key, rf"(.*\.)?({key})$"), float(value)) for key, value in (config.get(field) or {}).items()
     )
 
 
@@ -600,8 +608,7 @@ def _weights_file(path: Path) -> Path:
     pickled = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickled:
         raise AdapterLoadError(
-            f"{WEIGHTS_FILE} not found in {path}; pickle formats ({', '.join(pickled)}) are refused, "
-            "convert the adapter to safetensors"
+            f"{WEIGHTS_FILE} not found in {path}; pickle formats ({', '.join(pickled)}) are refused, convert the adapter to safetensors"
         )
     raise AdapterLoadError(f"{WEIGHTS_FILE} not found in {path}")
 
@@ -734,10 +741,13 @@ class _Matcher:
             names = {name for (_, name) in self.kinds}
             unknown = sorted(t for t in targets if t.split(".")[-1] not in names)
             if unknown:
-                raise AdapterLoadError(_shorten(
-                    f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
-                    f"(it has {', '.join(sorted(names))})", 600,
-                ))
+                raise AdapterLoadError(
+                    _shorten(
+                        f"base model does not have module(s) {', '.join(unknown)} named in target_modules "
+                        f"(it has {', '.join(sorted(names))})",
+                        600,
+                    )
+                )
 
     def _module(self, module_name: str, a_key: str, b_key: str, full: Mapping[str, ModuleLayout]) -> ModuleAdapter:
         match = _MODULE.fullmatch(module_name)
@@ -745,8 +755,11 @@ class _Matcher:
             raise AdapterLoadError(f"base model does not have module {module_name}")
         _refuse_non_canonical(module_name, match["layer"], match["expert"])
         if not self.config.targets(module_name):
-            selecting = ", ".join(f"{field} {_shorten(repr(self.config.raw[field]), 120)}" for field in _SELECTING_FIELDS
-                                  if self.config.raw.get(field) not in (None, [], ""))
+            selecting = ", ".join(
+                f"{field} {_shorten(repr(self.config.raw[field]), 120)}"
+                for field in _SELECTING_FIELDS
+                if self.config.raw.get(field) not in (None, [], "")
+            )
             raise AdapterLoadError(
                 f"module {module_name} has LoRA tensors, but the config does not select it ({selecting}): PEFT would not apply them"
             )
@@ -768,8 +781,7 @@ class _Matcher:
         scale = self._checked_scale(module_name, rank)
         return ModuleAdapter(layer, kind_name, slice_index, a_key, b_key, rank, scale, expert)
 
-    def _fused_experts(self, module_name: str, layer: int, a_key: str, b_key: str,
-                       full: Mapping[str, ModuleLayout]) -> list[ModuleAdapter]:
+    def _fused_experts(self, module_name: str, layer: int, a_key: str, b_key: str, full: Mapping[str, ModuleLayout]) -> list[ModuleAdapter]:
         """Split PEFT's `target_parameters` LoRA on the 3-D expert weights into per-expert slices.
 
         Which parameter a pair adapts is told by its shapes (in → out of each expert kind's
@@ -799,8 +811,20 @@ class _Matcher:
             row_offsets.append(offset)
             offset += part.out.width
         return [
-            ModuleAdapter(layer, kind, index, a_key, b_key, rank, scale, expert, a_row_offset=expert * rank,
-                          b_row_offset=row_offset, b_col_start=expert, b_col_stride=experts)
+            ModuleAdapter(
+                layer,
+                kind,
+                index,
+                a_key,
+                b_key,
+                rank,
+                scale,
+                expert,
+                a_row_offset=expert * rank,
+                b_row_offset=row_offset,
+                b_col_start=expert,
+                b_col_stride=experts,
+            )
             for expert in range(experts)
             for index, row_offset in enumerate(row_offsets)
         ]
@@ -847,8 +871,9 @@ def _describe(module: ModuleAdapter) -> str:
     return f"layer {module.layer}'s {module.kind}{expert} (slice {module.slice_index})"
 
 
-def _module_exists(cfg: ModelConfig, kinds: Mapping[tuple[str, str], tuple[str, int]], layer: int, parent: str,
-                   name: str, expert: int | None) -> bool:
+def _module_exists(
+    cfg: ModelConfig, kinds: Mapping[tuple[str, str], tuple[str, int]], layer: int, parent: str, name: str, expert: int | None
+) -> bool:
     """Does the base model have this module (`kinds`: its `peft_to_kind`)? MLP modules depend on
     whether the layer is sparse."""
     if (parent, name) not in kinds or not 0 <= layer < cfg.num_layers:
@@ -889,13 +914,13 @@ class AdapterShard:
         pieces = _pieces(self.flat, slices)
         weights: dict[ModuleKey, list[SliceWeights | None]] = {}
         for index, ((position, slice_index, a_rows, a_cols, b_rows, b_cols), scale) in enumerate(
-                zip(slices, self.scales.tolist(), strict=True)):
+            zip(slices, self.scales.tolist(), strict=True)
+        ):
             key = self.keys[position]
             parts = weights.get(key)
             if parts is None:
                 parts = weights[key] = [None] * len(MODULE_KINDS[key[1]].peft_modules)
-            parts[slice_index] = SliceWeights(pieces[2 * index].view(a_rows, a_cols),
-                                              pieces[2 * index + 1].view(b_rows, b_cols), scale)
+            parts[slice_index] = SliceWeights(pieces[2 * index].view(a_rows, a_cols), pieces[2 * index + 1].view(b_rows, b_cols), scale)
         return weights
 
 
@@ -949,8 +974,19 @@ class ShardPlan:
         # copies it, unpickling makes views into it, instead of six arrays and a string each.
         blob = self.__dict__.get("_blob")
         if blob is None:
-            counts = np.array([self.numel, self.zeroed, self.file_size, self.max_gap, len(self.calls), len(self.segments),
-                               len(self.staged), len(self.slices)], dtype=np.int64)
+            counts = np.array(
+                [
+                    self.numel,
+                    self.zeroed,
+                    self.file_size,
+                    self.max_gap,
+                    len(self.calls),
+                    len(self.segments),
+                    len(self.staged),
+                    len(self.slices),
+                ],
+                dtype=np.int64,
+            )
             arrays = (counts, self.calls, self.segments, self.staged, self.slices, self.scales)
             # Keys never hold a newline (`_KEY` refuses one), so they travel joined by one.
             blob = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays) + "\n".join(self.tensors).encode()
@@ -990,16 +1026,23 @@ class ShardPlanner:
     what must be converted, gathered with a stride, or is too short a run to read by itself.
     """
 
-    def __init__(self, rank_layouts: Sequence[Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]], dtype: torch.dtype,
-                 limit: int = 64) -> None:
+    def __init__(
+        self, rank_layouts: Sequence[Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]], dtype: torch.dtype, limit: int = 64
+    ) -> None:
         self.dtype, self.limit = dtype, limit
         self._planned: OrderedDict[str, tuple[ShardPlan, ...]] = OrderedDict()
         self._lock = threading.Lock()  # loads are planned before the engine's command lock
         self.positions = [{key: index for index, key in enumerate(layouts)} for layouts in rank_layouts]
         width = max((len(lays) for layouts in rank_layouts for lays in layouts.values()), default=1)
-        rows = [[(s.a_rank.start, s.a_rank.stop, s.a_in.start, s.a_in.width, s.b_out.start, s.b_out.width,
-                  s.b_rank.start, s.b_rank.stop) for s in lays] + [(0,) * _LAYOUT_FIELDS] * (width - len(lays))
-                for layouts in rank_layouts for lays in layouts.values()]
+        rows = [
+            [
+                (s.a_rank.start, s.a_rank.stop, s.a_in.start, s.a_in.width, s.b_out.start, s.b_out.width, s.b_rank.start, s.b_rank.stop)
+                for s in lays
+            ]
+            + [(0,) * _LAYOUT_FIELDS] * (width - len(lays))
+            for layouts in rank_layouts
+            for lays in layouts.values()
+        ]
         self.table = np.array(rows, dtype=np.int64).reshape(-1, width, _LAYOUT_FIELDS)  # every rank's, one after another
         self.bases = np.cumsum([0] + [len(layouts) for layouts in rank_layouts[:-1]], dtype=np.int64)
 
@@ -1024,18 +1067,38 @@ class ShardPlanner:
         if not ranks:
             return ()
         keys = [module.key for module in modules]
-        pos = np.array([[positions.get(key, -1) for key in keys] for positions in self.positions],
-                       dtype=np.int64).reshape(ranks, count)
+        pos = np.array([[positions.get(key, -1) for key in keys] for positions in self.positions], dtype=np.int64).reshape(ranks, count)
         held = pos >= 0
         for module, column in zip(modules, held.T, strict=True):
             if module.expert is None and not column.all():
                 raise AdapterLoadError(f"engine has no module for {module.a_key}")
-        columns = np.array([
-            (m.slice_index, m.rank, m.a_row_offset, m.b_row_offset, m.b_col_start, m.b_col_stride,
-             a.start, a.shape[1], a.dtype.itemsize, _DTYPE_CODES[a.dtype], b.start, b.shape[1], b.dtype.itemsize,
-             _DTYPE_CODES[b.dtype])
-            for m in modules for a, b in ((spec.tensors[m.a_key], spec.tensors[m.b_key]),)
-        ], dtype=np.int64).reshape(count, 14).T
+        columns = (
+            np.array(
+                [
+                    (
+                        m.slice_index,
+                        m.rank,
+                        m.a_row_offset,
+                        m.b_row_offset,
+                        m.b_col_start,
+                        m.b_col_stride,
+                        a.start,
+                        a.shape[1],
+                        a.dtype.itemsize,
+                        _DTYPE_CODES[a.dtype],
+                        b.start,
+                        b.shape[1],
+                        b.dtype.itemsize,
+                        _DTYPE_CODES[b.dtype],
+                    )
+                    for m in modules
+                    for a, b in ((spec.tensors[m.a_key], spec.tensors[m.b_key]),)
+                ],
+                dtype=np.int64,
+            )
+            .reshape(count, 14)
+            .T
+        )
         slice_index, rank, a_row_offset, b_row_offset, b_col_start, b_stride = columns[:6]
         layout = self.table[np.where(held, self.bases[:, None] + pos, 0), slice_index[None, :]]  # [ranks, modules, 8]
         a_rs, a_re, a_is, a_iw, b_os, b_ow, b_rs, b_re = np.moveaxis(layout, 2, 0)
@@ -1053,8 +1116,7 @@ class ShardPlanner:
         )
         sizes = np.where(held[:, :, None], np.stack((a_rows * a_iw, b_ow * b_cols), axis=2), 0).reshape(ranks, 2 * count)
         ends = np.cumsum(sizes, axis=1)
-        runs, staged = blocks.runs((ends - sizes).reshape(-1), np.repeat(held.reshape(-1), 2), ranks,
-                                   _DTYPE_CODES.get(self.dtype, -1))
+        runs, staged = blocks.runs((ends - sizes).reshape(-1), np.repeat(held.reshape(-1), 2), ranks, _DTYPE_CODES.get(self.dtype, -1))
         calls, segments, max_gaps, call_of_rank, segment_of_rank = runs.calls(ranks)
         staged_rows, staged_rank = staged
         slices = np.stack((pos, np.broadcast_to(slice_index, pos.shape), a_rows, a_iw, b_ow, b_cols), axis=2)
@@ -1067,13 +1129,26 @@ class ShardPlanner:
         plans = []
         for r in range(ranks):
             mine = held[r]
-            names = every_name if mine.all() else tuple(
-                key for module, kept in zip(modules, mine.tolist(), strict=True) if kept for key in (module.a_key, module.b_key))
+            names = (
+                every_name
+                if mine.all()
+                else tuple(key for module, kept in zip(modules, mine.tolist(), strict=True) if kept for key in (module.a_key, module.b_key))
+            )
             numel = int(ends[r, -1]) if count else 0
-            plans.append(ShardPlan(
-                numel, bool(written[r] < numel * self.dtype.itemsize), spec.file_size, int(max_gaps[r]),
-                calls[call_of_rank[r] : call_of_rank[r + 1]], segments[segment_of_rank[r] : segment_of_rank[r + 1]],
-                staged_rows[staged_rank == r], slices[r][mine], scales[mine], names))
+            plans.append(
+                ShardPlan(
+                    numel,
+                    bool(written[r] < numel * self.dtype.itemsize),
+                    spec.file_size,
+                    int(max_gaps[r]),
+                    calls[call_of_rank[r] : call_of_rank[r + 1]],
+                    segments[segment_of_rank[r] : segment_of_rank[r + 1]],
+                    staged_rows[staged_rank == r],
+                    slices[r][mine],
+                    scales[mine],
+                    names,
+                )
+            )
         return tuple(plans)
 
 
@@ -1097,7 +1172,8 @@ class _Blocks:
         per row) and the staged blocks' rows with their ranks; `offset`: each block's element
         offset in its rank's buffer."""
         first_row, rows, first_col, cols, stride, dest_cols = (
-            a.reshape(-1) for a in (self.first_row, self.rows, self.first_col, self.cols, self.stride, self.dest_cols))
+            a.reshape(-1) for a in (self.first_row, self.rows, self.first_col, self.cols, self.stride, self.dest_cols)
+        )
         start, width, size, code = (a.reshape(-1) for a in self.tensor)
         rank_of = np.repeat(np.arange(ranks), len(rows) // max(ranks, 1))
         valid = held & (rows > 0) & (cols > 0)
@@ -1140,8 +1216,12 @@ class _Runs:
         ends = files + lengths
         gaps = np.concatenate(([0], files[1:] - ends[:-1])).astype(np.int64)
         rank_start = np.searchsorted(run_rank, run_rank)  # each run's rank's first run
-        starts = ((np.arange(count) == rank_start) | (gaps < 0) | (gaps > _MAX_GAP_BYTES)
-                  | ((np.arange(count) - rank_start) % _RUNS_PER_CALL == 0))
+        starts = (
+            (np.arange(count) == rank_start)
+            | (gaps < 0)
+            | (gaps > _MAX_GAP_BYTES)
+            | ((np.arange(count) - rank_start) % _RUNS_PER_CALL == 0)
+        )
         gapped = ~starts & (gaps > 0)
         where = np.arange(count) + np.cumsum(gapped)  # each run's segment
         segments = np.empty((count + int(gapped.sum()), 2), dtype=np.int64)
@@ -1149,8 +1229,9 @@ class _Runs:
         segments[where[gapped] - 1, 0], segments[where[gapped] - 1, 1] = -1, gaps[gapped]
         first = np.flatnonzero(starts)
         last = np.concatenate((first[1:], [count] if count else [])).astype(np.int64) - 1
-        calls = np.stack((files[first], np.diff(np.concatenate((where[first], [len(segments)]))).astype(np.int64),
-                          ends[last] - files[first]), axis=1).reshape(-1, 3)
+        calls = np.stack(
+            (files[first], np.diff(np.concatenate((where[first], [len(segments)]))).astype(np.int64), ends[last] - files[first]), axis=1
+        ).reshape(-1, 3)
         bounds = np.arange(ranks + 1)
         call_of_rank = np.searchsorted(run_rank[first], bounds)
         segment_of_rank = np.concatenate((where[first], [len(segments)]))[call_of_rank]
@@ -1254,8 +1335,7 @@ def _anonymous_file() -> int:
     return fd
 
 
-def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]) -> (
-        tuple[LoraSliceLayout, ...] | None):
+def _layouts_of(module: ModuleAdapter, lora_layouts: Mapping[ModuleKey, tuple[LoraSliceLayout, ...]]) -> tuple[LoraSliceLayout, ...] | None:
     """The rank's layouts of a module; None for an expert held by another expert-parallel group."""
     layouts = lora_layouts.get(module.key)
     if layouts is None and module.expert is None:
@@ -1276,8 +1356,19 @@ class _ShardBuffer:
         self.bytes = self.raw.data
         self.flat = torch.frombuffer(self.raw, dtype=dtype) if numel else torch.zeros(0, dtype=dtype)
 
-    def stage(self, fd: int, start: int, rows: int, width: int, file_dtype: torch.dtype, first_col: int, cols: int,
-              col_stride: int, offset: int, dest_cols: int) -> None:
+    def stage(
+        self,
+        fd: int,
+        start: int,
+        rows: int,
+        width: int,
+        file_dtype: torch.dtype,
+        first_col: int,
+        cols: int,
+        col_stride: int,
+        offset: int,
+        dest_cols: int,
+    ) -> None:
         """Read `rows` whole rows of a file tensor (`width` wide) at `start` into a staging
         buffer, then move `cols` columns of them (from `first_col`, every `col_stride`th) into
         the top-left corner of the destination at element `offset`, `dest_cols` wide."""

@@ -72,8 +72,7 @@ class LoraPool:
         if len(missing) > available:
             pinned = sum(1 for held in self.slots if held and self.adapters[held].pinned)
             raise PoolError(
-                f"no free LoRA slot: the batch needs {len(wanted)} adapters, {len(self.slots)} slots "
-                f"(max_loras_per_batch), {pinned} pinned"
+                f"no free LoRA slot: the batch needs {len(wanted)} adapters, {len(self.slots)} slots (max_loras_per_batch), {pinned} pinned"
             )
         self.clock += 1
         for name in missing:

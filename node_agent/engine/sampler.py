@@ -55,18 +55,29 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
-                 "a finite number ≥ 0", self.temperature)
+        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "a finite number ≥ 0", self.temperature)
         _require(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer ≥ 0 (0: off)", self.top_k)
         _require(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _SEED_LIMIT), "seed",
-                 "None or an integer in [0, 2**64)", self.seed)
+        _require(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _SEED_LIMIT),
+            "seed",
+            "None or an integer in [0, 2**64)",
+            self.seed,
+        )
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer ≥ 1", self.max_tokens)
-        _require(isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids", "a tuple of token ids ≥ 0", self.stop_token_ids)
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-                 "logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _require(
+            isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a tuple of token ids ≥ 0",
+            self.stop_token_ids,
+        )
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
 
     @property
     def greedy(self) -> bool:

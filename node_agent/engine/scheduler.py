@@ -63,8 +63,7 @@ class SchedulerConfig:
     prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "dp_size", "max_num_seqs", "max_num_batched_tokens",
-                     "max_loras_per_batch", "max_waiting"):
+        for name in ("num_blocks", "block_size", "dp_size", "max_num_seqs", "max_num_batched_tokens", "max_loras_per_batch", "max_waiting"):
             if getattr(self, name) < 1:
                 raise SchedulerError(f"SchedulerConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.max_slot_wait_steps < 0:
@@ -204,8 +203,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, seed: int = 0) -> None:
         self.config = config
         self._allocators = [
-            BlockAllocator(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-            for _ in range(config.dp_size)
+            BlockAllocator(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching) for _ in range(config.dp_size)
         ]
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[int, _Sequence] = {}  # admission order: oldest first
@@ -322,8 +320,9 @@ class Scheduler:
         unexpected = sorted(set(tokens) - sampled)
         missing = sorted(seq_id for seq_id in sampled - set(tokens) if seq_id in self._running)
         if unexpected or missing:
-            raise SchedulerError(f"step {step.index}: tokens for sequences that did not sample {unexpected}, "
-                                 f"none for sequences that did {missing}")
+            raise SchedulerError(
+                f"step {step.index}: tokens for sequences that did not sample {unexpected}, none for sequences that did {missing}"
+            )
         self._in_flight = None
         finished: list[FinishedSequence] = []
         for entry in step.sequences:
@@ -343,7 +342,7 @@ class Scheduler:
             if reason is not None:
                 self._release(seq)
                 del self._live[seq.seq_id]
-                finished.append(FinishedSequence(seq.seq_id, reason, tuple(seq.tokens[len(seq.request.prompt):])))
+                finished.append(FinishedSequence(seq.seq_id, reason, tuple(seq.tokens[len(seq.request.prompt) :])))
         return finished
 
     # -- running sequences -----------------------------------------------------------------------
@@ -460,14 +459,16 @@ class Scheduler:
             end = position + len(slots)
             samples = end == len(seq.tokens) and not seq.request.prompt_logits
             sampling = SequenceSampling(seq.request.params, seq.seed, seq.generated) if samples else None
-            groups[seq.group].append(ScheduledSequence(
-                seq_id=seq.seq_id,
-                adapter=seq.request.adapter,
-                token_ids=tuple(seq.tokens[position:end]),
-                position=position,
-                slots=tuple(slots),
-                block_table=self._allocators[seq.group].block_table(seq.seq_id),
-                sampling=sampling,
-                logits=seq.request.prompt_logits,
-            ))
+            groups[seq.group].append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    adapter=seq.request.adapter,
+                    token_ids=tuple(seq.tokens[position:end]),
+                    position=position,
+                    slots=tuple(slots),
+                    block_table=self._allocators[seq.group].block_table(seq.seq_id),
+                    sampling=sampling,
+                    logits=seq.request.prompt_logits,
+                )
+            )
         return ScheduledStep(self._step, tuple(tuple(group) for group in groups), tuple(plan.preempted))

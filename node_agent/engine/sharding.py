@@ -59,21 +59,18 @@ MODULE_KINDS: dict[str, ModuleKind] = {
         ModuleKind("experts.down_proj", ShardGroup.MOE_TP, ParallelStyle.ROW, ("down_proj",), "mlp.experts"),
         # The shared expert is a dense MLP beside the routed ones (TP over all ranks); its gate
         # is a [1, hidden] linear every rank holds whole.
-        ModuleKind("shared_expert.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"),
-                   "mlp.shared_expert"),
+        ModuleKind("shared_expert.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp.shared_expert"),
         ModuleKind("shared_expert.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_expert"),
         ModuleKind("shared_expert_gate", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("shared_expert_gate",), "mlp"),
         # DeepSeek's shared experts (plural in its module path; no gate), a full-TP MLP too.
-        ModuleKind("shared_experts.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"),
-                   "mlp.shared_experts"),
+        ModuleKind("shared_experts.gate_up_proj", ShardGroup.FULL_TP, ParallelStyle.COLUMN, ("gate_proj", "up_proj"), "mlp.shared_experts"),
         ModuleKind("shared_experts.down_proj", ShardGroup.FULL_TP, ParallelStyle.ROW, ("down_proj",), "mlp.shared_experts"),
         # MLA (DeepSeek-V2/V3): the per-head projections split by heads over the attention-TP
         # group; the two down-projections to the latents every rank of the group holds whole.
         ModuleKind("q_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("q_proj",), "self_attn"),
         ModuleKind("q_a_proj", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("q_a_proj",), "self_attn"),
         ModuleKind("q_b_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("q_b_proj",), "self_attn"),
-        ModuleKind("kv_a_proj_with_mqa", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("kv_a_proj_with_mqa",),
-                   "self_attn"),
+        ModuleKind("kv_a_proj_with_mqa", ShardGroup.REPLICATED, ParallelStyle.REPLICATED, ("kv_a_proj_with_mqa",), "self_attn"),
         ModuleKind("kv_b_proj", ShardGroup.ATTN_TP, ParallelStyle.COLUMN, ("kv_b_proj",), "self_attn"),
         # Embedding and LM head work on one attention group's tokens, so they shard like attention.
         ModuleKind("vocab", ShardGroup.ATTN_TP, ParallelStyle.VOCAB, (), "model"),
@@ -102,6 +99,7 @@ def peft_to_kind(cfg: ModelConfig) -> dict[tuple[str, str], tuple[str, int]]:
         for name in model_kinds(cfg)
         for index, peft in enumerate(MODULE_KINDS[name].peft_modules)
     }
+
 
 # The engine's key of one LoRA target: (layer, kind) for a dense module, (layer, kind, global
 # expert id) for one routed expert's projection.

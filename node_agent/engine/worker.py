@@ -117,8 +117,9 @@ class RankWorker:
         try:
             return self._dispatch(command)
         except ContentChanged as error:
-            return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, str(error),
-                                holds=self.holds(), read_other_bytes=True)
+            return ControlReply(
+                self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, str(error), holds=self.holds(), read_other_bytes=True
+            )
         except (AdapterLoadError, PoolError) as error:
             return self.failed(command, str(error))
         except Exception as error:  # report, keep serving: one bad request must not kill the rank
@@ -143,8 +144,7 @@ class RankWorker:
 
     def ready(self) -> ReadyReply:
         """The start-up reply: this rank's LoRA layouts, in the order a load's plan names them."""
-        return ReadyReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
-                          lora_layouts=tuple(self.layouts.items()))
+        return ReadyReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, lora_layouts=tuple(self.layouts.items()))
 
     def failed(self, command: Command, error: str) -> RankReply:
         """The failed reply of `command`'s kind; a control reply still says what the rank holds."""
@@ -170,10 +170,20 @@ class RankWorker:
             for key, module in self.modules.items()
         )
         resident = tuple(sorted(self.pool.resident().items()))
-        return DescribeReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True,
-                             modules=modules, resident=resident, holds=self.holds(), kv_blocks=self.kv.num_blocks,
-                             kv_block_bytes=self.kv_layout.bytes_per_block, kv_cache_bytes=self.kv_cache_bytes,
-                             slot_decisions=self.slot_decisions, slot_digest=self.slot_digest.hexdigest())
+        return DescribeReply(
+            self.rank,
+            self.coords.attn_dp_rank,
+            self.coords.attn_tp_rank,
+            True,
+            modules=modules,
+            resident=resident,
+            holds=self.holds(),
+            kv_blocks=self.kv.num_blocks,
+            kv_block_bytes=self.kv_layout.bytes_per_block,
+            kv_cache_bytes=self.kv_cache_bytes,
+            slot_decisions=self.slot_decisions,
+            slot_digest=self.slot_digest.hexdigest(),
+        )
 
     def load(self, command: Load) -> ControlReply:
         if self.config.fault_fail_load_on_rank == self.rank:
@@ -190,9 +200,16 @@ class RankWorker:
             shard = read_planned_shard(command.plan, held.weights_fd, self.module_keys, self.dtype)
             held.check_unchanged()
         self.pool.add(command.name, shard, command.pinned)
-        return ControlReply(self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, True, holds=self.holds(),
-                            shard_bytes=shard.nbytes, peak_rss_growth_bytes=_peak_rss_bytes() - baseline,
-                            digests=verified.digests)
+        return ControlReply(
+            self.rank,
+            self.coords.attn_dp_rank,
+            self.coords.attn_tp_rank,
+            True,
+            holds=self.holds(),
+            shard_bytes=shard.nbytes,
+            peak_rss_growth_bytes=_peak_rss_bytes() - baseline,
+            digests=verified.digests,
+        )
 
     def unload(self, command: Unload) -> ControlReply:
         self.pool.remove(command.name)
@@ -204,8 +221,7 @@ class RankWorker:
         groups = command.groups
         slots = self._prepare([entry.adapter for group in groups for entry in group if entry.adapter])
         counts = [sum(len(entry.token_ids) for entry in group) for group in groups]
-        all_slots = [slots[entry.adapter] if entry.adapter else -1
-                     for group in groups for entry in group for _ in entry.token_ids]
+        all_slots = [slots[entry.adapter] if entry.adapter else -1 for group in groups for entry in group for _ in entry.token_ids]
         mine: tuple[ScheduledSequence, ...] = groups[self.coords.attn_dp_rank]
         tokens = [t for entry in mine for t in entry.token_ids]
         positions = [entry.position + i for entry in mine for i in range(len(entry.token_ids))]
@@ -242,10 +258,12 @@ class RankWorker:
         return StepReply(
             *head,
             tokens=tuple((entry.seq_id, token.token_id) for entry, token in zip(sampling, drawn, strict=True)),
-            logprobs=tuple((entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True)
-                           if token.logprobs is not None),
-            logits=tuple((entry.seq_id, entry.position, logits[first : first + len(entry.token_ids)].cpu().numpy())
-                         for entry, first in spans),
+            logprobs=tuple(
+                (entry.seq_id, token.logprobs) for entry, token in zip(sampling, drawn, strict=True) if token.logprobs is not None
+            ),
+            logits=tuple(
+                (entry.seq_id, entry.position, logits[first : first + len(entry.token_ids)].cpu().numpy()) for entry, first in spans
+            ),
         )
 
     def _prepare(self, adapters: list[str]) -> dict[str, int]:
@@ -256,8 +274,9 @@ class RankWorker:
         self.slot_decisions += 1
         return slots
 
-    def _context(self, counts: list[int], all_slots: list[int], positions: list[int], attention: AttentionBatch,
-                 logit_rows: list[int] | None = None) -> ForwardContext:
+    def _context(
+        self, counts: list[int], all_slots: list[int], positions: list[int], attention: AttentionBatch, logit_rows: list[int] | None = None
+    ) -> ForwardContext:
         """This rank's forward context: its group's tokens' adapter slots for attention, every
         group's for the MLP (which runs TP over all ranks), RoPE at the tokens' positions."""
         offset = sum(counts[: self.coords.attn_dp_rank])
@@ -265,8 +284,11 @@ class RankWorker:
         mlp_lora = LoraBatch.from_token_slots(self._ids(all_slots))
         # Without DP attention the group's tokens are all tokens: one batch (and the views the
         # kernels derive from it once) serves attention and MLP alike.
-        attn_lora = mlp_lora if len(counts) == 1 else LoraBatch.from_token_slots(
-            self._ids(all_slots[offset : offset + counts[self.coords.attn_dp_rank]]))
+        attn_lora = (
+            mlp_lora
+            if len(counts) == 1
+            else LoraBatch.from_token_slots(self._ids(all_slots[offset : offset + counts[self.coords.attn_dp_rank]]))
+        )
         return ForwardContext(
             group_token_counts=counts,
             attn_dp_rank=self.coords.attn_dp_rank,

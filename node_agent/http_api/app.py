@@ -75,8 +75,7 @@ def split_listen(listen: str) -> tuple[str, int]:
 class HttpApiServer:
     """The OpenAI-compatible API over one agent, served on a thread of its own."""
 
-    def __init__(self, agent: Agent, options: HttpOptions, budget: Budget | None = None,
-                 closing: threading.Event | None = None) -> None:
+    def __init__(self, agent: Agent, options: HttpOptions, budget: Budget | None = None, closing: threading.Event | None = None) -> None:
         """`budget`: the inference budget shared with gRPC (None: unlimited); `closing`: set
         when the agent stops taking inference (the gRPC servicer's flag)."""
         self.agent = agent
@@ -136,12 +135,12 @@ class HttpApiServer:
 
     async def _open(self) -> None:
         # handler_cancellation: a client that disconnects cancels its handler (and generations).
-        runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=self.options.stop_grace_s)
+        runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self.options.stop_grace_s)
         await runner.setup()
         tls = self.options.tls
-        site = web.TCPSite(runner, self.host, self._requested_port, reuse_port=False,
-                           ssl_context=_ssl_context(tls) if tls is not None else None)
+        site = web.TCPSite(
+            runner, self.host, self._requested_port, reuse_port=False, ssl_context=_ssl_context(tls) if tls is not None else None
+        )
         try:
             await site.start()
         except BaseException:
@@ -240,9 +239,11 @@ class _Api:
         created = int(time.time())
         base = self.agent.base_model_name
         cards = [{"id": base, "object": "model", "created": created, "owned_by": "lorafleet", "root": base, "parent": None}]
-        cards += [{"id": entry.name, "object": "model", "created": created, "owned_by": "lorafleet",
-                   "root": entry.source.uri, "parent": base}
-                  for entry in self.agent.registry.entries() if entry.name != base]
+        cards += [
+            {"id": entry.name, "object": "model", "created": created, "owned_by": "lorafleet", "root": entry.source.uri, "parent": base}
+            for entry in self.agent.registry.entries()
+            if entry.name != base
+        ]
         return cards
 
     # -- generation ------------------------------------------------------------------------------
@@ -255,8 +256,11 @@ class _Api:
         params = []
         for prompt in prompts:
             max_new = body.max_tokens or DEFAULT_COMPLETION_TOKENS
-            base = GenerateParams(prompt=prompt, max_new_tokens=max_new) if isinstance(prompt, str) \
+            base = (
+                GenerateParams(prompt=prompt, max_new_tokens=max_new)
+                if isinstance(prompt, str)
                 else GenerateParams(token_ids=tuple(prompt), max_new_tokens=max_new)
+            )
             params += self._choices(body, base, body.logprobs)
         return await self._generate(request, "completion", body, params, len(prompts), "prompt", body.logprobs is not None)
 
@@ -282,7 +286,8 @@ class _Api:
         if self._template is None:
             reason = self._template_error or (
                 "the model has no chat template (chat_template in tokenizer_config.json, or chat_template.jinja): "
-                "use /v1/completions with a prompt")
+                "use /v1/completions with a prompt"
+            )
             raise ApiError(400, reason, "messages", "chat_template_missing")
         tokenizer = self.agent.tokenizer
         if tokenizer is None:
@@ -299,12 +304,19 @@ class _Api:
     def _choices(self, body: CompletionRequest | ChatCompletionRequest, base: GenerateParams, logprobs: int | None) -> list[GenerateParams]:
         """`n` generations of one prompt; with a seed, choice j uses seed + j (each differs, the
         whole request repeats)."""
-        common = replace(base, adapter=self.agent.model_adapter(body.model), stop=body.stop_strings(), logprobs=logprobs,
-                         **body.sampling())
+        common = replace(base, adapter=self.agent.model_adapter(body.model), stop=body.stop_strings(), logprobs=logprobs, **body.sampling())
         return [replace(common, seed=None if body.seed is None else (body.seed + j) % SEED_LIMIT) for j in range(body.n)]
 
-    async def _generate(self, request: web.Request, kind: Kind, body: CompletionRequest | ChatCompletionRequest,
-                        params: list[GenerateParams], prompts: int, prompt_param: str, logprobs: bool) -> web.StreamResponse:
+    async def _generate(
+        self,
+        request: web.Request,
+        kind: Kind,
+        body: CompletionRequest | ChatCompletionRequest,
+        params: list[GenerateParams],
+        prompts: int,
+        prompt_param: str,
+        logprobs: bool,
+    ) -> web.StreamResponse:
         self._admit()
         try:
             choices = Choices(self.agent, params)
@@ -340,8 +352,9 @@ class _Api:
             self.agent.metrics.failures.labels("http", refusal.reason).inc()
             raise from_agent_error(refusal, "prompt") from None
 
-    async def _stream(self, request: web.Request, reply: Reply, choices: Choices, first: list[Event], count: int,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, reply: Reply, choices: Choices, first: list[Event], count: int, include_usage: bool
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -359,8 +372,9 @@ class _Api:
         await response.write_eof()
         return response
 
-    async def _send_events(self, send: Callable[..., Awaitable[None]], reply: Reply, choices: Choices, first: list[Event],
-                           count: int, include_usage: bool) -> None:
+    async def _send_events(
+        self, send: Callable[..., Awaitable[None]], reply: Reply, choices: Choices, first: list[Event], count: int, include_usage: bool
+    ) -> None:
         """Every chunk of a stream, then `[DONE]`; an error after the 200 goes in the stream."""
         if reply.kind == "chat":
             await send(*(reply.role_chunk(index) for index in range(count)))

@@ -37,13 +37,26 @@ HTTP_STATUSES: dict[type[AgentError], int] = {
 }
 
 # OpenAI's error types by status.
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable_error", 500: "internal_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    500: "internal_error",
+}
 
 # The agent's messages name its own fields; the HTTP API's caller knows OpenAI's names.
-_PARAMS = {"max_new_tokens": "max_tokens", "stop": "stop", "SamplingParams.temperature": "temperature",
-           "SamplingParams.top_p": "top_p", "SamplingParams.top_k": "top_k", "SamplingParams.min_p": "min_p",
-           "SamplingParams.seed": "seed", "SamplingParams.logprobs": "logprobs"}
+_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "stop": "stop",
+    "SamplingParams.temperature": "temperature",
+    "SamplingParams.top_p": "top_p",
+    "SamplingParams.top_k": "top_k",
+    "SamplingParams.min_p": "min_p",
+    "SamplingParams.seed": "seed",
+    "SamplingParams.logprobs": "logprobs",
+}
 
 
 @dataclass
@@ -56,8 +69,14 @@ class ApiError(Exception):
     code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "internal_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "internal_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def from_agent_error(error: AgentError, prompt_param: str) -> ApiError:

@@ -55,8 +55,14 @@ class Reply:
         """Record one token of choice `index`."""
         choice = self._choices[index]
         if self._logprobs and token.logprob is not None:
-            choice.logprobs.append(_Logprob(self._token_text(token.token_id), token.logprob,
-                                            [(self._token_text(t), lp) for t, lp in token.top_logprobs], choice.length))
+            choice.logprobs.append(
+                _Logprob(
+                    self._token_text(token.token_id),
+                    token.logprob,
+                    [(self._token_text(t), lp) for t, lp in token.top_logprobs],
+                    choice.length,
+                )
+            )
         choice.text.append(token.text)
         choice.length += len(token.text)
         if token.finish_reason:
@@ -69,13 +75,20 @@ class Reply:
     def body(self) -> dict[str, Any]:
         """The non-streaming answer."""
         if self.kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                        "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason}
-                       for i, c in enumerate(self._choices)]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "logprobs": self._chat_logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(self._choices)
+            ]
         else:
-            choices = [{"index": i, "text": "".join(c.text), "logprobs": self._completion_logprobs(c.logprobs),
-                        "finish_reason": c.finish_reason}
-                       for i, c in enumerate(self._choices)]
+            choices = [
+                {"index": i, "text": "".join(c.text), "logprobs": self._completion_logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                for i, c in enumerate(self._choices)
+            ]
         return {**self._head(), "choices": choices, "usage": self.usage()}
 
     def usage(self) -> dict[str, int]:
@@ -88,8 +101,7 @@ class Reply:
 
     def role_chunk(self, index: int) -> dict[str, Any]:
         """A chat stream's first chunk of a choice: the assistant role."""
-        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+        return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
 
     def chunk(self, index: int, token: GeneratedToken) -> dict[str, Any] | None:
         """The chunk of one token (after `add`), or None when it carries nothing to send (text
@@ -100,11 +112,19 @@ class Reply:
             return None
         if self.kind == "chat":
             delta = {"content": token.text} if token.text or finish is None else {}
-            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(entries) if entries else None,
-                      "finish_reason": finish}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": self._chat_logprobs(entries) if entries else None,
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": index, "text": token.text, "logprobs": self._completion_logprobs(entries) if entries else None,
-                      "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": token.text,
+                "logprobs": self._completion_logprobs(entries) if entries else None,
+                "finish_reason": finish,
+            }
         return self._chunk([choice])
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -117,20 +137,36 @@ class Reply:
         return {**head, "choices": choices}
 
     def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
-                "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
 
     # -- logprobs --------------------------------------------------------------------------------
 
     def _chat_logprobs(self, entries: list[_Logprob]) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
-        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top]}
-                            for e in entries]}
+        return {
+            "content": [
+                {
+                    "token": e.token,
+                    "logprob": e.logprob,
+                    "bytes": list(e.token.encode()),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top],
+                }
+                for e in entries
+            ]
+        }
 
     def _completion_logprobs(self, entries: list[_Logprob]) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries], "text_offset": [e.offset for e in entries]}
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": [e.offset for e in entries],
+        }

@@ -157,4 +157,3 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
-

@@ -68,8 +68,7 @@ class AgentError(Exception):
     one. ``alone`` (loads only): no other load was in flight on that agent during this one.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "",
-                 alone: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "", alone: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -115,8 +114,7 @@ class LoadGate:
                     self._exclusive_waiting -= 1
                 self._exclusive = True
             else:
-                await self._cond.wait_for(
-                    lambda: not self._exclusive and not self._exclusive_waiting)
+                await self._cond.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
             overlap = {other for others, _ in self._running.values() for other in others}
             for _, overlapping in self._running.values():
                 overlapping.update(names)
@@ -197,9 +195,9 @@ class LoadRequest:
 
     def message(self) -> agent_pb2.LoadAdapterRequest:
         """The request on the wire."""
-        request = agent_pb2.LoadAdapterRequest(name=self.name, source_uri=self.source_uri,
-                                               sha256=self.sha256, pinned=self.pinned,
-                                               replace=self.replace)
+        request = agent_pb2.LoadAdapterRequest(
+            name=self.name, source_uri=self.source_uri, sha256=self.sha256, pinned=self.pinned, replace=self.replace
+        )
         if self.credential is not None and self.credential.username:
             request.source_basic.username = self.credential.username
             request.source_basic.password = self.credential.password
@@ -215,8 +213,10 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 def _control_reply(reply: Any) -> ControlReply:
     ranks = list(reply.rank_results)
     return ControlReply(
-        success=bool(reply.success), error_message=reply.error_message,
-        ranks_ok=sum(1 for r in ranks if r.success), ranks_reported=len(ranks),
+        success=bool(reply.success),
+        error_message=reply.error_message,
+        ranks_ok=sum(1 for r in ranks if r.success),
+        ranks_reported=len(ranks),
     )
 
 
@@ -271,8 +271,7 @@ class AgentClients:
             if creds.tls:
                 if creds.server_name:
                     options.append(("grpc.ssl_target_name_override", creds.server_name))
-                tls = grpc.ssl_channel_credentials(creds.root_ca, creds.client_key,
-                                                   creds.client_cert)
+                tls = grpc.ssl_channel_credentials(creds.root_ca, creds.client_key, creds.client_cert)
                 channel = grpc.aio.secure_channel(endpoint, tls, options=options)
             else:
                 channel = grpc.aio.insecure_channel(endpoint, options=options)
@@ -290,14 +289,11 @@ class AgentClients:
         """The bounds a call runs under: a remote load of namespace ``remote_of`` only its own
         (agent, namespace) bound; every other call the agent's and the overall one."""
         if remote_of:
-            remote = self._remote.setdefault(
-                (endpoint, remote_of),
-                asyncio.Semaphore(self._settings.remote_loads_per_namespace))
+            remote = self._remote.setdefault((endpoint, remote_of), asyncio.Semaphore(self._settings.remote_loads_per_namespace))
             async with remote:
                 yield
             return
-        per_agent = self._per_agent.setdefault(
-            endpoint, asyncio.Semaphore(self._settings.per_agent_concurrency))
+        per_agent = self._per_agent.setdefault(endpoint, asyncio.Semaphore(self._settings.per_agent_concurrency))
         async with self._total, per_agent:
             yield
 
@@ -305,8 +301,7 @@ class AgentClients:
         """The pods now behind their endpoints: a new one at an endpoint proves again."""
         self.identities.observe(pods)
 
-    async def _ensure_agent(self, endpoint: str, creds: Credentials,
-                            stub: agent_pb2_grpc.NodeAgentStub) -> None:
+    async def _ensure_agent(self, endpoint: str, creds: Credentials, stub: agent_pb2_grpc.NodeAgentStub) -> None:
         """Before the token goes to ``endpoint``: a verified TLS channel, or the identity proof
         (asked once per pod and token; concurrent first calls share one challenge)."""
         if not creds.token or creds.tls or self.identities.is_proven(endpoint, creds.token):
@@ -316,14 +311,15 @@ class AgentClients:
                 return
             nonce, pod = new_nonce(), self.identities.pod_at(endpoint)
             try:
-                reply = await stub.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod),
-                                                 timeout=self._settings.call_deadline_s)
+                reply = await stub.ProveIdentity(
+                    agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=self._settings.call_deadline_s
+                )
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method="ProveIdentity", code=err.code().name).inc()
                 if err.code() in UNDELIVERED:
-                    raise AgentError(err.code(), f"identity check of {endpoint} failed: "
-                                                 f"{err.details() or err.code().name}",
-                                     reason=IDENTITY_UNCHECKED) from None
+                    raise AgentError(
+                        err.code(), f"identity check of {endpoint} failed: {err.details() or err.code().name}", reason=IDENTITY_UNCHECKED
+                    ) from None
                 why = f"ProveIdentity answered {err.code().name}"  # its details are not ours
             else:
                 metrics.AGENT_CALLS.labels(method="ProveIdentity", code="OK").inc()
@@ -334,10 +330,16 @@ class AgentClients:
                 raise AgentError(grpc.StatusCode.PERMISSION_DENIED, message, reason=NOT_AN_AGENT)
             self.identities.prove(endpoint, creds.token)
 
-    async def _call(self, endpoint: str, creds: Credentials, method: str,
-                    invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
-                    deadline_s: float, remote_of: str = "",
-                    load: tuple[LoadGate, tuple[str, ...], bool] | None = None) -> T:
+    async def _call(
+        self,
+        endpoint: str,
+        creds: Credentials,
+        method: str,
+        invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
+        deadline_s: float,
+        remote_of: str = "",
+        load: tuple[LoadGate, tuple[str, ...], bool] | None = None,
+    ) -> T:
         """One call under its bounds (:meth:`_slots`). A ``load`` (the agent's gate, the
         adapters' names, exclusive or not) enters the gate once it holds its slot: the loads
         that overlap it are those sent to the agent meanwhile, never those still waiting for a
@@ -345,35 +347,45 @@ class AgentClients:
         no other call's overlapping it)."""
         stub = self._stub(endpoint, creds)
         metadata = (("authorization", f"Bearer {creds.token}"),) if creds.token else None
-        async with self._slots(endpoint, remote_of), \
-                (load[0].enter(load[1], exclusive=load[2]) if load else _nothing()) as overlap:
+        async with self._slots(endpoint, remote_of), load[0].enter(load[1], exclusive=load[2]) if load else _nothing() as overlap:
             await self._ensure_agent(endpoint, creds, stub)
             try:
                 result = await invoke(stub, metadata, deadline_s)
             except grpc.aio.AioRpcError as err:
                 metrics.AGENT_CALLS.labels(method=method, code=err.code().name).inc()
-                raise AgentError(err.code(), err.details() or err.code().name,
-                                 reason=_reason(err),
-                                 alone=not overlap and load is not None and len(load[1]) == 1
-                                 ) from None
+                raise AgentError(
+                    err.code(),
+                    err.details() or err.code().name,
+                    reason=_reason(err),
+                    alone=not overlap and load is not None and len(load[1]) == 1,
+                ) from None
         metrics.AGENT_CALLS.labels(method=method, code="OK").inc()
         return result
 
     async def describe(self, endpoint: str, creds: Credentials) -> AgentInfo:
         reply = await self._call(
-            endpoint, creds, "Describe",
+            endpoint,
+            creds,
+            "Describe",
             lambda s, md, t: s.Describe(agent_pb2.DescribeRequest(), metadata=md, timeout=t),
-            self._settings.call_deadline_s)
+            self._settings.call_deadline_s,
+        )
         topo, cap = reply.topology, reply.capacity
         return AgentInfo(
-            base_model=reply.base_model.name, tp_size=topo.tp_size, dp_size=topo.dp_size,
-            attn_tp_size=topo.attn_tp_size, ep_size=topo.ep_size or 1,
-            moe_tp_size=topo.moe_tp_size, max_lora_rank=cap.max_lora_rank,
-            max_loras_per_batch=cap.max_loras_per_batch, max_loaded_loras=cap.max_loaded_loras,
+            base_model=reply.base_model.name,
+            tp_size=topo.tp_size,
+            dp_size=topo.dp_size,
+            attn_tp_size=topo.attn_tp_size,
+            ep_size=topo.ep_size or 1,
+            moe_tp_size=topo.moe_tp_size,
+            max_lora_rank=cap.max_lora_rank,
+            max_loras_per_batch=cap.max_loras_per_batch,
+            max_loaded_loras=cap.max_loaded_loras,
         )
 
-    async def load(self, endpoint: str, creds: Credentials, request: LoadRequest, *,
-                   exclusive: bool = False, namespace: str = "") -> ControlReply:
+    async def load(
+        self, endpoint: str, creds: Credentials, request: LoadRequest, *, exclusive: bool = False, namespace: str = ""
+    ) -> ControlReply:
         """LoadAdapter; ``exclusive``: with no other load in flight on this agent. A failure
         says whether the load was alone there (``AgentError.alone``). A remote (http(s),
         hf://) source of ``namespace`` is bounded per (agent, namespace), apart from other
@@ -381,14 +393,17 @@ class AgentClients:
         remote_of = namespace if is_remote(request.source_uri) else ""
         message = request.message()
         reply = await self._call(
-            endpoint, creds, "LoadAdapter",
+            endpoint,
+            creds,
+            "LoadAdapter",
             lambda s, md, t: s.LoadAdapter(message, metadata=md, timeout=t),
-            self._settings.load_deadline_s, remote_of=remote_of,
-            load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive))
+            self._settings.load_deadline_s,
+            remote_of=remote_of,
+            load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive),
+        )
         return _control_reply(reply)
 
-    async def load_many(self, endpoint: str, creds: Credentials,
-                        requests: Sequence[LoadRequest]) -> list[LoadAnswer]:
+    async def load_many(self, endpoint: str, creds: Credentials, requests: Sequence[LoadRequest]) -> list[LoadAnswer]:
         """Loads of local sources on one agent in one LoadAdapters call (shared, under one call
         slot and one deadline): each load's outcome in their order, the call's own error as
         every load's. The loads overlap each other (none is ``alone``). An agent that does
@@ -398,17 +413,17 @@ class AgentClients:
             messages = [r.message() for r in requests]
             try:
                 reply = await self._call(
-                    endpoint, creds, "LoadAdapters",
-                    lambda s, md, t: s.LoadAdapters(
-                        agent_pb2.LoadAdaptersRequest(loads=messages), metadata=md, timeout=t),
+                    endpoint,
+                    creds,
+                    "LoadAdapters",
+                    lambda s, md, t: s.LoadAdapters(agent_pb2.LoadAdaptersRequest(loads=messages), metadata=md, timeout=t),
                     self._settings.load_deadline_s,
-                    load=(self._loads.setdefault(endpoint, LoadGate()),
-                          tuple(r.name for r in requests), False))
+                    load=(self._loads.setdefault(endpoint, LoadGate()), tuple(r.name for r in requests), False),
+                )
             except AgentError as err:
                 if err.code != grpc.StatusCode.UNIMPLEMENTED:
                     return [err] * len(requests)
-                log.info("agent %s does not know LoadAdapters: one LoadAdapter call per load",
-                         endpoint)
+                log.info("agent %s does not know LoadAdapters: one LoadAdapter call per load", endpoint)
                 self._single_loads.add(endpoint)
             else:
                 return [_load_answer(o) for o in reply.outcomes]
@@ -423,13 +438,15 @@ class AgentClients:
     async def unload(self, endpoint: str, creds: Credentials, name: str) -> ControlReply:
         request = agent_pb2.UnloadAdapterRequest(name=name)
         reply = await self._call(
-            endpoint, creds, "UnloadAdapter",
+            endpoint,
+            creds,
+            "UnloadAdapter",
             lambda s, md, t: s.UnloadAdapter(request, metadata=md, timeout=t),
-            self._settings.load_deadline_s)
+            self._settings.load_deadline_s,
+        )
         return _control_reply(reply)
 
-    async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]
-                          ) -> list[UnloadAnswer]:
+    async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]) -> list[UnloadAnswer]:
         """UnloadAdapter of each (endpoint, credentials, name), queued on its agent
         (a :class:`~lorafleet_operator.work_queue.WorkQueue`); the outcomes in the same order. An unload of the same name
         still waiting on that agent (another deletion's, the drift check's) is shared, not
@@ -439,11 +456,11 @@ class AgentClients:
             await asyncio.wait(futures)  # unlike gather, cancelling the caller cancels none
         return [future.result() for future in futures]
 
-    def _queue_unload(self, endpoint: str, creds: Credentials,
-                      name: str) -> asyncio.Future[UnloadAnswer]:
+    def _queue_unload(self, endpoint: str, creds: Credentials, name: str) -> asyncio.Future[UnloadAnswer]:
         key = (endpoint, name, creds)
         future = self._waiting_unloads.get(key)
         if future is None:
+
             def forget() -> None:
                 self._waiting_unloads.pop(key, None)
 
@@ -461,17 +478,20 @@ class AgentClients:
         """The loads whose source the agent is downloading now: name -> (bytes received, bytes
         the source declared so far); the agent answers without waiting on the loads."""
         reply = await self._call(
-            endpoint, creds, "ListAdapters",
-            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md,
-                                            timeout=t),
-            self._settings.call_deadline_s)
+            endpoint,
+            creds,
+            "ListAdapters",
+            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md, timeout=t),
+            self._settings.call_deadline_s,
+        )
         return {d.name: (d.bytes_done, d.bytes_total) for d in reply.downloading}
 
     async def list_adapters(self, endpoint: str, creds: Credentials) -> dict[str, RegistryEntry]:
         reply = await self._call(
-            endpoint, creds, "ListAdapters",
-            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md,
-                                            timeout=t),
-            self._settings.call_deadline_s)
-        return {a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks))
-                for a in reply.adapters}
+            endpoint,
+            creds,
+            "ListAdapters",
+            lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md, timeout=t),
+            self._settings.call_deadline_s,
+        )
+        return {a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks)) for a in reply.adapters}

@@ -111,7 +111,10 @@ def _names(raw: str) -> tuple[str, ...]:
 
 #: How a variable's text becomes a value, by the field's declared type.
 _PARSERS: dict[str, Callable[[str], object]] = {
-    "str": str, "int": int, "float": float, "tuple[str, ...]": _names,
+    "str": str,
+    "int": int,
+    "float": float,
+    "tuple[str, ...]": _names,
 }
 
 

@@ -41,22 +41,25 @@ def _header_safe(raw: bytes, what: str) -> str:
     bad = sum(1 for b in value if not 0x20 <= b <= 0x7E)
     if not value or bad:
         problem = "is empty" if not value else f"contains {bad} control or non-ASCII byte(s)"
-        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"the source credential's {what} {problem} "
-                                                      f"after trimming surrounding whitespace; "
-                                                      f"not loaded until the Secret is fixed")
+        raise FleetProblem(
+            SOURCE_CREDENTIAL_REFUSED,
+            f"the source credential's {what} {problem} after trimming surrounding whitespace; not loaded until the Secret is fixed",
+        )
     return value.decode("ascii")
 
 
 def agent_secrets(fleet_spec: Mapping[str, Any]) -> set[str]:
     """The Secrets the fleet itself uses towards its agents (token, TLS)."""
-    names = {((fleet_spec.get("auth") or {}).get("tokenSecretRef") or {}).get("name"),
-             ((fleet_spec.get("tls") or {}).get("secretRef") or {}).get("name")}
+    names = {
+        ((fleet_spec.get("auth") or {}).get("tokenSecretRef") or {}).get("name"),
+        ((fleet_spec.get("tls") or {}).get("secretRef") or {}).get("name"),
+    }
     return {n for n in names if n}
 
 
-async def source_credential(adapter_spec: Mapping[str, Any], fleet_name: str,
-                            fleet_spec: Mapping[str, Any],
-                            read: SecretReader) -> SourceCredential | None:
+async def source_credential(
+    adapter_spec: Mapping[str, Any], fleet_name: str, fleet_spec: Mapping[str, Any], read: SecretReader
+) -> SourceCredential | None:
     """The adapter's source credential (None when its spec names none), read through ``read``;
     FleetProblem when the operator will not send it (see the module's rules)."""
     spec = (adapter_spec.get("source") or {}).get("credentials")
@@ -64,20 +67,23 @@ async def source_credential(adapter_spec: Mapping[str, Any], fleet_name: str,
         return None
     ref = spec["secretRef"]
     if ref["name"] in agent_secrets(fleet_spec):
-        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"Secret {ref['name']!r} holds LoraFleet "
-                                                      f"{fleet_name!r}'s own agent credentials: "
-                                                      f"it is never sent to a source; not loaded")
+        raise FleetProblem(
+            SOURCE_CREDENTIAL_REFUSED,
+            f"Secret {ref['name']!r} holds LoraFleet {fleet_name!r}'s own agent credentials: it is never sent to a source; not loaded",
+        )
     if not fleet_spec.get("auth") and not fleet_spec.get("tls"):
-        raise FleetProblem(SOURCE_CREDENTIAL_REFUSED, f"LoraFleet {fleet_name!r} has neither "
-                                                      f"spec.auth nor spec.tls, so its agents "
-                                                      f"cannot prove who they are: source "
-                                                      f"credentials are sent only to agents "
-                                                      f"that can; not loaded")
+        raise FleetProblem(
+            SOURCE_CREDENTIAL_REFUSED,
+            f"LoraFleet {fleet_name!r} has neither "
+            f"spec.auth nor spec.tls, so its agents "
+            f"cannot prove who they are: source "
+            f"credentials are sent only to agents "
+            f"that can; not loaded",
+        )
     kind = spec.get("type") or BEARER
     if kind == BASIC:
         data = await read(ref["name"], BASIC_KEYS)
-        return SourceCredential(username=_header_safe(data["username"], "username"),
-                                password=_header_safe(data["password"], "password"))
+        return SourceCredential(username=_header_safe(data["username"], "username"), password=_header_safe(data["password"], "password"))
     key = ref.get("key") or DEFAULT_TOKEN_KEY
     data = await read(ref["name"], (key,))
     return SourceCredential(token=_header_safe(data[key], "token"))

@@ -84,20 +84,31 @@ def _live(adapter: Mapping[str, Any]) -> bool:
     return not adapter["metadata"].get("deletionTimestamp")
 
 
-def wanted_on(agent: AgentPod, info: AgentInfo, adapters: Sequence[Mapping[str, Any]],
-              fleets: Sequence[Mapping[str, Any]],
-              placements: Mapping[str, Placement] | None = None) -> set[str]:
+def wanted_on(
+    agent: AgentPod,
+    info: AgentInfo,
+    adapters: Sequence[Mapping[str, Any]],
+    fleets: Sequence[Mapping[str, Any]],
+    placements: Mapping[str, Placement] | None = None,
+) -> set[str]:
     """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it
     that admits it: :func:`~lorafleet_operator.reconcile.admission`). An adapter that has a
     placement in ``placements`` (this fleet's) is wanted only where it is placed."""
-    selecting = {f["metadata"]["name"]: f.get("spec") or {} for f in fleets
-                 if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)}
+    selecting = {
+        f["metadata"]["name"]: f.get("spec") or {}
+        for f in fleets
+        if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)
+    }
     wanted = set()
     for a in adapters:
         name = names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
         fleet = a["spec"]["fleetRef"]["name"]
-        if not _live(a) or fleet not in selecting or a["spec"]["baseModel"] != info.base_model \
-                or admission(fleet, selecting[fleet], a["spec"]) is not None:
+        if (
+            not _live(a)
+            or fleet not in selecting
+            or a["spec"]["baseModel"] != info.base_model
+            or admission(fleet, selecting[fleet], a["spec"]) is not None
+        ):
             continue
         placement = (placements or {}).get(name)
         if placement is None or agent.name in placement.placed:
@@ -109,16 +120,22 @@ def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bo
     """Whether a registry entry is this spec (source, sha256 when given, pinning), on every
     rank; anything else is loaded again (replace=True swaps it atomically)."""
     sha = spec["source"].get("sha256", "")
-    return (entry.source_uri == spec["source"]["uri"] and (not sha or entry.sha256 == sha)
-            and entry.pinned == bool(spec.get("pinned", False))
-            and len(entry.ranks) >= ranks_total)
+    return (
+        entry.source_uri == spec["source"]["uri"]
+        and (not sha or entry.sha256 == sha)
+        and entry.pinned == bool(spec.get("pinned", False))
+        and len(entry.ranks) >= ranks_total
+    )
 
 
-def unwanted(view: FleetView, registries: Mapping[str, Registry],
-             adapters: Sequence[Mapping[str, Any]],
-             fleets: Sequence[Mapping[str, Any]],
-             placements: Mapping[str, Placement] | None = None,
-             busy: frozenset[str] = frozenset()) -> list[tuple[AgentPod, str]]:
+def unwanted(
+    view: FleetView,
+    registries: Mapping[str, Registry],
+    adapters: Sequence[Mapping[str, Any]],
+    fleets: Sequence[Mapping[str, Any]],
+    placements: Mapping[str, Placement] | None = None,
+    busy: frozenset[str] = frozenset(),
+) -> list[tuple[AgentPod, str]]:
     """(agent, registry name) of every managed adapter no live resource wants there. An agent
     whose Describe or registry listing failed is left alone: what it holds is unknown; so is
     an adapter in ``busy`` (a handler is placing it right now)."""
@@ -128,19 +145,24 @@ def unwanted(view: FleetView, registries: Mapping[str, Registry],
         if not isinstance(info, AgentInfo) or registry is None or isinstance(registry, AgentError):
             continue
         wanted = wanted_on(agent, info, adapters, fleets, placements)
-        calls.extend((agent, registry_name) for registry_name in registry
-                     if names.is_managed(registry_name, view.namespace)
-                     and registry_name not in wanted and registry_name not in busy)
+        calls.extend(
+            (agent, registry_name)
+            for registry_name in registry
+            if names.is_managed(registry_name, view.namespace) and registry_name not in wanted and registry_name not in busy
+        )
     return calls
 
 
-async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                          adapters: Sequence[Mapping[str, Any]],
-                          fleets: Sequence[Mapping[str, Any]],
-                          placements: Mapping[str, Placement]) -> int:
+async def remove_unwanted(
+    rt: Runtime,
+    view: FleetView,
+    registries: Mapping[str, Registry],
+    adapters: Sequence[Mapping[str, Any]],
+    fleets: Sequence[Mapping[str, Any]],
+    placements: Mapping[str, Placement],
+) -> int:
     """Unload managed adapters nobody wants (:func:`unwanted`); returns how many were unloaded."""
-    busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.items()
-                     if lock.locked())
+    busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.items() if lock.locked())
     calls = unwanted(view, registries, adapters, fleets, placements, busy)
     for agent, registry_name in calls:
         rt.reservations.finished(agent.endpoint, registry_name, time.monotonic(), loaded=False)
@@ -148,8 +170,7 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
     unloaded = 0
     for (agent, registry_name), answer in zip(calls, answers, strict=True):
         if isinstance(answer, AgentError):
-            log.warning("drift: unloading %s from %s failed: %s", registry_name, agent.name,
-                        answer)
+            log.warning("drift: unloading %s from %s failed: %s", registry_name, agent.name, answer)
             continue
         metrics.DRIFT_REPAIRS.labels(action="unload").inc()
         log.info("drift: unloaded %s from %s (no resource wants it)", registry_name, agent.name)
@@ -157,8 +178,7 @@ async def remove_unwanted(rt: Runtime, view: FleetView, registries: Mapping[str,
     return unloaded
 
 
-def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None,
-                    body: Mapping[str, Any]) -> AgentResult | None:
+def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None, body: Mapping[str, Any]) -> AgentResult | None:
     """What this agent holds of the adapter when no load is to be sent there now (it holds
     the spec; its Describe or listing failed; the generation is condemned; the last load
     here is backing off); None when it needs a load."""
@@ -167,25 +187,23 @@ def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None,
     if registry is None:
         # The agent turned dialable after the registries were listed: nothing is known of it
         # this round (not a failure to classify); the next check lists it.
-        return AgentResult(target.agent.name, AgentState.UNREACHABLE, 0, target.ranks_total,
-                           "registry not listed yet")
+        return AgentResult(target.agent.name, AgentState.UNREACHABLE, 0, target.ranks_total, "registry not listed yet")
     if isinstance(registry, AgentError):
         return error_result(target, registry)
     meta = body["metadata"]
     entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
     if entry is not None and holds(entry, body["spec"], target.ranks_total):
         rt.failures.clear(failure_key(body, target.agent.name))
-        return AgentResult(target.agent.name, AgentState.LOADED,
-                           min(len(entry.ranks), target.ranks_total), target.ranks_total)
+        return AgentResult(target.agent.name, AgentState.LOADED, min(len(entry.ranks), target.ranks_total), target.ranks_total)
     verdict = condemned(rt, body)
     if verdict:  # its loads crashed agents: sent to none until the spec changes
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
     return backing_off(rt, body, target)  # the last load here failed, its back-off not passed
 
 
-async def repair(rt: Runtime, view: FleetView, targets: Sequence[Target],
-                 registries: Mapping[str, Registry],
-                 body: Mapping[str, Any]) -> tuple[list[AgentResult], FleetProblem | None]:
+async def repair(
+    rt: Runtime, view: FleetView, targets: Sequence[Target], registries: Mapping[str, Registry], body: Mapping[str, Any]
+) -> tuple[list[AgentResult], FleetProblem | None]:
     """Each target's result after loading the adapter where it is missing and a load is
     allowed: those loads together through the handlers' path
     (:func:`~lorafleet_operator.reconcile.load_each`, with the download progress); and the
@@ -198,8 +216,14 @@ async def repair(rt: Runtime, view: FleetView, targets: Sequence[Target],
     meta = body["metadata"]
     for result in loaded:
         metrics.DRIFT_REPAIRS.labels(action="load").inc()
-        log.info("drift: loaded %s/%s on %s: %s%s", meta["namespace"], meta["name"], result.pod,
-                 result.state, f" ({result.message})" if result.message else "")
+        log.info(
+            "drift: loaded %s/%s on %s: %s%s",
+            meta["namespace"],
+            meta["name"],
+            result.pod,
+            result.state,
+            f" ({result.message})" if result.message else "",
+        )
     fresh = iter(loaded)
     results = [result if result is not None else next(fresh) for result in known]
     return results, credential_refusal(credential, results)
@@ -212,13 +236,17 @@ def handled(rt: Runtime, body: Mapping[str, Any], listed_at: float) -> bool:
     (which then misses that handler's loads: repairing from it would load them all again)."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
-    return rt.lock(*key).locked() or never_reconciled(body.get("status")) \
-        or rt.reconciled.get(key, -math.inf) >= listed_at
+    return rt.lock(*key).locked() or never_reconciled(body.get("status")) or rt.reconciled.get(key, -math.inf) >= listed_at
 
 
-async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                           body: Mapping[str, Any], placements: Mapping[str, Placement],
-                           listed_at: float) -> str | None:
+async def converge_adapter(
+    rt: Runtime,
+    view: FleetView,
+    registries: Mapping[str, Registry],
+    body: Mapping[str, Any],
+    placements: Mapping[str, Placement],
+    listed_at: float,
+) -> str | None:
     """Repair one adapter where it is placed and write its status and EndpointSlices, unless
     its handlers have it in hand (:func:`handled`; the next check looks again); returns its
     phase (None if skipped). ``listed_at``: when the check's registry listing began."""
@@ -231,41 +259,46 @@ async def converge_adapter(rt: Runtime, view: FleetView, registries: Mapping[str
         refused = admission(view.name, view.spec, body["spec"])
         if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
             results: list[AgentResult] = []
-            status = build_status([], generation=generation, previous=stored,
-                                  pending_reason=refused.reason, pending_message=refused.message)
+            status = build_status(
+                [], generation=generation, previous=stored, pending_reason=refused.reason, pending_message=refused.message
+            )
         else:
             placement = placements[names.agent_name(meta["namespace"], meta["name"])]
-            results, refusal = await repair(rt, view, placed_targets(view, placement),
-                                            registries, body)
+            results, refusal = await repair(rt, view, placed_targets(view, placement), registries, body)
             if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
                 results = []
-                status = build_status([], generation=generation, previous=stored,
-                                      pending_reason=refusal.reason,
-                                      pending_message=refusal.message)
+                status = build_status(
+                    [], generation=generation, previous=stored, pending_reason=refusal.reason, pending_message=refusal.message
+                )
             else:
-                status = build_status(results, generation=generation, previous=stored,
-                                      crashed=condemned(rt, body), placement=placement)
+                status = build_status(results, generation=generation, previous=stored, crashed=condemned(rt, body), placement=placement)
         await publish_status(rt, body, status)
         # Not new: an adapter without a status is left to its handler (handled).
         await publish_slices(rt, body, view.spec, view.agents, results)
     return str(status["phase"])
 
 
-def member(agent: AgentPod, info: AgentInfo | AgentError | None,
-           registry: Registry | None, own: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+def member(
+    agent: AgentPod, info: AgentInfo | AgentError | None, registry: Registry | None, own: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """One LoraFleet status.members entry. ``capacity.loadedLoras`` counts only ``own``, the
     registry names of this fleet's adapters: agents may be shared by fleets of several
     namespaces, and a fleet's status must not tell its readers how busy the others are."""
-    entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint,
-                             "ready": agent.dialable and isinstance(info, AgentInfo)}
+    entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint, "ready": agent.dialable and isinstance(info, AgentInfo)}
     if isinstance(info, AgentInfo):
         entry["baseModel"] = info.base_model
-        entry["topology"] = {"tpSize": info.tp_size, "dpSize": info.dp_size,
-                             "attnTpSize": info.attn_tp_size, "epSize": info.ep_size,
-                             "moeTpSize": info.moe_tp_size}
-        entry["capacity"] = {"maxLoadedLoras": info.max_loaded_loras,
-                             "maxLorasPerBatch": info.max_loras_per_batch,
-                             "maxLoraRank": info.max_lora_rank}
+        entry["topology"] = {
+            "tpSize": info.tp_size,
+            "dpSize": info.dp_size,
+            "attnTpSize": info.attn_tp_size,
+            "epSize": info.ep_size,
+            "moeTpSize": info.moe_tp_size,
+        }
+        entry["capacity"] = {
+            "maxLoadedLoras": info.max_loaded_loras,
+            "maxLorasPerBatch": info.max_loras_per_batch,
+            "maxLoraRank": info.max_lora_rank,
+        }
         if isinstance(registry, Mapping):
             entry["capacity"]["loadedLoras"] = sum(1 for n in registry if n in own)
         entry["message"] = ""
@@ -276,9 +309,13 @@ def member(agent: AgentPod, info: AgentInfo | AgentError | None,
     return entry
 
 
-def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
-                 registries: Mapping[str, Registry], problem: FleetProblem | None,
-                 own: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
+def fleet_status(
+    fleet: Mapping[str, Any],
+    view: FleetView | None,
+    registries: Mapping[str, Registry],
+    problem: FleetProblem | None,
+    own: set[str] | frozenset[str] = frozenset(),
+) -> dict[str, Any]:
     """LoraFleet status: agents found, how many answer, each member's topology and capacity
     (``own``: the registry names of this fleet's adapters, the only ones counted)."""
     previous = list((fleet.get("status") or {}).get("conditions") or [])
@@ -286,11 +323,9 @@ def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
     now = now_rfc3339()
     if view is None:
         assert problem is not None
-        unusable = condition("Ready", "False", problem.reason, problem.message, generation,
-                             previous, now)
+        unusable = condition("Ready", "False", problem.reason, problem.message, generation, previous, now)
         return {"observedGeneration": generation, "conditions": [unusable]}
-    members = [member(a, view.infos.get(a.name), registries.get(a.name), own)
-               for a in view.agents]
+    members = [member(a, view.infos.get(a.name), registries.get(a.name), own) for a in view.agents]
     ready_agents = sum(1 for m in members if m["ready"])
     answering = f"{ready_agents}/{len(members)} agents answer"
     if not members:
@@ -300,12 +335,15 @@ def fleet_status(fleet: Mapping[str, Any], view: FleetView | None,
     else:
         ready = ("False", "AgentsNotReady", answering)
     # At most MAX_LISTED_MEMBERS, those not ready chosen first; the rest only counted.
-    shown = sorted(sorted(members, key=lambda m: (m["ready"], m["pod"]))[:MAX_LISTED_MEMBERS],
-                   key=lambda m: m["pod"])
-    return {"observedGeneration": generation, "agents": len(members),
-            "readyAgents": ready_agents, "members": shown,
-            "membersNotListed": len(members) - len(shown),
-            "conditions": [condition("Ready", *ready, generation, previous, now)]}
+    shown = sorted(sorted(members, key=lambda m: (m["ready"], m["pod"]))[:MAX_LISTED_MEMBERS], key=lambda m: m["pod"])
+    return {
+        "observedGeneration": generation,
+        "agents": len(members),
+        "readyAgents": ready_agents,
+        "members": shown,
+        "membersNotListed": len(members) - len(shown),
+        "conditions": [condition("Ready", *ready, generation, previous, now)],
+    }
 
 
 async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> None:
@@ -327,16 +365,22 @@ async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> 
     admitted = [a for a in mine if admission(name, view.spec, a["spec"]) is None]
     placements = place_fleet(rt, view, registries, admitted, complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
-    phases = await asyncio.gather(*(
-        converge_adapter(rt, view, registries, a, placements, listed_at) for a in mine))
+    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a, placements, listed_at) for a in mine))
     current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
     own = {names.agent_name(namespace, a["metadata"]["name"]) for a in mine}
     await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))
     metrics.DRIFT_CHECKS.inc()
     counts = {p: phases.count(p) for p in sorted({p for p in phases if p})}
-    log.debug("drift check of lorafleet %s/%s: %d agents, %d adapters %s, %d unloaded in %.2fs",
-              namespace, name, len(view.agents), len(mine), counts, unloaded,
-              time.monotonic() - started)
+    log.debug(
+        "drift check of lorafleet %s/%s: %d agents, %d adapters %s, %d unloaded in %.2fs",
+        namespace,
+        name,
+        len(view.agents),
+        len(mine),
+        counts,
+        unloaded,
+        time.monotonic() - started,
+    )
 
 
 async def _sleep(stopped: kopf.DaemonStopped, poke: asyncio.Event, seconds: float) -> None:
@@ -359,14 +403,12 @@ def drift_loops_alive(memo: kopf.Memo, **_: Any) -> int:
     rt: Runtime = memo["runtime"]
     stalled = stalled_loops(rt.heartbeats, time.monotonic(), rt.settings)
     if stalled:
-        raise kopf.PermanentError(f"drift loops stalled for over "
-                                  f"{loop_stall_s(rt.settings):.0f}s: {', '.join(stalled)}")
+        raise kopf.PermanentError(f"drift loops stalled for over {loop_stall_s(rt.settings):.0f}s: {', '.join(stalled)}")
     return len(rt.heartbeats)
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=10.0)
-async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
-                      stopped: kopf.DaemonStopped, **_: Any) -> None:
+async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     """The drift check of one fleet, for as long as the fleet exists."""
     rt: Runtime = memo["runtime"]
     namespace: str = body["metadata"]["namespace"]  # LoraFleet is a namespaced kind
@@ -378,8 +420,7 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo,
         rt.heartbeats.pop((namespace, name), None)
 
 
-async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body,
-                      poke: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
+async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body, poke: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
     """Drift checks of one fleet until its daemon stops; each finished round is a heartbeat."""
     api_failures = 0  # consecutive checks that failed on the Kubernetes API
     while not stopped:
@@ -394,12 +435,15 @@ async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body,
         except KUBE_API_ERRORS as err:  # the API server is down or busy: back off (policy)
             api_failures += 1
             wait_at_least = retry_after(err)
-            log.warning("drift check of lorafleet %s/%s failed: Kubernetes API: %s; next in "
-                        "%.1fs", namespace, name, kube_reason(err),
-                        drift_delay(rt.settings, api_failures, wait_at_least))
+            log.warning(
+                "drift check of lorafleet %s/%s failed: Kubernetes API: %s; next in %.1fs",
+                namespace,
+                name,
+                kube_reason(err),
+                drift_delay(rt.settings, api_failures, wait_at_least),
+            )
         except Exception:
-            log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace,
-                          name, rt.settings.drift_interval_s)
+            log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace, name, rt.settings.drift_interval_s)
         rt.heartbeats[(namespace, name)] = time.monotonic()
         delay = drift_delay(rt.settings, api_failures, wait_at_least)
         # While the API fails, a poke (a pod event) does not cut the back-off short.

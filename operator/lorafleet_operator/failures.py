@@ -49,10 +49,15 @@ from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, rfc3339
 
 #: gRPC codes that say "try again later": the agent or one of its ranks is down or busy.
-TRANSIENT_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-})
+TRANSIENT_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 #: What the Kubernetes client raises when the API server refuses, restarts or is overloaded.
 #: All of it is retried like an unreachable agent (kopf's default for an unexpected error
@@ -122,17 +127,14 @@ def loop_stall_s(settings: Settings) -> float:
     """How long a fleet's drift loop may go without finishing a round before the process
     counts as wedged (liveness fails): three of its longest waits (the interval, or the
     API back-off's cap) plus one load's deadline (a round may wait for a load)."""
-    return 3 * max(settings.drift_interval_s, settings.transient_retry_max_s) + \
-        settings.load_deadline_s
+    return 3 * max(settings.drift_interval_s, settings.transient_retry_max_s) + settings.load_deadline_s
 
 
-def stalled_loops(heartbeats: Mapping[tuple[str, str], float], now: float,
-                  settings: Settings) -> list[str]:
+def stalled_loops(heartbeats: Mapping[tuple[str, str], float], now: float, settings: Settings) -> list[str]:
     """The fleets ("ns/name") whose drift loop last finished a round (or started) longer
     than :func:`loop_stall_s` ago, by the monotonic clock."""
     limit = loop_stall_s(settings)
-    return sorted(f"{ns}/{name}" for (ns, name), beat in heartbeats.items()
-                  if now - beat > limit)
+    return sorted(f"{ns}/{name}" for (ns, name), beat in heartbeats.items() if now - beat > limit)
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,7 @@ class LoadRetries:
     def failing_pods(self) -> frozenset[str]:
         """The agent pods with a failed load in the book (of any adapter, not yet retried
         with success): placement gives new adapters to the others first."""
-        return frozenset(pod for (_, _, pod), entry in self.entries.items()
-                         if entry.result.state is AgentState.FAILED)
+        return frozenset(pod for (_, _, pod), entry in self.entries.items() if entry.result.state is AgentState.FAILED)
 
     def due_in(self, keys: Iterable[FailureKey]) -> float | None:
         """Seconds until the first of these keys' retries is due (0 when one is due now);
@@ -320,12 +321,10 @@ class CrashBook:
 
     budget: int
     suspects: dict[AdapterGeneration, dict[str, Suspect]] = field(default_factory=dict)
-    crashes: dict[AdapterGeneration, dict[tuple[str, Incarnation], str]] = \
-        field(default_factory=dict)
+    crashes: dict[AdapterGeneration, dict[tuple[str, Incarnation], str]] = field(default_factory=dict)
     ambiguous: set[AdapterGeneration] = field(default_factory=set)
 
-    def suspect(self, key: AdapterGeneration, pod: str, life: Incarnation, *, alone: bool,
-                message: str) -> None:
+    def suspect(self, key: AdapterGeneration, pod: str, life: Incarnation, *, alone: bool, message: str) -> None:
         self._forget_older(key)
         self.suspects.setdefault(key, {})[pod] = Suspect(life, alone, message)
 
@@ -350,15 +349,13 @@ class CrashBook:
                 elif pod.restarts > restarts or not pod.ready:
                     del by_pod[name]
                     if suspect.alone:
-                        self.crashes.setdefault(key, {})[(name, suspect.incarnation)] = \
-                            suspect.message
+                        self.crashes.setdefault(key, {})[(name, suspect.incarnation)] = suspect.message
                     else:
                         self.ambiguous.add(key)
 
     def isolate(self, key: AdapterGeneration) -> bool:
         """Whether this generation's loads must run with no other load on their agent."""
-        return key in self.ambiguous or bool(self.suspects.get(key)) or bool(
-            self.crashes.get(key))
+        return key in self.ambiguous or bool(self.suspects.get(key)) or bool(self.crashes.get(key))
 
     def verdict(self, key: AdapterGeneration) -> str:
         """Why this generation is sent to no agent any more ("" while it may be)."""
@@ -366,11 +363,12 @@ class CrashBook:
         if len(crashes) < self.budget:
             return ""
         agents = sorted({pod for pod, _ in crashes})
-        what = "; ".join(f"{pod} (restart {life[1]}): {message}"
-                         for (pod, life), message in sorted(crashes.items()))
-        return (f"generation {key[1]} was being loaded when {len(crashes)} agent processes "
-                f"died or hung ({', '.join(agents)}; the crash budget is {self.budget}): "
-                f"{what}; not sent to any agent until the spec changes")
+        what = "; ".join(f"{pod} (restart {life[1]}): {message}" for (pod, life), message in sorted(crashes.items()))
+        return (
+            f"generation {key[1]} was being loaded when {len(crashes)} agent processes "
+            f"died or hung ({', '.join(agents)}; the crash budget is {self.budget}): "
+            f"{what}; not sent to any agent until the spec changes"
+        )
 
     def forget(self, uid: str) -> None:
         """Forget a deleted adapter."""
@@ -387,8 +385,7 @@ class CrashBook:
         self.ambiguous = {k for k in self.ambiguous if not (k[0] == key[0] and k[1] < key[1])}
 
 
-def crash_verdict(book: CrashBook, key: AdapterGeneration,
-                  status: Mapping[str, Any] | None) -> str:
+def crash_verdict(book: CrashBook, key: AdapterGeneration, status: Mapping[str, Any] | None) -> str:
     """Why this generation is condemned: this process's own count, or — across operator
     restarts — a stored Ready condition of this generation with reason ``LoadCrashedAgent``
     (the status is the durable record). "" when it may be loaded."""
@@ -396,8 +393,7 @@ def crash_verdict(book: CrashBook, key: AdapterGeneration,
     if verdict:
         return verdict
     for cond in (status or {}).get("conditions") or []:
-        if (cond.get("type") == "Ready" and cond.get("reason") == LOAD_CRASHED_AGENT
-                and int(cond.get("observedGeneration", -1)) == key[1]):
+        if cond.get("type") == "Ready" and cond.get("reason") == LOAD_CRASHED_AGENT and int(cond.get("observedGeneration", -1)) == key[1]:
             return str(cond.get("message") or "its loads crashed agents")
     return ""
 
@@ -439,20 +435,21 @@ def bearer_token(raw: bytes) -> str:
     refuse every call with "Illegal header value". The message never shows the value."""
     token = raw.strip(b" \t\r\n\f\v")
     if not token:
-        raise FleetProblem(INVALID_TOKEN, "the fleet's bearer token is empty (after trimming "
-                                          "surrounding whitespace)")
+        raise FleetProblem(INVALID_TOKEN, "the fleet's bearer token is empty (after trimming surrounding whitespace)")
     bad = sum(1 for b in token if not 0x20 <= b <= 0x7E)
     if bad:
-        raise FleetProblem(INVALID_TOKEN, f"the fleet's bearer token cannot be sent as a header "
-                                          f"value: it contains {bad} control or non-ASCII "
-                                          f"byte(s) after trimming surrounding whitespace; "
-                                          f"nothing is sent to the agents until the Secret is "
-                                          f"fixed")
+        raise FleetProblem(
+            INVALID_TOKEN,
+            f"the fleet's bearer token cannot be sent as a header "
+            f"value: it contains {bad} control or non-ASCII "
+            f"byte(s) after trimming surrounding whitespace; "
+            f"nothing is sent to the agents until the Secret is "
+            f"fixed",
+        )
     return token.decode("ascii")
 
 
-def check_load(results: Sequence[AgentResult], phase: str, message: str, *,
-               condemned: bool = False, due_in: float | None = None) -> None:
+def check_load(results: Sequence[AgentResult], phase: str, message: str, *, condemned: bool = False, due_in: float | None = None) -> None:
     """After a load and its status write: stop when the generation is condemned (its loads
     crashed agents: nothing will be sent) or when nothing holds the adapter and an agent
     refused it (phase Failed); retry while an agent was unreachable, when the first of its
@@ -484,13 +481,12 @@ def kopf_retries(handler: Handler) -> Handler:
         try:
             await handler(retry=retry, memo=memo, **kwargs)
         except Transient as err:
-            delay = err.delay_s if err.delay_s is not None else \
-                jittered(transient_delay(settings, retry), random.random())
+            delay = err.delay_s if err.delay_s is not None else jittered(transient_delay(settings, retry), random.random())
             raise kopf.TemporaryError(str(err), delay=delay) from err
         except KUBE_API_ERRORS as err:
-            raise kopf.TemporaryError(f"Kubernetes API: {kube_reason(err)}",
-                                      delay=jittered(transient_delay(settings, retry),
-                                                     random.random())) from err
+            raise kopf.TemporaryError(
+                f"Kubernetes API: {kube_reason(err)}", delay=jittered(transient_delay(settings, retry), random.random())
+            ) from err
         except Permanent as err:
             raise kopf.PermanentError(str(err)) from err
 

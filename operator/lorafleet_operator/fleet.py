@@ -68,8 +68,7 @@ def _pod_ready(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     if pod.get("metadata", {}).get("deletionTimestamp") or status.get("phase") != "Running":
         return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in status.get("conditions") or [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
 def _endpoint(pod: Mapping[str, Any], port_name: str) -> str:
@@ -83,9 +82,14 @@ def _endpoint(pod: Mapping[str, Any], port_name: str) -> str:
 
 
 def _ports(pod: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted((str(port["name"]), int(port["containerPort"]))
-                        for container in (pod.get("spec") or {}).get("containers") or []
-                        for port in container.get("ports") or [] if port.get("name")))
+    return tuple(
+        sorted(
+            (str(port["name"]), int(port["containerPort"]))
+            for container in (pod.get("spec") or {}).get("containers") or []
+            for port in container.get("ports") or []
+            if port.get("name")
+        )
+    )
 
 
 def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,19 +98,19 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
     fleet's pods at each reconcile."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels",
-                                          "deletionTimestamp") if k in meta},
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "labels", "deletionTimestamp") if k in meta},
         "status": {
-            "phase": status.get("phase"), "podIP": status.get("podIP"),
-            "conditions": [{"type": c.get("type"), "status": c.get("status")}
-                           for c in status.get("conditions") or []],
-            "containerStatuses": [{"restartCount": s.get("restartCount", 0)}
-                                  for s in status.get("containerStatuses") or []],
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "conditions": [{"type": c.get("type"), "status": c.get("status")} for c in status.get("conditions") or []],
+            "containerStatuses": [{"restartCount": s.get("restartCount", 0)} for s in status.get("containerStatuses") or []],
         },
-        "spec": {"containers": [{"ports": [{"name": port.get("name"),
-                                            "containerPort": port.get("containerPort")}
-                                           for port in c.get("ports") or []]}
-                                for c in (pod.get("spec") or {}).get("containers") or []]},
+        "spec": {
+            "containers": [
+                {"ports": [{"name": port.get("name"), "containerPort": port.get("containerPort")} for port in c.get("ports") or []]}
+                for c in (pod.get("spec") or {}).get("containers") or []
+            ]
+        },
     }
 
 
@@ -117,8 +121,7 @@ def fleet_summary(fleet: Mapping[str, Any]) -> dict[str, Any]:
     reconcile. The spec is copied: the index must not share a body kopf may replace."""
     meta = fleet.get("metadata") or {}
     return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation",
-                                          "deletionTimestamp") if k in meta},
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation", "deletionTimestamp") if k in meta},
         "spec": copy.deepcopy(dict(fleet.get("spec") or {})),
     }
 
@@ -128,11 +131,15 @@ def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -
     meta = pod.get("metadata") or {}
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return AgentPod(
-        name=meta["name"], namespace=meta.get("namespace", ""), uid=meta.get("uid", ""),
-        labels=dict(meta.get("labels") or {}), ready=_pod_ready(pod),
+        name=meta["name"],
+        namespace=meta.get("namespace", ""),
+        uid=meta.get("uid", ""),
+        labels=dict(meta.get("labels") or {}),
+        ready=_pod_ready(pod),
         endpoint=_endpoint(pod, port_name),
         restarts=sum(int(s.get("restartCount", 0)) for s in statuses),
-        ip=(pod.get("status") or {}).get("podIP") or "", ports=_ports(pod),
+        ip=(pod.get("status") or {}).get("podIP") or "",
+        ports=_ports(pod),
     )
 
 
@@ -140,6 +147,5 @@ def agents_of(fleet_spec: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) 
     """The fleet's agents among ``pods`` (already filtered by namespace), sorted by name."""
     selector = fleet_spec.get("selector") or {}
     port_name = fleet_spec.get("grpcPortName") or DEFAULT_PORT_NAME
-    chosen = [agent_from_pod(p, port_name) for p in pods
-              if selector_matches(selector, (p.get("metadata") or {}).get("labels") or {})]
+    chosen = [agent_from_pod(p, port_name) for p in pods if selector_matches(selector, (p.get("metadata") or {}).get("labels") or {})]
     return sorted(chosen, key=lambda a: a.name)

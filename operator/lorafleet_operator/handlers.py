@@ -63,8 +63,7 @@ def agent_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[str, di
 
 
 @kopf.index(GROUP, VERSION, FLEETS)
-def lora_fleets(body: kopf.Body, namespace: str | None, name: str | None,
-                **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+def lora_fleets(body: kopf.Body, namespace: str | None, name: str | None, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
     """kopf's index of the watched namespaces' LoraFleets (by namespace and name;
     :func:`fleet_summary` of each), fed by the fleet watch the operator keeps anyway (the
     drift daemons, the delete handler): a look at a fleet reads it from here instead of
@@ -83,8 +82,7 @@ class SpecDiffBase(kopf.AnnotationsDiffBaseStorage):
     copy was about 7% of the operator's main-thread CPU at 300 adapters x 64 agents (py-spy,
     2026-12-01). The essence is the same: kopf's own build over the body without them."""
 
-    def build(self, *, body: kopf.Body,
-              extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None) -> kopf.BodyEssence:
         """The essence kopf compares (as its own build makes it). Extra fields under ``spec``
         are in it already (kopf passes ``spec`` itself, the field of the update handler, at
         every event); others (which may name status fields) take kopf's own path over the
@@ -122,10 +120,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -
     _runtime(memo).fleets = fleets
     settings.networking.error_backoffs = kopf_api_backoffs(_runtime(memo).settings)
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = SpecDiffBase(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = SpecDiffBase(prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
     settings.scanning.disabled = True
     settings.posting.loggers = False
     settings.posting.reporting_component = "lorafleet-operator"
@@ -157,25 +153,31 @@ async def reconcile_adapter(rt: Runtime, body: kopf.Body, trigger: str) -> None:
             view.admit(spec)
             placement, results = await place_and_load(rt, view, {**body, "status": previous})
             crashed = condemned(rt, {**body, "status": previous})
-            status = build_status(results, generation=generation, previous=previous,
-                                  crashed=crashed, placement=placement)
+            status = build_status(results, generation=generation, previous=previous, crashed=crashed, placement=placement)
         except FleetProblem as problem:
             crashed, results, view = "", [], None
-            status = build_status([], generation=generation, previous=previous,
-                                  pending_reason=problem.reason, pending_message=problem.message)
+            status = build_status(
+                [], generation=generation, previous=previous, pending_reason=problem.reason, pending_message=problem.message
+            )
         await publish_status(rt, {**body, "status": previous}, status)
-        await publish_slices(rt, body, view.spec if view else {}, view.agents if view else (),
-                             results, new=new)
+        await publish_slices(rt, body, view.spec if view else {}, view.agents if view else (), results, new=new)
         rt.reconciled[(namespace, name)] = time.monotonic()
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger=trigger, phase=status["phase"]).inc()
     metrics.RECONCILE_SECONDS.labels(trigger=trigger).observe(elapsed)
-    log.info("reconciled loraadapter %s/%s gen=%s trigger=%s phase=%s agents=%s ranks=%s "
-             "in %.2fs%s", namespace, name, generation, trigger, status["phase"],
-             status["agentsSummary"], status["ranksSummary"], elapsed,
-             f": {status['message']}" if status["message"] else "")
-    check_load(results, status["phase"], status["message"], condemned=bool(crashed),
-               due_in=retry_due_in(rt, body, results))
+    log.info(
+        "reconciled loraadapter %s/%s gen=%s trigger=%s phase=%s agents=%s ranks=%s in %.2fs%s",
+        namespace,
+        name,
+        generation,
+        trigger,
+        status["phase"],
+        status["agentsSummary"],
+        status["ranksSummary"],
+        elapsed,
+        f": {status['message']}" if status["message"] else "",
+    )
+    check_load(results, status["phase"], status["message"], condemned=bool(crashed), due_in=retry_due_in(rt, body, results))
 
 
 @kopf.on.create(GROUP, VERSION, ADAPTERS)
@@ -215,14 +217,12 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     async with rt.lock(namespace, name):
-        status = build_status([], generation=meta.get("generation", 0),
-                              previous=body.get("status"), deleting=True)
+        status = build_status([], generation=meta.get("generation", 0), previous=body.get("status"), deleting=True)
         await publish_status(rt, body, status)
         await _remove_slices(rt, meta)
         view, problem = await unload_view(rt, namespace, body["spec"]["fleetRef"]["name"])
         if view is None:
-            log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name,
-                     problem)
+            log.info("deleted loraadapter %s/%s: nothing to unload (%s)", namespace, name, problem)
             _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
             return
         outcomes = await unload_from_holders(rt, view, names.agent_name(namespace, name))
@@ -231,15 +231,20 @@ async def unload_adapter(rt: Runtime, body: kopf.Body, retry: int) -> None:
     elapsed = time.monotonic() - started
     metrics.RECONCILES.labels(trigger="delete", phase=Phase.TERMINATING).inc()
     if delete_waits(rt.settings, retry, failures):
-        log.info("unloading loraadapter %s/%s: %d/%d agents failed, retrying",
-                 namespace, name, len(failures), len(outcomes))
+        log.info("unloading loraadapter %s/%s: %d/%d agents failed, retrying", namespace, name, len(failures), len(outcomes))
         raise Transient(message)
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
     _forget_adapter(rt, meta, body["spec"]["fleetRef"]["name"])
-    log.info("deleted loraadapter %s/%s: unloaded from %d/%d agents that may hold it (of %d) "
-             "in %.2fs", namespace, name, len(outcomes) - len(failures), len(outcomes),
-             len(view.dialable), elapsed)
+    log.info(
+        "deleted loraadapter %s/%s: unloaded from %d/%d agents that may hold it (of %d) in %.2fs",
+        namespace,
+        name,
+        len(outcomes) - len(failures),
+        len(outcomes),
+        len(view.dialable),
+        elapsed,
+    )
 
 
 async def _remove_slices(rt: Runtime, meta: Mapping[str, Any]) -> None:
@@ -249,9 +254,12 @@ async def _remove_slices(rt: Runtime, meta: Mapping[str, Any]) -> None:
     try:
         await remove_slices(rt, meta["namespace"], meta["name"], meta.get("uid", ""))
     except KUBE_API_ERRORS as err:
-        log.warning("endpointslices of loraadapter %s/%s not deleted: Kubernetes API: %s; "
-                    "left to the garbage collector", meta["namespace"], meta["name"],
-                    kube_reason(err))
+        log.warning(
+            "endpointslices of loraadapter %s/%s not deleted: Kubernetes API: %s; left to the garbage collector",
+            meta["namespace"],
+            meta["name"],
+            kube_reason(err),
+        )
 
 
 def _forget_adapter(rt: Runtime, meta: Mapping[str, Any], fleet: str) -> None:
@@ -264,8 +272,7 @@ def _forget_adapter(rt: Runtime, meta: Mapping[str, Any], fleet: str) -> None:
     rt.locks.pop((meta["namespace"], meta["name"]), None)
     rt.reconciled.pop((meta["namespace"], meta["name"]), None)
     rt.refused_status.pop(("LoraAdapter", meta["namespace"], meta["name"]), None)
-    rt.demands.get((meta["namespace"], fleet), {}).pop(
-        names.agent_name(meta["namespace"], meta["name"]), None)
+    rt.demands.get((meta["namespace"], fleet), {}).pop(names.agent_name(meta["namespace"], meta["name"]), None)
     poke = rt.pokes.get((meta["namespace"], fleet))
     if poke is not None:
         poke.set()
@@ -290,18 +297,17 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     meta = body["metadata"]
     namespace, fleet = meta["namespace"], meta["name"]
     async with rt.fleet_lock(namespace, fleet):
-        adapters = [a for a in await rt.kube.list_adapters(namespace)
-                    if a["spec"]["fleetRef"]["name"] == fleet]
+        adapters = [a for a in await rt.kube.list_adapters(namespace) if a["spec"]["fleetRef"]["name"] == fleet]
         view, problem = await unload_view(rt, namespace, fleet)
         # Nowhere to unload (e.g. its Secret was never opened and no agent was seen): say why.
         unreachable = problem if view is None else ""
-        outcomes = [o for part in await asyncio.gather(*(
-            _release_adapter(rt, view, fleet, a, unreachable) for a in adapters)) for o in part]
+        outcomes = [
+            o for part in await asyncio.gather(*(_release_adapter(rt, view, fleet, a, unreachable) for a in adapters)) for o in part
+        ]
     failures: list[AgentFailure] = [o.failure for o in outcomes if o.failure is not None]
     message = unload_message(outcomes)
     if delete_waits(rt.settings, retry, failures):
-        log.info("deleting lorafleet %s/%s: %d unloads failed, retrying", namespace, fleet,
-                 len(failures))
+        log.info("deleting lorafleet %s/%s: %d unloads failed, retrying", namespace, fleet, len(failures))
         raise Transient(message)
     if message:
         post_event(body, "Warning", "UnloadIncomplete", message)
@@ -311,27 +317,38 @@ async def release_fleet(rt: Runtime, body: kopf.Body, retry: int) -> None:
     rt.fleet_agents.pop((namespace, fleet), None)
     rt.demands.pop((namespace, fleet), None)
     rt.refused_status.pop(("LoraFleet", namespace, fleet), None)
-    log.info("deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",
-             namespace, fleet, len(adapters), len(view.dialable) if view else 0,
-             time.monotonic() - started, f" ({unreachable})" if unreachable else "")
+    log.info(
+        "deleted lorafleet %s/%s: %d adapters unloaded from %d agents in %.2fs%s",
+        namespace,
+        fleet,
+        len(adapters),
+        len(view.dialable) if view else 0,
+        time.monotonic() - started,
+        f" ({unreachable})" if unreachable else "",
+    )
 
 
-async def _release_adapter(rt: Runtime, view: FleetView | None, fleet: str,
-                           adapter: Mapping[str, Any], unreachable: str) -> list[UnloadOutcome]:
+async def _release_adapter(
+    rt: Runtime, view: FleetView | None, fleet: str, adapter: Mapping[str, Any], unreachable: str
+) -> list[UnloadOutcome]:
     """Unload one adapter of a fleet being deleted from its agents; a live one becomes Pending
     (``FleetDeleted``). One being deleted itself keeps its own status (Terminating)."""
     meta = adapter["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     async with rt.lock(namespace, name):
-        outcomes = [] if view is None else await unload_from_holders(
-            rt, view, names.agent_name(namespace, name))
+        outcomes = [] if view is None else await unload_from_holders(rt, view, names.agent_name(namespace, name))
         if not meta.get("deletionTimestamp"):
             incomplete = unload_message(outcomes) or unreachable
-            pending = (f"LoraFleet {fleet!r} was deleted: the adapter was unloaded from its "
-                       f"agents" + (f" (not everywhere: {incomplete})" if incomplete else ""))
-            status = build_status([], generation=int(meta.get("generation", 0)),
-                                  previous=adapter.get("status"), pending_reason=FLEET_DELETED,
-                                  pending_message=pending)
+            pending = f"LoraFleet {fleet!r} was deleted: the adapter was unloaded from its agents" + (
+                f" (not everywhere: {incomplete})" if incomplete else ""
+            )
+            status = build_status(
+                [],
+                generation=int(meta.get("generation", 0)),
+                previous=adapter.get("status"),
+                pending_reason=FLEET_DELETED,
+                pending_message=pending,
+            )
             await publish_status(rt, adapter, status)
             await publish_slices(rt, adapter, view.spec if view else {}, (), [])
     return outcomes
@@ -344,8 +361,7 @@ def on_pod_event(type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     rt = _runtime(memo)
     meta, status = body.get("metadata", {}), body.get("status", {})
     key = (meta.get("namespace", ""), meta.get("name", ""))
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or [])
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     restarts = sum(int(s.get("restartCount", 0)) for s in status.get("containerStatuses") or [])
     seen = (type != "DELETED", ready, status.get("podIP"), restarts)
     if rt.pods_seen.get(key) == seen:

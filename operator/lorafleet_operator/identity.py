@@ -44,8 +44,9 @@ IDENTITY_UNCHECKED = "identity_unchecked"
 #: The Event's reason on such a pod.
 EVENT_REASON = "NotAnAgent"
 #: Codes with which a challenge never reached an answer: asking again may help.
-UNDELIVERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                         grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+UNDELIVERED = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+)
 
 
 def token_digest(token: str) -> str:
@@ -59,8 +60,7 @@ def new_nonce() -> bytes:
 
 def refusal(endpoint: str, why: str) -> str:
     """The message of a pod that did not prove it is an agent (its status entry, the Event)."""
-    return (f"the pod at {endpoint} did not prove it is a lorafleet agent holding the fleet's "
-            f"token ({why}): nothing was sent to it")
+    return f"the pod at {endpoint} did not prove it is a lorafleet agent holding the fleet's token ({why}): nothing was sent to it"
 
 
 def check_answer(token: str, pod: str, nonce: bytes, proof: bytes) -> str:
@@ -121,8 +121,7 @@ class Identities:
         return True
 
 
-async def report_impostors(kube: Kube, identities: Identities, agents: Sequence[AgentPod],
-                           answers: Mapping[str, object]) -> None:
+async def report_impostors(kube: Kube, identities: Identities, agents: Sequence[AgentPod], answers: Mapping[str, object]) -> None:
     """A Warning Event ``NotAnAgent`` on each pod whose answer (by pod name) is a refusal of
     this module, once per pod. Best effort: a failed Event post is logged, not raised."""
     for pod in agents:
@@ -130,9 +129,12 @@ async def report_impostors(kube: Kube, identities: Identities, agents: Sequence[
         if getattr(answer, "reason", "") != NOT_AN_AGENT or not identities.first_report(pod.uid):
             continue
         try:
-            await kube.post_event(pod.namespace, {"apiVersion": "v1", "kind": "Pod",
-                                                  "name": pod.name, "uid": pod.uid},
-                                  "Warning", EVENT_REASON, str(getattr(answer, "message", "")))
+            await kube.post_event(
+                pod.namespace,
+                {"apiVersion": "v1", "kind": "Pod", "name": pod.name, "uid": pod.uid},
+                "Warning",
+                EVENT_REASON,
+                str(getattr(answer, "message", "")),
+            )
         except (ApiException, urllib3.exceptions.HTTPError) as err:
-            log.warning("could not post the %s Event on pod %s/%s: %s", EVENT_REASON,
-                        pod.namespace, pod.name, err)
+            log.warning("could not post the %s Event on pod %s/%s: %s", EVENT_REASON, pod.namespace, pod.name, err)

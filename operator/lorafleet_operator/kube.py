@@ -77,21 +77,18 @@ class Kube:
 
     async def get_fleet(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._run(self.custom.get_namespaced_custom_object,
-                                   GROUP, VERSION, namespace, FLEETS, name)
+            return await self._run(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, FLEETS, name)
         except ApiException as err:
             if err.status == 404:
                 return None
             raise
 
     async def list_fleets(self, namespace: str) -> list[dict[str, Any]]:
-        body = await self._run(self.custom.list_namespaced_custom_object,
-                               GROUP, VERSION, namespace, FLEETS)
+        body = await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, FLEETS)
         return list(body.get("items") or [])
 
     async def list_adapters(self, namespace: str) -> list[dict[str, Any]]:
-        body = await self._run(self.custom.list_namespaced_custom_object,
-                               GROUP, VERSION, namespace, ADAPTERS)
+        body = await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, ADAPTERS)
         return list(body.get("items") or [])
 
     async def get_secret(self, namespace: str, name: str) -> SecretData:
@@ -99,16 +96,17 @@ class Kube:
         ApiException (404 when missing, 403 when the operator may not read it)."""
         body = await self._run(self.core.read_namespaced_secret, name, namespace)
         meta = body.get("metadata") or {}
-        return SecretData(labels=dict(meta.get("labels") or {}),
-                          annotations=dict(meta.get("annotations") or {}),
-                          data={k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()})
+        return SecretData(
+            labels=dict(meta.get("labels") or {}),
+            annotations=dict(meta.get("annotations") or {}),
+            data={k: base64.b64decode(v) for k, v in (body.get("data") or {}).items()},
+        )
 
     async def namespace_problem(self, namespace: str) -> str:
         """What is wrong with a namespace to watch: "forbidden" (the operator may not list its
         LoraAdapters), "missing" (it does not exist), or "" (usable)."""
         try:
-            await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION,
-                            namespace, ADAPTERS, limit=1)
+            await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, ADAPTERS, limit=1)
         except ApiException as err:
             if err.status == 403:
                 return "forbidden"
@@ -122,32 +120,35 @@ class Kube:
                 raise
         return ""
 
-    async def post_event(self, namespace: str, involved: Mapping[str, str], type_: str,
-                         reason: str, message: str) -> None:
+    async def post_event(self, namespace: str, involved: Mapping[str, str], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about ``involved`` (apiVersion, kind, name, uid), outside kopf."""
         now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        await self._run(self.core.create_namespaced_event, namespace, {
-            "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
-            "involvedObject": {**involved, "namespace": namespace}, "type": type_,
-            "reason": reason, "message": message, "firstTimestamp": now, "lastTimestamp": now,
-            "count": 1, "source": {"component": "lorafleet-operator"},
-            "reportingComponent": "lorafleet-operator"})
+        await self._run(
+            self.core.create_namespaced_event,
+            namespace,
+            {
+                "metadata": {"generateName": f"{involved['name']}.", "namespace": namespace},
+                "involvedObject": {**involved, "namespace": namespace},
+                "type": type_,
+                "reason": reason,
+                "message": message,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+                "source": {"component": "lorafleet-operator"},
+                "reportingComponent": "lorafleet-operator",
+            },
+        )
 
-    async def list_endpoint_slices(self, namespace: str,
-                                   label_selector: str) -> list[dict[str, Any]]:
-        body = await self._run(self.discovery.list_namespaced_endpoint_slice, namespace,
-                               label_selector=label_selector)
+    async def list_endpoint_slices(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        body = await self._run(self.discovery.list_namespaced_endpoint_slice, namespace, label_selector=label_selector)
         return list(body.get("items") or [])
 
-    async def create_endpoint_slice(self, namespace: str,
-                                    slice_: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._run(self.discovery.create_namespaced_endpoint_slice, namespace,
-                               dict(slice_))
+    async def create_endpoint_slice(self, namespace: str, slice_: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._run(self.discovery.create_namespaced_endpoint_slice, namespace, dict(slice_))
 
-    async def replace_endpoint_slice(self, namespace: str, name: str,
-                                     slice_: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._run(self.discovery.replace_namespaced_endpoint_slice, name,
-                               namespace, dict(slice_))
+    async def replace_endpoint_slice(self, namespace: str, name: str, slice_: Mapping[str, Any]) -> dict[str, Any]:
+        return await self._run(self.discovery.replace_namespaced_endpoint_slice, name, namespace, dict(slice_))
 
     async def delete_endpoint_slice(self, namespace: str, name: str) -> None:
         """Delete an EndpointSlice; one already gone counts as deleted."""
@@ -157,21 +158,18 @@ class Kube:
             if err.status != 404:
                 raise
 
-    async def patch_adapter_status(self, namespace: str, name: str,
-                                   status: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def patch_adapter_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         """Merge-patch a LoraAdapter's status; None when the object is gone."""
         return await self._patch_status(ADAPTERS, namespace, name, status)
 
-    async def patch_fleet_status(self, namespace: str, name: str,
-                                 status: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def patch_fleet_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         return await self._patch_status(FLEETS, namespace, name, status)
 
-    async def _patch_status(self, plural: str, namespace: str, name: str,
-                            status: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def _patch_status(self, plural: str, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         try:
-            return await self._run(self.custom.patch_namespaced_custom_object_status,
-                                   GROUP, VERSION, namespace, plural, name,
-                                   {"status": dict(status)})
+            return await self._run(
+                self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, namespace, plural, name, {"status": dict(status)}
+            )
         except ApiException as err:
             if err.status == 404:
                 return None

@@ -61,8 +61,8 @@ class LeaderElector:
     def _get(self) -> dict[str, Any] | None:
         try:
             response = self._custom.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name,
-                _preload_content=False, _request_timeout=self.retry_s * 2)
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _preload_content=False, _request_timeout=self.retry_s * 2
+            )
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -71,14 +71,20 @@ class LeaderElector:
 
     def _create(self) -> bool:
         now = micro_time()
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace},
-                "spec": {"holderIdentity": self.identity,
-                         "leaseDurationSeconds": max(round(self.duration_s), 1),
-                         "acquireTime": now, "renewTime": now, "leaseTransitions": 0}}
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Lease",
+            "metadata": {"name": self.name, "namespace": self.namespace},
+            "spec": {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": max(round(self.duration_s), 1),
+                "acquireTime": now,
+                "renewTime": now,
+                "leaseTransitions": 0,
+            },
+        }
         try:
-            self._custom.create_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, body, _request_timeout=self.retry_s * 2)
+            self._custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body, _request_timeout=self.retry_s * 2)
         except ApiException as err:
             if err.status == 409:  # somebody created it first
                 return False
@@ -88,8 +94,8 @@ class LeaderElector:
     def _replace(self, lease: dict[str, Any]) -> bool:
         try:
             self._custom.replace_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, lease,
-                _request_timeout=self.retry_s * 2)
+                GROUP, VERSION, self.namespace, PLURAL, self.name, lease, _request_timeout=self.retry_s * 2
+            )
         except ApiException as err:
             if err.status == 409:  # changed since we read it: somebody else wrote first
                 return False
@@ -107,15 +113,13 @@ class LeaderElector:
             self._observed, self._observed_at = record, time.monotonic()
         holder = spec.get("holderIdentity") or ""
         duration = float(spec.get("leaseDurationSeconds") or self.duration_s)
-        if holder and holder != self.identity and \
-                time.monotonic() < self._observed_at + duration:
+        if holder and holder != self.identity and time.monotonic() < self._observed_at + duration:
             return False
         now = micro_time()
         if holder != self.identity:
             spec["acquireTime"] = now
             spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + 1
-        spec.update(holderIdentity=self.identity, renewTime=now,
-                    leaseDurationSeconds=max(round(self.duration_s), 1))
+        spec.update(holderIdentity=self.identity, renewTime=now, leaseDurationSeconds=max(round(self.duration_s), 1))
         return self._replace(lease)
 
     # ---- the loops ----------------------------------------------------------------------------
@@ -135,8 +139,7 @@ class LeaderElector:
             await asyncio.sleep(self.retry_s)
         self.leading = True
         metrics.LEADER.set(1)
-        log.info("became leader (lease %s/%s, identity %s)", self.namespace, self.name,
-                 self.identity)
+        log.info("became leader (lease %s/%s, identity %s)", self.namespace, self.name, self.identity)
 
     async def hold(self, on_lost: Callable[[], None]) -> None:
         """Renew until it fails for longer than the renew deadline; then call ``on_lost``."""
@@ -167,14 +170,17 @@ class LeaderElector:
                 lease = self._get()
                 if not lease or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
                     break
-                lease["spec"].update(holderIdentity="", leaseDurationSeconds=1,
-                                     renewTime=micro_time())
+                lease["spec"].update(holderIdentity="", leaseDurationSeconds=1, renewTime=micro_time())
                 if self._replace(lease):
                     log.info("released lease %s/%s", self.namespace, self.name)
                     break
             else:
-                log.warning("leader election: release failed: lease %s/%s changed at each of "
-                            "%d attempts", self.namespace, self.name, RELEASE_ATTEMPTS)
+                log.warning(
+                    "leader election: release failed: lease %s/%s changed at each of %d attempts",
+                    self.namespace,
+                    self.name,
+                    RELEASE_ATTEMPTS,
+                )
         except ApiException as err:
             log.warning("leader election: release failed: %s %s", err.status, err.reason)
         self.leading = False

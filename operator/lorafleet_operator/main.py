@@ -40,11 +40,9 @@ HANDLER_MODULES = ("lorafleet_operator.handlers", "lorafleet_operator.drift")
 def configure_logging(level: str) -> None:
     """Our loggers at ``level``; kopf's own chatter (a line per handler) and the access log
     of ``/healthz`` (a line per liveness probe, every few seconds) only when debugging."""
-    logging.basicConfig(level=level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level != "DEBUG":
-        for name in ("kopf", "kopf.objects", "kopf.activities", "kopf.reactor",
-                     "aiohttp.access"):
+        for name in ("kopf", "kopf.objects", "kopf.activities", "kopf.reactor", "aiohttp.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
@@ -68,18 +66,22 @@ async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
         try:
             problem = await kube.namespace_problem(namespace)
         except KUBE_API_ERRORS as err:  # the API server is down or busy: kopf's watch retries
-            log.warning("watched namespace %s could not be checked (%s): watching it",
-                        namespace, kube_reason(err))
+            log.warning("watched namespace %s could not be checked (%s): watching it", namespace, kube_reason(err))
             problem = ""
         if problem:
-            what = ("skipped: the operator may not list its LoraAdapters (RBAC)"
-                    if problem == "forbidden" else "watched, served once it exists")
+            what = (
+                "skipped: the operator may not list its LoraAdapters (RBAC)" if problem == "forbidden" else "watched, served once it exists"
+            )
             log.warning("watched namespace %s is %s: %s", namespace, problem, what)
             metrics.UNUSABLE_NAMESPACES.labels(namespace=namespace, problem=problem).set(1)
             try:
-                await kube.post_event(settings.lease_namespace, lease, "Warning",
-                                      "WatchedNamespaceUnusable",
-                                      f"watched namespace {namespace} is {problem}: {what}")
+                await kube.post_event(
+                    settings.lease_namespace,
+                    lease,
+                    "Warning",
+                    "WatchedNamespaceUnusable",
+                    f"watched namespace {namespace} is {problem}: {what}",
+                )
             except KUBE_API_ERRORS as err:
                 log.warning("could not post the event: %s", kube_reason(err))
         if problem != "forbidden":
@@ -94,6 +96,7 @@ async def standby_health(port: int) -> AsyncIterator[None]:
     if not port:
         yield
         return
+
     async def alive(_: aiohttp.web.Request) -> aiohttp.web.Response:
         return aiohttp.web.json_response({"standby": True})
 
@@ -128,11 +131,15 @@ async def run(settings: Settings, kubeconfig: str | None = None) -> int:
         if not namespaces:
             log.error("no watched namespace is usable (%s); stopping", ",".join(settings.namespaces))
             return 1
-        liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port \
-            else None
-        await kopf.operator(standalone=True, clusterwide=False, namespaces=namespaces,
-                            memo=kopf.Memo(runtime=runtime, stop=stop), stop_flag=stop,
-                            liveness_endpoint=liveness)
+        liveness = f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None
+        await kopf.operator(
+            standalone=True,
+            clusterwide=False,
+            namespaces=namespaces,
+            memo=kopf.Memo(runtime=runtime, stop=stop),
+            stop_flag=stop,
+            liveness_endpoint=liveness,
+        )
     except Exception:  # kopf re-raises what failed one of its root tasks (e.g. a watcher)
         failed = True
         log.exception("kopf's reconcile loop failed; releasing the lease and exiting")
@@ -148,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lorafleet-operator",
         description="Reconcile LoraAdapters onto the node agents of LoraFleets. Configured by "
-                    "LORAFLEET_* environment variables (see docs/operator.md).")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then "
-                                             "KUBECONFIG or ~/.kube/config)")
-    parser.add_argument("--namespace", action="append", default=[],
-                        help="namespace to manage (repeatable; overrides "
-                             "LORAFLEET_WATCH_NAMESPACES)")
+        "LORAFLEET_* environment variables (see docs/operator.md).",
+    )
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then KUBECONFIG or ~/.kube/config)")
+    parser.add_argument(
+        "--namespace", action="append", default=[], help="namespace to manage (repeatable; overrides LORAFLEET_WATCH_NAMESPACES)"
+    )
     args = parser.parse_args(argv)
     if args.kubeconfig:
         # kopf logs in on its own (through the kubernetes client's KUBECONFIG lookup).
@@ -164,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level.upper())
     if settings.metrics_port:
         start_http_server(settings.metrics_port)
-    log.info("lorafleet-operator %s: namespaces %s, lease %s/%s", settings.identity,
-             ",".join(settings.namespaces), settings.lease_namespace, settings.lease_name)
+    log.info(
+        "lorafleet-operator %s: namespaces %s, lease %s/%s",
+        settings.identity,
+        ",".join(settings.namespaces),
+        settings.lease_namespace,
+        settings.lease_name,
+    )
     return asyncio.run(run(settings, args.kubeconfig))
 
 

@@ -30,4 +30,3 @@ def agent_name(namespace: str, name: str) -> str:
 def is_managed(registry_name: str, namespace: str) -> bool:
     """Whether a registry entry on an agent pod in ``namespace`` belongs to this operator."""
     return registry_name.startswith(f"{namespace}.") and len(registry_name) > len(namespace) + 1
-

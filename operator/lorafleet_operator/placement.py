@@ -118,8 +118,7 @@ class Placement:
         if not self.agents:
             return "the fleet has no agent"
         full = all(s.reason is SkipReason.FULL for s in blocking)
-        head = f"{len(self.placed)} of {self.agents} agents " + ("have room" if full
-                                                                 else "can hold it")
+        head = f"{len(self.placed)} of {self.agents} agents " + ("have room" if full else "can hold it")
         if not blocking:
             return head
         if len({s.message for s in blocking}) == 1 and len(blocking) > 1:
@@ -133,8 +132,7 @@ def unfit(agent: Candidate, demand: Demand) -> Skip | None:
     if agent.base_model != demand.base_model:
         return Skip(agent.pod, SkipReason.BASE_MODEL, f"serves base model {agent.base_model!r}")
     if demand.rank is not None and agent.max_lora_rank < demand.rank:
-        return Skip(agent.pod, SkipReason.RANK,
-                    f"has max_lora_rank {agent.max_lora_rank} < the adapter's rank {demand.rank}")
+        return Skip(agent.pod, SkipReason.RANK, f"has max_lora_rank {agent.max_lora_rank} < the adapter's rank {demand.rank}")
     return None
 
 
@@ -143,8 +141,7 @@ def full_message(held: int, cap: int) -> str:
     return f"holds {held} of {cap}"
 
 
-def _sorted_out(demand: Demand, agents: Sequence[Candidate]) -> tuple[
-        list[Candidate], list[Candidate], list[Skip]]:
+def _sorted_out(demand: Demand, agents: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate], list[Skip]]:
     """The agents that fit, those whose fit is unknown now (a Ready pod whose Describe or
     ListAdapters failed), and the skips of the rest."""
     fitting: list[Candidate] = []
@@ -184,8 +181,7 @@ class _Taken:
             self._added.add(name)
 
 
-def place_one(demand: Demand, agents: Sequence[Candidate],
-              held: Mapping[str, _Taken]) -> Placement:
+def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _Taken]) -> Placement:
     """Place one adapter given what each endpoint holds (``held``, updated in place with the
     new places, so the next adapter sees the room this one took).
 
@@ -203,44 +199,42 @@ def place_one(demand: Demand, agents: Sequence[Candidate],
 
     # Stay: the last placement first (in its order), then other holders by name; an agent
     # that refused this version competes with the others, last.
-    staying = [by_pod[p] for p in dict.fromkeys(demand.previous)
-               if p in by_pod and p not in demand.refused and stays(by_pod[p])]
+    staying = [by_pod[p] for p in dict.fromkeys(demand.previous) if p in by_pod and p not in demand.refused and stays(by_pod[p])]
     kept = {a.pod for a in staying}
-    staying += [a for a in fitting if demand.name in held[a.endpoint] and a.pod not in kept
-                and a.pod not in demand.refused]
+    staying += [a for a in fitting if demand.name in held[a.endpoint] and a.pod not in kept and a.pod not in demand.refused]
     if demand.replicas is None:
         staying += [a for a in unknown if a.pod not in kept]
     kept = {a.pod for a in staying}
     wanted = len(fitting) + len(unknown) if demand.replicas is None else demand.replicas
     chosen = staying[:wanted]
     for agent in staying[wanted:]:
-        skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,
-                            f"is not needed: {wanted} replica(s) placed elsewhere"))
-    skipped += [Skip(a.pod, SkipReason.NOT_READY, "did not answer")
-                for a in unknown if a.pod not in kept]
+        skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed elsewhere"))
+    skipped += [Skip(a.pod, SkipReason.NOT_READY, "did not answer") for a in unknown if a.pod not in kept]
     # New places: agents that did not refuse it first, then those with no failed load of any
     # adapter, least loaded first, ties by pod name.
-    rest = sorted((a for a in fitting if a.pod not in kept),
-                  key=lambda a: (a.pod in demand.refused, a.failing, len(held[a.endpoint]),
-                                 a.pod))
+    rest = sorted(
+        (a for a in fitting if a.pod not in kept), key=lambda a: (a.pod in demand.refused, a.failing, len(held[a.endpoint]), a.pod)
+    )
     for agent in rest:
         if len(chosen) >= wanted:
-            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED,
-                                f"is not needed: {wanted} replica(s) placed"))
+            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed"))
         elif not has_room(agent) and demand.name not in held[agent.endpoint]:
-            skipped.append(Skip(agent.pod, SkipReason.FULL,
-                                full_message(len(held[agent.endpoint]), agent.max_loaded_loras)))
+            skipped.append(Skip(agent.pod, SkipReason.FULL, full_message(len(held[agent.endpoint]), agent.max_loaded_loras)))
         else:
             chosen.append(agent)
     for agent in chosen:
         if agent.known:
             held[agent.endpoint].add(demand.name)
     # A refused agent that is not chosen says so, whatever else kept it out.
-    skipped = [Skip(s.pod, SkipReason.REFUSED, "refused this version of the adapter")
-               if s.pod in demand.refused and s.reason in (SkipReason.NOT_NEEDED, SkipReason.FULL)
-               else s for s in skipped]
-    return Placement(demand.name, demand.replicas, tuple(sorted(a.pod for a in chosen)),
-                     tuple(sorted(skipped, key=lambda s: s.pod)), len(agents))
+    skipped = [
+        Skip(s.pod, SkipReason.REFUSED, "refused this version of the adapter")
+        if s.pod in demand.refused and s.reason in (SkipReason.NOT_NEEDED, SkipReason.FULL)
+        else s
+        for s in skipped
+    ]
+    return Placement(
+        demand.name, demand.replicas, tuple(sorted(a.pod for a in chosen)), tuple(sorted(skipped, key=lambda s: s.pod)), len(agents)
+    )
 
 
 def place(agents: Sequence[Candidate], demands: Iterable[Demand]) -> dict[str, Placement]:

@@ -53,8 +53,7 @@ def with_ready_message(conditions: Sequence[Mapping[str, Any]], message: str) ->
     return [{**c, "message": message} if c.get("type") == "Ready" else dict(c) for c in conditions]
 
 
-async def _patch_conditions(rt: Runtime, meta: Mapping[str, Any],
-                            conditions: Sequence[Mapping[str, Any]]) -> bool:
+async def _patch_conditions(rt: Runtime, meta: Mapping[str, Any], conditions: Sequence[Mapping[str, Any]]) -> bool:
     """Write the conditions; False (logged) when the API refused or failed: best effort."""
     try:
         await rt.kube.patch_adapter_status(meta["namespace"], meta["name"], {"conditions": list(conditions)})
@@ -64,8 +63,7 @@ async def _patch_conditions(rt: Runtime, meta: Mapping[str, Any],
     return True
 
 
-async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target],
-                  body: Mapping[str, Any], written: list[str]) -> None:
+async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], body: Mapping[str, Any], written: list[str]) -> None:
     """Every INTERVAL_S, the targets' downloads of this adapter into its Ready message; each
     message written is appended to ``written``."""
     meta = body["metadata"]
@@ -82,14 +80,16 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target],
             if name in running:
                 per_agent[target.agent.name] = running[name]
         message = progress_message(per_agent) if per_agent else ""
-        if message and message != (written[-1] if written else "") and \
-                await _patch_conditions(rt, meta, with_ready_message(conditions, message)):
+        if (
+            message
+            and message != (written[-1] if written else "")
+            and await _patch_conditions(rt, meta, with_ready_message(conditions, message))
+        ):
             written.append(message)
 
 
 @contextlib.asynccontextmanager
-async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target],
-                    body: Mapping[str, Any]) -> AsyncIterator[None]:
+async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], body: Mapping[str, Any]) -> AsyncIterator[None]:
     """Report the loads' download progress while the block runs (remote sources only); then put
     the Ready condition back as it was if a progress message was written."""
     conditions = (body.get("status") or {}).get("conditions") or []

@@ -32,8 +32,7 @@ def unchanged(previous: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     return all(previous.get(k) == v for k, v in status.items())
 
 
-def post_phase_event(body: Mapping[str, Any], old_phase: str | None,
-                     status: Mapping[str, Any]) -> None:
+def post_phase_event(body: Mapping[str, Any], old_phase: str | None, status: Mapping[str, Any]) -> None:
     """A Kubernetes Event when the phase moved (kopf posts it asynchronously)."""
     phase = status.get("phase")
     if not phase or phase == old_phase:
@@ -48,8 +47,7 @@ def post_phase_event(body: Mapping[str, Any], old_phase: str | None,
 def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event about this object (kopf posts it asynchronously)."""
     try:
-        kopf.event(kopf.Body(_reference(body)), type=type_, reason=reason,
-                   message=message[:MAX_EVENT_MESSAGE])
+        kopf.event(kopf.Body(_reference(body)), type=type_, reason=reason, message=message[:MAX_EVENT_MESSAGE])
     except LookupError:
         # Outside a running operator (no kopf context: unit use of this module) nothing posts.
         log.debug("no kopf context; event %s not posted", reason)
@@ -57,8 +55,7 @@ def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -
 
 def _reference(body: Mapping[str, Any]) -> kopf.RawBody:
     """What an Event needs of its object: kind, apiVersion and metadata (name, uid, ...)."""
-    return {"apiVersion": body.get("apiVersion", ""), "kind": body.get("kind", ""),
-            "metadata": body.get("metadata", {})}
+    return {"apiVersion": body.get("apiVersion", ""), "kind": body.get("kind", ""), "metadata": body.get("metadata", {})}
 
 
 #: API answers that refuse a patch for what it is (schema or size), not for the moment:
@@ -66,9 +63,12 @@ def _reference(body: Mapping[str, Any]) -> kopf.RawBody:
 REFUSED_CODES = frozenset({400, 413, 422})
 
 
-async def _patch_once(rt: Runtime, body: Mapping[str, Any], status: Mapping[str, Any],
-                      patch: Callable[[str, str, Mapping[str, Any]],
-                                      Awaitable[dict[str, Any] | None]]) -> bool:
+async def _patch_once(
+    rt: Runtime,
+    body: Mapping[str, Any],
+    status: Mapping[str, Any],
+    patch: Callable[[str, str, Mapping[str, Any]], Awaitable[dict[str, Any] | None]],
+) -> bool:
     """Send a status patch unless the API server already refused this very patch; a refusal
     is reported (log line, Warning Event, ``lorafleet_status_refused_total``) and
     remembered, so the same patch is never sent again (a different status is). Returns
@@ -86,9 +86,14 @@ async def _patch_once(rt: Runtime, body: Mapping[str, Any], status: Mapping[str,
             raise
         rt.refused_status[key] = digest
         metrics.STATUS_REFUSED.labels(kind=kind).inc()
-        reason = f"{err.status} {err.reason}: {(err.body or '')[:MAX_EVENT_MESSAGE // 2]}"
-        log.error("status of %s %s/%s refused by the API server (%s); this status is not "
-                  "sent again", kind, meta["namespace"], meta["name"], reason)
+        reason = f"{err.status} {err.reason}: {(err.body or '')[: MAX_EVENT_MESSAGE // 2]}"
+        log.error(
+            "status of %s %s/%s refused by the API server (%s); this status is not sent again",
+            kind,
+            meta["namespace"],
+            meta["name"],
+            reason,
+        )
         await _report_refusal(rt, body, reason)
         return False
     rt.refused_status.pop(key, None)
@@ -98,34 +103,38 @@ async def _patch_once(rt: Runtime, body: Mapping[str, Any], status: Mapping[str,
 async def _report_refusal(rt: Runtime, body: Mapping[str, Any], reason: str) -> None:
     """A Warning Event ``StatusRefused`` on the object (best effort: the log line stays)."""
     meta = body["metadata"]
-    involved = {"apiVersion": str(body.get("apiVersion", "")), "kind": str(body.get("kind", "")),
-                "name": meta["name"], "uid": meta.get("uid", "")}
+    involved = {
+        "apiVersion": str(body.get("apiVersion", "")),
+        "kind": str(body.get("kind", "")),
+        "name": meta["name"],
+        "uid": meta.get("uid", ""),
+    }
     try:
-        await rt.kube.post_event(meta["namespace"], involved, "Warning", "StatusRefused",
-                                 f"the API server refused the status update: {reason}"
-                                 [:MAX_EVENT_MESSAGE])
+        await rt.kube.post_event(
+            meta["namespace"],
+            involved,
+            "Warning",
+            "StatusRefused",
+            f"the API server refused the status update: {reason}"[:MAX_EVENT_MESSAGE],
+        )
     except ApiException as err:
         log.warning("event StatusRefused not posted: %s %s", err.status, err.reason)
 
 
-async def publish_status(rt: Runtime, body: Mapping[str, Any],
-                         status: Mapping[str, Any]) -> bool:
+async def publish_status(rt: Runtime, body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """Write a LoraAdapter's ``status`` unless it is already stored (or this very patch was
     refused before); post an Event on a phase change. Returns whether anything was written."""
     previous = dict(body.get("status") or {})
     if unchanged(previous, status):
         return False
-    written = await _patch_once(rt, {"kind": "LoraAdapter", **body}, status,
-                                rt.kube.patch_adapter_status)
+    written = await _patch_once(rt, {"kind": "LoraAdapter", **body}, status, rt.kube.patch_adapter_status)
     if written:
         post_phase_event(body, previous.get("phase"), status)
     return written
 
 
-async def publish_fleet_status(rt: Runtime, fleet: Mapping[str, Any],
-                               status: Mapping[str, Any]) -> bool:
+async def publish_fleet_status(rt: Runtime, fleet: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     """Write a LoraFleet's ``status`` unless it is already stored, or refused before."""
     if unchanged(fleet.get("status") or {}, status):
         return False
-    return await _patch_once(rt, {"kind": "LoraFleet", **fleet}, status,
-                             rt.kube.patch_fleet_status)
+    return await _patch_once(rt, {"kind": "LoraFleet", **fleet}, status, rt.kube.patch_fleet_status)

@@ -71,8 +71,7 @@ PINNING_NOT_ALLOWED = "PinningNotAllowed"
 SOURCE_NOT_ALLOWED = "SourceNotAllowed"
 
 
-def admission(fleet_name: str, fleet_spec: Mapping[str, Any],
-              adapter_spec: Mapping[str, Any]) -> FleetProblem | None:
+def admission(fleet_name: str, fleet_spec: Mapping[str, Any], adapter_spec: Mapping[str, Any]) -> FleetProblem | None:
     """Whether the fleet's owner lets this adapter onto the fleet's agents (None: yes), checked
     before any load: a pinned adapter only where ``spec.pinning.allowed`` is true (pinning is
     a privilege the fleet grants, not every adapter creator's right), an http(s) or hf://
@@ -80,17 +79,21 @@ def admission(fleet_name: str, fleet_spec: Mapping[str, Any],
     by default: remote sources are off until the owner names prefixes; the agents'
     --allow-source stays the second line)."""
     if adapter_spec.get("pinned") and not (fleet_spec.get("pinning") or {}).get("allowed"):
-        return FleetProblem(PINNING_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
-                                                 f"pinned adapters (its owner sets "
-                                                 f"spec.pinning.allowed: true); not loaded")
+        return FleetProblem(
+            PINNING_NOT_ALLOWED,
+            f"LoraFleet {fleet_name!r} does not allow pinned adapters (its owner sets spec.pinning.allowed: true); not loaded",
+        )
     uri = str(adapter_spec["source"]["uri"])
     allowed = [str(p) for p in (fleet_spec.get("sources") or {}).get("allow") or []]
     if not sources.admitted(uri, allowed):
-        return FleetProblem(SOURCE_NOT_ALLOWED, f"LoraFleet {fleet_name!r} does not allow "
-                                                f"this http(s) or hf:// source: it is under none of "
-                                                f"the fleet's spec.sources.allow prefixes "
-                                                f"({len(allowed)} set by its owner); not "
-                                                f"loaded")
+        return FleetProblem(
+            SOURCE_NOT_ALLOWED,
+            f"LoraFleet {fleet_name!r} does not allow "
+            f"this http(s) or hf:// source: it is under none of "
+            f"the fleet's spec.sources.allow prefixes "
+            f"({len(allowed)} set by its owner); not "
+            f"loaded",
+        )
     return None
 
 
@@ -139,8 +142,7 @@ def opened_to(secret: SecretData, fleet: str) -> bool:
     return fleet in {n.strip() for n in allowed.split(",") if n.strip()}
 
 
-async def opened_secret(rt: Runtime, namespace: str, fleet: str, name: str,
-                        keys: Sequence[str]) -> Mapping[str, bytes]:
+async def opened_secret(rt: Runtime, namespace: str, fleet: str, name: str, keys: Sequence[str]) -> Mapping[str, bytes]:
     """The data of a Secret the fleet may use: opened to it by its owner and holding ``keys``.
 
     Anything else — missing, not readable by the operator, not opened, a key missing — is
@@ -151,8 +153,9 @@ async def opened_secret(rt: Runtime, namespace: str, fleet: str, name: str,
         SECRET_NOT_OPENED,
         f"LoraFleet {fleet!r} may not use Secret {name!r} with key(s) "
         f"{', '.join(repr(k) for k in keys)}: the operator uses only Secrets of this namespace "
-        f"that their owner opened to lorafleet (label {ALLOW_LABEL}=\"true\" or the fleet's "
-        f"name, or annotation {ALLOW_ANNOTATION} naming the fleet) and that hold the named key(s)")
+        f'that their owner opened to lorafleet (label {ALLOW_LABEL}="true" or the fleet\'s '
+        f"name, or annotation {ALLOW_ANNOTATION} naming the fleet) and that hold the named key(s)",
+    )
     try:
         secret = await rt.kube.get_secret(namespace, name)
     except ApiException as err:
@@ -164,8 +167,7 @@ async def opened_secret(rt: Runtime, namespace: str, fleet: str, name: str,
     return secret.data
 
 
-async def credentials(rt: Runtime, namespace: str, fleet: str,
-                      spec: Mapping[str, Any]) -> Credentials:
+async def credentials(rt: Runtime, namespace: str, fleet: str, spec: Mapping[str, Any]) -> Credentials:
     """The fleet's token and TLS material, read from Secrets opened to it (by name: no list
     rights). The token is trimmed and checked (:func:`~lorafleet_operator.failures.bearer_token`)."""
     token = ""
@@ -178,12 +180,16 @@ async def credentials(rt: Runtime, namespace: str, fleet: str,
     if not tls:
         return Credentials(token=token)
     data = await opened_secret(rt, namespace, fleet, tls["secretRef"]["name"], ("ca.crt",))
-    return Credentials(token=token, root_ca=data["ca.crt"], client_cert=data.get("tls.crt"),
-                       client_key=data.get("tls.key"), server_name=tls.get("serverName", ""))
+    return Credentials(
+        token=token,
+        root_ca=data["ca.crt"],
+        client_cert=data.get("tls.crt"),
+        client_key=data.get("tls.key"),
+        server_name=tls.get("serverName", ""),
+    )
 
 
-async def ask_each(agents: Sequence[AgentPod],
-                   call: Callable[[AgentPod], Awaitable[T]]) -> dict[str, T | AgentError]:
+async def ask_each(agents: Sequence[AgentPod], call: Callable[[AgentPod], Awaitable[T]]) -> dict[str, T | AgentError]:
     """``call`` on every agent at once; by pod name, its answer or the AgentError it raised."""
 
     async def one(agent: AgentPod) -> T | AgentError:
@@ -196,8 +202,7 @@ async def ask_each(agents: Sequence[AgentPod],
     return {a.name: answer for a, answer in zip(agents, answers, strict=True)}
 
 
-async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentials,
-                       *, fresh: bool) -> dict[str, AgentInfo | AgentError]:
+async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentials, *, fresh: bool) -> dict[str, AgentInfo | AgentError]:
     """Describe every dialable agent (cached per pod incarnation unless ``fresh``; reconciles
     that find no answer cached share the call in flight)."""
 
@@ -223,8 +228,7 @@ async def describe_all(rt: Runtime, agents: Sequence[AgentPod], creds: Credentia
     return await ask_each(dialable, describe)
 
 
-def _all_cached(agents: Sequence[AgentPod],
-                cached: Callable[[AgentPod], T | None]) -> dict[str, T] | None:
+def _all_cached(agents: Sequence[AgentPod], cached: Callable[[AgentPod], T | None]) -> dict[str, T] | None:
     """Every agent's cached answer by pod name, or None when one has none: the reconciles
     of a thousand adapters then take the answers without a task per agent each (64 tasks
     per look, twice per reconcile, were about 4% of the operator's CPU at 300 adapters x 64
@@ -249,16 +253,14 @@ async def look_up_fleet(rt: Runtime, namespace: str, name: str) -> Mapping[str, 
     return await rt.kube.get_fleet(namespace, name)
 
 
-async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
-                     fresh: bool = False, terminating_ok: bool = False) -> FleetView:
+async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *, fresh: bool = False, terminating_ok: bool = False) -> FleetView:
     """Look at a fleet now. Raises FleetProblem when it is missing or unusable, or being deleted
     (unless ``terminating_ok``: unloads still reach the agents of a fleet being deleted)."""
     fleet = await look_up_fleet(rt, namespace, fleet_name)
     if fleet is None:
         raise FleetProblem("FleetNotFound", f"LoraFleet {fleet_name!r} not found in {namespace}")
     if fleet["metadata"].get("deletionTimestamp") and not terminating_ok:
-        raise FleetProblem(FLEET_DELETED, f"LoraFleet {fleet_name!r} is being deleted: its "
-                                          f"adapters are unloaded from its agents")
+        raise FleetProblem(FLEET_DELETED, f"LoraFleet {fleet_name!r} is being deleted: its adapters are unloaded from its agents")
     spec = fleet.get("spec") or {}
     agents = fleet_agents(rt, namespace, fleet_name, spec)
     rt.crashes.observe(agents)  # a restart since a load that ended unanswered is a crash
@@ -271,8 +273,7 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *,
     return view
 
 
-def fleet_agents(rt: Runtime, namespace: str, fleet_name: str,
-                 spec: Mapping[str, Any]) -> tuple[AgentPod, ...]:
+def fleet_agents(rt: Runtime, namespace: str, fleet_name: str, spec: Mapping[str, Any]) -> tuple[AgentPod, ...]:
     """The fleet's agents (:func:`~lorafleet_operator.fleet.agents_of`) among kopf's pod
     index, made again only when the fleet's spec or a pod of the namespace changed (kopf
     replaces the objects of what changed: compared by identity). Made at every reconcile,
@@ -280,8 +281,12 @@ def fleet_agents(rt: Runtime, namespace: str, fleet_name: str,
     2026-12-04)."""
     pods = tuple(rt.pods.get(namespace, ()))
     known = rt.fleet_agents.get((namespace, fleet_name))
-    if known is not None and known.spec is spec and len(known.pods) == len(pods) \
-            and all(a is b for a, b in zip(known.pods, pods, strict=True)):
+    if (
+        known is not None
+        and known.spec is spec
+        and len(known.pods) == len(pods)
+        and all(a is b for a, b in zip(known.pods, pods, strict=True))
+    ):
         return known.agents
     agents = tuple(agents_of(spec, list(pods)))
     rt.fleet_agents[(namespace, fleet_name)] = FleetAgents(spec, pods, agents)
@@ -319,8 +324,9 @@ def loaded_result(target: Target, reply: ControlReply) -> AgentResult:
 
 def error_result(target: Target, failure: AgentFailure) -> AgentResult:
     """A target whose call failed: Unreachable or Failed as the policy classifies it."""
-    return AgentResult(target.agent.name, agent_state(failure), 0, target.ranks_total,
-                       failure_message(failure, "the agent refused the adapter"))
+    return AgentResult(
+        target.agent.name, agent_state(failure), 0, target.ranks_total, failure_message(failure, "the agent refused the adapter")
+    )
 
 
 def generation_key(body: Mapping[str, Any]) -> AdapterGeneration:
@@ -341,8 +347,7 @@ def backing_off(rt: Runtime, body: Mapping[str, Any], target: Target) -> AgentRe
     return entry.result if entry is not None else None
 
 
-async def served_version(rt: Runtime, view: FleetView, target: Target,
-                         body: Mapping[str, Any]) -> ServedVersion | None:
+async def served_version(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any]) -> ServedVersion | None:
     """The version of the adapter the agent still holds after a failed load (its registry
     entry, when it differs from the spec: a failed replace keeps the old weights routed);
     None when it holds none or its registry cannot be listed now."""
@@ -360,22 +365,20 @@ async def served_version(rt: Runtime, view: FleetView, target: Target,
 CredentialOutcome = SourceCredential | FleetProblem | None
 
 
-async def adapter_credential(rt: Runtime, view: FleetView,
-                             body: Mapping[str, Any]) -> CredentialOutcome:
+async def adapter_credential(rt: Runtime, view: FleetView, body: Mapping[str, Any]) -> CredentialOutcome:
     """The adapter's source credential (:mod:`~lorafleet_operator.credentials`), read once
     for all of its loads of this look; the refusal when the operator will not send it (a
     Secret not opened to the fleet, its own agent Secret, ...): nothing is sent then, and
     nothing booked, so the next look reads the Secret again."""
     try:
         return await source_credential(
-            body["spec"], view.name, view.spec,
-            lambda name, keys: opened_secret(rt, view.namespace, view.name, name, keys))
+            body["spec"], view.name, view.spec, lambda name, keys: opened_secret(rt, view.namespace, view.name, name, keys)
+        )
     except FleetProblem as problem:
         return problem
 
 
-def credential_refusal(credential: CredentialOutcome,
-                       results: Sequence[AgentResult]) -> FleetProblem | None:
+def credential_refusal(credential: CredentialOutcome, results: Sequence[AgentResult]) -> FleetProblem | None:
     """The credential refusal that is the adapter's status: refused while no agent serves
     it. The adapter is then Pending with the refusal's reason (``SecretNotOpened``: its
     message says what the Secret's owner does), not Failed: no agent refused anything."""
@@ -384,8 +387,7 @@ def credential_refusal(credential: CredentialOutcome,
     return None
 
 
-def unsent(rt: Runtime, target: Target, body: Mapping[str, Any],
-           credential: CredentialOutcome) -> AgentResult | None:
+def unsent(rt: Runtime, target: Target, body: Mapping[str, Any], credential: CredentialOutcome) -> AgentResult | None:
     """The result of a load that is not sent, None when it is to be sent: the generation is
     condemned, the agent's Describe failed, its last failure there is backing off, or the
     ``credential`` is refused (nothing sent: not booked)."""
@@ -398,20 +400,21 @@ def unsent(rt: Runtime, target: Target, body: Mapping[str, Any],
     if waiting is not None:
         return waiting
     if isinstance(credential, FleetProblem):
-        return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
-                           credential.message)
+        return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, credential.message)
     return None
 
 
-async def load_pinned(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
-                      credential: SourceCredential | None) -> AgentResult:
+async def load_pinned(
+    rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any], credential: SourceCredential | None
+) -> AgentResult:
     """A pinned load: one at a time per agent, under the lock the count of pins is taken
     under (:func:`pin_refusal`)."""
     async with rt.pin_lock(target.agent.endpoint):
         refusal = await pin_refusal(rt, view, target, body)
         if refusal:
-            return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total,
-                               refusal, served=await served_version(rt, view, target, body))
+            return AgentResult(
+                target.agent.name, AgentState.FAILED, 0, target.ranks_total, refusal, served=await served_version(rt, view, target, body)
+            )
         _sending(rt, target, body)
         return await _load(rt, view, target, body, credential)
 
@@ -422,8 +425,7 @@ def pin_cap(info: AgentInfo) -> int:
     return max(info.max_loras_per_batch - 1, 0)
 
 
-async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
-                      body: Mapping[str, Any]) -> str:
+async def pin_refusal(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any]) -> str:
     """Why the agent cannot take this adapter pinned ("" when it can): it already holds
     :func:`pin_cap` pinned adapters (of any namespace) besides this one. Not booked as a
     failed load: nothing was sent, and the next look counts again (a pin may be released)."""
@@ -439,9 +441,11 @@ async def pin_refusal(rt: Runtime, view: FleetView, target: Target,
     cap = pin_cap(target.info)
     if pinned < cap:
         return ""
-    return (f"cannot pin on {target.agent.name}: it holds {pinned} pinned adapter(s) and at most "
-            f"{cap} may be pinned (max_loras_per_batch {target.info.max_loras_per_batch} − 1: "
-            f"one device slot stays for unpinned traffic); not loaded")
+    return (
+        f"cannot pin on {target.agent.name}: it holds {pinned} pinned adapter(s) and at most "
+        f"{cap} may be pinned (max_loras_per_batch {target.info.max_loras_per_batch} − 1: "
+        f"one device slot stays for unpinned traffic); not loaded"
+    )
 
 
 def _sending(rt: Runtime, target: Target, body: Mapping[str, Any]) -> None:
@@ -466,21 +470,28 @@ def _request(body: Mapping[str, Any], credential: SourceCredential | None) -> Lo
     """The load the adapter's spec asks of an agent (replace: the spec is the truth for
     managed names), with its source's credential."""
     spec, meta = body["spec"], body["metadata"]
-    return LoadRequest(names.agent_name(meta["namespace"], meta["name"]), spec["source"]["uri"],
-                       spec["source"].get("sha256", ""), bool(spec.get("pinned", False)),
-                       replace=True, credential=credential)
+    return LoadRequest(
+        names.agent_name(meta["namespace"], meta["name"]),
+        spec["source"]["uri"],
+        spec["source"].get("sha256", ""),
+        bool(spec.get("pinned", False)),
+        replace=True,
+        credential=credential,
+    )
 
 
-async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
-                credential: SourceCredential | None) -> AgentResult:
+async def _load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any], credential: SourceCredential | None) -> AgentResult:
     """The LoadAdapter call itself (with the source's credential; booked as sent before:
     :func:`_sending`) and the books (:func:`_book`)."""
     answer: LoadAnswer
     try:
         answer = await rt.agents.load(
-            target.agent.endpoint, view.creds, _request(body, credential),
+            target.agent.endpoint,
+            view.creds,
+            _request(body, credential),
             exclusive=rt.crashes.isolate(generation_key(body)),
-            namespace=body["metadata"]["namespace"])
+            namespace=body["metadata"]["namespace"],
+        )
     except AgentError as err:
         answer = err
     return await _result(rt, view, target, body, _book(rt, target, body, answer))
@@ -501,9 +512,11 @@ def loads_join(rt: Runtime, first: QueuedLoad, other: QueuedLoad) -> bool:
     """Whether ``other`` may go in the same LoadAdapters call as ``first`` (the queue asks
     when it sends): the same credentials, and neither generation is to load alone
     (:meth:`~lorafleet_operator.failures.CrashBook.isolate`)."""
-    return first.view.creds == other.view.creds \
-        and not rt.crashes.isolate(generation_key(first.body)) \
+    return (
+        first.view.creds == other.view.creds
+        and not rt.crashes.isolate(generation_key(first.body))
         and not rt.crashes.isolate(generation_key(other.body))
+    )
 
 
 async def send_loads(rt: Runtime, loads: Sequence[QueuedLoad]) -> list[AgentResult]:
@@ -516,16 +529,12 @@ async def send_loads(rt: Runtime, loads: Sequence[QueuedLoad]) -> list[AgentResu
         one = loads[0]
         return [await _load(rt, one.view, one.target, one.body, one.credential)]
     first = loads[0]
-    answers = await rt.agents.load_many(first.target.agent.endpoint, first.view.creds,
-                                        [_request(q.body, q.credential) for q in loads])
-    booked = [_book(rt, q.target, q.body, answer)
-              for q, answer in zip(loads, answers, strict=True)]
-    return [await _result(rt, q.view, q.target, q.body, b)
-            for q, b in zip(loads, booked, strict=True)]
+    answers = await rt.agents.load_many(first.target.agent.endpoint, first.view.creds, [_request(q.body, q.credential) for q in loads])
+    booked = [_book(rt, q.target, q.body, answer) for q, answer in zip(loads, answers, strict=True)]
+    return [await _result(rt, q.view, q.target, q.body, b) for q, b in zip(loads, booked, strict=True)]
 
 
-def _book(rt: Runtime, target: Target, body: Mapping[str, Any],
-          answer: LoadAnswer) -> AgentResult | AgentFailure:
+def _book(rt: Runtime, target: Target, body: Mapping[str, Any], answer: LoadAnswer) -> AgentResult | AgentFailure:
     """The books after one load's answer (the loads sent, the reservations, the crash book):
     the loaded result (its back-off cleared), or how it failed."""
     key, pod = generation_key(body), target.agent.name
@@ -536,8 +545,7 @@ def _book(rt: Runtime, target: Target, body: Mapping[str, Any],
         rt.sent.ended(endpoint, name, now, answered=answered(answer))
         rt.reservations.finished(endpoint, name, now, loaded=False)
         if died_under(answer):
-            rt.crashes.suspect(key, pod, incarnation(target.agent), alone=answer.alone,
-                               message=answer.message)
+            rt.crashes.suspect(key, pod, incarnation(target.agent), alone=answer.alone, message=answer.message)
         else:
             rt.crashes.answered(key, pod, loaded=False)
         return answer
@@ -545,13 +553,11 @@ def _book(rt: Runtime, target: Target, body: Mapping[str, Any],
     rt.reservations.finished(endpoint, name, now, loaded=answer.success)
     rt.crashes.answered(key, pod, loaded=answer.success)
     if answer.success:
-        return rt.failures.remember(failure_key(body, pod), incarnation(target.agent),
-                                    loaded_result(target, answer))
+        return rt.failures.remember(failure_key(body, pod), incarnation(target.agent), loaded_result(target, answer))
     return answer
 
 
-async def _result(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
-                  booked: AgentResult | AgentFailure) -> AgentResult:
+async def _result(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any], booked: AgentResult | AgentFailure) -> AgentResult:
     """A load's result from its books (:func:`_book`): a failure the agent answered also
     says which version it still serves; booked in the back-off book."""
     if isinstance(booked, AgentResult):
@@ -559,8 +565,7 @@ async def _result(rt: Runtime, view: FleetView, target: Target, body: Mapping[st
     result = error_result(target, booked)
     if answered(booked):
         result = replace(result, served=await served_version(rt, view, target, body))
-    return rt.failures.remember(failure_key(body, target.agent.name), incarnation(target.agent),
-                                result)
+    return rt.failures.remember(failure_key(body, target.agent.name), incarnation(target.agent), result)
 
 
 def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
@@ -569,8 +574,7 @@ def failure_key(body: Mapping[str, Any], pod: str) -> FailureKey:
     return (meta.get("uid", ""), int(meta.get("generation", 0)), pod)
 
 
-async def list_registries(rt: Runtime, view: FleetView, *,
-                          fresh: bool = True) -> dict[str, Registry]:
+async def list_registries(rt: Runtime, view: FleetView, *, fresh: bool = True) -> dict[str, Registry]:
     """ListAdapters on every dialable agent at once; each answer also ends the reservations
     it now accounts for (:class:`~lorafleet_operator.placement.Reservations`). Unless
     ``fresh``, an agent listed less than a drift interval ago by the same pod is not asked
@@ -595,8 +599,11 @@ async def list_registries(rt: Runtime, view: FleetView, *,
 
     def recent(agent: AgentPod) -> Mapping[str, RegistryEntry] | None:
         cached = rt.registries.get(agent.endpoint)
-        if cached is not None and cached.life == (agent.uid, agent.restarts) \
-                and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s:
+        if (
+            cached is not None
+            and cached.life == (agent.uid, agent.restarts)
+            and time.monotonic() - cached.requested_at < rt.settings.drift_interval_s
+        ):
             return cached.entries
         return None
 
@@ -617,23 +624,28 @@ async def list_registries(rt: Runtime, view: FleetView, *,
     return await ask_each(dialable, listing)
 
 
-def candidates(rt: Runtime, view: FleetView,
-               registries: Mapping[str, Registry]) -> list[Candidate]:
+def candidates(rt: Runtime, view: FleetView, registries: Mapping[str, Registry]) -> list[Candidate]:
     """The fleet's agents as placement sees them (what each holds: its registry, every
     namespace's names, plus the loads sent there and not yet listed)."""
     chosen = []
     failing = rt.failures.failing_pods()
     for agent in view.agents:
         info, registry = view.infos.get(agent.name), registries.get(agent.name)
-        if not agent.dialable or not isinstance(info, AgentInfo) \
-                or not isinstance(registry, Mapping):
+        if not agent.dialable or not isinstance(info, AgentInfo) or not isinstance(registry, Mapping):
             chosen.append(Candidate(agent.name, agent.endpoint, agent.dialable, known=False))
             continue
-        chosen.append(Candidate(agent.name, agent.endpoint, True, base_model=info.base_model,
-                                max_lora_rank=info.max_lora_rank,
-                                max_loaded_loras=info.max_loaded_loras,
-                                held=rt.reservations.held(agent.endpoint, registry),
-                                failing=agent.name in failing))
+        chosen.append(
+            Candidate(
+                agent.name,
+                agent.endpoint,
+                True,
+                base_model=info.base_model,
+                max_lora_rank=info.max_lora_rank,
+                max_loaded_loras=info.max_loaded_loras,
+                held=rt.reservations.held(agent.endpoint, registry),
+                failing=agent.name in failing,
+            )
+        )
     return chosen
 
 
@@ -643,17 +655,26 @@ def demand(rt: Runtime, body: Mapping[str, Any]) -> Demand:
     meta, spec = body["metadata"], body["spec"]
     uid, generation = meta.get("uid", ""), int(meta.get("generation", 0))
     last = ((body.get("status") or {}).get("placement") or {}).get("placed") or []
-    refused = frozenset(pod for (key_uid, key_gen, pod), entry in rt.failures.entries.items()
-                        if key_uid == uid and key_gen == generation
-                        and entry.result.state is AgentState.FAILED)
+    refused = frozenset(
+        pod
+        for (key_uid, key_gen, pod), entry in rt.failures.entries.items()
+        if key_uid == uid and key_gen == generation and entry.result.state is AgentState.FAILED
+    )
     replicas, rank = spec.get("replicas"), spec.get("rank")
-    return Demand(names.agent_name(meta["namespace"], meta["name"]), spec["baseModel"],
-                  None if replicas is None else int(replicas), None if rank is None else int(rank),
-                  (str(meta.get("creationTimestamp", "")), meta["name"]), tuple(last), refused)
+    return Demand(
+        names.agent_name(meta["namespace"], meta["name"]),
+        spec["baseModel"],
+        None if replicas is None else int(replicas),
+        None if rank is None else int(rank),
+        (str(meta.get("creationTimestamp", "")), meta["name"]),
+        tuple(last),
+        refused,
+    )
 
 
-def place_fleet(rt: Runtime, view: FleetView, registries: Mapping[str, Registry],
-                bodies: Sequence[Mapping[str, Any]], *, complete: bool) -> dict[str, Placement]:
+def place_fleet(
+    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], bodies: Sequence[Mapping[str, Any]], *, complete: bool
+) -> dict[str, Placement]:
     """Place these adapters of the fleet in creation order (older adapters take room first).
 
     ``complete``: ``bodies`` are all of the fleet's live adapters (the drift check). Otherwise
@@ -665,8 +686,7 @@ def place_fleet(rt: Runtime, view: FleetView, registries: Mapping[str, Registry]
     key = (view.namespace, view.name)
     fresh = {d.name: d for d in (demand(rt, b) for b in bodies)}
     book = rt.demands.setdefault(key, {})
-    placements = place(candidates(rt, view, registries),
-                       fresh.values() if complete else {**book, **fresh}.values())
+    placements = place(candidates(rt, view, registries), fresh.values() if complete else {**book, **fresh}.values())
     if complete:
         book.clear()
     for name, placement in placements.items():
@@ -692,8 +712,7 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
     return chosen
 
 
-async def place_and_load(rt: Runtime, view: FleetView,
-                         body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
+async def place_and_load(rt: Runtime, view: FleetView, body: Mapping[str, Any]) -> tuple[Placement, list[AgentResult]]:
     """Place the adapter (with the fleet's others, oldest first) and load it on every placed
     agent at once (:func:`load_each`); one result per placed agent. With ``replicas``, the
     places of agents that refused it go to other agents at once, in a second round (placement
@@ -707,8 +726,7 @@ async def place_and_load(rt: Runtime, view: FleetView,
     results = await load_each(rt, view, placed_targets(view, placement), body, credential)
     if placement.replicas is not None and any(r.state is AgentState.FAILED for r in results):
         # Placed where it was just placed (stable), less the agents that refused it.
-        placed = {**body, "status": {**(body.get("status") or {}),
-                                     "placement": {"placed": list(placement.placed)}}}
+        placed = {**body, "status": {**(body.get("status") or {}), "placement": {"placed": list(placement.placed)}}}
         again = place_fleet(rt, view, registries, [placed], complete=False)[name]
         new = [t for t in placed_targets(view, again) if t.agent.name not in placement.placed]
         if new:
@@ -722,8 +740,9 @@ async def place_and_load(rt: Runtime, view: FleetView,
     return placement, results
 
 
-async def load_each(rt: Runtime, view: FleetView, targets: Sequence[Target],
-                    body: Mapping[str, Any], credential: CredentialOutcome) -> list[AgentResult]:
+async def load_each(
+    rt: Runtime, view: FleetView, targets: Sequence[Target], body: Mapping[str, Any], credential: CredentialOutcome
+) -> list[AgentResult]:
     """Load on every target at once (replace=True: the spec is the truth for managed names),
     unless a target's load is not to be sent (:func:`unsent`), their download progress in the
     Ready condition while the loads run (:func:`progress.reporting`): the one path of the
@@ -747,8 +766,9 @@ async def load_each(rt: Runtime, view: FleetView, targets: Sequence[Target],
         return [p if isinstance(p, AgentResult) else p.result() for p in pending]
 
 
-def _start_load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any],
-                credential: CredentialOutcome) -> AgentResult | asyncio.Future[AgentResult]:
+def _start_load(
+    rt: Runtime, view: FleetView, target: Target, body: Mapping[str, Any], credential: CredentialOutcome
+) -> AgentResult | asyncio.Future[AgentResult]:
     """One target's load, started: its result when none is sent, else its future."""
     result = unsent(rt, target, body, credential)
     if result is not None:
@@ -759,12 +779,10 @@ def _start_load(rt: Runtime, view: FleetView, target: Target, body: Mapping[str,
     _sending(rt, target, body)
     if sources.is_remote(str(body["spec"]["source"]["uri"])):
         return asyncio.ensure_future(_load(rt, view, target, body, credential))
-    return rt.loads.submit(target.agent.endpoint, QueuedLoad(view, target, body, credential),
-                           lambda: _never_sent(rt, target, body))
+    return rt.loads.submit(target.agent.endpoint, QueuedLoad(view, target, body, credential), lambda: _never_sent(rt, target, body))
 
 
-def retry_due_in(rt: Runtime, body: Mapping[str, Any],
-                 results: Sequence[AgentResult]) -> float | None:
+def retry_due_in(rt: Runtime, body: Mapping[str, Any], results: Sequence[AgentResult]) -> float | None:
     """Seconds until the first failed agent of this adapter is due again (the back-off)."""
     return rt.failures.due_in(failure_key(body, r.pod) for r in results if not r.ok)
 
@@ -808,8 +826,7 @@ def may_hold(rt: Runtime, agent: AgentPod, name: str) -> bool:
     return not rt.sent.settled_by(agent.endpoint, name, listing.requested_at)
 
 
-async def unload_from_holders(rt: Runtime, view: FleetView,
-                              agent_name: str) -> list[UnloadOutcome]:
+async def unload_from_holders(rt: Runtime, view: FleetView, agent_name: str) -> list[UnloadOutcome]:
     """Unload from every dialable agent of the fleet that may hold the adapter
     (:func:`may_hold`), whatever its model (the spec may have changed since the load); one
     outcome per agent asked. With ``replicas: 4`` of 64 agents that is about 4 unloads, not
@@ -826,8 +843,7 @@ async def unload_from_holders(rt: Runtime, view: FleetView,
         answers, _ = await asyncio.gather(unloads, unload_departed(rt, view, agent_name))
     else:  # the common case: no task besides the deletion's own (gather makes one each)
         answers = await unloads
-    return [UnloadOutcome(agent.name, unload_failure(answer))
-            for agent, answer in zip(agents, answers, strict=True)]
+    return [UnloadOutcome(agent.name, unload_failure(answer)) for agent, answer in zip(agents, answers, strict=True)]
 
 
 def departed_holders(rt: Runtime, view: FleetView, name: str) -> list[str]:
@@ -856,20 +872,21 @@ async def unload_departed(rt: Runtime, view: FleetView, name: str) -> None:
         # that proves again it holds it (a reused IP's new pod gets the challenge, no token).
         rt.agents.identities.forget(endpoint)
     try:
-        answers = await asyncio.wait_for(
-            rt.agents.unload_each([(e, view.creds, name) for e in endpoints]),
-            rt.settings.call_deadline_s)
+        answers = await asyncio.wait_for(rt.agents.unload_each([(e, view.creds, name) for e in endpoints]), rt.settings.call_deadline_s)
     except TimeoutError:
-        log.info("unload of %s from %s (pods gone or not ready): no answer within %.0fs; "
-                 "left to run", name, ", ".join(endpoints), rt.settings.call_deadline_s)
+        log.info(
+            "unload of %s from %s (pods gone or not ready): no answer within %.0fs; left to run",
+            name,
+            ", ".join(endpoints),
+            rt.settings.call_deadline_s,
+        )
         return
     for endpoint, answer in zip(endpoints, answers, strict=True):
         failure = unload_failure(answer)
         if failure is None:
             log.info("unloaded %s from %s (pod gone or not ready)", name, endpoint)
         else:
-            log.info("unload of %s from %s (pod gone or not ready) failed: %s", name, endpoint,
-                     failure_message(failure, "unload failed"))
+            log.info("unload of %s from %s (pod gone or not ready) failed: %s", name, endpoint, failure_message(failure, "unload failed"))
 
 
 def unload_failure(answer: ControlReply | AgentError) -> AgentFailure | None:

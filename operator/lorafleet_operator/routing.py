@@ -80,8 +80,7 @@ def _routable(ip: str) -> bool:
         return False
 
 
-def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod],
-                results: Sequence[AgentResult]) -> list[RoutedPod]:
+def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> list[RoutedPod]:
     """The Ready agent pods that hold the adapter on every rank, with their ports."""
     holding = {r.pod for r in results if r.ok}
     grpc_name = fleet_spec.get("grpcPortName") or "grpc"
@@ -89,8 +88,7 @@ def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod],
     chosen = []
     for agent in agents:
         ports = dict(agent.ports)
-        if agent.name not in holding or not agent.dialable or not _routable(agent.ip) \
-                or grpc_name not in ports:
+        if agent.name not in holding or not agent.dialable or not _routable(agent.ip) or grpc_name not in ports:
             continue
         routed = [("grpc", ports[grpc_name])]
         if http_name in ports:
@@ -99,8 +97,7 @@ def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod],
     return sorted(chosen, key=lambda p: p.pod)
 
 
-def desired_slices(adapter: Mapping[str, Any], service: str,
-                   pods: Sequence[RoutedPod]) -> list[dict[str, Any]]:
+def desired_slices(adapter: Mapping[str, Any], service: str, pods: Sequence[RoutedPod]) -> list[dict[str, Any]]:
     """The EndpointSlices of one adapter: one per (address family, port set), each at most
     :data:`MAX_ENDPOINTS` endpoints; one empty slice when no pod holds it."""
     meta = adapter["metadata"]
@@ -111,32 +108,37 @@ def desired_slices(adapter: Mapping[str, Any], service: str,
         groups[("IPv4", ())] = []
     slices = []
     for (family, ports), members in sorted(groups.items()):
-        chunks = [members[i:i + MAX_ENDPOINTS] for i in range(0, len(members), MAX_ENDPOINTS)]
+        chunks = [members[i : i + MAX_ENDPOINTS] for i in range(0, len(members), MAX_ENDPOINTS)]
         for index, chunk in enumerate(chunks or [[]]):
             slices.append(_slice(meta, service, family, ports, chunk, index))
     return slices
 
 
-def _slice(meta: Mapping[str, Any], service: str, family: str,
-           ports: tuple[tuple[str, int], ...], pods: Sequence[RoutedPod],
-           index: int) -> dict[str, Any]:
+def _slice(
+    meta: Mapping[str, Any], service: str, family: str, ports: tuple[tuple[str, int], ...], pods: Sequence[RoutedPod], index: int
+) -> dict[str, Any]:
     name = f"{meta['name']}-{_digest([family, ports, index], 8)}"
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
         "metadata": {
-            "name": name, "namespace": meta["namespace"],
-            "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY,
-                       ADAPTER_LABEL: adapter_label(meta["name"])},
+            "name": name,
+            "namespace": meta["namespace"],
+            "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY, ADAPTER_LABEL: adapter_label(meta["name"])},
             "annotations": {ADAPTER_ANNOTATION: meta["name"]},
-            "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoraAdapter",
-                                 "name": meta["name"], "uid": meta["uid"],
-                                 "controller": True}],
+            "ownerReferences": [
+                {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoraAdapter", "name": meta["name"], "uid": meta["uid"], "controller": True}
+            ],
         },
         "addressType": family,
-        "endpoints": [{"addresses": [p.ip],
-                       "conditions": {"ready": True, "serving": True, "terminating": False},
-                       "targetRef": {"kind": "Pod", "namespace": meta["namespace"],
-                                     "name": p.pod, "uid": p.uid}} for p in pods],
+        "endpoints": [
+            {
+                "addresses": [p.ip],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "targetRef": {"kind": "Pod", "namespace": meta["namespace"], "name": p.pod, "uid": p.uid},
+            }
+            for p in pods
+        ],
         "ports": [{"name": n, "port": port, "protocol": "TCP"} for n, port in ports],
     }
 
@@ -146,13 +148,18 @@ def _selector(name: str) -> str:
 
 
 def _owned(slices: Sequence[Mapping[str, Any]], uid: str) -> list[Mapping[str, Any]]:
-    return [s for s in slices
-            if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences") or [])]
+    return [s for s in slices if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences") or [])]
 
 
-async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Mapping[str, Any],
-                         agents: Sequence[AgentPod], results: Sequence[AgentResult], *,
-                         new: bool = False) -> bool:
+async def publish_slices(
+    rt: Runtime,
+    adapter: Mapping[str, Any],
+    fleet_spec: Mapping[str, Any],
+    agents: Sequence[AgentPod],
+    results: Sequence[AgentResult],
+    *,
+    new: bool = False,
+) -> bool:
     """Make the adapter's EndpointSlices list exactly the pods that hold it; only when they
     changed since this process last wrote them. Returns whether anything was written. A
     transient API error is logged and left to the next reconcile; slices the API server
@@ -173,27 +180,40 @@ async def publish_slices(rt: Runtime, adapter: Mapping[str, Any], fleet_spec: Ma
             return _not_written(meta, err)
         # Refused for what it is: the same slices are not sent again (a change is).
         rt.slices[key] = digest
-        log.error("endpointslices of loraadapter %s/%s refused by the API server: %s %s: %s",
-                  meta["namespace"], meta["name"], err.status, err.reason,
-                  (err.body or "")[:512])
+        log.error(
+            "endpointslices of loraadapter %s/%s refused by the API server: %s %s: %s",
+            meta["namespace"],
+            meta["name"],
+            err.status,
+            err.reason,
+            (err.body or "")[:512],
+        )
         return False
     except KUBE_API_ERRORS as err:
         return _not_written(meta, err)
     rt.slices[key] = digest
     rt.slice_names[key] = (meta["uid"], tuple(s["metadata"]["name"] for s in wanted))
-    log.info("endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)", meta["namespace"],
-             meta["name"], sum(len(s["endpoints"]) for s in wanted), len(wanted))
+    log.info(
+        "endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)",
+        meta["namespace"],
+        meta["name"],
+        sum(len(s["endpoints"]) for s in wanted),
+        len(wanted),
+    )
     return True
 
 
 def _not_written(meta: Mapping[str, Any], err: BaseException) -> bool:
-    log.warning("endpointslices of loraadapter %s/%s not written: Kubernetes API: %s; "
-                "again at the next reconcile", meta["namespace"], meta["name"], kube_reason(err))
+    log.warning(
+        "endpointslices of loraadapter %s/%s not written: Kubernetes API: %s; again at the next reconcile",
+        meta["namespace"],
+        meta["name"],
+        kube_reason(err),
+    )
     return False
 
 
-async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]], *,
-                 new: bool = False) -> None:
+async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]], *, new: bool = False) -> None:
     """Create or replace the wanted slices, and delete the adapter's others. A ``new``
     adapter's are created straight away: a thousand adapters created at once were a LIST
     each, filtered by label over every slice of the namespace; one that exists after all
@@ -202,17 +222,17 @@ async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[
     known = rt.slice_names.pop((meta["namespace"], meta["name"]), None)
     if new and known is None and await _created(rt, meta, wanted):
         return
-    existing = {s["metadata"]["name"]: s for s in _owned(
-        await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])),
-        meta["uid"])}
+    existing = {
+        s["metadata"]["name"]: s
+        for s in _owned(await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])), meta["uid"])
+    }
     for slice_ in wanted:
         name = slice_["metadata"]["name"]
         old = existing.pop(name, None)
         if old is None:
             await rt.kube.create_endpoint_slice(meta["namespace"], slice_)
         else:
-            current = {**slice_, "metadata": {**slice_["metadata"],
-                                              "resourceVersion": old["metadata"]["resourceVersion"]}}
+            current = {**slice_, "metadata": {**slice_["metadata"], "resourceVersion": old["metadata"]["resourceVersion"]}}
             await rt.kube.replace_endpoint_slice(meta["namespace"], name, current)
     for name in existing:
         await rt.kube.delete_endpoint_slice(meta["namespace"], name)
@@ -242,8 +262,7 @@ async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int
     if known is not None and known[0] == uid:
         names = list(known[1])
     else:
-        names = [s["metadata"]["name"] for s in
-                 _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)]
+        names = [s["metadata"]["name"] for s in _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)]
     for slice_name in names:
         await rt.kube.delete_endpoint_slice(namespace, slice_name)
     return len(names)

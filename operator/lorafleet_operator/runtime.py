@@ -166,8 +166,7 @@ class Runtime:
     registries: dict[str, Listing] = field(default_factory=dict)
     #: (agent endpoint, pod life) -> the registry listing in flight there, shared by the
     #: handlers that need one meanwhile.
-    listings: SharedCalls[tuple[str, tuple[str, int]], Listing] = field(
-        default_factory=SharedCalls)
+    listings: SharedCalls[tuple[str, tuple[str, int]], Listing] = field(default_factory=SharedCalls)
     #: Loads sent and not yet seen in a registry listing, per agent endpoint (placement).
     reservations: Reservations = field(default_factory=Reservations)
     #: Every load sent, per agent endpoint and name, and when a listing shows its outcome
@@ -191,9 +190,13 @@ class Runtime:
     def __post_init__(self) -> None:
         # Imported here: reconcile imports this module (the loads' sending is reconcile's).
         from lorafleet_operator.reconcile import loads_join, send_loads
-        self.loads = BatchQueue(self.settings.per_agent_concurrency, self.settings.load_batch,
-                                functools.partial(send_loads, self),
-                                functools.partial(loads_join, self))
+
+        self.loads = BatchQueue(
+            self.settings.per_agent_concurrency,
+            self.settings.load_batch,
+            functools.partial(send_loads, self),
+            functools.partial(loads_join, self),
+        )
         self.failures = LoadRetries(self.settings)
         self.crashes = CrashBook(self.settings.load_crash_budget)
 

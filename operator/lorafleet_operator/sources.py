@@ -27,7 +27,7 @@ def is_remote(uri: str) -> bool:
 
 def _hub_names(uri: str) -> list[str]:
     """An hf:// URI's organisation and repository (``@REVISION`` and folders dropped)."""
-    org, _, rest = uri[len(HUB_SCHEME):].partition("/")
+    org, _, rest = uri[len(HUB_SCHEME) :].partition("/")
     repo = rest.split("/", 1)[0].partition("@")[0]
     return [org, repo]
 
@@ -37,8 +37,8 @@ def under_prefix(uri: str, prefix: str) -> bool:
     if prefix.startswith(HUB_SCHEME):
         if not uri.startswith(HUB_SCHEME):
             return False
-        wanted = [name for name in prefix[len(HUB_SCHEME):].split("/") if name]
-        return bool(wanted) and _hub_names(uri)[:len(wanted)] == wanted
+        wanted = [name for name in prefix[len(HUB_SCHEME) :].split("/") if name]
+        return bool(wanted) and _hub_names(uri)[: len(wanted)] == wanted
     return uri.startswith(prefix)
 
 

@@ -100,9 +100,13 @@ class AgentResult:
         return self.ok or self.served is not None
 
     def to_status(self) -> dict[str, Any]:
-        entry: dict[str, Any] = {"pod": self.pod, "state": str(self.state),
-                                 "ranksLoaded": self.ranks_loaded, "ranksTotal": self.ranks_total,
-                                 "message": self.message[:MAX_AGENT_MESSAGE]}
+        entry: dict[str, Any] = {
+            "pod": self.pod,
+            "state": str(self.state),
+            "ranksLoaded": self.ranks_loaded,
+            "ranksTotal": self.ranks_total,
+            "message": self.message[:MAX_AGENT_MESSAGE],
+        }
         if self.served is not None:
             entry["served"] = self.served.to_status()
         if self.next_retry:
@@ -140,8 +144,9 @@ def merged_message(results: Sequence[AgentResult]) -> str:
     return merged.error[:MAX_MESSAGE]
 
 
-def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending_reason: str,
-                     pending_message: str, crashed: str) -> tuple[str, str, str]:
+def _ready_condition(
+    phase: Phase, results: Sequence[AgentResult], pending_reason: str, pending_message: str, crashed: str
+) -> tuple[str, str, str]:
     """(status, reason, message) of the Ready condition."""
     loaded = sum(r.ok for r in results)
     failing = [r.pod for r in results if not r.ok]
@@ -159,9 +164,14 @@ def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending_reaso
     if phase is Phase.DEGRADED and not loaded:
         old = [r for r in results if r.served is not None]
         sources = sorted({r.served.uri for r in old if r.served is not None})
-        return "False", PREVIOUS_VERSION_SERVED, (
-            f"no agent holds the adapter as specified; {', '.join(r.pod for r in old)} still "
-            f"serve(s) a previous version ({', '.join(sources)}); {not_ok}")
+        return (
+            "False",
+            PREVIOUS_VERSION_SERVED,
+            (
+                f"no agent holds the adapter as specified; {', '.join(r.pod for r in old)} still "
+                f"serve(s) a previous version ({', '.join(sources)}); {not_ok}"
+            ),
+        )
     if phase is Phase.DEGRADED:
         return "False", "PartiallyLoaded", not_ok
     return "False", "LoadFailed", not_ok
@@ -175,13 +185,20 @@ def _degraded_condition(results: Sequence[AgentResult]) -> tuple[str, str, str]:
     return "True", "AgentsFailing", f"failing on {names}: {merged_message(results)}"[:MAX_MESSAGE]
 
 
-def condition(type_: str, status: str, reason: str, message: str, generation: int,
-              previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+def condition(
+    type_: str, status: str, reason: str, message: str, generation: int, previous: Sequence[Mapping[str, Any]], now: str
+) -> dict[str, Any]:
     """One metav1.Condition; lastTransitionTime moves only when the status changes."""
     old = next((c for c in previous if c.get("type") == type_), None)
     since = old["lastTransitionTime"] if old and old.get("status") == status else now
-    return {"type": type_, "status": status, "reason": reason, "message": message[:MAX_MESSAGE],
-            "lastTransitionTime": since, "observedGeneration": generation}
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message[:MAX_MESSAGE],
+        "lastTransitionTime": since,
+        "observedGeneration": generation,
+    }
 
 
 def now_rfc3339() -> str:
@@ -208,18 +225,17 @@ def placement_status(placement: Placement, previous: Mapping[str, Any]) -> dict[
     written as None (a merge patch removes it) only when the stored one (``previous``) has it:
     a nested None that is never stored would make every status look changed."""
     skips = sorted(placement.skipped, key=lambda s: (s.reason == "ReplicasReached", s.pod))
-    replicas = ({"replicas": placement.replicas}
-                if placement.replicas is not None or "replicas" in previous else {})
-    return {**replicas, "placed": list(placement.placed[:MAX_LISTED_PLACED]),
-            "placedCount": len(placement.placed),
-            "skipped": [{"pod": s.pod, "reason": str(s.reason),
-                         "message": s.message[:MAX_SKIP_MESSAGE]}
-                        for s in skips[:MAX_LISTED_SKIPS]],
-            "skippedCount": len(placement.skipped)}
+    replicas = {"replicas": placement.replicas} if placement.replicas is not None or "replicas" in previous else {}
+    return {
+        **replicas,
+        "placed": list(placement.placed[:MAX_LISTED_PLACED]),
+        "placedCount": len(placement.placed),
+        "skipped": [{"pod": s.pod, "reason": str(s.reason), "message": s.message[:MAX_SKIP_MESSAGE]} for s in skips[:MAX_LISTED_SKIPS]],
+        "skippedCount": len(placement.skipped),
+    }
 
 
-def _placement_outcome(phase: Phase, placement: Placement | None,
-                       ready: tuple[str, str, str]) -> tuple[Phase, tuple[str, str, str]]:
+def _placement_outcome(phase: Phase, placement: Placement | None, ready: tuple[str, str, str]) -> tuple[Phase, tuple[str, str, str]]:
     """Phase and Ready condition once placement is known: fewer places than ``replicas``
     asked for make an otherwise Ready adapter Degraded."""
     if placement is None or placement.replicas is None or phase is not Phase.READY:
@@ -284,8 +300,7 @@ def build_status(
         # The earliest scheduled retry of a failed agent; None removes it (a merge patch).
         "nextRetryTime": retries[0] if retries else None,
         # None removes a stored placement (a merge patch) when there was none to make.
-        "placement": (placement_status(placement, (previous or {}).get("placement") or {})
-                      if placement is not None else None),
+        "placement": (placement_status(placement, (previous or {}).get("placement") or {}) if placement is not None else None),
         "conditions": [
             condition("Ready", *ready, generation, old_conditions, now),
             condition("Degraded", *degraded, generation, old_conditions, now),
@@ -307,10 +322,7 @@ def initial_status(generation: int) -> dict[str, Any]:
         "phase": str(Phase.LOADING),
         "observedGeneration": generation,
         "conditions": [
-            condition("Ready", "Unknown", "Reconciling", "asking the fleet's agents",
-                      generation, [], now),
-            condition("Degraded", "Unknown", "Reconciling", "asking the fleet's agents",
-                      generation, [], now),
+            condition("Ready", "Unknown", "Reconciling", "asking the fleet's agents", generation, [], now),
+            condition("Degraded", "Unknown", "Reconciling", "asking the fleet's agents", generation, [], now),
         ],
     }
-

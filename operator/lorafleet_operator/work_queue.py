@@ -41,16 +41,19 @@ class BatchQueue(Generic[T, V]):
     caller of it has given up, as a cancelled call would be (the others still want theirs).
     """
 
-    def __init__(self, width: int, size: int,
-                 send: Callable[[Sequence[T]], Awaitable[Sequence[V]]],
-                 joins: Callable[[T, T], bool] = lambda first, other: True) -> None:
+    def __init__(
+        self,
+        width: int,
+        size: int,
+        send: Callable[[Sequence[T]], Awaitable[Sequence[V]]],
+        joins: Callable[[T, T], bool] = lambda first, other: True,
+    ) -> None:
         self._width, self._size, self._send, self._joins = width, max(size, 1), send, joins
         self._waiting: dict[str, collections.deque[_Job[T, V]]] = {}
         self._workers: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # held until done (asyncio's refs are weak)
 
-    def submit(self, key: str, item: T,
-               dropped: Callable[[], None] = lambda: None) -> asyncio.Future[V]:
+    def submit(self, key: str, item: T, dropped: Callable[[], None] = lambda: None) -> asyncio.Future[V]:
         """Queue ``item`` behind ``key``'s others; the future of its outcome."""
         future: asyncio.Future[V] = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(key, collections.deque()).append(_Job(item, future, dropped))
@@ -130,14 +133,12 @@ class WorkQueue:
     per key: a :class:`BatchQueue` whose sends are single jobs."""
 
     def __init__(self, width: int) -> None:
-        self._queue: BatchQueue[Callable[[], Awaitable[Any]], Any] = BatchQueue(
-            width, 1, self._run_one)
+        self._queue: BatchQueue[Callable[[], Awaitable[Any]], Any] = BatchQueue(width, 1, self._run_one)
 
     @staticmethod
     async def _run_one(jobs: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
         return [await jobs[0]()]
 
-    def submit(self, key: str, run: Callable[[], Awaitable[V]],
-               dropped: Callable[[], None] = lambda: None) -> asyncio.Future[V]:
+    def submit(self, key: str, run: Callable[[], Awaitable[V]], dropped: Callable[[], None] = lambda: None) -> asyncio.Future[V]:
         """Queue ``run`` behind ``key``'s other jobs; the future of its outcome."""
         return self._queue.submit(key, run, dropped)

@@ -40,8 +40,9 @@ def every_rpc(stub: agent_pb2_grpc.NodeAgentStub, metadata) -> dict[str, callabl
         "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=30),
         "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), metadata=metadata, timeout=30),
         "LoadAdapter": lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="auth", source_uri="s3://x"), metadata=metadata, timeout=30),
-        "LoadAdapters": lambda: stub.LoadAdapters(pb.LoadAdaptersRequest(loads=[pb.LoadAdapterRequest(name="auth", source_uri="s3://x")]),
-                                                  metadata=metadata, timeout=30),
+        "LoadAdapters": lambda: stub.LoadAdapters(
+            pb.LoadAdaptersRequest(loads=[pb.LoadAdapterRequest(name="auth", source_uri="s3://x")]), metadata=metadata, timeout=30
+        ),
         "UnloadAdapter": lambda: stub.UnloadAdapter(pb.UnloadAdapterRequest(name="auth"), metadata=metadata, timeout=30),
         "Forward": lambda: stub.Forward(pb.ForwardRequest(sequences=[pb.Sequence(token_ids=[1])]), metadata=metadata, timeout=30),
         "Generate": lambda: list(stub.Generate(pb.GenerateRequest(token_ids=[1], max_new_tokens=1), metadata=metadata, timeout=30)),
@@ -50,8 +51,12 @@ def every_rpc(stub: agent_pb2_grpc.NodeAgentStub, metadata) -> dict[str, callabl
 
 @pytest.mark.parametrize(
     "metadata, phrase",
-    [(None, "missing credentials"), ((("authorization", "Bearer wrong"),), "invalid bearer token"),
-     ((("authorization", TOKEN),), "invalid bearer token"), ((("authorization", f"Basic {TOKEN}"),), "invalid bearer token")],
+    [
+        (None, "missing credentials"),
+        ((("authorization", "Bearer wrong"),), "invalid bearer token"),
+        ((("authorization", TOKEN),), "invalid bearer token"),
+        ((("authorization", f"Basic {TOKEN}"),), "invalid bearer token"),
+    ],
     ids=["no-token", "wrong-token", "no-scheme", "basic-scheme"],
 )
 def test_every_method_but_health_needs_the_bearer_token(shared, metadata, phrase):
@@ -101,8 +106,10 @@ def test_an_agent_that_knows_its_pod_answers_no_relayed_challenge(shared):
     """With --pod-name, a challenge for another pod (an impostor relaying the operator's nonce to a
     real agent) gets no proof; its own pod's challenge is answered."""
     nonce = b"\x03" * NONCE_BYTES
-    with extra_server(shared, auth_token=TOKEN, pod_name="ns/agent-0") as server, \
-            grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+    with (
+        extra_server(shared, auth_token=TOKEN, pod_name="ns/agent-0") as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
         stub = agent_pb2_grpc.NodeAgentStub(channel)
         assert stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/impostor"), timeout=30).proof == b""
         own = stub.ProveIdentity(pb.ProveIdentityRequest(nonce=nonce, pod="ns/agent-0"), timeout=30).proof

@@ -48,10 +48,15 @@ def test_health_describe_list_and_forward_answer_while_64_slow_loads_are_pending
     with http_server(shared.root) as http:
         try:
             # Wave 1: a load per name; DOWNLOADS of them hold a download, the others are refused by the bound.
-            first = [stub.LoadAdapter.future(pb.LoadAdapterRequest(name=f"slow{i}", source_uri=http.url("hold", "ad1")), timeout=300)
-                     for i in range(NAMES)]
-            wait_until(lambda: http.holding == DOWNLOADS and sum(f.done() for f in first) == NAMES - DOWNLOADS, 60,
-                       "the downloads held and the bound's refusals")
+            first = [
+                stub.LoadAdapter.future(pb.LoadAdapterRequest(name=f"slow{i}", source_uri=http.url("hold", "ad1")), timeout=300)
+                for i in range(NAMES)
+            ]
+            wait_until(
+                lambda: http.holding == DOWNLOADS and sum(f.done() for f in first) == NAMES - DOWNLOADS,
+                60,
+                "the downloads held and the bound's refusals",
+            )
             assert all("--max-concurrent-downloads" in d for d in _refusals(first))
             # Wave 2: more loads of the names being downloaded (whichever wave-1 loads got there
             # first): they wait for their name (holding a control place) until the control budget
@@ -59,9 +64,12 @@ def test_health_describe_list_and_forward_answer_while_64_slow_loads_are_pending
             downloading = [f"slow{i}" for i, f in enumerate(first) if not f.done()]
             assert len(downloading) == DOWNLOADS
             waiting = DEFAULT_MAX_CONTROL_CALLS - DOWNLOADS
-            second = [stub.LoadAdapter.future(pb.LoadAdapterRequest(name=downloading[i % DOWNLOADS], source_uri=http.url("hold", "ad1")),
-                                              timeout=300)
-                      for i in range(64 - NAMES)]
+            second = [
+                stub.LoadAdapter.future(
+                    pb.LoadAdapterRequest(name=downloading[i % DOWNLOADS], source_uri=http.url("hold", "ad1")), timeout=300
+                )
+                for i in range(64 - NAMES)
+            ]
             wait_until(lambda: sum(f.done() for f in second) == len(second) - waiting, 60, "the control budget's refusals")
             refused = _refusals(second)
             assert all(f"the limit is {DEFAULT_MAX_CONTROL_CALLS} (--max-control-calls)" in d for d in refused), refused[:3]
@@ -105,13 +113,33 @@ def test_serve_flags_set_the_budgets_and_the_hang_timeout(tmp_path):
 
     model = tmp_path / "model"
     model.mkdir()
-    args = build_parser().parse_args(["serve", "--model", str(model), "--max-control-calls", "4", "--max-inference-calls", "6",
-                                      "--reserved-workers", "3", "--engine-hang-timeout-s", "20", "--exit-linger-s", "2"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--max-control-calls",
+            "4",
+            "--max-inference-calls",
+            "6",
+            "--reserved-workers",
+            "3",
+            "--engine-hang-timeout-s",
+            "20",
+            "--exit-linger-s",
+            "2",
+        ]
+    )
     options = server_options(args)
     assert (options.max_control_calls, options.max_inference_calls, options.reserved_workers, options.exit_linger_s) == (4, 6, 3, 2)
     assert agent_config(args).engine_hang_timeout_s == 20
     defaults = build_parser().parse_args(["serve", "--model", str(model)])
     assert server_options(defaults) == ServerOptions(listen="0.0.0.0:50051")
-    for flag, value in (("--max-control-calls", "0"), ("--max-inference-calls", "0"), ("--reserved-workers", "0"),
-                        ("--engine-hang-timeout-s", "0"), ("--exit-linger-s", "-1")):
+    for flag, value in (
+        ("--max-control-calls", "0"),
+        ("--max-inference-calls", "0"),
+        ("--reserved-workers", "0"),
+        ("--engine-hang-timeout-s", "0"),
+        ("--exit-linger-s", "-1"),
+    ):
         assert main(["serve", "--model", str(model), flag, value]) == 2

@@ -52,8 +52,9 @@ def stalling(tmp_path_factory) -> Iterator[Stalling]:
     base = tmp_path_factory.mktemp("stalling")
     model = make_model(base / "model", tokenizer=False)
     adapters = {name: make_adapter(base / "adapters" / name, seed=seed) for name, seed in (("one", 11), ("two", 12))}
-    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2),
-                                 fault_stall_load_on_rank=STALLING_RANK, fault_stall_load_s=STALL_S)
+    engine_config = EngineConfig(
+        model_dir=model, topology=Topology(2, 2), fault_stall_load_on_rank=STALLING_RANK, fault_stall_load_s=STALL_S
+    )
     cache = base / "cache"
     config = AgentConfig(sources=SourcePolicy(adapter_roots=(base / "adapters",), cache_dir=cache), engine_hang_timeout_s=HANG_S)
     agent = Agent.start(engine_config, config)
@@ -102,8 +103,7 @@ def test_an_adapter_the_engine_cannot_serve_is_refused_while_another_load_holds_
     request = pb.LoadAdapterRequest(name="one", source_uri=stalling.adapters["one"].as_uri())
     load = stalling.stub.LoadAdapter.future(request, timeout=120)
     wait_until(lambda: health(stalling.channel) == NOT_SERVING, 30, "rank 1 stalling in the load of 'one'")
-    refused = rpc_error(lambda: stalling.stub.LoadAdapter(
-        pb.LoadAdapterRequest(name="dora", source_uri=dora.as_uri()), timeout=60))
+    refused = rpc_error(lambda: stalling.stub.LoadAdapter(pb.LoadAdapterRequest(name="dora", source_uri=dora.as_uri()), timeout=60))
     assert not load.done(), "the refusal came while the other load still held the engine"
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "DoRA" in refused.details(), refused.details()
     assert load.result(timeout=120).success
@@ -135,7 +135,8 @@ def test_bytes_changed_between_verification_and_a_ranks_read_refuse_the_load(sta
     assert rpc_error(lambda: forward(stalling.stub, ([1, 2], "swapped"))).code() == grpc.StatusCode.NOT_FOUND
     assert not snapshot.exists()
     failures = stalling.agent.metrics.registry.get_sample_value(
-        "lorafleet_agent_failures_total", {"operation": "load", "reason": "digest_mismatch"})
+        "lorafleet_agent_failures_total", {"operation": "load", "reason": "digest_mismatch"}
+    )
     assert failures == 1
     wait_until(lambda: health(stalling.channel) == SERVING, 30, "health SERVING again")
 
@@ -157,9 +158,10 @@ def solo(tmp_path_factory) -> Iterator[Solo]:
     root = base / "adapters"
     make_adapter(root / "ad", seed=21)
     cache = base / "cache"
-    agent = Agent.start(EngineConfig(model_dir=model, topology=Topology(1, 1)),
-                        AgentConfig(sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, download_min_bytes_per_s=0,
-                                                         **LOOPBACK_SOURCES)))
+    agent = Agent.start(
+        EngineConfig(model_dir=model, topology=Topology(1, 1)),
+        AgentConfig(sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, download_min_bytes_per_s=0, **LOOPBACK_SOURCES)),
+    )
     try:
         yield Solo(agent, cache, root)
     finally:
@@ -181,8 +183,10 @@ def test_describe_answers_while_the_server_stops_and_new_calls_are_refused(solo)
                 wait_until(lambda: health(channel) == NOT_SERVING, 30, "health NOT_SERVING while stopping")
                 ranks = stub.Describe(pb.DescribeRequest(), timeout=5).ranks
                 assert [(r.rank, r.alive) for r in ranks] == [(0, True)]
-                for call in (lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="late", source_uri=http.url("files", "ad")), timeout=30),
-                             lambda: forward(stub, ([1, 2], ""))):
+                for call in (
+                    lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="late", source_uri=http.url("files", "ad")), timeout=30),
+                    lambda: forward(stub, ([1, 2], "")),
+                ):
                     error = rpc_error(call)
                     assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.details(), error.details()
                 assert not held.done() and stopper.is_alive(), "the running load keeps its grace"

@@ -23,9 +23,13 @@ def listed(stub) -> set[str]:
 
 def test_a_batch_loads_each_item_on_its_own_and_a_bad_one_fails_alone(shared, stub):
     refused_by_ranks = make_nan_adapter(shared.root / "batch-nan", seed=11)
-    loads = [request("batch-a", shared.adapters["ad0"]), request("../bad-name", shared.adapters["ad1"]),
-             request("batch-nan", refused_by_ranks), request("batch-b", shared.adapters["ad2"]),
-             request("batch-missing", shared.root / "no-such-adapter")]
+    loads = [
+        request("batch-a", shared.adapters["ad0"]),
+        request("../bad-name", shared.adapters["ad1"]),
+        request("batch-nan", refused_by_ranks),
+        request("batch-b", shared.adapters["ad2"]),
+        request("batch-missing", shared.root / "no-such-adapter"),
+    ]
     reply = stub.LoadAdapters(pb.LoadAdaptersRequest(loads=loads), timeout=120)
 
     assert len(reply.outcomes) == len(loads)

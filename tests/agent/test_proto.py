@@ -16,9 +16,20 @@ def test_regenerating_the_proto_code_gives_the_committed_files(tmp_path):
     assert protos, "no .proto files found"
     # The same command as scripts/gen-proto.sh, into a scratch directory.
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I", str(PROTO_ROOT), f"--python_out={tmp_path}",
-         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *map(str, protos)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I",
+            str(PROTO_ROOT),
+            f"--python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            *map(str, protos),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     for proto in protos:
         for suffix in GENERATED_SUFFIXES:

@@ -112,9 +112,22 @@ def test_serve_exits_non_zero_when_a_rank_dies(tmp_path):
     adapter = make_adapter(tmp_path / "adapters" / "ad", seed=1)
     (tmp_path / "token").write_text("s3cret\n")
     process, port = start_serve(
-        tmp_path, "--model", str(model), "--tp", "2", "--dp", "2", "--base-model-name", "llama-test",
-        "--adapter-root", str(tmp_path / "adapters"), "--auth-token-file", str(tmp_path / "token"),
-        "--exit-linger-s", "0")  # the linger is the next test's; here it would only add 5 s
+        tmp_path,
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--base-model-name",
+        "llama-test",
+        "--adapter-root",
+        str(tmp_path / "adapters"),
+        "--auth-token-file",
+        str(tmp_path / "token"),
+        "--exit-linger-s",
+        "0",
+    )  # the linger is the next test's; here it would only add 5 s
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = agent_pb2_grpc.NodeAgentStub(channel)

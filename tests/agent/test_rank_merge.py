@@ -21,12 +21,14 @@ def test_success_only_when_every_rank_succeeded_then_the_first_ranks_holdings():
 
 
 def test_failure_joins_the_ranks_messages_and_takes_the_first_failed_ranks_holdings():
-    result = merge_control([
-        reply(0, True, holds=("a",)),
-        reply(1, False, "disk full", ("b",)),
-        reply(2, False, "bad shape", ("c",)),
-        reply(3, False, "disk full", ("d",)),
-    ])
+    result = merge_control(
+        [
+            reply(0, True, holds=("a",)),
+            reply(1, False, "disk full", ("b",)),
+            reply(2, False, "bad shape", ("c",)),
+            reply(3, False, "disk full", ("d",)),
+        ]
+    )
     assert not result.ok
     assert result.error == "disk full | bad shape"
     assert result.holds == ("b",)

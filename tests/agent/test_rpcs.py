@@ -59,7 +59,9 @@ def test_load_list_forward_unload_round_trip(shared, stub):
     assert reply.success and reply.error_message == "" and not reply.already_loaded
     assert list(reply.loaded_adapters) == ["support"]
     assert [(r.rank, r.attn_dp_rank, r.attn_tp_rank, r.success, r.error_message) for r in reply.rank_results] == [
-        (0, 0, 0, True, ""), (1, 1, 0, True, "")]
+        (0, 0, 0, True, ""),
+        (1, 1, 0, True, ""),
+    ]
 
     (info,) = stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     assert (info.name, info.source_uri, info.pinned, list(info.ranks)) == ("support", path.as_uri(), False, [0, 1])
@@ -85,9 +87,26 @@ def test_forward_logits_equal_the_forward_command(shared, stub, tmp_path):
     load(stub, "sql", shared.adapters["ad1"])
     sequences = [(PROMPT, "sql"), ([5, 6, 7, 8], ""), ([9, 10], "sql")]
     (tmp_path / "in.json").write_text(json.dumps([{"tokens": t, "adapter": a or None} for t, a in sequences]))
-    command = [sys.executable, "-m", "node_agent.cli", "forward", "--model", str(shared.model), "--tp", "2", "--dp", "2",
-               "--max-loaded-loras", "16", "--adapter", f"sql={shared.adapters['ad1']}",
-               "--input", str(tmp_path / "in.json"), "--output", str(tmp_path / "out.safetensors")]
+    command = [
+        sys.executable,
+        "-m",
+        "node_agent.cli",
+        "forward",
+        "--model",
+        str(shared.model),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--max-loaded-loras",
+        "16",
+        "--adapter",
+        f"sql={shared.adapters['ad1']}",
+        "--input",
+        str(tmp_path / "in.json"),
+        "--output",
+        str(tmp_path / "out.safetensors"),
+    ]
     subprocess.run(command, check=True, timeout=300, capture_output=True)
     from safetensors.numpy import load_file
 
@@ -268,7 +287,10 @@ def test_metrics_and_one_structured_log_line_per_control_call(shared, stub, capl
     forward(stub, (PROMPT, ""))
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lorafleet.agent.calls"]
     assert [(line["call"], line["adapter"], line["outcome"]) for line in lines] == [
-        ("load", "observed", "ok"), ("unload", "never-loaded", "not_found"), ("unload", "observed", "ok")]
+        ("load", "observed", "ok"),
+        ("unload", "never-loaded", "not_found"),
+        ("unload", "observed", "ok"),
+    ]
     assert all(isinstance(line["duration_ms"], float) for line in lines)
     assert lines[0]["source"] == shared.adapters["ad3"].as_uri() and "is not loaded" in lines[1]["error"]
 

@@ -83,8 +83,11 @@ def policy(tmp_path: Path) -> SourcePolicy:
     return SourcePolicy(cache_dir=tmp_path / "cache", **LOOPBACK_SOURCES)
 
 
-@pytest.mark.parametrize("credential, header", [(SourceCredential.bearer(TOKEN), f"Bearer {TOKEN}"),
-                                                (SourceCredential.basic(USER, PASSWORD), BASIC)], ids=["bearer", "basic"])
+@pytest.mark.parametrize(
+    "credential, header",
+    [(SourceCredential.bearer(TOKEN), f"Bearer {TOKEN}"), (SourceCredential.basic(USER, PASSWORD), BASIC)],
+    ids=["bearer", "basic"],
+)
 def test_a_credential_goes_to_the_sources_own_urls_and_never_across_a_redirect(servers, tmp_path, caplog, credential, header):
     caplog.set_level(logging.DEBUG)
     private, other = servers
@@ -102,12 +105,15 @@ def test_a_credential_goes_to_the_sources_own_urls_and_never_across_a_redirect(s
         assert secret not in caplog.text and secret not in str(without.value)
 
 
-@pytest.mark.parametrize("make, phrase", [
-    (lambda: SourceCredential.bearer("abc\x07" + TOKEN), "the source token cannot be sent as a header value"),
-    (lambda: SourceCredential.bearer(""), "the source token is empty"),
-    (lambda: SourceCredential.basic("a:b", PASSWORD), "cannot contain ':'"),
-    (lambda: SourceCredential.basic(USER, PASSWORD + "\n"), "the source password cannot be sent as a header value"),
-])
+@pytest.mark.parametrize(
+    "make, phrase",
+    [
+        (lambda: SourceCredential.bearer("abc\x07" + TOKEN), "the source token cannot be sent as a header value"),
+        (lambda: SourceCredential.bearer(""), "the source token is empty"),
+        (lambda: SourceCredential.basic("a:b", PASSWORD), "cannot contain ':'"),
+        (lambda: SourceCredential.basic(USER, PASSWORD + "\n"), "the source password cannot be sent as a header value"),
+    ],
+)
 def test_a_credential_that_cannot_be_a_header_is_refused_without_showing_it(make, phrase):
     with pytest.raises(InvalidRequest, match=phrase) as refused:
         make()
@@ -125,12 +131,14 @@ def test_a_load_with_basic_credentials_over_grpc(shared, servers):
     private, _ = servers
     private.seen.clear()
     basic = pb.SourceBasicAuth(username=USER, password=PASSWORD)
-    both = rpc_error(lambda: shared.stub.LoadAdapter(pb.LoadAdapterRequest(
-        name="cred", source_uri=private.url("files/ad"), source_token=TOKEN, source_basic=basic), timeout=60))
+    both = rpc_error(
+        lambda: shared.stub.LoadAdapter(
+            pb.LoadAdapterRequest(name="cred", source_uri=private.url("files/ad"), source_token=TOKEN, source_basic=basic), timeout=60
+        )
+    )
     assert both.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in both.details()
     assert private.seen == []
-    reply = shared.stub.LoadAdapter(pb.LoadAdapterRequest(name="cred", source_uri=private.url("files/ad"), source_basic=basic),
-                                    timeout=120)
+    reply = shared.stub.LoadAdapter(pb.LoadAdapterRequest(name="cred", source_uri=private.url("files/ad"), source_basic=basic), timeout=120)
     assert reply.success, reply.error_message
     assert [auth for _, auth in private.seen] == [BASIC] * 2
     shared.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="cred"), timeout=60)

@@ -169,8 +169,9 @@ def test_a_stalled_body_is_ended_by_the_deadline_not_by_the_socket_timeout(tmp_p
 
 def test_a_server_under_the_minimum_rate_fails(tmp_path, served):
     with misbehaving(served) as http:
-        limits = policy(tmp_path, download_timeout_s=60, download_min_bytes_per_s=1000, download_rate_window_s=1.0,
-                        download_socket_timeout_s=10)
+        limits = policy(
+            tmp_path, download_timeout_s=60, download_min_bytes_per_s=1000, download_rate_window_s=1.0, download_socket_timeout_s=10
+        )
         with pytest.raises(SourceUnavailable, match=r"too slow: .* under the minimum of 1000 bytes/s"):
             resolve_source(http.url("trickle", "ad"), None, limits)
     assert not leftovers(tmp_path)
@@ -188,8 +189,7 @@ def test_honest_downloads_still_pass_under_the_limits(tmp_path, served):
     assert (source.path / ADAPTER_WEIGHTS).read_bytes() == (served / "ad" / ADAPTER_WEIGHTS).read_bytes()
     # What the engine is told: the digests of the bytes written, and the files' identities after.
     assert source.content == FileDigests(*(sha256_of(source.path / name) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)))
-    assert source.written == WrittenFiles(*(FileIdentity.of(os.stat(source.path / name))
-                                            for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)))
+    assert source.written == WrittenFiles(*(FileIdentity.of(os.stat(source.path / name)) for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)))
     source.discard()
 
 
@@ -203,6 +203,7 @@ def test_https_downloads_verify_the_server_and_obey_the_deadline(tmp_path, serve
     for name, data in (("ca.pem", ca.pem), ("server.pem", pair.cert), ("server.key", pair.key)):
         (tmp_path / name).write_bytes(data)
     with misbehaving(served, tls=(tmp_path / "server.pem", tmp_path / "server.key")) as http:
+
         def https(kind: str) -> str:
             return http.url(kind, "ad").replace("http://", "https://")
 
@@ -224,8 +225,7 @@ def test_downloads_beyond_the_bound_are_refused_at_once(tmp_path, served):
     limits = policy(tmp_path, max_concurrent_downloads=2)
     results: list[ResolvedSource] = []
     with misbehaving(served) as http:
-        threads = [threading.Thread(target=lambda: results.append(resolve_source(http.url("hold", "ad"), None, limits)))
-                   for _ in range(2)]
+        threads = [threading.Thread(target=lambda: results.append(resolve_source(http.url("hold", "ad"), None, limits))) for _ in range(2)]
         for thread in threads:
             thread.start()
         wait_until(lambda: http.holding == 2, 30, "two downloads held by the server")
@@ -250,9 +250,13 @@ def test_credentials_in_urls_are_refused_and_never_repeated(tmp_path, served, ca
     caplog.set_level(logging.DEBUG)
     with misbehaving(served) as http:
         port = http.server_address[1]
-        for uri in (f"http://user:{SECRET}@127.0.0.1:{port}/files/ad", f"https://{SECRET}@example.invalid/ad",
-                    f"file://user:{SECRET}@localhost/adapters/ad", f"http://user:{SECRET}?#x@127.0.0.1:{port}/files/ad",
-                    f"s3://key:{SECRET}@bucket/ad"):
+        for uri in (
+            f"http://user:{SECRET}@127.0.0.1:{port}/files/ad",
+            f"https://{SECRET}@example.invalid/ad",
+            f"file://user:{SECRET}@localhost/adapters/ad",
+            f"http://user:{SECRET}?#x@127.0.0.1:{port}/files/ad",
+            f"s3://key:{SECRET}@bucket/ad",
+        ):
             with pytest.raises(SourceRefused, match="credentials in source URIs are refused") as refused:
                 resolve_source(uri, None, policy(tmp_path, adapter_roots=(tmp_path,)))
             assert refused.value.reason == "credentials" and SECRET not in str(refused.value)
@@ -266,15 +270,18 @@ def test_credentials_in_urls_are_refused_and_never_repeated(tmp_path, served, ca
     assert SECRET not in caplog.text
 
 
-@pytest.mark.parametrize("uri, shown", [
-    ("file:///adapters/ad", "file:///adapters/ad"),
-    ("file:adapters/ad", "file:adapters/ad"),
-    ("http://host/a@b/ad", "http://host/a@b/ad"),  # an '@' in the path is no userinfo
-    (f"http://user:{SECRET}@host/ad", "http://***@host/ad"),
-    (f"http://user:{SECRET}?#@host/ad", "http://***@host/ad"),
-    (f"https://host/ad?X-Signature={SECRET}", "https://host/ad?<redacted>"),
-    (f"https://host/ad#{SECRET}", "https://host/ad?<redacted>"),
-])
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        ("file:///adapters/ad", "file:///adapters/ad"),
+        ("file:adapters/ad", "file:adapters/ad"),
+        ("http://host/a@b/ad", "http://host/a@b/ad"),  # an '@' in the path is no userinfo
+        (f"http://user:{SECRET}@host/ad", "http://***@host/ad"),
+        (f"http://user:{SECRET}?#@host/ad", "http://***@host/ad"),
+        (f"https://host/ad?X-Signature={SECRET}", "https://host/ad?<redacted>"),
+        (f"https://host/ad#{SECRET}", "https://host/ad?<redacted>"),
+    ],
+)
 def test_uris_are_redacted_for_messages_and_logs(uri, shown):
     from node_agent.sources import redact_uri
 
@@ -353,8 +360,12 @@ def test_download_failures_reach_clients_as_unavailable_and_the_bound_as_resourc
         http.release.set()
         holder.join(timeout=60)
         assert held and held[0].success, "the download within the bound loads"
-        error = rpc_error(lambda: stub.LoadAdapter(
-            pb.LoadAdapterRequest(name="creds", source_uri=f"http://u:{SECRET}@127.0.0.1:{http.server_address[1]}/files/ad0"), timeout=60))
+        error = rpc_error(
+            lambda: stub.LoadAdapter(
+                pb.LoadAdapterRequest(name="creds", source_uri=f"http://u:{SECRET}@127.0.0.1:{http.server_address[1]}/files/ad0"),
+                timeout=60,
+            )
+        )
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and SECRET not in error.details()
     _with_sources(shared, monkeypatch, cache_dir=Path(os.devnull) / "cache")
     request = pb.LoadAdapterRequest(name="nocache", source_uri=(shared.root / "ad0").as_uri())
@@ -373,8 +384,19 @@ def test_serve_flags_set_the_download_limits(tmp_path):
     model.mkdir()
     defaults = agent_config(build_parser().parse_args(["serve", "--model", str(model)])).sources
     assert defaults == SourcePolicy()
-    args = build_parser().parse_args(["serve", "--model", str(model), "--download-timeout-s", "90",
-                                      "--download-min-bytes-per-s", "2048", "--max-concurrent-downloads", "3"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--download-timeout-s",
+            "90",
+            "--download-min-bytes-per-s",
+            "2048",
+            "--max-concurrent-downloads",
+            "3",
+        ]
+    )
     sources = agent_config(args).sources
     assert (sources.download_timeout_s, sources.download_min_bytes_per_s, sources.max_concurrent_downloads) == (90, 2048, 3)
     for flag, value in (("--max-concurrent-downloads", "0"), ("--download-timeout-s", "-1"), ("--download-min-bytes-per-s", "-5")):

@@ -171,8 +171,10 @@ def test_a_hub_repository_is_fetched_at_the_commit_its_branch_names(hub, tmp_pat
         assert source.revision == COMMIT_A
         assert sorted(p.name for p in source.path.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
         # The config at the branch, the weights at the commit the branch named.
-        assert [path for path, _ in hub.seen.hub] == [f"/org/lora/resolve/main/{ADAPTER_CONFIG}",
-                                                      f"/org/lora/resolve/{COMMIT_A}/{ADAPTER_WEIGHTS}"]
+        assert [path for path, _ in hub.seen.hub] == [
+            f"/org/lora/resolve/main/{ADAPTER_CONFIG}",
+            f"/org/lora/resolve/{COMMIT_A}/{ADAPTER_WEIGHTS}",
+        ]
     finally:
         source.discard()
 
@@ -221,14 +223,17 @@ def test_a_private_repository_needs_the_token_which_goes_to_the_hub_only(hub, tm
     assert TOKEN not in str(refused.value) and TOKEN not in caplog.text
 
 
-@pytest.mark.parametrize("uri, phrase", [
-    ("hf://org", "names no repository"),
-    ("hf://org/re..po", "names no valid Hub repository"),
-    ("hf://org/lora@bad..rev", "is not a branch, tag or commit id"),
-    ("hf://org/lora/../private", "'.' and '..' are refused"),
-    ("hf://org/lora/%2e%2e/x", "'.' and '..' are refused"),
-    ("hf://org/lora?revision=x", "no query or fragment"),
-])
+@pytest.mark.parametrize(
+    "uri, phrase",
+    [
+        ("hf://org", "names no repository"),
+        ("hf://org/re..po", "names no valid Hub repository"),
+        ("hf://org/lora@bad..rev", "is not a branch, tag or commit id"),
+        ("hf://org/lora/../private", "'.' and '..' are refused"),
+        ("hf://org/lora/%2e%2e/x", "'.' and '..' are refused"),
+        ("hf://org/lora?revision=x", "no query or fragment"),
+    ],
+)
 def test_malformed_hub_uris_are_refused_before_any_request(hub, tmp_path, uri, phrase):
     hub.seen.hub.clear()
     with pytest.raises(SourceRefused, match=phrase):
@@ -255,9 +260,26 @@ def test_the_hub_endpoint_is_held_to_the_allowed_sources_and_a_mirror_must_name_
 
 def test_a_serving_agent_loads_a_private_hub_adapter_with_the_requests_token(hub, tmp_path):
     model = make_model(tmp_path / "model", tokenizer=False)
-    command = [sys.executable, "-m", "node_agent.cli", "--log-level", "INFO", "serve", "--model", str(model), "--listen", "127.0.0.1:0",
-               "--cache-dir", str(tmp_path / "cache"), "--hub-endpoint", hub.endpoint,
-               "--allow-source", "http://127.0.0.1:*/", "--allow-source-network", "127.0.0.0/8"]
+    command = [
+        sys.executable,
+        "-m",
+        "node_agent.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        "--model",
+        str(model),
+        "--listen",
+        "127.0.0.1:0",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--hub-endpoint",
+        hub.endpoint,
+        "--allow-source",
+        "http://127.0.0.1:*/",
+        "--allow-source-network",
+        "127.0.0.0/8",
+    ]
     log = tmp_path / "agent.log"
     with log.open("w") as out:
         agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -268,8 +290,7 @@ def test_a_serving_agent_loads_a_private_hub_adapter_with_the_requests_token(hub
         port = int(match.group(1))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = agent_pb2_grpc.NodeAgentStub(channel)
-            reply = stub.LoadAdapter(pb.LoadAdapterRequest(name="hub", source_uri="hf://org/private",
-                                                           source_token=TOKEN), timeout=120)
+            reply = stub.LoadAdapter(pb.LoadAdapterRequest(name="hub", source_uri="hf://org/private", source_token=TOKEN), timeout=120)
             assert reply.success, reply.error_message
             (listed,) = stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
             assert listed.sha256 == sha256(hub.repos["org/private"].commits[COMMIT_A] / ADAPTER_WEIGHTS)

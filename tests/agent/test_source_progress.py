@@ -50,7 +50,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data[: len(data) // 2])
         self.wfile.flush()
         self.server.release.wait(120)
-        self.wfile.write(data[len(data) // 2:])
+        self.wfile.write(data[len(data) // 2 :])
 
 
 @pytest.fixture
@@ -86,9 +86,13 @@ def test_list_adapters_shows_a_running_download_until_it_ends(shared, server):
     def held() -> list[pb.DownloadProgress]:
         shown = list(shared.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).downloading)
         return shown if shown and shown[0].bytes_done == config + weights // 2 else []
+
     replies: list[pb.LoadAdapterResponse] = []
-    loader = threading.Thread(target=lambda: replies.append(shared.stub.LoadAdapter(
-        pb.LoadAdapterRequest(name="progress", source_uri=half.url("ad")), timeout=120)))
+    loader = threading.Thread(
+        target=lambda: replies.append(
+            shared.stub.LoadAdapter(pb.LoadAdapterRequest(name="progress", source_uri=half.url("ad")), timeout=120)
+        )
+    )
     loader.start()
     try:
         wait_until(lambda: bool(held()), what="the download held halfway")

@@ -105,15 +105,20 @@ def test_http_sources_are_refused_until_the_agent_allows_a_prefix(tmp_path, adap
         url = f"http://127.0.0.1:{server.port}/ad"
         message = refused(url, policy(tmp_path, networks=("127.0.0.0/8",)), "source_not_allowed")
         assert "--allow-source PREFIX" in message and "allows no http(s) sources" in message
-        for sources in ((f"http://127.0.0.1:{server.port}/other/",),  # another path
-                        (f"http://127.0.0.1:{server.port}/a",),  # /a does not cover /ad
-                        (f"https://127.0.0.1:{server.port}/",),  # another scheme
-                        ("http://127.0.0.1/",),  # no port: port 80 only
-                        (f"http://localhost:{server.port}/",)):  # another name for the same address
+        for sources in (
+            (f"http://127.0.0.1:{server.port}/other/",),  # another path
+            (f"http://127.0.0.1:{server.port}/a",),  # /a does not cover /ad
+            (f"https://127.0.0.1:{server.port}/",),  # another scheme
+            ("http://127.0.0.1/",),  # no port: port 80 only
+            (f"http://localhost:{server.port}/",),
+        ):  # another name for the same address
             message = refused(url, policy(tmp_path, sources, ("127.0.0.0/8",)), "source_not_allowed")
             assert "not under any source prefix this agent allows (--allow-source)" in message
-        for sneaky in (f"http://127.0.0.1:{server.port}/ok/../ad", f"http://127.0.0.1:{server.port}/ok/%2e%2e/ad",
-                       f"http://127.0.0.1:{server.port}/ok/..%2fad"):
+        for sneaky in (
+            f"http://127.0.0.1:{server.port}/ok/../ad",
+            f"http://127.0.0.1:{server.port}/ok/%2e%2e/ad",
+            f"http://127.0.0.1:{server.port}/ok/..%2fad",
+        ):
             refused(sneaky, policy(tmp_path, (f"http://127.0.0.1:{server.port}/ok/",), ("127.0.0.0/8",)), "traversal")
         assert server.requests == [], "nothing was fetched from a source that is not allowed"
         for sources in ((f"http://127.0.0.1:{server.port}/ad",), (f"HTTP://127.0.0.1:{server.port}/",), ("http://127.0.0.1:*/",)):
@@ -127,8 +132,15 @@ def test_source_prefixes_are_checked_when_configured():
     org = SourcePrefix.parse("https://h.example/org")
     assert org.covers("https", "h.example", 443, "/org/x") and org.covers("https", "h.example", 443, "/org")
     assert not org.covers("https", "h.example", 443, "/organisation/x") and not org.covers("https", "h.example", 8443, "/org/x")
-    for bad in ("ftp://h.example/", "https:///x", "h.example", "https://u:p@h.example/", "https://h.example/?q=1",
-                "https://h.example/a/../b", "https://h.example:99999/"):
+    for bad in (
+        "ftp://h.example/",
+        "https:///x",
+        "h.example",
+        "https://u:p@h.example/",
+        "https://h.example/?q=1",
+        "https://h.example/a/../b",
+        "https://h.example:99999/",
+    ):
         with pytest.raises(ValueError, match="--allow-source"):
             SourcePrefix.parse(bad)
     with pytest.raises(ValueError, match="--allow-source-network"):
@@ -142,8 +154,19 @@ def test_serve_flags_set_the_allowlist(tmp_path):
     model.mkdir()
     defaults = agent_config(build_parser().parse_args(["serve", "--model", str(model)])).sources
     assert (defaults.allowed_sources, defaults.allowed_networks) == ((), ())
-    args = build_parser().parse_args(["serve", "--model", str(model), "--allow-source", "https://huggingface.co/",
-                                      "--allow-source", "https://models.internal.example/", "--allow-source-network", "10.0.0.0/8"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(model),
+            "--allow-source",
+            "https://huggingface.co/",
+            "--allow-source",
+            "https://models.internal.example/",
+            "--allow-source-network",
+            "10.0.0.0/8",
+        ]
+    )
     sources = agent_config(args).sources
     assert sources.allowed_sources == ("https://huggingface.co/", "https://models.internal.example/")
     assert sources.allowed_networks == ("10.0.0.0/8",)
@@ -155,10 +178,17 @@ def test_serve_flags_set_the_allowlist(tmp_path):
 
 
 # Addresses on this machine (a regression would connect to them, never off the machine).
-@pytest.mark.parametrize("address, kind", [
-    ("127.0.0.1", "loopback"), ("127.0.0.2", "loopback"), ("::1", "loopback"), ("::ffff:127.0.0.1", "loopback"),
-    ("0.0.0.0", "unspecified"), ("::", "unspecified"),
-])
+@pytest.mark.parametrize(
+    "address, kind",
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.0.0.2", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+    ],
+)
 def test_local_addresses_are_never_connected_to(tmp_path, address, kind):
     host = f"[{address}]" if ":" in address else address
     uri = f"http://{host}:9/latest/meta-data/iam/security-credentials"
@@ -169,12 +199,25 @@ def test_local_addresses_are_never_connected_to(tmp_path, address, kind):
 
 # Addresses off this machine: the classification alone (the test must send nothing there, even
 # against code without the check); `_connect_checked` refuses every address it classifies.
-@pytest.mark.parametrize("address, kind", [
-    ("169.254.169.254", "link-local"), ("fe80::1", "link-local"), ("10.1.2.3", "private"), ("172.16.0.1", "private"),
-    ("192.168.1.1", "private"), ("fc00::1", "private"), ("fd12:3456::1", "private"), ("100.64.0.1", "shared"),
-    ("224.0.0.1", "multicast"), ("ff02::1", "multicast"), ("240.0.0.1", "private"), ("fec0::1", "site-local"),
-    ("8.8.8.8", None), ("2606:4700::1111", None),
-])
+@pytest.mark.parametrize(
+    "address, kind",
+    [
+        ("169.254.169.254", "link-local"),
+        ("fe80::1", "link-local"),
+        ("10.1.2.3", "private"),
+        ("172.16.0.1", "private"),
+        ("192.168.1.1", "private"),
+        ("fc00::1", "private"),
+        ("fd12:3456::1", "private"),
+        ("100.64.0.1", "shared"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("240.0.0.1", "private"),
+        ("fec0::1", "site-local"),
+        ("8.8.8.8", None),
+        ("2606:4700::1111", None),
+    ],
+)
 def test_non_public_addresses_are_classified(address, kind):
     found = sources._address_class(ipaddress.ip_address(address))
     assert (found is None) if kind is None else (found is not None and found.startswith(kind)), found
@@ -209,8 +252,12 @@ def test_a_name_resolving_to_a_loopback_address_is_refused(tmp_path, adapter):
 
 
 def test_every_redirect_hop_is_checked(tmp_path, adapter):
-    with serving("127.0.0.2", {"/latest/meta-data/ad/" + ADAPTER_CONFIG: (200, {}, json.dumps({"AccessKeyId": SECRET}).encode())}
-                 ) as metadata, serving("127.0.0.1", adapter_routes(adapter)) as allowed:
+    with (
+        serving(
+            "127.0.0.2", {"/latest/meta-data/ad/" + ADAPTER_CONFIG: (200, {}, json.dumps({"AccessKeyId": SECRET}).encode())}
+        ) as metadata,
+        serving("127.0.0.1", adapter_routes(adapter)) as allowed,
+    ):
         inner = f"http://127.0.0.2:{metadata.port}/latest/meta-data/ad/{ADAPTER_CONFIG}"
         allowed.routes[f"/to-metadata/{ADAPTER_CONFIG}"] = (302, {"Location": inner}, b"")
         allowed.routes[f"/to-unlisted/{ADAPTER_CONFIG}"] = (302, {"Location": f"http://localhost:{metadata.port}/{SECRET}"}, b"")
@@ -251,8 +298,9 @@ def test_a_refused_downloaded_config_is_named_by_field_never_quoted(tmp_path, ad
     routes = adapter_routes(adapter)
     routes[f"/ad/{ADAPTER_CONFIG}"] = (200, {}, json.dumps(config).encode())
     with serving("127.0.0.1", routes) as server:
-        message = refused(f"http://127.0.0.1:{server.port}/ad", policy(tmp_path, ("http://127.0.0.1:*/",), ("127.0.0.1/32",)),
-                          "bad_adapter_config")
+        message = refused(
+            f"http://127.0.0.1:{server.port}/ad", policy(tmp_path, ("http://127.0.0.1:*/",), ("127.0.0.1/32",)), "bad_adapter_config"
+        )
     field = next(iter(HOSTILE_CONFIGS[case]))
     assert f"its field {field!r} is invalid or not supported" in message
     assert SECRET.lower() not in message.lower() and SECRET[:12].lower() not in message.lower()

@@ -37,15 +37,18 @@ def splits(text: str) -> list[list[str]]:
     return result
 
 
-@pytest.mark.parametrize(("text", "stops", "expected", "matched"), [
-    ("hi there. bye", ["."], "hi there", "."),
-    ("abcabd", ["abd"], "abc", "abd"),  # a partial match ("ab") that fails, then a real one
-    ("aaab", ["aab"], "a", "aab"),  # the match starts inside a held-back run
-    ("one END two", ["END", "two"], "one ", "END"),  # the earliest stop string wins
-    ("x STOP", ["STOP", "OP"], "x ", "STOP"),  # earliest start, not earliest end
-    ("no stop here", ["zz"], "no stop here", None),
-    ("end: st", ["stop"], "end: st", None),  # held back, then flushed at the end
-])
+@pytest.mark.parametrize(
+    ("text", "stops", "expected", "matched"),
+    [
+        ("hi there. bye", ["."], "hi there", "."),
+        ("abcabd", ["abd"], "abc", "abd"),  # a partial match ("ab") that fails, then a real one
+        ("aaab", ["aab"], "a", "aab"),  # the match starts inside a held-back run
+        ("one END two", ["END", "two"], "one ", "END"),  # the earliest stop string wins
+        ("x STOP", ["STOP", "OP"], "x ", "STOP"),  # earliest start, not earliest end
+        ("no stop here", ["zz"], "no stop here", None),
+        ("end: st", ["stop"], "end: st", None),  # held back, then flushed at the end
+    ],
+)
 def test_every_split_gives_the_text_before_the_first_stop_string(text, stops, expected, matched):
     for pieces in splits(text):
         out, hit = run(pieces, stops)
@@ -66,11 +69,14 @@ def test_text_that_may_begin_a_stop_string_is_held_back_until_known():
     assert matcher.push("after") == "" and matcher.flush() == ""
 
 
-@pytest.mark.parametrize(("stops", "message"), [
-    ([""], "must not be empty"),
-    (["x" * 257], "at most 256 characters"),
-    (["s"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} stop strings"),
-])
+@pytest.mark.parametrize(
+    ("stops", "message"),
+    [
+        ([""], "must not be empty"),
+        (["x" * 257], "at most 256 characters"),
+        (["s"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS} stop strings"),
+    ],
+)
 def test_bad_stop_strings_are_refused_naming_the_field(stops, message):
     with pytest.raises(ValueError, match=message) as error:
         StopStrings(stops)

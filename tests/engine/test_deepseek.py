@@ -72,8 +72,7 @@ class Topo:
         return f"{self.model}-tp{self.tp}-dp{self.dp}-ep{self.ep}-{'fs' if self.fully_sharded else 'default'}"
 
 
-TOPOLOGIES = [Topo("v2", 2, 2, 1, False), Topo("v3", 4, 2, 2, True), Topo("v3", 2, 1, 2, False),
-              Topo("v2_grouped", 4, 4, 4, False)]
+TOPOLOGIES = [Topo("v2", 2, 2, 1, False), Topo("v3", 4, 2, 2, True), Topo("v3", 2, 1, 2, False), Topo("v2_grouped", 4, 4, 4, False)]
 
 
 @dataclass
@@ -93,13 +92,30 @@ def built(tmp_path_factory) -> dict[str, Built]:
         root = tmp_path_factory.mktemp(f"deepseek-{name}")
         model = R.make_tiny_model(root / "model", family, seed=7, **overrides)
         adapters = {
-            "everything": R.make_adapter(model, root / "everything", seed=1, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                         target_modules=[*mla_modules(model), *MLP_MODULES],
-                                         target_parameters=FUSED_EXPERTS),
+            "everything": R.make_adapter(
+                model,
+                root / "everything",
+                seed=1,
+                r=4,
+                lora_alpha=8,
+                a_std=0.3,
+                b_std=0.3,
+                target_modules=[*mla_modules(model), *MLP_MODULES],
+                target_parameters=FUSED_EXPERTS,
+            ),
             "per_expert": make_per_expert_adapter(model, root / "per_expert", seed=2, r=4, lora_alpha=8),
             # MLA only, rsLoRA, rank 2 < max rank
-            "mla_rslora": R.make_adapter(model, root / "mla_rslora", seed=3, r=2, lora_alpha=4, use_rslora=True,
-                                         a_std=0.3, b_std=0.3, target_modules=mla_modules(model)),
+            "mla_rslora": R.make_adapter(
+                model,
+                root / "mla_rslora",
+                seed=3,
+                r=2,
+                lora_alpha=4,
+                use_rslora=True,
+                a_std=0.3,
+                b_std=0.3,
+                target_modules=mla_modules(model),
+            ),
         }
         vocab = model_config(model)["vocab_size"]
         names: list[str | None] = ["everything", None, "per_expert", "mla_rslora", None]
@@ -129,10 +145,15 @@ class Served:
 def served(request, built) -> Iterator[Served]:
     topo: Topo = request.param
     item = built[topo.model]
-    config = EngineConfig(model_dir=item.model, topology=Topology(topo.tp, topo.dp, ep_size=topo.ep,
-                                                                  fully_sharded_loras=topo.fully_sharded),
-                          max_lora_rank=MAX_RANK, max_loras_per_batch=3, block_size=BLOCK_SIZE, max_num_seqs=8,
-                          max_num_batched_tokens=16)
+    config = EngineConfig(
+        model_dir=item.model,
+        topology=Topology(topo.tp, topo.dp, ep_size=topo.ep, fully_sharded_loras=topo.fully_sharded),
+        max_lora_rank=MAX_RANK,
+        max_loras_per_batch=3,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )
     with Engine(config) as engine:
         for name, path in item.adapters.items():
             engine.load_adapter(name, path)
@@ -187,9 +208,15 @@ def reference_generate(model_dir: Path, adapter_dir: Path | None, tokens: list[i
     if key not in _HF:
         base = load_base_model(model_dir)
         _HF[key] = base if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(base), str(adapter_dir)).eval()
-    out = _HF[key].generate(input_ids=torch.tensor([tokens]), attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
-                            max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return list(out[0, len(tokens):].tolist())
+    out = _HF[key].generate(
+        input_ids=torch.tensor([tokens]),
+        attention_mask=torch.ones(1, len(tokens), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return list(out[0, len(tokens) :].tolist())
 
 
 def test_concurrent_greedy_generate_equals_peft(served: Served):
@@ -229,9 +256,12 @@ def test_mla_buffers_match_slices_and_rebuild_the_adapter(built, tp, dp, fully_s
         full = load_file(str(item.adapters["everything"] / WEIGHTS_FILE))
         rebuilt: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for rank in range(tp):
-            layers = {(0, kind): LAYER_CLASSES[MODULE_KINDS[kind].style](
-                module_layout(cfg, topology, rank, kind), None, capacity, False, torch.float32, torch.device("cpu"))
-                for kind in kinds}
+            layers = {
+                (0, kind): LAYER_CLASSES[MODULE_KINDS[kind].style](
+                    module_layout(cfg, topology, rank, kind), None, capacity, False, torch.float32, torch.device("cpu")
+                )
+                for kind in kinds
+            }
             shard = read_shard(spec, {key: layer.lora_slices() for key, layer in layers.items()})
             assert set(shard.weights) == set(layers)
             for key, (part,) in shard.weights.items():
@@ -286,8 +316,9 @@ def test_the_kv_cache_holds_one_latent_per_token_on_every_rank(built):
     for tp, dp in ((1, 1), (4, 1), (4, 4)):
         for rank in range(tp):
             layout = kv_cache_layout(cfg, Topology(tp, dp), rank, BLOCK_SIZE, torch.float32)
-            assert layout == KVCacheLayout(cfg.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, BLOCK_SIZE,
-                                           torch.float32, latent=True)
+            assert layout == KVCacheLayout(
+                cfg.num_layers, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, BLOCK_SIZE, torch.float32, latent=True
+            )
     layout = kv_cache_layout(cfg, Topology(1), 0, BLOCK_SIZE, torch.float32)
     assert layout.bytes_per_token == cfg.num_layers * 20 * 4
     per_head = cfg.num_layers * cfg.num_heads * (mla.qk_head_dim + mla.v_head_dim) * 4

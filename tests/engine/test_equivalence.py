@@ -73,8 +73,13 @@ BATCHES: dict[str, dict[str, list[tuple[str | None, int]]]] = {
     "standard": {
         "base": [(None, 5), (None, 3), (None, 1)],
         "mixed": [
-            ("all_list", 5), (None, 3), ("qv_r2", 7), ("down_r16", 1),
-            ("rslora_all_linear", 4), ("all_list", 2), (None, 6),
+            ("all_list", 5),
+            (None, 3),
+            ("qv_r2", 7),
+            ("down_r16", 1),
+            ("rslora_all_linear", 4),
+            ("all_list", 2),
+            (None, 6),
         ],
         "evict": [("patterns_regex", 6), ("layers_subset", 5), (None, 2), ("rslora_patterns", 3), ("qv_r2", 4)],
         "single_adapter": [("rslora_all_linear", 5)],
@@ -212,8 +217,7 @@ def test_loading_adapters_never_changes_base_output(run: Run):
     for i, (b, a) in enumerate(zip(before, after, strict=True)):
         if not torch.equal(b, a):
             pytest.fail(
-                f"[{run.spec.id}] base-only seq {i} changed after loading adapters: "
-                f"max abs diff {(a - b).abs().max().item():.3e}",
+                f"[{run.spec.id}] base-only seq {i} changed after loading adapters: max abs diff {(a - b).abs().max().item():.3e}",
                 pytrace=False,
             )
 
@@ -255,8 +259,21 @@ def test_cli_forward_matches_reference(artifacts, tmp_path):
     inp.write_text(json.dumps([{"tokens": s.tokens, "adapter": s.adapter} for s in seqs]))
     out = tmp_path / "out.safetensors"
     cmd = [
-        *_agent_cmd(), "forward", "--model", str(model_dir), "--tp", "2", "--dp", "2", "--fully-sharded-loras",
-        "--max-lora-rank", "16", "--max-loras-per-batch", "4", "--max-loaded-loras", "8",
+        *_agent_cmd(),
+        "forward",
+        "--model",
+        str(model_dir),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--fully-sharded-loras",
+        "--max-lora-rank",
+        "16",
+        "--max-loras-per-batch",
+        "4",
+        "--max-loaded-loras",
+        "8",
     ]
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
@@ -279,9 +296,22 @@ def test_cli_bad_adapter_exits_nonzero_with_one_line(artifacts, tmp_path):
     inp.write_text(json.dumps([{"tokens": draw_tokens(910, 4, vocab), "adapter": "bad"}, {"tokens": [1, 2], "adapter": None}]))
     out = tmp_path / "out.safetensors"
     cmd = [
-        *_agent_cmd(), "forward", "--model", str(model_dir), "--tp", "2", "--dp", "1",
-        "--adapter", f"good={good}", "--adapter", f"bad={bad}",
-        "--input", str(inp), "--output", str(out),
+        *_agent_cmd(),
+        "forward",
+        "--model",
+        str(model_dir),
+        "--tp",
+        "2",
+        "--dp",
+        "1",
+        "--adapter",
+        f"good={good}",
+        "--adapter",
+        f"bad={bad}",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
     ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0, f"bad adapter accepted; stdout:\n{proc.stdout[-2000:]}"

@@ -31,8 +31,7 @@ MAX_RANK = 8
 FUSED_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # (tp, ep, dp, fully_sharded): tp in {2, 4}, ep in {1, 2, 4} dividing tp, dp in {1, 2}, both modes.
-MATRIX = [(2, 1, 1, False), (2, 2, 2, True), (4, 1, 2, True), (4, 2, 1, False), (4, 4, 2, False),
-          (4, 4, 1, True), (4, 2, 2, True)]
+MATRIX = [(2, 1, 1, False), (2, 2, 2, True), (4, 1, 2, True), (4, 2, 1, False), (4, 4, 2, False), (4, 4, 1, True), (4, 2, 2, True)]
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +40,39 @@ def moe(tmp_path_factory):
     model = R.make_tiny_model(root / "model", "qwen3_moe", seed=5)
     adapters = {
         # experts (fused form) and attention together
-        "fused": R.make_adapter(model, root / "fused", seed=1, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                target_modules=["q_proj", "v_proj"], target_parameters=FUSED_PARAMS),
+        "fused": R.make_adapter(
+            model,
+            root / "fused",
+            seed=1,
+            r=4,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=FUSED_PARAMS,
+        ),
         # experts only, rsLoRA, rank 2 < max rank
-        "fused_rslora": R.make_adapter(model, root / "fused_rslora", seed=2, r=2, lora_alpha=4, use_rslora=True,
-                                       a_std=0.3, b_std=0.3, target_modules=[], target_parameters=FUSED_PARAMS),
+        "fused_rslora": R.make_adapter(
+            model,
+            root / "fused_rslora",
+            seed=2,
+            r=2,
+            lora_alpha=4,
+            use_rslora=True,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=[],
+            target_parameters=FUSED_PARAMS,
+        ),
         "per_expert": R.make_per_expert_adapter(model, root / "per_expert", seed=3, r=4, lora_alpha=8),
     }
     tokens = [[(11 * i + 7 * j) % 250 for j in range(5 + 2 * i)] for i in range(4)]
-    batch = [SequenceInput(tokens[0], "fused"), SequenceInput(tokens[1], None),
-             SequenceInput(tokens[2], "per_expert"), SequenceInput(tokens[3], "fused_rslora")]
+    batch = [
+        SequenceInput(tokens[0], "fused"),
+        SequenceInput(tokens[1], None),
+        SequenceInput(tokens[2], "per_expert"),
+        SequenceInput(tokens[3], "fused_rslora"),
+    ]
     reference = R.reference_logits(model, batch, adapters)
     base = R.reference_logits(model, [SequenceInput(s.tokens, None) for s in batch])
     return model, adapters, batch, reference, base
@@ -67,8 +89,12 @@ def test_every_adapter_changes_the_reference(moe):
 @pytest.mark.parametrize("tp,ep,dp,fully_sharded", MATRIX, ids=[f"tp{t}-ep{e}-dp{d}-{'fs' if f else 'default'}" for t, e, d, f in MATRIX])
 def test_moe_logits_equal_peft(moe, tp, ep, dp, fully_sharded):
     model, adapters, batch, reference, _ = moe
-    config = EngineConfig(model_dir=model, topology=Topology(tp, dp, ep_size=ep, fully_sharded_loras=fully_sharded),
-                          max_lora_rank=MAX_RANK, max_loras_per_batch=3)
+    config = EngineConfig(
+        model_dir=model,
+        topology=Topology(tp, dp, ep_size=ep, fully_sharded_loras=fully_sharded),
+        max_lora_rank=MAX_RANK,
+        max_loras_per_batch=3,
+    )
     with Engine(config) as engine:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
@@ -90,10 +116,27 @@ def shared_expert_moe(tmp_path_factory):
     model = R.make_tiny_model(root / "model", "qwen2_moe", seed=6)
     adapters = {
         # all-linear: attention, shared expert and its gate; plus the fused routed experts
-        "everything": R.make_adapter(model, root / "everything", seed=4, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                     target_modules="all-linear", target_parameters=FUSED_PARAMS),
-        "shared_only": R.make_adapter(model, root / "shared_only", seed=5, r=2, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                      target_modules=["shared_expert_gate", "gate_proj", "down_proj"]),
+        "everything": R.make_adapter(
+            model,
+            root / "everything",
+            seed=4,
+            r=4,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules="all-linear",
+            target_parameters=FUSED_PARAMS,
+        ),
+        "shared_only": R.make_adapter(
+            model,
+            root / "shared_only",
+            seed=5,
+            r=2,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=["shared_expert_gate", "gate_proj", "down_proj"],
+        ),
     }
     tokens = [[(13 * i + 5 * j) % 250 for j in range(4 + 3 * i)] for i in range(3)]
     batch = [SequenceInput(tokens[0], "everything"), SequenceInput(tokens[1], None), SequenceInput(tokens[2], "shared_only")]
@@ -105,12 +148,17 @@ def shared_expert_moe(tmp_path_factory):
     return model, adapters, batch, reference
 
 
-@pytest.mark.parametrize("tp,ep,dp,fully_sharded", SHARED_MATRIX,
-                         ids=[f"tp{t}-ep{e}-dp{d}-{'fs' if f else 'default'}" for t, e, d, f in SHARED_MATRIX])
+@pytest.mark.parametrize(
+    "tp,ep,dp,fully_sharded", SHARED_MATRIX, ids=[f"tp{t}-ep{e}-dp{d}-{'fs' if f else 'default'}" for t, e, d, f in SHARED_MATRIX]
+)
 def test_shared_expert_logits_equal_peft(shared_expert_moe, tp, ep, dp, fully_sharded):
     model, adapters, batch, reference = shared_expert_moe
-    config = EngineConfig(model_dir=model, topology=Topology(tp, dp, ep_size=ep, fully_sharded_loras=fully_sharded),
-                          max_lora_rank=MAX_RANK, max_loras_per_batch=2)
+    config = EngineConfig(
+        model_dir=model,
+        topology=Topology(tp, dp, ep_size=ep, fully_sharded_loras=fully_sharded),
+        max_lora_rank=MAX_RANK,
+        max_loras_per_batch=2,
+    )
     with Engine(config) as engine:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
@@ -134,8 +182,7 @@ def test_expert_buffers_match_slices_and_rebuild_each_expert(moe, tp, ep, fully_
         assert experts.width == cfg.moe.num_experts // ep
         views = {}
         for kind in EXPERT_KINDS:
-            module = ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, None, capacity,
-                                      torch.float32, torch.device("cpu"))
+            module = ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, None, capacity, torch.float32, torch.device("cpu"))
             for local, expert in enumerate(range(experts.start, experts.stop)):
                 views[(0, kind, expert)] = ExpertSlotView(module, local)
         layouts = {key: view.lora_slices() for key, view in views.items()}
@@ -176,8 +223,10 @@ def test_tokens_of_other_experts_and_id_minus_one_contribute_nothing(moe):
     rank = 0  # holds experts 0 and 1 of 4
     capacity = LoraCapacity(MAX_RANK, 1, False)
     experts = local_experts(cfg, topology, rank)
-    projections = [ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, None, capacity,
-                                    torch.float32, torch.device("cpu")) for kind in EXPERT_KINDS]
+    projections = [
+        ExpertLoraLinear(module_layout(cfg, topology, rank, kind), experts, None, capacity, torch.float32, torch.device("cpu"))
+        for kind in EXPERT_KINDS
+    ]
     for module in projections:
         module.weight.normal_()
         for stack in (*module.a_stacks, *module.b_stacks):
@@ -199,9 +248,26 @@ def test_forward_command_with_expert_parallelism_matches_peft(moe, tmp_path):
     inp = tmp_path / "in.json"
     inp.write_text(json.dumps([{"tokens": s.tokens, "adapter": s.adapter} for s in batch]))
     out = tmp_path / "out.safetensors"
-    cmd = [str(Path(sys.executable).with_name("lorafleet-agent")), "forward", "--model", str(model),
-           "--tp", "2", "--dp", "2", "--ep", "2", "--max-lora-rank", str(MAX_RANK), "--max-loras-per-batch", "3",
-           "--input", str(inp), "--output", str(out)]
+    cmd = [
+        str(Path(sys.executable).with_name("lorafleet-agent")),
+        "forward",
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--max-lora-rank",
+        str(MAX_RANK),
+        "--max-loras-per-batch",
+        "3",
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+    ]
     for name, path in adapters.items():
         cmd += ["--adapter", f"{name}={path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)

@@ -21,8 +21,17 @@ from node_agent.engine.peft_adapter import CONFIG_FILE, AdapterLoadError, read_a
 MODULE_NAMES = [
     f"model.layers.{layer}.{module}"
     for layer in (0, 1, 3, 10)
-    for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                   "mlp.down_proj", "mlp.experts.0.gate_proj", "mlp.experts.3.down_proj", "mlp.shared_experts.up_proj")
+    for module in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.down_proj",
+        "mlp.experts.0.gate_proj",
+        "mlp.experts.3.down_proj",
+        "mlp.shared_experts.up_proj",
+    )
 ]
 
 SELECTING_CONFIGS: dict[str, dict[str, Any]] = {
@@ -36,8 +45,11 @@ SELECTING_CONFIGS: dict[str, dict[str, Any]] = {
     "layer_list": {"target_modules": ["q_proj", "down_proj"], "layers_to_transform": [0, 10]},
     "layer_list_empty": {"target_modules": ["q_proj"], "layers_to_transform": []},
     "layers_pattern": {"target_modules": ["q_proj", "gate_proj"], "layers_to_transform": [3], "layers_pattern": "layers"},
-    "layers_patterns": {"target_modules": ["gate_proj", "down_proj"], "layers_to_transform": [0, 3],
-                        "layers_pattern": ["blocks", "experts"]},
+    "layers_patterns": {
+        "target_modules": ["gate_proj", "down_proj"],
+        "layers_to_transform": [0, 3],
+        "layers_pattern": ["blocks", "experts"],
+    },
     "exact_name_beside_layers": {"target_modules": ["model.layers.1.self_attn.k_proj", "q_proj"], "layers_to_transform": [0]},
     "parameters_only": {"target_modules": None, "target_parameters": ["mlp.experts.gate_up_proj"]},
 }
@@ -68,16 +80,19 @@ def test_all_linear_selects_every_module(tmp_path):
     assert all(ours.targets(name) for name in MODULE_NAMES)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"target_modules": r".*_proj", "layers_to_transform": [0]}, "layers_to_transform cannot be used with a string target_modules"),
-    ({"target_modules": r".*_proj", "layers_pattern": "layers"}, "layers_pattern cannot be used with a string target_modules"),
-    ({"target_modules": ["q_proj"], "layers_pattern": "layers"}, "layers_pattern needs layers_to_transform"),
-    ({"target_modules": ["q_proj"], "layers_to_transform": "0"}, "layers_to_transform:"),
-    ({"target_modules": ["q_proj"], "layers_to_transform": [-1]}, "layers_to_transform[0]:"),
-    ({"target_modules": ["q_proj"], "exclude_modules": 5}, "exclude_modules:"),
-    ({"target_modules": ["q_proj"], "exclude_modules": r"(a)\1"}, "exclude_modules"),
-    ({"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "(?<=x)layers"}, "layers_pattern"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"target_modules": r".*_proj", "layers_to_transform": [0]}, "layers_to_transform cannot be used with a string target_modules"),
+        ({"target_modules": r".*_proj", "layers_pattern": "layers"}, "layers_pattern cannot be used with a string target_modules"),
+        ({"target_modules": ["q_proj"], "layers_pattern": "layers"}, "layers_pattern needs layers_to_transform"),
+        ({"target_modules": ["q_proj"], "layers_to_transform": "0"}, "layers_to_transform:"),
+        ({"target_modules": ["q_proj"], "layers_to_transform": [-1]}, "layers_to_transform[0]:"),
+        ({"target_modules": ["q_proj"], "exclude_modules": 5}, "exclude_modules:"),
+        ({"target_modules": ["q_proj"], "exclude_modules": r"(a)\1"}, "exclude_modules"),
+        ({"target_modules": ["q_proj"], "layers_to_transform": [0], "layers_pattern": "(?<=x)layers"}, "layers_pattern"),
+    ],
+)
 def test_what_peft_refuses_or_re2_cannot_run_is_refused_naming_the_field(tmp_path, fields, message):
     with pytest.raises(AdapterLoadError, match=message.replace("[", r"\[").replace("]", r"\]")):
         engine_config(tmp_path, fields)

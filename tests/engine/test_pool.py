@@ -25,8 +25,7 @@ MAX_RANK = 8
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
     cfg = ModelConfig.from_dir(write_model(root / "model", SHAPE))
-    adapters = {name: write_adapter(root / name, SHAPE, rank=4, seed=seed)
-                for seed, name in enumerate(["a", "b", "c", "p"])}
+    adapters = {name: write_adapter(root / name, SHAPE, rank=4, seed=seed) for seed, name in enumerate(["a", "b", "c", "p"])}
     adapters["qv"] = write_adapter(root / "qv", SHAPE, rank=2, seed=9, targets=("q_proj", "v_proj"))
     return cfg, adapters
 
@@ -34,12 +33,14 @@ def setup(tmp_path_factory):
 def make_pool(cfg, adapters, slots: int, max_loaded: int = 8):
     capacity = LoraCapacity(MAX_RANK, slots, fully_sharded=False)
     topology = Topology(1)
-    modules = {(0, name): LAYER_CLASSES[kind.style](module_layout(cfg, topology, 0, name), None, capacity, False,
-                                                    torch.float32, torch.device("cpu"))
-               for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)}
+    modules = {
+        (0, name): LAYER_CLASSES[kind.style](
+            module_layout(cfg, topology, 0, name), None, capacity, False, torch.float32, torch.device("cpu")
+        )
+        for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)
+    }
     layouts = {key: module.lora_slices() for key, module in modules.items()}
-    shards = {name: read_shard(read_adapter_spec(path, cfg, MAX_RANK), layouts)
-              for name, path in adapters.items()}
+    shards = {name: read_shard(read_adapter_spec(path, cfg, MAX_RANK), layouts) for name, path in adapters.items()}
     return LoraPool(modules, slots, max_loaded), shards
 
 
@@ -155,8 +156,10 @@ def test_shards_hold_the_files_values_in_every_dtype(setup, tmp_path, file_dtype
     to fp32 equals the shard of the same adapter written in fp32."""
     cfg, adapters = setup
     generator = torch.Generator().manual_seed(3)
-    tensors = {key: (torch.randint(-200, 200, tensor.shape, generator=generator) / 256)
-               for key, tensor in load_file(adapters["a"] / WEIGHTS_FILE).items()}
+    tensors = {
+        key: (torch.randint(-200, 200, tensor.shape, generator=generator) / 256)
+        for key, tensor in load_file(adapters["a"] / WEIGHTS_FILE).items()
+    }
     paths = {}
     for dtype in (torch.float32, file_dtype):
         path = tmp_path / str(dtype).split(".")[1]

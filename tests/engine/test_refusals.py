@@ -55,7 +55,12 @@ def served(artifacts, tmp_path_factory):
     with api.Engine(config) as engine:
         engine.load_adapter("good", good, pinned=False)
         yield Served(
-            api, engine, model_dir, good, good2, tmp_path_factory.mktemp("bad-adapters"),
+            api,
+            engine,
+            model_dir,
+            good,
+            good2,
+            tmp_path_factory.mktemp("bad-adapters"),
             R.model_config(model_dir)["vocab_size"],
         )
 
@@ -111,7 +116,11 @@ def test_pickle_next_to_safetensors_is_never_opened(served: Served):
     adapter_model.pt (a pickle that would create a marker directory) loads from safetensors;
     neither pickle is opened by any process."""
     adapter_dir, decoys, marker = R.make_adapter_with_pickle_decoys(
-        served.model_dir, served.bad_root / "decoys", seed=31, r=8, lora_alpha=16,
+        served.model_dir,
+        served.bad_root / "decoys",
+        seed=31,
+        r=8,
+        lora_alpha=16,
         target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "down_proj"],
     )
     with R.FileOpenWatcher(decoys) as watcher:
@@ -213,7 +222,8 @@ def test_catastrophic_patterns_are_matched_in_linear_time(served: Served):
     300 s); RE2 matches in linear time. The patterns change nothing, so the adapter serves
     exactly what its clean copy (the reference; PEFT would hang on the patterns) serves."""
     evil, clean = B.make_catastrophic_pattern_adapter(
-        served.model_dir, served.bad_root / "catastrophic", served.bad_root / "catastrophic-clean")
+        served.model_dir, served.bad_root / "catastrophic", served.bad_root / "catastrophic-clean"
+    )
     served.engine.load_adapter("catastrophic", evil, pinned=False)
     try:
         seqs = [Seq(draw_tokens(9, 6, served.vocab), "catastrophic"), Seq(draw_tokens(10, 3, served.vocab), "good")]

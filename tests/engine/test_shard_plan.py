@@ -42,8 +42,11 @@ def adapter(tmp_path_factory):
 
 
 def rank_layouts(cfg: ModelConfig, topology: Topology, rank: int) -> dict:
-    return {(layer, kind): lora_layout(module_layout(cfg, topology, rank, kind), MAX_RANK, topology.fully_sharded_loras)
-            for layer in range(cfg.num_layers) for kind in model_kinds(cfg)}
+    return {
+        (layer, kind): lora_layout(module_layout(cfg, topology, rank, kind), MAX_RANK, topology.fully_sharded_loras)
+        for layer in range(cfg.num_layers)
+        for kind in model_kinds(cfg)
+    }
 
 
 def assert_same_plan(got: ShardPlan, want: ShardPlan) -> None:

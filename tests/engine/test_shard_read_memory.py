@@ -58,8 +58,11 @@ def first_read(model_dir: Path, adapter_dir: Path, warm_up: bool) -> ReadMemory:
     torch.set_num_threads(1)  # as a CPU rank on a machine with fewer cores than ranks
     cfg = ModelConfig.from_dir(model_dir)
     spec = read_adapter_spec(adapter_dir, cfg, RANK)
-    layouts = {(layer, kind): lora_layout(module_layout(cfg, TOPOLOGY, 0, kind), RANK, False)
-               for layer in range(cfg.num_layers) for kind in model_kinds(cfg)}
+    layouts = {
+        (layer, kind): lora_layout(module_layout(cfg, TOPOLOGY, 0, kind), RANK, False)
+        for layer in range(cfg.num_layers)
+        for kind in model_kinds(cfg)
+    }
     plan = plan_shard(spec, layouts, torch.float32)
     if warm_up:
         warm_up_shard_reads(torch.float32)

@@ -24,8 +24,7 @@ ADAPTER_RANK = 3  # below max rank and not divisible by tp: exercises padding
 
 SHAPES = {
     "kv2": SyntheticModel(num_heads=8, num_kv_heads=2, head_dim=8, hidden_size=32, intermediate_size=64),
-    "kv1_headdim": SyntheticModel(num_heads=8, num_kv_heads=1, head_dim=12, hidden_size=32, intermediate_size=64,
-                                  model_type="qwen3"),
+    "kv1_headdim": SyntheticModel(num_heads=8, num_kv_heads=1, head_dim=12, hidden_size=32, intermediate_size=64, model_type="qwen3"),
 }
 TOPOLOGIES = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2)]
 
@@ -42,8 +41,9 @@ def model_and_adapter(request, tmp_path_factory):
 def build_layers(cfg: ModelConfig, topology: Topology, rank: int):
     capacity = LoraCapacity(MAX_RANK, slots=2, fully_sharded=topology.fully_sharded_loras)
     return {
-        (0, name): LAYER_CLASSES[kind.style](module_layout(cfg, topology, rank, name), None, capacity, False,
-                                             torch.float32, torch.device("cpu"))
+        (0, name): LAYER_CLASSES[kind.style](
+            module_layout(cfg, topology, rank, name), None, capacity, False, torch.float32, torch.device("cpu")
+        )
         for name, kind in ((n, MODULE_KINDS[n]) for n in DENSE_KINDS)
     }
 

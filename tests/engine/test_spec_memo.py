@@ -88,8 +88,7 @@ def with_config(source: Path, target: Path, **fields: object) -> Path:
 def test_a_config_that_differs_only_in_fields_the_engine_does_not_read_reuses_the_spec(model, tmp_path):
     cfg, _ = model
     first = write_adapter(tmp_path / "first", SHAPE, rank=4)
-    other = with_config(first, tmp_path / "other", revision="v2", base_model_name_or_path="elsewhere/model",
-                        task_type=None)
+    other = with_config(first, tmp_path / "other", revision="v2", base_model_name_or_path="elsewhere/model", task_type=None)
     memo = SpecMemo(cfg, MAX_RANK)
     known, again = verify_adapter(first, memo, None).spec, verify_adapter(other, memo, None).spec
     assert again.modules is known.modules and again.content == known.content, "one spec for both configs"
@@ -97,15 +96,18 @@ def test_a_config_that_differs_only_in_fields_the_engine_does_not_read_reuses_th
     assert again.modules == read_adapter_spec(other, cfg, MAX_RANK).modules
 
 
-@pytest.mark.parametrize("field, value, refused", [
-    ("lora_alpha", 2.0, None),
-    ("use_rslora", True, None),
-    ("alpha_pattern", {"q_proj": 2.0}, None),
-    ("rank_pattern", {"q_proj": 2}, "rank"),  # the tensors have rank 4
-    ("target_modules", ["q_proj", "v_proj"], "does not select"),  # the header has every module
-    ("exclude_modules", ["down_proj"], "does not select"),
-    ("layers_to_transform", [0], "does not select"),  # the header has every layer
-])
+@pytest.mark.parametrize(
+    "field, value, refused",
+    [
+        ("lora_alpha", 2.0, None),
+        ("use_rslora", True, None),
+        ("alpha_pattern", {"q_proj": 2.0}, None),
+        ("rank_pattern", {"q_proj": 2}, "rank"),  # the tensors have rank 4
+        ("target_modules", ["q_proj", "v_proj"], "does not select"),  # the header has every module
+        ("exclude_modules", ["down_proj"], "does not select"),
+        ("layers_to_transform", [0], "does not select"),  # the header has every layer
+    ],
+)
 def test_a_config_that_differs_in_a_field_matching_reads_is_matched_anew(model, tmp_path, field, value, refused):
     cfg, _ = model
     first = write_adapter(tmp_path / "first", SHAPE, rank=4, alpha=8.0)

@@ -66,8 +66,7 @@ def context(model: CausalLM, kv: PagedKVCache, tokens: int, position: int, slot:
     cos, sin = model.rope_tables(slots)
     lora = LoraBatch.from_token_slots(torch.full((tokens,), slot, dtype=torch.int64))
     blocks = list(range(-(-(position + tokens) // BLOCK)))
-    attention = AttentionBatch(kv, torch.tensor(slots), block_table_tensor([blocks], torch.device("cpu")), [tokens],
-                               [position + tokens])
+    attention = AttentionBatch(kv, torch.tensor(slots), block_table_tensor([blocks], torch.device("cpu")), [tokens], [position + tokens])
     return ForwardContext([tokens], 0, 0, lora, lora, cos, sin, attention, torch.tensor([tokens - 1]))
 
 
@@ -81,8 +80,9 @@ def build(model_dir: Path) -> tuple[CausalLM, PagedKVCache]:
     gen = torch.Generator().manual_seed(0)
     for module in model.lora_modules().values():
         for slot in (1, 2):
-            module.set_slot(slot, [SliceWeights(torch.randn(a, generator=gen), torch.randn(b, generator=gen), 0.5)
-                                   for a, b in module.slot_shapes()])
+            module.set_slot(
+                slot, [SliceWeights(torch.randn(a, generator=gen), torch.randn(b, generator=gen), 0.5) for a, b in module.slot_shapes()]
+            )
     return model, PagedKVCache.from_budget(kv_cache_layout(cfg, topology, 0, BLOCK, torch.float32), 1 << 20, cpu)
 
 
@@ -112,10 +112,10 @@ def prefill_context(model: CausalLM, kv: PagedKVCache, length: int, slots: tuple
     cos, sin = model.rope_tables([p for _ in slots for p in range(length)])
     lora = LoraBatch.from_token_slots(torch.tensor([s for s in slots for _ in range(length)]))
     kv_slots = torch.tensor([table[0] * BLOCK + p for table in tables for p in range(length)])
-    attention = AttentionBatch(kv, kv_slots, block_table_tensor(tables, torch.device("cpu")), [length] * count,
-                               [length] * count)
-    return ForwardContext([length * count], 0, 0, lora, lora, cos, sin, attention,
-                          torch.tensor([(i + 1) * length - 1 for i in range(count)]))
+    attention = AttentionBatch(kv, kv_slots, block_table_tensor(tables, torch.device("cpu")), [length] * count, [length] * count)
+    return ForwardContext(
+        [length * count], 0, 0, lora, lora, cos, sin, attention, torch.tensor([(i + 1) * length - 1 for i in range(count)])
+    )
 
 
 def test_a_prefill_dispatches_as_many_ops_for_long_prompts_as_for_short(model_dir: Path) -> None:

@@ -57,8 +57,9 @@ def test_a_file_written_to_since_is_hashed_and_refused_when_its_bytes_differ(cfg
     # A write in the same clock tick as the writer's last leaves mtime as it was; one a second later does not.
     later = written.weights.mtime_ns + 1_000_000_000
     os.utime(weights, ns=(later, later))
-    with pytest.raises(ContentChanged, match=f"{WEIGHTS_FILE} has sha256 {hashlib.sha256(data).hexdigest()}, "
-                                             f"the agent verified {expected.weights_sha256}"):
+    with pytest.raises(
+        ContentChanged, match=f"{WEIGHTS_FILE} has sha256 {hashlib.sha256(data).hexdigest()}, the agent verified {expected.weights_sha256}"
+    ):
         verify_adapter(adapter, SpecMemo(cfg, RANK), expected, written)
 
 

@@ -43,10 +43,17 @@ CHAT_TEMPLATE = (
 
 def write_chat_template(model: Path, template: str = CHAT_TEMPLATE) -> None:
     """tokenizer_config.json as transformers saves it: the template and the named special tokens."""
-    (model / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w1", "eos_token": "w2", "unk_token": "w0",
-        "chat_template": template,
-    }))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "w1",
+                "eos_token": "w2",
+                "unk_token": "w0",
+                "chat_template": template,
+            }
+        )
+    )
 
 
 @dataclass
@@ -72,19 +79,25 @@ def served(tmp_path_factory) -> Iterator[Served]:
     write_chat_template(model)
     root = base / "adapters"
     paths = {name: make_adapter(root / name, seed=200 + i) for i, name in enumerate(ADAPTERS)}
-    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2), max_loras_per_batch=4, max_loaded_loras=8,
-                                 max_num_seqs=MAX_NUM_SEQS)
+    engine_config = EngineConfig(
+        model_dir=model, topology=Topology(2, 2), max_loras_per_batch=4, max_loaded_loras=8, max_num_seqs=MAX_NUM_SEQS
+    )
     agent = Agent.start(engine_config, AgentConfig(agent_id="http-agent", sources=SourcePolicy(adapter_roots=(root,))))
     server = create_server(agent, ServerOptions(listen="127.0.0.1:0", auth_token=TOKEN, metrics_port=0))
     server.start()
-    http = HttpApiServer(agent, HttpOptions(listen="127.0.0.1:0", auth_token=TOKEN, stop_grace_s=0),
-                         server.servicer.budgets["inference"], server.servicer.closing)
+    http = HttpApiServer(
+        agent,
+        HttpOptions(listen="127.0.0.1:0", auth_token=TOKEN, stop_grace_s=0),
+        server.servicer.budgets["inference"],
+        server.servicer.closing,
+    )
     http.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = agent_pb2_grpc.NodeAgentStub(channel)
     for name, path in paths.items():
-        reply = stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source_uri=path.as_uri()), timeout=60,
-                                 metadata=(("authorization", f"Bearer {TOKEN}"),))
+        reply = stub.LoadAdapter(
+            pb.LoadAdapterRequest(name=name, source_uri=path.as_uri()), timeout=60, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
         assert reply.success, reply.error_message
     try:
         yield Served(agent, server, http, stub, model)
@@ -114,11 +127,10 @@ class Answer:
 
     def events(self) -> list[str]:
         """The `data:` fields of a server-sent event stream, in order."""
-        return [line[len("data: "):] for line in self.body.decode().split("\n\n") if line.startswith("data: ")]
+        return [line[len("data: ") :] for line in self.body.decode().split("\n\n") if line.startswith("data: ")]
 
 
-def request(served: Served, method: str, path: str, body: object = None, token: str | None = TOKEN,
-            raw: bytes | None = None) -> Answer:
+def request(served: Served, method: str, path: str, body: object = None, token: str | None = TOKEN, raw: bytes | None = None) -> Answer:
     import http.client
 
     connection = http.client.HTTPConnection("127.0.0.1", served.http.port, timeout=120)

@@ -30,9 +30,13 @@ CHATML = """{%- set ns = namespace(system='') -%}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "w7 w8"}],
-    [{"role": "system", "content": "w3 w3"}, {"role": "user", "content": "w10"}, {"role": "assistant", "content": "w11 w12"},
-     {"role": "user", "content": "w13 ü"}],
-    [{"role": "user", "content": "w5", "name": "ann \"q\""}],
+    [
+        {"role": "system", "content": "w3 w3"},
+        {"role": "user", "content": "w10"},
+        {"role": "assistant", "content": "w11 w12"},
+        {"role": "user", "content": "w13 ü"},
+    ],
+    [{"role": "user", "content": "w5", "name": 'ann "q"'}],
 ]
 
 
@@ -86,12 +90,15 @@ def test_raise_exception_refuses_with_the_templates_message(model_dir):
         template.render([{"role": "tool", "content": "x"}])
 
 
-@pytest.mark.parametrize("escape", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ messages.append(1) }}",  # immutable: templates cannot change their inputs
-    "{% set ns = namespace() %}{% set ns._private = 1 %}",
-    "{{ namespace(_x=1) }}",
-])
+@pytest.mark.parametrize(
+    "escape",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.append(1) }}",  # immutable: templates cannot change their inputs
+        "{% set ns = namespace() %}{% set ns._private = 1 %}",
+        "{{ namespace(_x=1) }}",
+    ],
+)
 def test_the_sandbox_refuses_what_transformers_refuses(model_dir, escape):
     write_chat_template(model_dir, escape)
     template = load_chat_template(model_dir)

@@ -59,9 +59,26 @@ def test_serve_with_http_listen_serves_the_api_beside_grpc_until_a_rank_dies(tmp
     write_chat_template(model)
     (tmp_path / "token").write_text("s3cret\n")
     log = tmp_path / "agent.log"
-    command = [str(AGENT), "--log-level", "INFO", "serve", "--model", str(model), "--tp", "2", "--listen", "127.0.0.1:0",
-               "--http-listen", "127.0.0.1:0", "--auth-token-file", str(tmp_path / "token"), "--base-model-name", "base",
-               "--exit-linger-s", "120"]
+    command = [
+        str(AGENT),
+        "--log-level",
+        "INFO",
+        "serve",
+        "--model",
+        str(model),
+        "--tp",
+        "2",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--auth-token-file",
+        str(tmp_path / "token"),
+        "--base-model-name",
+        "base",
+        "--exit-linger-s",
+        "120",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     try:
         deadline = time.monotonic() + 180
@@ -105,8 +122,21 @@ def test_the_http_api_takes_the_grpc_token_and_tls_files(tmp_path):
     (tmp_path / "token").write_text("s3cret\n")
     for name in ("cert.pem", "key.pem"):
         (tmp_path / name).write_text("-")
-    args = build_parser().parse_args(["serve", "--model", "m", "--http-listen", "[::1]:8000", "--auth-token-file", str(tmp_path / "token"),
-                                      "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--http-listen",
+            "[::1]:8000",
+            "--auth-token-file",
+            str(tmp_path / "token"),
+            "--tls-cert",
+            str(tmp_path / "cert.pem"),
+            "--tls-key",
+            str(tmp_path / "key.pem"),
+        ]
+    )
     options = http_options(args, server_options(args))
     assert options is not None and options.auth_token == "s3cret" and options.tls == server_options(args).tls
     assert http_options(build_parser().parse_args(["serve", "--model", "m"]), server_options(args)) is None

@@ -29,28 +29,35 @@ def error_of(answer) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize(("path", "body", "param", "says"), [
-    ("/v1/completions", {**GOOD, "temperature": -1}, "temperature", "greater than or equal to 0"),
-    ("/v1/completions", {**GOOD, "top_p": 1.5}, "top_p", "less than or equal to 1"),
-    ("/v1/completions", {**GOOD, "n": 0}, "n", "greater than or equal to 1"),
-    ("/v1/completions", {**GOOD, "max_tokens": 5000}, "max_tokens", "at most 1024"),
-    ("/v1/completions", {**GOOD, "stop": ["s"] * 17}, "stop", "at most 16 stop strings"),
-    ("/v1/completions", {**GOOD, "stop": [""]}, "stop", "must not be empty"),
-    ("/v1/completions", {**GOOD, "prompt": [1, 2, 999]}, "prompt", "outside the vocabulary"),
-    ("/v1/completions", {**GOOD, "prompt": ""}, "prompt", "at least 1 character"),
-    ("/v1/completions", {**GOOD, "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ("/v1/completions", {**GOOD, "echo": True}, "echo", "not supported"),
-    ("/v1/completions", {k: v for k, v in GOOD.items() if k != "model"}, "model", "Field required"),
-    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None, "only allowed with stream"),
-    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1 item"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"content": "w4"}]}, "messages.0.role", "Field required"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "w4"}]}, "messages", "unknown role tool"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages.0.content", "Input should be"),
-    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2000}, "max_completion_tokens", "at most 1024"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "top_logprobs needs logprobs"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("/v1/completions", {**GOOD, "temperature": -1}, "temperature", "greater than or equal to 0"),
+        ("/v1/completions", {**GOOD, "top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ("/v1/completions", {**GOOD, "n": 0}, "n", "greater than or equal to 1"),
+        ("/v1/completions", {**GOOD, "max_tokens": 5000}, "max_tokens", "at most 1024"),
+        ("/v1/completions", {**GOOD, "stop": ["s"] * 17}, "stop", "at most 16 stop strings"),
+        ("/v1/completions", {**GOOD, "stop": [""]}, "stop", "must not be empty"),
+        ("/v1/completions", {**GOOD, "prompt": [1, 2, 999]}, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {**GOOD, "prompt": ""}, "prompt", "at least 1 character"),
+        ("/v1/completions", {**GOOD, "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ("/v1/completions", {**GOOD, "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {k: v for k, v in GOOD.items() if k != "model"}, "model", "Field required"),
+        ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, None, "only allowed with stream"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, "messages", "at least 1 item"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "w4"}]}, "messages.0.role", "Field required"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "w4"}]}, "messages", "unknown role tool"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "Input should be",
+        ),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2000}, "max_completion_tokens", "at most 1024"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, None, "top_logprobs needs logprobs"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_parameter(served, path, body, param, says):
     answer = request(served, "POST", path, body)
     error = error_of(answer)
@@ -68,9 +75,11 @@ def test_bad_json_and_unknown_routes_answer_in_the_same_shape(served):
 
 
 def test_an_unknown_model_is_404_model_not_found(client):
-    for call in (lambda: client.completions.create(model="no-such", prompt="w1", max_tokens=2),
-                 lambda: client.chat.completions.create(model="no-such", messages=CHAT["messages"], max_tokens=2, stream=True),
-                 lambda: client.models.retrieve("no-such")):
+    for call in (
+        lambda: client.completions.create(model="no-such", prompt="w1", max_tokens=2),
+        lambda: client.chat.completions.create(model="no-such", messages=CHAT["messages"], max_tokens=2, stream=True),
+        lambda: client.models.retrieve("no-such"),
+    ):
         with pytest.raises(openai.NotFoundError) as raised:
             call()
         assert raised.value.status_code == 404
@@ -161,6 +170,7 @@ def test_with_grpcs_tls_files_the_api_is_https_and_mutual_tls_needs_a_client_cer
     ca.issue("client", server=False).write(tmp_path / "client.crt", tmp_path / "client.key")
     tls = TlsFiles(tmp_path / "server.crt", tmp_path / "server.key", tmp_path / "ca.crt")
     with HttpApiServer(served.agent, HttpOptions(listen="127.0.0.1:0", tls=tls, stop_grace_s=0)) as side:
+
         def status(context: ssl.SSLContext) -> int:
             connection = http.client.HTTPSConnection("localhost", side.port, context=context, timeout=30)
             try:

@@ -79,7 +79,8 @@ def test_a_chat_completion_renders_the_template_as_transformers_and_gives_the_gr
     from transformers import AutoTokenizer
 
     prompt_ids = AutoTokenizer.from_pretrained(str(served.model)).apply_chat_template(
-        CHAT, tokenize=True, add_generation_prompt=True, return_dict=False)
+        CHAT, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     chat = client.chat.completions.create(model="ad-b", messages=CHAT, max_completion_tokens=6, temperature=0)
     grpc = grpc_generate(served, token_ids=list(prompt_ids), adapter="ad-b", max_new_tokens=6)
     message = chat.choices[0].message
@@ -90,13 +91,17 @@ def test_a_chat_completion_renders_the_template_as_transformers_and_gives_the_gr
 
 def test_streaming_gives_the_same_text_and_a_last_chunk_with_usage(served, client):
     whole = client.chat.completions.create(model="ad-a", messages=CHAT, max_tokens=7, temperature=0)
-    chunks = list(client.chat.completions.create(model="ad-a", messages=CHAT, max_tokens=7, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="ad-a", messages=CHAT, max_tokens=7, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert not chunks[-1].choices and chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == \
-        whole.usage.model_dump(include={"prompt_tokens", "completion_tokens"})
+    assert not chunks[-1].choices and chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens"}) == whole.usage.model_dump(
+        include={"prompt_tokens", "completion_tokens"}
+    )
     assert all(c.usage is None for c in chunks[:-1])
     # On the wire: server-sent events, the last one `[DONE]`; without include_usage no usage chunk.
     answer = request(served, "POST", "/v1/completions", {"model": "ad-a", "prompt": PROMPT, "max_tokens": 3, "stream": True})
@@ -162,12 +167,12 @@ def test_logprobs_are_the_grpc_logprobs_in_openais_shapes(served, client):
     assert plain.choices[0].logprobs is None
 
 
-
 def test_health_models_and_inference_answer_while_a_load_is_held(served, client, monkeypatch, tmp_path):
     """A LoadAdapter whose download a loopback server holds does not delay /health, /v1/models,
     /metrics or a completion; the adapter is listed only once every rank holds it."""
-    sources = dataclasses.replace(served.agent.config.sources, cache_dir=tmp_path, download_timeout_s=300,
-                                  download_min_bytes_per_s=0, **LOOPBACK_SOURCES)
+    sources = dataclasses.replace(
+        served.agent.config.sources, cache_dir=tmp_path, download_timeout_s=300, download_min_bytes_per_s=0, **LOOPBACK_SOURCES
+    )
     monkeypatch.setattr(served.agent, "config", dataclasses.replace(served.agent.config, sources=sources))
     root = served.agent.config.sources.adapter_roots[0]
     with http_server(root) as source:

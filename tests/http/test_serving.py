@@ -30,15 +30,14 @@ async def stream_text(session: aiohttp.ClientSession, url: str, prompt: str, mod
         async for line in response.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            choice = json.loads(line[len(b"data: "):])["choices"][0]
+            choice = json.loads(line[len(b"data: ") :])["choices"][0]
             text += choice["text"]
             finish = choice["finish_reason"] or finish
     return text, finish
 
 
 def test_32_concurrent_streams_all_complete_with_their_own_tokens(served, client):
-    alone = {call: client.completions.create(model=call[1], prompt=call[0], max_tokens=6, temperature=0).choices[0].text
-             for call in CALLS}
+    alone = {call: client.completions.create(model=call[1], prompt=call[0], max_tokens=6, temperature=0).choices[0].text for call in CALLS}
     calls = [CALLS[i % len(CALLS)] for i in range(32)]
 
     async def together() -> list[tuple[str, str]]:
@@ -99,6 +98,7 @@ def test_gateway_metrics_while_requests_run_and_wait(served, endpoint):
 
     async def scenario() -> tuple[dict[str, list], float, float]:
         async with aiohttp.ClientSession() as session:
+
             async def hold(model: str) -> None:
                 body = {"model": model, "prompt": "w3 w4", "max_tokens": 1000, "stream": True}
                 async with session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS) as response:

@@ -97,8 +97,9 @@ def test_the_kernel_is_built_once_into_the_cache_directory(kernel: ctypes.CDLL, 
     assert built.stat().st_mtime_ns == stamp and list(fresh_library.glob("*.tmp")) == []
 
 
-def test_without_a_compiler_the_dense_layers_keep_onednn(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_without_a_compiler_the_dense_layers_keep_onednn(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(fresh_library))  # nothing to run there
     with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
@@ -110,8 +111,9 @@ def test_without_a_compiler_the_dense_layers_keep_onednn(fresh_library: Path, mo
     torch.testing.assert_close(dense.linear(x, weight, packed), F.linear(x, weight), **FP32)
 
 
-def test_a_failing_compiler_is_reported_in_one_line(fresh_library: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_compiler_is_reported_in_one_line(
+    fresh_library: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     compiler = fresh_library / "cc"
     compiler.write_text("#!/bin/sh\necho 'cpu_kernels.c:1: error: no such intrinsic' >&2\nexit 1\n")
     compiler.chmod(0o755)
@@ -137,16 +139,22 @@ def column_major(b_stacks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [b.transpose(1, 2).contiguous().transpose(1, 2) for b in b_stacks]
 
 
-@pytest.mark.parametrize("token_slots", [
-    [3],  # one decoding sequence
-    decode_slots(8, 8),  # eight decoding sequences over eight adapters
-    [-1, 5, 5, -1, 0],  # base rows among adapters, a slot twice
-    [6] * 8,  # one adapter for every row
-], ids=["one-row", "eight-adapters", "base-rows", "one-adapter"])
-@pytest.mark.parametrize(("widths", "in_features"), [((40, 8, 8), 64), ((17,), 67), ((1024, 256, 256), 1024)],
-                         ids=["three-slices", "odd-sizes", "benchmark-qkv"])
-def test_the_lora_rows_equal_the_float64_reference(kernel: ctypes.CDLL, token_slots: list[int],
-                                                   widths: tuple[int, ...], in_features: int) -> None:
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [3],  # one decoding sequence
+        decode_slots(8, 8),  # eight decoding sequences over eight adapters
+        [-1, 5, 5, -1, 0],  # base rows among adapters, a slot twice
+        [6] * 8,  # one adapter for every row
+    ],
+    ids=["one-row", "eight-adapters", "base-rows", "one-adapter"],
+)
+@pytest.mark.parametrize(
+    ("widths", "in_features"), [((40, 8, 8), 64), ((17,), 67), ((1024, 256, 256), 1024)], ids=["three-slices", "odd-sizes", "benchmark-qkv"]
+)
+def test_the_lora_rows_equal_the_float64_reference(
+    kernel: ctypes.CDLL, token_slots: list[int], widths: tuple[int, ...], in_features: int
+) -> None:
     problem = make_problem(token_slots, num_slots=8, widths=widths, in_features=in_features, slot_ranks={5: 4})
     a_joined = torch.cat(problem.a_stacks, dim=1)
     shrunk = torch_ops.shrink(problem.x.double(), [a.double() for a in problem.a_stacks], problem.batch)
@@ -189,8 +197,9 @@ def test_rows_in_another_form_are_declined(kernel: ctypes.CDLL) -> None:
 
 
 @pytest.mark.parametrize(("rows", "mode", "compiled"), [(8, "auto", True), (9, "auto", False), (3, "torch", False)])
-def test_a_decode_steps_rows_take_the_compiled_lora_pass(kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch,
-                                                         rows: int, mode: str, compiled: bool) -> None:
+def test_a_decode_steps_rows_take_the_compiled_lora_pass(
+    kernel: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, rows: int, mode: str, compiled: bool
+) -> None:
     # The joined buffers the compiled pass reads hold other adapters than the per-slot views the
     # torch pass reads: the result shows which pass ran. Up to MAX_ROWS rows in the default mode
     # take the compiled one; more rows, or LORAFLEET_KERNELS=torch, the torch one.
@@ -200,9 +209,15 @@ def test_a_decode_steps_rows_take_the_compiled_lora_pass(kernel: ctypes.CDLL, mo
     views_joined = torch.cat(problem.a_stacks, dim=1)
     a_slots, b_slots = tuple(views_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in problem.b_stacks), strict=True))
     got = problem.out.clone()
-    assert dispatch.add_fp32(problem.x, got, a_slots, b_slots, problem.scales, problem.batch,
-                             cpu_kernels.lora_buffers(torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks),
-                                                      problem.scales))
+    assert dispatch.add_fp32(
+        problem.x,
+        got,
+        a_slots,
+        b_slots,
+        problem.scales,
+        problem.batch,
+        cpu_kernels.lora_buffers(torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks), problem.scales),
+    )
     source = other if compiled else problem
     shrunk = torch_ops.shrink(problem.x, source.a_stacks, problem.batch)
     want = problem.out.clone()

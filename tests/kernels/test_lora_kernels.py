@@ -239,8 +239,9 @@ def test_strided_views_and_unaligned_column_block(device: torch.device) -> None:
 def test_shrink_then_expand_end_to_end_bf16(device: torch.device) -> None:
     problem = make_problem(decode_slots(5, 4) + [0] * 30, dtype=torch.bfloat16, out_dtype=torch.bfloat16, device=device)
     reference = problem.out.float()
-    torch_ops.expand(torch_ops.shrink(problem.x, problem.a_stacks, problem.batch), problem.b_stacks,
-                     problem.scales, problem.batch, reference)
+    torch_ops.expand(
+        torch_ops.shrink(problem.x, problem.a_stacks, problem.batch), problem.b_stacks, problem.scales, problem.batch, reference
+    )
     y = triton_ops.shrink(problem.x, problem.a_stacks, problem.batch)
     triton_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, problem.out)
     torch.testing.assert_close(problem.out.float(), reference, rtol=out_rtol(torch.bfloat16), atol=1e-4)
@@ -257,15 +258,16 @@ class _Spy:
         return self.fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize(("mode", "interpret", "expect_triton"), [
-    (None, "1", False),  # CPU tensors take the torch path unless asked
-    ("auto", None, False),
-    ("torch", "1", False),
-    ("triton", "1", True),
-])
-def test_dispatch_choice_on_cpu(
-    monkeypatch: pytest.MonkeyPatch, mode: str | None, interpret: str | None, expect_triton: bool
-) -> None:
+@pytest.mark.parametrize(
+    ("mode", "interpret", "expect_triton"),
+    [
+        (None, "1", False),  # CPU tensors take the torch path unless asked
+        ("auto", None, False),
+        ("torch", "1", False),
+        ("triton", "1", True),
+    ],
+)
+def test_dispatch_choice_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | None, interpret: str | None, expect_triton: bool) -> None:
     for name, value in (("LORAFLEET_KERNELS", mode), ("TRITON_INTERPRET", interpret)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -276,8 +278,9 @@ def test_dispatch_choice_on_cpu(
     monkeypatch.setattr(triton_ops, "expand", expand_spy)
     problem = make_problem(decode_slots(6, 4))
     reference = problem.out.clone()
-    torch_ops.expand(torch_ops.shrink(problem.x, problem.a_stacks, problem.batch), problem.b_stacks,
-                     problem.scales, problem.batch, reference)
+    torch_ops.expand(
+        torch_ops.shrink(problem.x, problem.a_stacks, problem.batch), problem.b_stacks, problem.scales, problem.batch, reference
+    )
     y = dispatch.shrink(problem.x, problem.a_stacks, problem.batch)
     dispatch.expand(y, problem.b_stacks, problem.scales, problem.batch, problem.out)
     assert (shrink_spy.calls, expand_spy.calls) == ((1, 1) if expect_triton else (0, 0))

@@ -14,8 +14,11 @@ from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem,
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def per_token(problem: Problem, y: torch.Tensor, dtype: torch.dtype = torch.float32,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token(
+    problem: Problem,
+    y: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The shrink and the expanded `out` computed one token at a time in `dtype`."""
     slots = problem.batch.token_slots.tolist()
     shrunk = torch.zeros(len(problem.a_stacks), len(slots), problem.a_stacks[0].shape[1], dtype=dtype)
@@ -32,18 +35,20 @@ def per_token(problem: Problem, y: torch.Tensor, dtype: torch.dtype = torch.floa
     return shrunk, out
 
 
-@pytest.mark.parametrize(("token_slots", "dtype", "slot_ranks", "joined"), [
-    (decode_slots(8, 8), torch.float32, None, True),  # one row per slot: matrix-vector products
-    (list(range(8)), torch.float32, {3: 4}, False),
-    ([0, 0, 1, 1, 0, 0, 2, -1, 1], torch.float32, None, True),  # runs of two rows: slices
-    (decode_slots(24, 4), torch.float32, {1: 4}, True),  # more than MAX_RUNS_AS_SLICES runs: indices
-    ([-1, 2, 2, 0, 3, -1, 1], torch.bfloat16, {3: 8}, False),
-])
+@pytest.mark.parametrize(
+    ("token_slots", "dtype", "slot_ranks", "joined"),
+    [
+        (decode_slots(8, 8), torch.float32, None, True),  # one row per slot: matrix-vector products
+        (list(range(8)), torch.float32, {3: 4}, False),
+        ([0, 0, 1, 1, 0, 0, 2, -1, 1], torch.float32, None, True),  # runs of two rows: slices
+        (decode_slots(24, 4), torch.float32, {1: 4}, True),  # more than MAX_RUNS_AS_SLICES runs: indices
+        ([-1, 2, 2, 0, 3, -1, 1], torch.bfloat16, {3: 8}, False),
+    ],
+)
 def test_shrink_and_expand_equal_a_per_token_reference(
     token_slots: list[int], dtype: torch.dtype, slot_ranks: dict[int, int] | None, joined: bool
 ) -> None:
-    problem = make_problem(token_slots, num_slots=max(token_slots) + 1, dtype=dtype, out_dtype=dtype,
-                           slot_ranks=slot_ranks)
+    problem = make_problem(token_slots, num_slots=max(token_slots) + 1, dtype=dtype, out_dtype=dtype, slot_ranks=slot_ranks)
     stacks = torch.cat(problem.a_stacks, dim=1) if joined else None
     a_stacks = [stacks[:, i * 16 : (i + 1) * 16] for i in range(3)] if stacks is not None else problem.a_stacks
     got_y = torch_ops.shrink(problem.x, a_stacks, problem.batch, stacks)
@@ -61,8 +66,7 @@ def test_shrink_and_expand_equal_a_per_token_reference(
 
 def test_a_slots_rows_are_slices_of_its_runs_up_to_a_limit() -> None:
     batch = LoraBatch.from_token_slots(torch.tensor([1, 0, 1, 1, -1, 0, 2, 2, 1]))
-    assert batch.slot_rows == ((0, slice(1, 2)), (0, slice(5, 6)), (1, slice(0, 1)), (1, slice(2, 4)),
-                               (1, slice(8, 9)), (2, slice(6, 8)))
+    assert batch.slot_rows == ((0, slice(1, 2)), (0, slice(5, 6)), (1, slice(0, 1)), (1, slice(2, 4)), (1, slice(8, 9)), (2, slice(6, 8)))
     many = LoraBatch.from_token_slots(torch.tensor([0, 1] * 5))  # five runs of slot 0
     (slot0, rows0), (slot1, rows1) = many.slot_rows
     assert (slot0, slot1) == (0, 1)
@@ -70,8 +74,9 @@ def test_a_slots_rows_are_slices_of_its_runs_up_to_a_limit() -> None:
     assert isinstance(rows1, torch.Tensor) and rows1.tolist() == [1, 3, 5, 7, 9]
 
 
-@pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(0, 24, 16), (1, 24, 16), (3, 40, 67), (8, 5632, 64), (9, 33, 16), (300, 40, 72)])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"), [(0, 24, 16), (1, 24, 16), (3, 40, 67), (8, 5632, 64), (9, 33, 16), (300, 40, 72)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_with_the_packed_copies_equals_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows + out_features)
@@ -117,13 +122,17 @@ def joined_views(a_stacks: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch
     return joined, [joined[:, i * rank : (i + 1) * rank] for i in range(len(a_stacks))]
 
 
-@pytest.mark.parametrize("token_slots", [
-    [3],  # one decoding sequence: matrix-vector products
-    [2] * 5,  # one adapter for every token (a prefill): no zeroed rows
-    [-1, 1, 1, -1],  # one run of an adapter among base tokens
-    [0, 1, 0, 2, 1, -1],  # rows of a slot that are not consecutive: gathered and put back
-    decode_slots(8, 8),  # the all-slots product
-], ids=["one-row", "one-adapter", "run-among-base", "scattered", "all-slots"])
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [3],  # one decoding sequence: matrix-vector products
+        [2] * 5,  # one adapter for every token (a prefill): no zeroed rows
+        [-1, 1, 1, -1],  # one run of an adapter among base tokens
+        [0, 1, 0, 2, 1, -1],  # rows of a slot that are not consecutive: gathered and put back
+        decode_slots(8, 8),  # the all-slots product
+    ],
+    ids=["one-row", "one-adapter", "run-among-base", "scattered", "all-slots"],
+)
 @pytest.mark.parametrize("joined", [True, False], ids=["joined", "separate"])
 def test_every_cpu_path_equals_the_float64_reference(token_slots: list[int], joined: bool) -> None:
     problem = make_problem(token_slots, num_slots=8)
@@ -149,27 +158,31 @@ def test_scattered_rows_into_a_16_bit_output() -> None:
     torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7)
 
 
-def slot_views(a_joined: torch.Tensor, b_stacks: list[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...],
-                                                                             tuple[tuple[torch.Tensor, ...], ...]]:
+def slot_views(
+    a_joined: torch.Tensor, b_stacks: list[torch.Tensor]
+) -> tuple[tuple[torch.Tensor, ...], tuple[tuple[torch.Tensor, ...], ...]]:
     """Per-slot views of the joined A and the B stacks, as `LoraLinear.slot_views` makes them."""
     return tuple(a_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in b_stacks), strict=True))
 
 
-@pytest.mark.parametrize("token_slots", [
-    [3],  # one decoding sequence
-    [2] * 5,  # one adapter for every token (a prefill)
-    [-1, 1, 1, -1],  # one run of an adapter among base tokens
-    decode_slots(8, 8),  # eight decoding sequences over eight adapters
-    [4, 4, 1, 0, 0, 0, -1, 1, 7],  # runs of one and several rows, a slot twice, base rows
-], ids=["one-row", "one-adapter", "run-among-base", "eight-adapters", "mixed-runs"])
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [3],  # one decoding sequence
+        [2] * 5,  # one adapter for every token (a prefill)
+        [-1, 1, 1, -1],  # one run of an adapter among base tokens
+        decode_slots(8, 8),  # eight decoding sequences over eight adapters
+        [4, 4, 1, 0, 0, 0, -1, 1, 7],  # runs of one and several rows, a slot twice, base rows
+    ],
+    ids=["one-row", "one-adapter", "run-among-base", "eight-adapters", "mixed-runs"],
+)
 @pytest.mark.parametrize("widths", [(40, 8, 8), (24,)], ids=["three-slices", "one-slice"])
 def test_add_fp32_equals_shrink_then_expand_to_the_bit(token_slots: list[int], widths: tuple[int, ...]) -> None:
     # The fused pass runs the very products of the two calls, so greedy tokens cannot move.
     problem = make_problem(token_slots, num_slots=8, widths=widths)
     a_joined, a_stacks = joined_views(problem.a_stacks)
     want = problem.out.clone()
-    torch_ops.expand(torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined), problem.b_stacks,
-                     problem.scales, problem.batch, want)
+    torch_ops.expand(torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined), problem.b_stacks, problem.scales, problem.batch, want)
     got = problem.out.clone()
     a_slots, b_slots = slot_views(a_joined, problem.b_stacks)
     assert torch_ops.add_fp32(problem.x, got, a_slots, b_slots, problem.scales, problem.batch)
@@ -178,16 +191,19 @@ def test_add_fp32_equals_shrink_then_expand_to_the_bit(token_slots: list[int], w
     torch.testing.assert_close(got.double(), reference, **FP32)
 
 
-@pytest.mark.parametrize(("token_slots", "dtype"), [
-    (decode_slots(24, 4), torch.float32),  # more than MAX_RUNS_AS_SLICES runs: index rows
-    ([0, 1, 1], torch.bfloat16),
-], ids=["index-rows", "bf16"])
+@pytest.mark.parametrize(
+    ("token_slots", "dtype"),
+    [
+        (decode_slots(24, 4), torch.float32),  # more than MAX_RUNS_AS_SLICES runs: index rows
+        ([0, 1, 1], torch.bfloat16),
+    ],
+    ids=["index-rows", "bf16"],
+)
 def test_add_fp32_leaves_other_batches_to_shrink_and_expand(token_slots: list[int], dtype: torch.dtype) -> None:
     problem = make_problem(token_slots, num_slots=4, dtype=dtype, out_dtype=dtype)
     a_joined, _ = joined_views(problem.a_stacks)
     got = problem.out.clone()
-    assert not torch_ops.add_fp32(problem.x, got, *slot_views(a_joined, problem.b_stacks), problem.scales,
-                                  problem.batch)
+    assert not torch_ops.add_fp32(problem.x, got, *slot_views(a_joined, problem.b_stacks), problem.scales, problem.batch)
     assert torch.equal(got, problem.out), "nothing written when the path declines"
 
 

@@ -54,8 +54,7 @@ def render(cluster: ControlPlane, namespace: str, *sets: str) -> str:
 
 
 def render_docs(cluster: ControlPlane, *sets: str) -> dict[tuple[str, str], Any]:
-    return {(d["kind"], d["metadata"]["name"]): d
-            for d in yaml.safe_load_all(render(cluster, "lf-ns", *sets)) if d}
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(render(cluster, "lf-ns", *sets)) if d}
 
 
 def kinds(manifest: str) -> list[tuple[str, str]]:
@@ -66,30 +65,45 @@ SHA = "0123456789abcdef" * 4
 
 VARIANTS = [
     pytest.param((MODEL,), id="defaults"),
-    pytest.param(("auth.existingSecret=agent-token", "tls.enabled=true", "tls.secretName=agent-tls",
-                  "agent.gpus=0", "agent.device=cpu", "agent.tpSize=2", "agent.dpSize=2",
-                  "operator.replicas=2", "image.tag=dev", "agent.model.hostPath.path=/srv/models"),
-                 id="auth-tls-cpu"),
-    pytest.param(("agent.enabled=false", "fleet.create=false", "serviceAccount.name=op"),
-                 id="operator-only"),
-    pytest.param(("networkPolicy.enabled=true", "agent.model.download.url=https://m.example/m.tgz",
-                  f"agent.model.download.sha256={SHA}", "auth.enabled=false"), id="download-netpol"),
+    pytest.param(
+        (
+            "auth.existingSecret=agent-token",
+            "tls.enabled=true",
+            "tls.secretName=agent-tls",
+            "agent.gpus=0",
+            "agent.device=cpu",
+            "agent.tpSize=2",
+            "agent.dpSize=2",
+            "operator.replicas=2",
+            "image.tag=dev",
+            "agent.model.hostPath.path=/srv/models",
+        ),
+        id="auth-tls-cpu",
+    ),
+    pytest.param(("agent.enabled=false", "fleet.create=false", "serviceAccount.name=op"), id="operator-only"),
+    pytest.param(
+        (
+            "networkPolicy.enabled=true",
+            "agent.model.download.url=https://m.example/m.tgz",
+            f"agent.model.download.sha256={SHA}",
+            "auth.enabled=false",
+        ),
+        id="download-netpol",
+    ),
 ]
 
 
 @pytest.mark.parametrize("sets", VARIANTS)
-def test_helm_template_applies_with_server_dry_run(
-    kube_cluster: ControlPlane, kube_namespace: str, sets: tuple[str, ...]
-) -> None:
+def test_helm_template_applies_with_server_dry_run(kube_cluster: ControlPlane, kube_namespace: str, sets: tuple[str, ...]) -> None:
     # The chart's own CRDs first, for real (helm installs crds/ before the templates).
     kube_cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev")
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/loraadapters.lorafleet.dev", "crd/lorafleets.lorafleet.dev"
+    )
     manifest = render(kube_cluster, kube_namespace, *sets)
     objects = kinds(manifest)
     assert ("Role", "lf-lorafleet-operator") in objects
-    out = kube_cluster.kubectl("apply", "--dry-run=server", "--validate=strict",
-                               "-n", kube_namespace, "-f", "-", input=manifest).stdout
+    out = kube_cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", kube_namespace, "-f", "-", input=manifest).stdout
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert len(lines) == len(objects), out
     assert all(ln.endswith("(server dry run)") for ln in lines), out
@@ -104,10 +118,12 @@ def test_rendered_workloads(kube_cluster: ControlPlane) -> None:
     agent = pod["spec"]["containers"][0]
     assert agent["command"] == ["lorafleet-agent", "serve"]
     assert agent["image"] == "ghcr.io/lorafleet/lorafleet-agent:0.1.0"
-    assert agent["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
-                              {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
-                              {"name": "health", "containerPort": 8081, "protocol": "TCP"},
-                              {"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert agent["ports"] == [
+        {"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+        {"name": "health", "containerPort": 8081, "protocol": "TCP"},
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+    ]
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert agent[probe]["grpc"] == {"port": 8081}
     assert agent["resources"]["limits"]["nvidia.com/gpu"] == 2
@@ -149,29 +165,46 @@ def test_values_are_all_documented() -> None:
 # ---- RBAC, checked by the real authorizer ------------------------------------------------
 
 ALLOWED = [
-    ("get", "loraadapters.lorafleet.dev"), ("list", "loraadapters.lorafleet.dev"),
-    ("watch", "loraadapters.lorafleet.dev"), ("patch", "loraadapters.lorafleet.dev"),
+    ("get", "loraadapters.lorafleet.dev"),
+    ("list", "loraadapters.lorafleet.dev"),
+    ("watch", "loraadapters.lorafleet.dev"),
+    ("patch", "loraadapters.lorafleet.dev"),
     ("update", "loraadapters.lorafleet.dev"),
-    ("patch", "loraadapters.lorafleet.dev#status"), ("update", "loraadapters.lorafleet.dev#status"),
-    ("list", "lorafleets.lorafleet.dev"), ("watch", "lorafleets.lorafleet.dev"),
+    ("patch", "loraadapters.lorafleet.dev#status"),
+    ("update", "loraadapters.lorafleet.dev#status"),
+    ("list", "lorafleets.lorafleet.dev"),
+    ("watch", "lorafleets.lorafleet.dev"),
     ("patch", "lorafleets.lorafleet.dev#status"),
-    ("list", "pods"), ("watch", "pods"), ("get", "pods"),
+    ("list", "pods"),
+    ("watch", "pods"),
+    ("get", "pods"),
     ("get", "secrets/lf-lorafleet-agent-token"),
-    ("create", "events"), ("create", "events.events.k8s.io"),
+    ("create", "events"),
+    ("create", "events.events.k8s.io"),
     ("create", "leases.coordination.k8s.io"),
     ("update", "leases.coordination.k8s.io/lorafleet-operator"),
-    ("list", "endpointslices.discovery.k8s.io"), ("create", "endpointslices.discovery.k8s.io"),
-    ("update", "endpointslices.discovery.k8s.io"), ("delete", "endpointslices.discovery.k8s.io"),
+    ("list", "endpointslices.discovery.k8s.io"),
+    ("create", "endpointslices.discovery.k8s.io"),
+    ("update", "endpointslices.discovery.k8s.io"),
+    ("delete", "endpointslices.discovery.k8s.io"),
 ]
 
 DENIED = [
-    ("create", "loraadapters.lorafleet.dev"), ("delete", "loraadapters.lorafleet.dev"),
+    ("create", "loraadapters.lorafleet.dev"),
+    ("delete", "loraadapters.lorafleet.dev"),
     ("delete", "lorafleets.lorafleet.dev"),
-    ("create", "pods"), ("delete", "pods"), ("patch", "pods"), ("patch", "pods#status"),
-    ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
+    ("create", "pods"),
+    ("delete", "pods"),
+    ("patch", "pods"),
+    ("patch", "pods#status"),
+    ("list", "secrets"),
+    ("watch", "secrets"),
+    ("create", "secrets"),
     ("get", "secrets/db-password"),  # only the Secrets the chart names (resourceNames)
     ("update", "leases.coordination.k8s.io/someone-elses-lease"),
-    ("delete", "events"), ("list", "configmaps"), ("create", "deployments.apps"),
+    ("delete", "events"),
+    ("list", "configmaps"),
+    ("create", "deployments.apps"),
     ("create", "customresourcedefinitions.apiextensions.k8s.io"),
 ]
 
@@ -180,48 +213,46 @@ def can_i(cluster: ControlPlane, user: str, verb: str, resource: str, ns: str) -
     """Ask the API server's authorizer; ``resource`` is "res[/name][#subresource]"."""
     resource, _, sub = resource.partition("#")
     extra = [f"--subresource={sub}"] if sub else []
-    proc = cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", ns, "--as", user,
-                           check=False)
+    proc = cluster.kubectl("auth", "can-i", verb, resource, *extra, "-n", ns, "--as", user, check=False)
     assert proc.stdout.strip() in ("yes", "no"), proc.stderr
     return proc.stdout.strip() == "yes"
 
 
-def test_operator_rbac_is_enough_and_no_broader(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
-) -> None:
-    manifest = render(kube_cluster, kube_namespace, "agent.enabled=false", "operator.enabled=false",
-                      "fleet.create=false")
-    kube_cluster.kubectl("apply", "--validate=strict", "-n", kube_namespace, "-f", "-",
-                         input=manifest)
+def test_operator_rbac_is_enough_and_no_broader(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]) -> None:
+    manifest = render(kube_cluster, kube_namespace, "agent.enabled=false", "operator.enabled=false", "fleet.create=false")
+    kube_cluster.kubectl("apply", "--validate=strict", "-n", kube_namespace, "-f", "-", input=manifest)
     sa = f"system:serviceaccount:{kube_namespace}:lf-lorafleet-operator"
     wrong_allowed = [(v, r) for v, r in DENIED if can_i(kube_cluster, sa, v, r, kube_namespace)]
-    wrong_denied = [(v, r) for v, r in ALLOWED
-                    if not can_i(kube_cluster, sa, v, r, kube_namespace)]
+    wrong_denied = [(v, r) for v, r in ALLOWED if not can_i(kube_cluster, sa, v, r, kube_namespace)]
     assert (wrong_denied, wrong_allowed) == ([], [])
 
     # Cluster-wide only what finishing a terminating namespace needs (its own resources, reading
     # pods and namespaces): no Secrets, Events or writes of anything else outside its namespace.
     other = kube_cluster.create_namespace(prefix="other")
     try:
-        for verb, resource in (("get", "secrets/lf-lorafleet-agent-token"), ("create", "events"),
-                               ("create", "pods"), ("delete", "loraadapters.lorafleet.dev")):
+        for verb, resource in (
+            ("get", "secrets/lf-lorafleet-agent-token"),
+            ("create", "events"),
+            ("create", "pods"),
+            ("delete", "loraadapters.lorafleet.dev"),
+        ):
             assert not can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
         for verb, resource in (("list", "pods"), ("patch", "loraadapters.lorafleet.dev")):
             assert can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
     finally:
         kube_cluster.delete_namespace(other)
-    cluster_roles = kube_cluster.kubectl("get", "clusterroles", "-l",
-                                         "app.kubernetes.io/instance=lf", "-o", "name").stdout
-    assert cluster_roles.split() == [f"clusterrole.rbac.authorization.k8s.io/"
-                                     f"lf-lorafleet-operator-{kube_namespace}"]
-    kube_cluster.kubectl("delete", "clusterrole,clusterrolebinding",
-                         f"lf-lorafleet-operator-{kube_namespace}")
+    cluster_roles = kube_cluster.kubectl("get", "clusterroles", "-l", "app.kubernetes.io/instance=lf", "-o", "name").stdout
+    assert cluster_roles.split() == [f"clusterrole.rbac.authorization.k8s.io/lf-lorafleet-operator-{kube_namespace}"]
+    kube_cluster.kubectl("delete", "clusterrole,clusterrolebinding", f"lf-lorafleet-operator-{kube_namespace}")
 
 
 def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> None:
     manifest = render(kube_cluster, "lf-system", MODEL, "operator.watchNamespaces={team-a,team-b}")
-    roles = [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"])
-             for d in yaml.safe_load_all(manifest) if d and d["kind"] in ("Role", "RoleBinding")]
+    roles = [
+        (d["kind"], d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in yaml.safe_load_all(manifest)
+        if d and d["kind"] in ("Role", "RoleBinding")
+    ]
     assert ("Role", "team-a", "lf-lorafleet-operator") in roles
     assert ("RoleBinding", "team-b", "lf-lorafleet-operator") in roles
     assert ("Role", "lf-system", "lf-lorafleet-operator-leader-election") in roles
@@ -233,9 +264,7 @@ def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> Non
 
 
 @pytest.mark.parametrize("sets", VARIANTS[:2])
-def test_agent_args_parse_with_the_agents_own_parser(
-    kube_cluster: ControlPlane, sets: tuple[str, ...]
-) -> None:
+def test_agent_args_parse_with_the_agents_own_parser(kube_cluster: ControlPlane, sets: tuple[str, ...]) -> None:
     """The StatefulSet's command line is one `lorafleet-agent serve` accepts, meaning what the
     values say (the chart follows node_agent/cli.py, not guesses)."""
     from node_agent.cli import build_parser
@@ -256,8 +285,10 @@ def test_agent_args_parse_with_the_agents_own_parser(
         assert (args.tp, args.dp, args.device) == (2, 2, "cpu")
         assert str(args.auth_token_file) == "/var/run/lorafleet/auth/token"
         assert (str(args.tls_cert), str(args.tls_key), str(args.tls_client_ca)) == (
-            "/var/run/lorafleet/tls/tls.crt", "/var/run/lorafleet/tls/tls.key",
-            "/var/run/lorafleet/tls/ca.crt")
+            "/var/run/lorafleet/tls/tls.crt",
+            "/var/run/lorafleet/tls/tls.key",
+            "/var/run/lorafleet/tls/ca.crt",
+        )
     else:
         assert (args.tp, args.dp, args.ep, args.device, args.max_lora_rank) == (1, 1, 1, "cuda", 16)
         # Auth is on by default, TLS off.
@@ -270,8 +301,12 @@ def test_agent_args_parse_with_the_agents_own_parser(
 def test_agent_source_allowlist_values_become_the_agents_flags(kube_cluster: ControlPlane) -> None:
     from node_agent.cli import build_parser
 
-    docs = render_docs(kube_cluster, MODEL, "agent.sources.allow={https://huggingface.co/,https://m.example:8443/lora/}",
-                       "agent.sources.allowNetworks={10.0.0.0/8}")
+    docs = render_docs(
+        kube_cluster,
+        MODEL,
+        "agent.sources.allow={https://huggingface.co/,https://m.example:8443/lora/}",
+        "agent.sources.allowNetworks={10.0.0.0/8}",
+    )
     container = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert args.allow_source == ["https://huggingface.co/", "https://m.example:8443/lora/"]
@@ -291,9 +326,13 @@ def test_hub_repositories_and_endpoint_are_the_fleet_owners(kube_cluster: Contro
     here) goes to the agents' --hub-endpoint."""
     from node_agent.cli import build_parser
 
-    docs = render_docs(kube_cluster, MODEL, "agent.sources.allow={https://hub.example/mirror/}",
-                       "agent.sources.allowHub={hf://acme/,hf://other/sql-lora}",
-                       "agent.sources.hubEndpoint=https://hub.example/mirror")
+    docs = render_docs(
+        kube_cluster,
+        MODEL,
+        "agent.sources.allow={https://hub.example/mirror/}",
+        "agent.sources.allowHub={hf://acme/,hf://other/sql-lora}",
+        "agent.sources.hubEndpoint=https://hub.example/mirror",
+    )
     container = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(container["command"][1:] + container["args"])
     assert args.hub_endpoint == "https://hub.example/mirror"
@@ -338,47 +377,53 @@ REFUSALS = [
     (("agent.tpyo=1",), "at '/agent': additional properties 'tpyo' not allowed"),
     (("operator.logLevel=LOUD",), "at '/operator/logLevel': value must be one of"),
     (("agent.model.download.url=ftp://m.example/m.tgz",), "at '/agent/model/download/url'"),
-    (("agent.model.download.url=https://m.example/m.tgz", "agent.model.download.sha256=ABC"),
-     "at '/agent/model/download/sha256'"),
+    (("agent.model.download.url=https://m.example/m.tgz", "agent.model.download.sha256=ABC"), "at '/agent/model/download/sha256'"),
     # Cross-field rules (fail in a template helper).
-    (("agent.tpSize=3", "agent.gpus=3", "agent.dpSize=2"),
-     "agent.tpSize (3) must be divisible by agent.dpSize (2)"),
-    (("agent.tpSize=4", "agent.gpus=4", "agent.epSize=3"),
-     "agent.tpSize (4) must be divisible by agent.epSize (3)"),
+    (("agent.tpSize=3", "agent.gpus=3", "agent.dpSize=2"), "agent.tpSize (3) must be divisible by agent.dpSize (2)"),
+    (("agent.tpSize=4", "agent.gpus=4", "agent.epSize=3"), "agent.tpSize (4) must be divisible by agent.epSize (3)"),
     (("agent.tpSize=2",), "agent.gpus (1) must equal agent.tpSize (2) with agent.device=cuda"),
     (("agent.gpus=0",), "agent.gpus (0) must equal agent.tpSize (1) with agent.device=cuda"),
     (("agent.device=cpu",), "agent.gpus (1) must be 0 with agent.device=cpu"),
     (("agent.metricsPort=50051",), "agent.grpcPort and agent.metricsPort must differ (both 50051)"),
     (("agent.http.port=9090",), "agent.http.port (9090) must differ from agent.grpcPort and agent.metricsPort"),
     (("agent.http.port=0",), "at '/agent/http/port': minimum: got 0, want 1"),
-    (("agent.sources.allow={https://huggingface.co}",),
-     "at '/agent/sources/allow/0': 'https://huggingface.co' does not match pattern"),
-    (("agent.healthPort=8000",),
-     "agent.healthPort (8000) must differ from agent.grpcPort, agent.metricsPort and agent.http.port"),
+    (("agent.sources.allow={https://huggingface.co}",), "at '/agent/sources/allow/0': 'https://huggingface.co' does not match pattern"),
+    (("agent.healthPort=8000",), "agent.healthPort (8000) must differ from agent.grpcPort, agent.metricsPort and agent.http.port"),
     (("agent.healthPort=70000",), "at '/agent/healthPort': maximum: got 70,000, want 65,535"),
-    (("agent.model.hostPath.path=/srv/models",),
-     "the agents' model has more than one source (agent.model.pvc.claimName, agent.model.hostPath.path)"),
+    (
+        ("agent.model.hostPath.path=/srv/models",),
+        "the agents' model has more than one source (agent.model.pvc.claimName, agent.model.hostPath.path)",
+    ),
     (("agent.model.pvc.subPath=../up",), "agent.model.pvc.subPath (../up) must be a relative path"),
     (("tls.enabled=true",), "tls.enabled=true needs tls.secretName"),
     (("agent.sources.allowHub={hf://acme}",), "at '/agent/sources/allowHub/0': 'hf://acme' does not match pattern"),
     (("agent.sources.allowHub={https://huggingface.co/acme/}",), "at '/agent/sources/allowHub/0'"),
     (("agent.sources.hubEndpoint=ftp://hub.example",), "at '/agent/sources/hubEndpoint'"),
-    (("agent.sources.allowHub={hf://acme/}",),
-     "agent.sources.allowHub has hf://acme/, but no agent.sources.allow prefix covers its URLs at "
-     "agent.sources.hubEndpoint (https://huggingface.co/acme/): add one such as https://huggingface.co/"),
-    (("agent.sources.allowHub={hf://acme/lora}", "agent.sources.allow={https://huggingface.co/other/}"),
-     "agent.sources.allowHub has hf://acme/lora, but no agent.sources.allow prefix covers"),
+    (
+        ("agent.sources.allowHub={hf://acme/}",),
+        "agent.sources.allowHub has hf://acme/, but no agent.sources.allow prefix covers its URLs at "
+        "agent.sources.hubEndpoint (https://huggingface.co/acme/): add one such as https://huggingface.co/",
+    ),
+    (
+        ("agent.sources.allowHub={hf://acme/lora}", "agent.sources.allow={https://huggingface.co/other/}"),
+        "agent.sources.allowHub has hf://acme/lora, but no agent.sources.allow prefix covers",
+    ),
 ]
 
 DOWNLOAD_REFUSALS = [
-    (("agent.model.download.url=https://m.example/m.tgz",),
-     "agent.model.download.sha256 is required with agent.model.download.url"),
-    (("agent.model.download.url=http://m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
-     "agent.model.download.url is plaintext http://: use https://, or set agent.model.download.allowHttp=true"),
-    (("agent.model.download.url=https://user:pw@m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
-     "without credentials, query or fragment"),
-    (("agent.model.download.url=https://m.example/m.tgz?sig=x", f"agent.model.download.sha256={SHA}"),
-     "without credentials, query or fragment"),
+    (("agent.model.download.url=https://m.example/m.tgz",), "agent.model.download.sha256 is required with agent.model.download.url"),
+    (
+        ("agent.model.download.url=http://m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
+        "agent.model.download.url is plaintext http://: use https://, or set agent.model.download.allowHttp=true",
+    ),
+    (
+        ("agent.model.download.url=https://user:pw@m.example/m.tgz", f"agent.model.download.sha256={SHA}"),
+        "without credentials, query or fragment",
+    ),
+    (
+        ("agent.model.download.url=https://m.example/m.tgz?sig=x", f"agent.model.download.sha256={SHA}"),
+        "without credentials, query or fragment",
+    ),
 ]
 
 
@@ -391,32 +436,32 @@ def refusal(cluster: ControlPlane, *sets: str) -> str:
     return proc.stderr
 
 
-@pytest.mark.parametrize(("sets", "message"), REFUSALS,
-                         ids=[",".join(s) for s, _ in REFUSALS])
-def test_inconsistent_values_are_refused(
-    kube_cluster: ControlPlane, sets: tuple[str, ...], message: str
-) -> None:
+@pytest.mark.parametrize(("sets", "message"), REFUSALS, ids=[",".join(s) for s, _ in REFUSALS])
+def test_inconsistent_values_are_refused(kube_cluster: ControlPlane, sets: tuple[str, ...], message: str) -> None:
     assert message in refusal(kube_cluster, MODEL, *sets)
 
 
-@pytest.mark.parametrize(("sets", "message"), DOWNLOAD_REFUSALS,
-                         ids=[",".join(s) for s, _ in DOWNLOAD_REFUSALS])
-def test_bad_model_downloads_are_refused(
-    kube_cluster: ControlPlane, sets: tuple[str, ...], message: str
-) -> None:
+@pytest.mark.parametrize(("sets", "message"), DOWNLOAD_REFUSALS, ids=[",".join(s) for s, _ in DOWNLOAD_REFUSALS])
+def test_bad_model_downloads_are_refused(kube_cluster: ControlPlane, sets: tuple[str, ...], message: str) -> None:
     assert message in refusal(kube_cluster, *sets)
 
 
 def test_the_default_install_refuses_without_a_model_source(kube_cluster: ControlPlane) -> None:
     err = refusal(kube_cluster)
-    for value in ("agent.model.pvc.claimName", "agent.model.hostPath.path", "agent.model.download.url",
-                  "agent.model.download.sha256", "docs/deploy.md"):
+    for value in (
+        "agent.model.pvc.claimName",
+        "agent.model.hostPath.path",
+        "agent.model.download.url",
+        "agent.model.download.sha256",
+        "docs/deploy.md",
+    ):
         assert value in err
     # Without agents there is no model to provision.
     render(kube_cluster, "lf-ns", "agent.enabled=false")
 
 
 # ---- the agents' pod: security, probes, auth, metrics, disruption, network ------------------
+
 
 def agent_pod(docs: dict[tuple[str, str], Any]) -> dict[str, Any]:
     spec: dict[str, Any] = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["spec"]
@@ -434,18 +479,19 @@ def all_pod_specs(docs: dict[tuple[str, str], Any]) -> dict[str, dict[str, Any]]
 
 
 def test_every_pod_runs_non_root_read_only_without_privileges(kube_cluster: ControlPlane) -> None:
-    docs = render_docs(kube_cluster, "agent.model.download.url=https://m.example/m.tgz",
-                       f"agent.model.download.sha256={SHA}")
+    docs = render_docs(kube_cluster, "agent.model.download.url=https://m.example/m.tgz", f"agent.model.download.sha256={SHA}")
     specs = all_pod_specs(docs)
-    assert set(specs) == {"lf-lorafleet-agent", "lf-lorafleet-operator", "lf-lorafleet-uninstall",
-                          "lf-lorafleet-test-agents"}
+    assert set(specs) == {"lf-lorafleet-agent", "lf-lorafleet-operator", "lf-lorafleet-uninstall", "lf-lorafleet-test-agents"}
     for name, spec in specs.items():
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["securityContext"]["runAsUser"] == 65532, name
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
         for c in spec["containers"] + spec.get("initContainers", []):
-            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}}, (name, c["name"])
+            assert c["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }, (name, c["name"])
     pod = agent_pod(docs)
     assert pod["automountServiceAccountToken"] is False
     agent = pod["containers"][0]
@@ -495,8 +541,15 @@ def test_auth_is_on_by_default_with_a_generated_secret(kube_cluster: ControlPlan
     assert fleet["auth"] == {"tokenSecretRef": {"name": "lf-lorafleet-agent-token", "key": "token"}}
     assert "tls" not in fleet
 
-    docs = render_docs(kube_cluster, MODEL, "auth.existingSecret=mine", "auth.secretKey=bearer",
-                       "tls.enabled=true", "tls.secretName=agent-tls", "tls.serverName=agents.lf")
+    docs = render_docs(
+        kube_cluster,
+        MODEL,
+        "auth.existingSecret=mine",
+        "auth.secretKey=bearer",
+        "tls.enabled=true",
+        "tls.secretName=agent-tls",
+        "tls.serverName=agents.lf",
+    )
     assert not [k for k in docs if k[0] == "Secret"]
     fleet = docs[("LoraFleet", "default")]["spec"]
     assert fleet["auth"] == {"tokenSecretRef": {"name": "mine", "key": "bearer"}}
@@ -511,9 +564,7 @@ def test_auth_is_on_by_default_with_a_generated_secret(kube_cluster: ControlPlan
     assert not [a for a in agent_pod(docs)["containers"][0]["args"] if "auth" in a]
 
 
-def test_auth_token_is_kept_across_upgrades(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
-) -> None:
+def test_auth_token_is_kept_across_upgrades(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]) -> None:
     """A real install and upgrade (no workloads): `lookup` keeps the generated token."""
     ns = kube_namespace
     light = ["--set", "agent.enabled=false", "--set", "operator.enabled=false"]
@@ -541,8 +592,9 @@ def test_metrics_port_is_served_and_exposed(kube_cluster: ControlPlane) -> None:
     svc = docs[("Service", "lf-lorafleet-agent")]["spec"]["ports"]
     assert {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"} in svc
     assert not [k for k in docs if k[0] == "ServiceMonitor"]
-    sm = render_docs(kube_cluster, MODEL, "metrics.serviceMonitor.enabled=true",
-                     "metrics.serviceMonitor.labels.release=prom")[("ServiceMonitor", "lf-lorafleet-agent")]
+    sm = render_docs(kube_cluster, MODEL, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom")[
+        ("ServiceMonitor", "lf-lorafleet-agent")
+    ]
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["selector"]["matchLabels"] == docs[("Service", "lf-lorafleet-agent")]["spec"]["selector"]
@@ -576,15 +628,17 @@ def test_agent_client_service_balances_the_ready_agents(kube_cluster: ControlPla
     assert svc["spec"]["type"] == "ClusterIP"
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     assert "publishNotReadyAddresses" not in svc["spec"] and "clusterIP" not in svc["spec"]
-    assert svc["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP"},
-                                    {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [
+        {"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP"},
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"},
+    ]
     headless = docs[("Service", "lf-lorafleet-agent")]
     assert not headless["spec"]["selector"].items() <= svc["metadata"]["labels"].items()
-    node_port = render_docs(kube_cluster, MODEL, "agent.service.type=NodePort", "agent.service.grpcNodePort=30051",
-                            "agent.http.enabled=false")[("Service", "lf-lorafleet-agent-api")]["spec"]
+    node_port = render_docs(
+        kube_cluster, MODEL, "agent.service.type=NodePort", "agent.service.grpcNodePort=30051", "agent.http.enabled=false"
+    )[("Service", "lf-lorafleet-agent-api")]["spec"]
     assert node_port["type"] == "NodePort"
-    assert node_port["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP",
-                                   "nodePort": 30051}]
+    assert node_port["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP", "nodePort": 30051}]
     assert ("Service", "lf-lorafleet-agent-api") not in render_docs(kube_cluster, MODEL, "agent.service.enabled=false")
     assert "agent.service.type" in refusal(kube_cluster, MODEL, "agent.service.type=LoadBalancer").replace("/", ".")
 
@@ -598,15 +652,15 @@ def test_adapter_endpointslices_have_a_service_of_their_own(kube_cluster: Contro
     service_name = docs[("LoraFleet", "default")]["spec"]["routing"]["serviceName"]
     assert service_name == "lf-lorafleet-adapters"
     svc = docs[("Service", service_name)]
-    assert svc["spec"] == {"clusterIP": "None",
-                           "ports": [{"name": "grpc", "port": 50051, "protocol": "TCP"},
-                                     {"name": "http", "port": 8000, "protocol": "TCP"}]}
+    assert svc["spec"] == {
+        "clusterIP": "None",
+        "ports": [{"name": "grpc", "port": 50051, "protocol": "TCP"}, {"name": "http", "port": 8000, "protocol": "TCP"}],
+    }
     agents = docs[("Service", "lf-lorafleet-agent")]
     assert "selector" in agents["spec"] and service_name != "lf-lorafleet-agent"
     assert not agents["spec"]["selector"].items() <= svc["metadata"]["labels"].items()
     no_http = render_docs(kube_cluster, MODEL, "agent.http.enabled=false", "agent.grpcPort=50099")
-    assert no_http[("Service", service_name)]["spec"]["ports"] == [
-        {"name": "grpc", "port": 50099, "protocol": "TCP"}]
+    assert no_http[("Service", service_name)]["spec"]["ports"] == [{"name": "grpc", "port": 50099, "protocol": "TCP"}]
     # No fleet of the chart's: no Service for its slices either.
     assert ("Service", service_name) not in render_docs(kube_cluster, MODEL, "fleet.create=false")
 
@@ -621,8 +675,7 @@ def test_pod_disruption_budget(kube_cluster: ControlPlane) -> None:
     labels = docs[("StatefulSet", "lf-lorafleet-agent")]["spec"]["template"]["metadata"]["labels"]
     assert pdb["maxUnavailable"] == 1
     assert pdb["selector"]["matchLabels"].items() <= labels.items()
-    assert ("PodDisruptionBudget", "lf-lorafleet-agent") not in render_docs(
-        kube_cluster, MODEL, "agent.podDisruptionBudget.enabled=false")
+    assert ("PodDisruptionBudget", "lf-lorafleet-agent") not in render_docs(kube_cluster, MODEL, "agent.podDisruptionBudget.enabled=false")
 
 
 def test_network_policy_admits_the_operator_and_labelled_clients(kube_cluster: ControlPlane) -> None:
@@ -641,15 +694,19 @@ def test_network_policy_admits_the_operator_and_labelled_clients(kube_cluster: C
     # The helm test pod is such a client.
     test_pod = docs[("Pod", "lf-lorafleet-test-agents")]
     assert test_pod["metadata"]["labels"]["lorafleet.dev/client"] == "true"
-    np = render_docs(kube_cluster, MODEL, "networkPolicy.enabled=true",
-                     "networkPolicy.clientNamespaceSelector.matchLabels.team=a",
-                     "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
-                     )[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]
+    np = render_docs(
+        kube_cluster,
+        MODEL,
+        "networkPolicy.enabled=true",
+        "networkPolicy.clientNamespaceSelector.matchLabels.team=a",
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.name=monitoring",
+    )[("NetworkPolicy", "lf-lorafleet-agent")]["spec"]
     assert np["ingress"][0]["from"][1]["namespaceSelector"] == {"matchLabels": {"team": "a"}}
     assert np["ingress"][1]["ports"] == [{"port": "metrics", "protocol": "TCP"}]
 
 
 # ---- the model: PVC, hostPath, download ---------------------------------------------------
+
 
 def test_model_from_a_pvc_subpath(kube_cluster: ControlPlane) -> None:
     pod = agent_pod(render_docs(kube_cluster, MODEL, "agent.model.pvc.subPath=llama/v1"))
@@ -667,15 +724,21 @@ def test_model_from_a_host_path(kube_cluster: ControlPlane) -> None:
 
 
 def test_model_downloaded_by_an_init_container(kube_cluster: ControlPlane) -> None:
-    docs = render_docs(kube_cluster, "agent.model.download.url=https://m.example/llama.tar.gz",
-                       f"agent.model.download.sha256={SHA}", "image.agent.tag=dev")
+    docs = render_docs(
+        kube_cluster, "agent.model.download.url=https://m.example/llama.tar.gz", f"agent.model.download.sha256={SHA}", "image.agent.tag=dev"
+    )
     pod = agent_pod(docs)
     (init,) = pod["initContainers"]
     assert init["image"] == pod["containers"][0]["image"] == "ghcr.io/lorafleet/lorafleet-agent:dev"
     assert init["command"] == ["python", "/etc/lorafleet/scripts/fetch-model.py"]
     env = {e["name"]: e["value"] for e in init["env"]}
-    assert env == {"MODEL_URL": "https://m.example/llama.tar.gz", "MODEL_SHA256": SHA,
-                   "MODEL_DIR": "/models/base", "MODEL_ALLOW_HTTP": "0", "MODEL_TIMEOUT_S": "3600"}
+    assert env == {
+        "MODEL_URL": "https://m.example/llama.tar.gz",
+        "MODEL_SHA256": SHA,
+        "MODEL_DIR": "/models/base",
+        "MODEL_ALLOW_HTTP": "0",
+        "MODEL_TIMEOUT_S": "3600",
+    }
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["model"]["emptyDir"] == {"sizeLimit": "64Gi"}
     assert vols["scripts"]["configMap"]["name"] == "lf-lorafleet-scripts"
@@ -691,12 +754,20 @@ def serve_directory(root: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def fetch_model(url: str, sha: str, model_dir: Path, allow_http: bool = True,
-                python: str = sys.executable) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MODEL_URL": url, "MODEL_SHA256": sha, "MODEL_DIR": str(model_dir),
-           "MODEL_ALLOW_HTTP": "1" if allow_http else "0", "MODEL_TIMEOUT_S": "30"}
-    return subprocess.run([python, str(CHART / "files" / "fetch-model.py")], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+def fetch_model(
+    url: str, sha: str, model_dir: Path, allow_http: bool = True, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "MODEL_URL": url,
+        "MODEL_SHA256": sha,
+        "MODEL_DIR": str(model_dir),
+        "MODEL_ALLOW_HTTP": "1" if allow_http else "0",
+        "MODEL_TIMEOUT_S": "30",
+    }
+    return subprocess.run(
+        [python, str(CHART / "files" / "fetch-model.py")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def make_archive(path: Path, files: dict[str, bytes], top: str = "", link: str = "") -> str:
@@ -734,8 +805,7 @@ def test_fetch_model_checks_and_unpacks(tmp_path: Path, python: str) -> None:
         (model / "stale").write_text("left by an interrupted attempt")
         proc = fetch_model(f"{base}/m.tar.gz", good, model, python=python)
         assert proc.returncode == 0, proc.stderr
-        assert sorted(p.name for p in model.iterdir()) == [".lorafleet-model-sha256", "config.json",
-                                                             "model.safetensors"]
+        assert sorted(p.name for p in model.iterdir()) == [".lorafleet-model-sha256", "config.json", "model.safetensors"]
         assert (model / "model.safetensors").read_bytes() == files["model.safetensors"]
         again = fetch_model(f"{base}/m.tar.gz", good, model, python=python)
         assert again.returncode == 0 and "already in" in again.stdout
@@ -765,6 +835,7 @@ def test_fetch_model_checks_and_unpacks(tmp_path: Path, python: str) -> None:
 
 # ---- helm test, NOTES, uninstall ------------------------------------------------------------
 
+
 def test_helm_test_pod_checks_every_agent(kube_cluster: ControlPlane) -> None:
     docs = render_docs(kube_cluster, MODEL, "agent.replicas=3")
     pod = docs[("Pod", "lf-lorafleet-test-agents")]
@@ -778,29 +849,36 @@ def test_helm_test_pod_checks_every_agent(kube_cluster: ControlPlane) -> None:
     assert ("Pod", "lf-lorafleet-test-agents") not in render_docs(kube_cluster, "agent.enabled=false")
 
 
-def test_notes_tell_how_to_use_the_release(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
-) -> None:
-    out = kube_cluster.helm("install", "lf", str(CHART), "-n", kube_namespace, "--dry-run=server",
-                            "--set", MODEL).stdout
+def test_notes_tell_how_to_use_the_release(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]) -> None:
+    out = kube_cluster.helm("install", "lf", str(CHART), "-n", kube_namespace, "--dry-run=server", "--set", MODEL).stdout
     notes = out.split("NOTES:", 1)[1]
-    for text in (f"kubectl -n {kube_namespace} get la -w", f"helm -n {kube_namespace} test lf",
-                 "port-forward pod/lf-lorafleet-agent-0 50051:grpc", "spec:\n    baseModel: tiny-llama",
-                 f"lf-lorafleet-agent-api.{kube_namespace}.svc:50051",
-                 "get secret lf-lorafleet-agent-token", "pre-delete hook"):
+    for text in (
+        f"kubectl -n {kube_namespace} get la -w",
+        f"helm -n {kube_namespace} test lf",
+        "port-forward pod/lf-lorafleet-agent-0 50051:grpc",
+        "spec:\n    baseModel: tiny-llama",
+        f"lf-lorafleet-agent-api.{kube_namespace}.svc:50051",
+        "get secret lf-lorafleet-agent-token",
+        "pre-delete hook",
+    ):
         assert text in notes, text
 
 
 def test_uninstall_hook_is_rendered_with_its_rbac(kube_cluster: ControlPlane) -> None:
     docs = render_docs(kube_cluster, MODEL, "uninstall.timeoutSeconds=90")
     hooks = {k: d for k, d in docs.items() if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "pre-delete"}
-    assert set(hooks) == {("ServiceAccount", "lf-lorafleet-uninstall"), ("Role", "lf-lorafleet-uninstall"),
-                          ("RoleBinding", "lf-lorafleet-uninstall"), ("Job", "lf-lorafleet-uninstall")}
+    assert set(hooks) == {
+        ("ServiceAccount", "lf-lorafleet-uninstall"),
+        ("Role", "lf-lorafleet-uninstall"),
+        ("RoleBinding", "lf-lorafleet-uninstall"),
+        ("Job", "lf-lorafleet-uninstall"),
+    }
     weights = {k[0]: int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for k, d in hooks.items()}
     assert weights["Job"] > max(w for kind, w in weights.items() if kind != "Job")
     role = hooks[("Role", "lf-lorafleet-uninstall")]
-    assert role["rules"] == [{"apiGroups": ["lorafleet.dev"], "resources": ["loraadapters", "lorafleets"],
-                              "verbs": ["get", "list", "delete", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": ["lorafleet.dev"], "resources": ["loraadapters", "lorafleets"], "verbs": ["get", "list", "delete", "patch"]}
+    ]
     job = hooks[("Job", "lf-lorafleet-uninstall")]["spec"]["template"]["spec"]
     assert job["serviceAccountName"] == "lf-lorafleet-uninstall"
     (c,) = job["containers"]
@@ -820,22 +898,38 @@ def test_uninstall_cleanup_leaves_nothing_held_by_the_finalizer(
     finalizer, and everything of the fleet is gone; other fleets' adapters are untouched."""
     ns = kube_namespace
     fin = ["lorafleet.dev/unload"]
-    fleet = {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet",
-             "metadata": {"name": "default", "finalizers": fin},
-             "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}}}
+    fleet = {
+        "apiVersion": "lorafleet.dev/v1alpha1",
+        "kind": "LoraFleet",
+        "metadata": {"name": "default", "finalizers": fin},
+        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "lorafleet-agent"}}},
+    }
 
     def adapter(name: str, fleet_name: str) -> dict[str, Any]:
-        return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-                "metadata": {"name": name, "finalizers": fin},
-                "spec": {"baseModel": "tiny-llama", "fleetRef": {"name": fleet_name},
-                         "source": {"uri": f"file:///var/lib/lorafleet/adapters/{name}"}}}
+        return {
+            "apiVersion": "lorafleet.dev/v1alpha1",
+            "kind": "LoraAdapter",
+            "metadata": {"name": name, "finalizers": fin},
+            "spec": {
+                "baseModel": "tiny-llama",
+                "fleetRef": {"name": fleet_name},
+                "source": {"uri": f"file:///var/lib/lorafleet/adapters/{name}"},
+            },
+        }
 
     objs = [fleet, adapter("a1", "default"), adapter("a2", "default"), adapter("other", "elsewhere")]
     kube_cluster.apply("\n---\n".join(yaml.safe_dump(o) for o in objs), ns)
-    env = {**os.environ, "KUBECONFIG": str(kube_cluster.kubeconfig), "NAMESPACE": ns, "FLEET": "default",
-           "FINALIZER": "lorafleet.dev/unload", "TIMEOUT_S": "2"}
-    proc = subprocess.run([sys.executable, str(CHART / "files" / "uninstall-cleanup.py")], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kube_cluster.kubeconfig),
+        "NAMESPACE": ns,
+        "FLEET": "default",
+        "FINALIZER": "lorafleet.dev/unload",
+        "TIMEOUT_S": "2",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(CHART / "files" / "uninstall-cleanup.py")], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "removed finalizer lorafleet.dev/unload from loraadapters/a1" in proc.stdout
     assert "removed finalizer lorafleet.dev/unload from lorafleets/default" in proc.stdout
@@ -853,16 +947,25 @@ class FakeAgent(agent_pb2_grpc.NodeAgentServicer):
     def Describe(self, request: Any, context: Any) -> Any:
         if ("authorization", f"Bearer {self.token}") not in context.invocation_metadata():
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        return agent_pb2.DescribeResponse(base_model=agent_pb2.BaseModel(name=self.model),
-                                          topology=agent_pb2.Topology(tp_size=2))
+        return agent_pb2.DescribeResponse(base_model=agent_pb2.BaseModel(name=self.model), topology=agent_pb2.Topology(tp_size=2))
 
 
 def run_helm_test(port: int, token_file: Path, model: str = "tiny-llama") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "AGENT_SERVICE": "127.0.0.1", "GRPC_PORT": str(port), "REPLICAS": "1",
-           "BASE_MODEL": model, "TP_SIZE": "2", "TOKEN_FILE": str(token_file), "TLS_DIR": "",
-           "TLS_SERVER_NAME": "", "TIMEOUT_S": "3"}
-    return subprocess.run([sys.executable, str(CHART / "files" / "helm-test.py")], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    env = {
+        **os.environ,
+        "AGENT_SERVICE": "127.0.0.1",
+        "GRPC_PORT": str(port),
+        "REPLICAS": "1",
+        "BASE_MODEL": model,
+        "TP_SIZE": "2",
+        "TOKEN_FILE": str(token_file),
+        "TLS_DIR": "",
+        "TLS_SERVER_NAME": "",
+        "TIMEOUT_S": "3",
+    }
+    return subprocess.run(
+        [sys.executable, str(CHART / "files" / "helm-test.py")], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_helm_test_program_against_an_agent(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_pytest_workers_and_other_processes_get_disjoint_port_blocks(monkeypatch
         blocks.append(set(port_block()))
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     blocks.append(set(port_block()))
-    assert all(not a & b for i, a in enumerate(blocks) for b in blocks[i + 1:])
+    assert all(not a & b for i, a in enumerate(blocks) for b in blocks[i + 1 :])
 
 
 def test_server_version_is_stamped(kube_cluster: ControlPlane) -> None:
@@ -78,11 +78,8 @@ def test_python_client_reads_the_kubeconfig(kube_cluster: ControlPlane) -> None:
     assert {"default", "kube-system"} <= names
 
 
-def test_agent_pod_looks_like_a_running_ready_pod(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
-    pod = kube_cluster.create_agent_pod(kube_namespace, "agent-0", 50123,
-                                        labels={"lorafleet.dev/fleet": "default"})
+def test_agent_pod_looks_like_a_running_ready_pod(kube_cluster: ControlPlane, kube_namespace: str) -> None:
+    pod = kube_cluster.create_agent_pod(kube_namespace, "agent-0", 50123, labels={"lorafleet.dev/fleet": "default"})
     assert pod["status"]["podIP"] == "127.0.0.1"
     assert pod["status"]["phase"] == "Running"
 
@@ -97,18 +94,21 @@ def test_agent_pod_looks_like_a_running_ready_pod(
     assert stored["metadata"]["labels"]["app.kubernetes.io/name"] == "lorafleet-agent"
 
     # kubectl's own readiness logic agrees, and the selector an operator uses finds it.
-    kube_cluster.kubectl("wait", "--for=condition=Ready", "pod/agent-0", "-n", kube_namespace,
-                         "--timeout=5s")
+    kube_cluster.kubectl("wait", "--for=condition=Ready", "pod/agent-0", "-n", kube_namespace, "--timeout=5s")
     found = kube_cluster.kubectl(
-        "get", "pods", "-n", kube_namespace, "-l", "app.kubernetes.io/name=lorafleet-agent",
-        "-o", "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}:"
-              "{.spec.containers[0].ports[?(@.name=='grpc')].containerPort}{end}").stdout
+        "get",
+        "pods",
+        "-n",
+        kube_namespace,
+        "-l",
+        "app.kubernetes.io/name=lorafleet-agent",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} {.status.podIP}:{.spec.containers[0].ports[?(@.name=='grpc')].containerPort}{end}",
+    ).stdout
     assert found == "agent-0 127.0.0.1:50123"
 
 
-def test_agent_pod_readiness_restart_and_deletion(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
+def test_agent_pod_readiness_restart_and_deletion(kube_cluster: ControlPlane, kube_namespace: str) -> None:
     kube_cluster.create_agent_pod(kube_namespace, "agent-1", 50124, ready=False)
     pod = kube_cluster.kubectl_json("get", "pod", "agent-1", "-n", kube_namespace)
     assert {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"] == "False"
@@ -119,8 +119,7 @@ def test_agent_pod_readiness_restart_and_deletion(
 
     # Grace period 0: gone at once, no kubelet needed to confirm.
     kube_cluster.delete_pod(kube_namespace, "agent-1")
-    assert kube_cluster.kubectl("get", "pod", "agent-1", "-n", kube_namespace,
-                                "--ignore-not-found", "-o", "name").stdout == ""
+    assert kube_cluster.kubectl("get", "pod", "agent-1", "-n", kube_namespace, "--ignore-not-found", "-o", "name").stdout == ""
 
 
 def test_namespace_deletion_and_garbage_collection(kube_cluster: ControlPlane) -> None:
@@ -128,21 +127,22 @@ def test_namespace_deletion_and_garbage_collection(kube_cluster: ControlPlane) -
     ns = kube_cluster.create_namespace(prefix="gc")
     owner = kube_cluster.kubectl_json("create", "configmap", "owner", "-n", ns)
     dependent = {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": "dependent", "namespace": ns, "ownerReferences": [{
-            "apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
-            "uid": owner["metadata"]["uid"]}]},
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "dependent",
+            "namespace": ns,
+            "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}],
+        },
     }
     kube_cluster.kubectl("create", "-f", "-", input=json.dumps(dependent))
     kube_cluster.create_agent_pod(ns, "agent-0", 50125)
 
     kube_cluster.kubectl("delete", "configmap", "owner", "-n", ns)
-    kube_cluster.kubectl("wait", "--for=delete", "configmap/dependent", "-n", ns,
-                         "--timeout=60s")
+    kube_cluster.kubectl("wait", "--for=delete", "configmap/dependent", "-n", ns, "--timeout=60s")
 
     kube_cluster.delete_namespace(ns, wait=True)
-    assert kube_cluster.kubectl("get", "namespace", ns, "--ignore-not-found",
-                                "-o", "name").stdout == ""
+    assert kube_cluster.kubectl("get", "namespace", ns, "--ignore-not-found", "-o", "name").stdout == ""
 
 
 def test_start_and_stop_leave_no_processes(kube_bin_dir: Path) -> None:
@@ -174,9 +174,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_missing_binaries_fail_with_instructions(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_missing_binaries_fail_with_instructions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LORAFLEET_KUBE_BIN_DIR", str(tmp_path))
     with pytest.raises(HarnessError, match=r"run scripts/build-kube\.sh"):
         find_bin_dir(CHECKOUT)
@@ -203,7 +201,6 @@ def test_restart_apiserver_keeps_objects(kube_bin_dir: Path) -> None:
         cluster.restart_apiserver(downtime_s=0.5)
         assert cluster.pids != before and len(cluster.pids) == 2
         assert [_gogc(pid) for pid in cluster.pids] == ["300", "300"]
-        assert cluster.kubectl("get", "namespace", ns, "-o", "name").stdout.strip() \
-            == f"namespace/{ns}"
+        assert cluster.kubectl("get", "namespace", ns, "-o", "name").stdout.strip() == f"namespace/{ns}"
     finally:
         cluster.stop()

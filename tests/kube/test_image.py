@@ -154,7 +154,7 @@ def test_the_operator_never_installs_the_agent_extra() -> None:
     for heavy in ("torch", "triton", "nvidia"):
         assert heavy not in text.lower(), heavy
     operator_runs = [r for s in chain("operator") for r in s.args("RUN")]
-    assert any("sorted(p[\"dependencies\"])" in r for r in operator_runs)
+    assert any('sorted(p["dependencies"])' in r for r in operator_runs)
 
 
 @pytest.mark.parametrize("target", ["operator", "agent"])
@@ -180,14 +180,13 @@ def test_the_dependency_layer_sees_only_the_dependency_set(target: str) -> None:
     assert STAGES[target].base == f"build-{target}-deps"
     assert STAGES[target].args("COPY") == [f"--from=build-{target}-app /opt/lorafleet/app /opt/lorafleet/app"]
     ops = [op for op, _ in STAGES[target].instructions]
-    assert ops[ops.index("COPY"):] in (["COPY", "USER", "EXPOSE", "ENTRYPOINT"], ["COPY", "USER", "ENTRYPOINT"])
+    assert ops[ops.index("COPY") :] in (["COPY", "USER", "EXPOSE", "ENTRYPOINT"], ["COPY", "USER", "ENTRYPOINT"])
 
 
 def test_the_operator_image_holds_no_agent_code() -> None:
     """The operator's stages copy only its sources (never node_agent/), which are exactly what
     lorafleet_dev.images hashes for the operator image's cache key."""
-    sources = [src.rstrip("/") for s in chain("operator") for c in s.args("COPY") if not c.startswith("--from")
-               for src in c.split()[:-1]]
+    sources = [src.rstrip("/") for s in chain("operator") for c in s.args("COPY") if not c.startswith("--from") for src in c.split()[:-1]]
     assert "node_agent" not in sources
     assert sorted(set(sources)) == sorted(OPERATOR_SOURCES)
     runs = " ".join(r for s in chain("operator") for r in s.args("RUN"))
@@ -218,6 +217,7 @@ def test_what_the_build_copies_exists() -> None:
 
 # ---- .dockerignore -------------------------------------------------------------------------
 
+
 def ignore_patterns() -> list[str]:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
@@ -231,8 +231,7 @@ def matches(pattern: str, path: str) -> bool:
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
     if pattern.startswith("**/"):
         tail = pattern[3:]
-        return any(fnmatch.fnmatchcase(p.split("/")[-1], tail) or fnmatch.fnmatchcase(p, tail)
-                   for p in prefixes)
+        return any(fnmatch.fnmatchcase(p.split("/")[-1], tail) or fnmatch.fnmatchcase(p, tail) for p in prefixes)
     return any(fnmatch.fnmatchcase(p, pattern) for p in prefixes)
 
 
@@ -246,29 +245,59 @@ def ignored(path: str) -> bool:
     return verdict
 
 
-@pytest.mark.parametrize("path", [
-    ".git/config", ".venv/bin/python", "tests/kube/test_image.py", "devtools/pyproject.toml",
-    "benchmarks/bench_agent.py", "docs/agent.md", "deploy/helm/lorafleet/values.yaml",
-    "node_agent/__pycache__/cli.cpython-311.pyc", "operator/.mypy_cache/x", ".ruff_cache/x",
-    "scripts/bootstrap.sh",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".git/config",
+        ".venv/bin/python",
+        "tests/kube/test_image.py",
+        "devtools/pyproject.toml",
+        "benchmarks/bench_agent.py",
+        "docs/agent.md",
+        "deploy/helm/lorafleet/values.yaml",
+        "node_agent/__pycache__/cli.cpython-311.pyc",
+        "operator/.mypy_cache/x",
+        ".ruff_cache/x",
+        "scripts/bootstrap.sh",
+    ],
+)
 def test_dockerignore_keeps_out(path: str) -> None:
     assert ignored(path)
 
 
-@pytest.mark.parametrize("path", [
-    "pyproject.toml", "README.md", "node_agent/cli.py", "node_agent/engine/engine.py",
-    "proto/lorafleet/v1/agent_pb2.py", "common/lorafleet_common/merge.py",
-    "operator/lorafleet_operator/main.py",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "pyproject.toml",
+        "README.md",
+        "node_agent/cli.py",
+        "node_agent/engine/engine.py",
+        "proto/lorafleet/v1/agent_pb2.py",
+        "common/lorafleet_common/merge.py",
+        "operator/lorafleet_operator/main.py",
+    ],
+)
 def test_dockerignore_keeps_in(path: str) -> None:
     assert not ignored(path)
 
 
 # ---- the dependency split --------------------------------------------------------------------
 
-AGENT_ONLY = {"torch", "triton", "safetensors", "numpy", "tokenizers", "google-re2", "jsonschema",
-              "grpcio-health-checking", "grpcio-reflection", "aiohttp", "pydantic", "jinja2", "huggingface-hub"}
+AGENT_ONLY = {
+    "torch",
+    "triton",
+    "safetensors",
+    "numpy",
+    "tokenizers",
+    "google-re2",
+    "jsonschema",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "aiohttp",
+    "pydantic",
+    "jinja2",
+    "huggingface-hub",
+}
 
 
 def dist_name(requirement: str) -> str:
@@ -319,6 +348,5 @@ def test_the_operator_side_imports_only_its_dependencies() -> None:
     third_party = imported_modules("operator", "common", "proto") - ours - set(sys.stdlib_module_names)
     providers = importlib.metadata.packages_distributions()
     installed = closure(PYPROJECT["project"]["dependencies"])
-    missing = {m: providers.get(m) for m in third_party
-               if not {dist_name(d) for d in providers.get(m, [])} & installed}
+    missing = {m: providers.get(m) for m in third_party if not {dist_name(d) for d in providers.get(m, [])} & installed}
     assert missing == {}

@@ -67,10 +67,14 @@ PROMPT = [1, 5, 9, 17]
 #: The agents on a 2-core machine: small requests so both fit beside the operator, one torch
 #: thread each, small shared-memory and scratch volumes.
 AGENT_VALUES = {
-    "agent.device": "cpu", "agent.gpus": 0, "agent.replicas": 2,
+    "agent.device": "cpu",
+    "agent.gpus": 0,
+    "agent.replicas": 2,
     "agent.resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "4Gi"}},
     "agent.extraArgs": ["--cpu-threads=1"],
-    "agent.shmSize": "256Mi", "agent.tmpSizeLimit": "1Gi", "agent.cacheSizeLimit": "1Gi",
+    "agent.shmSize": "256Mi",
+    "agent.tmpSizeLimit": "1Gi",
+    "agent.cacheSizeLimit": "1Gi",
 }
 
 
@@ -164,8 +168,7 @@ def stub(address: str, tls: ClientTls | None = None) -> tuple[grpc.Channel, agen
     if tls is None:
         channel = grpc.insecure_channel(address)
     else:
-        channel = grpc.secure_channel(address, tls.credentials(),
-                                      options=[("grpc.ssl_target_name_override", tls.server_name)])
+        channel = grpc.secure_channel(address, tls.credentials(), options=[("grpc.ssl_target_name_override", tls.server_name)])
     return channel, agent_pb2_grpc.NodeAgentStub(channel)
 
 
@@ -173,8 +176,7 @@ def registry(address: str, token: str, tls: ClientTls | None = None) -> dict[str
     """What the agent at ``address`` itself holds (name -> ranks): the truth the status reports."""
     channel, agent = stub(address, tls)
     with channel:
-        reply = agent.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10,
-                                   metadata=(("authorization", f"Bearer {token}"),))
+        reply = agent.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10, metadata=(("authorization", f"Bearer {token}"),))
     return {a.name: list(a.ranks) for a in reply.adapters}
 
 
@@ -184,7 +186,9 @@ def generate(address: str, token: str, adapter: str) -> list[int]:
     with channel:
         replies = agent.Generate(
             agent_pb2.GenerateRequest(token_ids=PROMPT, adapter=adapter, max_new_tokens=6),
-            timeout=60, metadata=(("authorization", f"Bearer {token}"),))
+            timeout=60,
+            metadata=(("authorization", f"Bearer {token}"),),
+        )
         return [r.token_id for r in replies]
 
 
@@ -196,16 +200,23 @@ def pods(cluster: ControlPlane, ns: str, name: str) -> list[dict[str, Any]]:
 
 def ready(pod: dict[str, Any]) -> bool:
     statuses = pod.get("status", {}).get("containerStatuses") or []
-    return bool(statuses) and all(s["ready"] and "running" in s["state"] for s in statuses) \
+    return (
+        bool(statuses)
+        and all(s["ready"] and "running" in s["state"] for s in statuses)
         and pod["metadata"].get("deletionTimestamp") is None
+    )
 
 
 def probe_results(node: RealNode, ns: str, container: str, probe_type: str) -> dict[str, float]:
     """The kubelet's probe counts for the ``container`` containers of ``ns``, by result."""
     counts: dict[str, float] = {}
     for line in node.kubelet_metrics().splitlines():
-        if line.startswith("prober_probe_total{") and f'namespace="{ns}"' in line \
-                and f'probe_type="{probe_type}"' in line and f'container="{container}"' in line:
+        if (
+            line.startswith("prober_probe_total{")
+            and f'namespace="{ns}"' in line
+            and f'probe_type="{probe_type}"' in line
+            and f'container="{container}"' in line
+        ):
             result = line.split('result="', 1)[1].split('"', 1)[0]
             counts[result] = counts.get(result, 0) + float(line.rsplit(" ", 1)[1])
     return counts
@@ -251,10 +262,14 @@ def serving(path: Path, host: str) -> Iterator[tuple[str, list[str]]]:
 def tls_secret(name: str, ca: Authority, pair: KeyPair) -> str:
     """The chart's TLS Secret (tls.crt, tls.key, ca.crt), opened to the fleet ``default``."""
     data = {"tls.crt": pair.cert, "tls.key": pair.key, "ca.crt": ca.pem}
-    return json.dumps({
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": name, "labels": {"lorafleet.dev/allow-fleet": "default"}},
-        "data": {k: base64.b64encode(v).decode() for k, v in data.items()}})
+    return json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "labels": {"lorafleet.dev/allow-fleet": "default"}},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+    )
 
 
 def model_claim(cluster: ControlPlane, ns: str, model: Path) -> str:
@@ -262,15 +277,41 @@ def model_claim(cluster: ControlPlane, ns: str, model: Path) -> str:
     directory (static provisioning: the controller manager's binder binds the pair, the
     scheduler waits for it, the kubelet mounts it). Returns the claim's name."""
     claim = "model"
-    cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": [
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-model"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
-                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                  "claimRef": {"namespace": ns, "name": claim},
-                  "hostPath": {"path": str(model), "type": "Directory"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
-         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{ns}-model",
-                  "resources": {"requests": {"storage": "1Gi"}}}}]}), ns)
+    cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "List",
+                "items": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PersistentVolume",
+                        "metadata": {"name": f"{ns}-model"},
+                        "spec": {
+                            "capacity": {"storage": "1Gi"},
+                            "accessModes": ["ReadOnlyMany"],
+                            "persistentVolumeReclaimPolicy": "Retain",
+                            "storageClassName": "",
+                            "claimRef": {"namespace": ns, "name": claim},
+                            "hostPath": {"path": str(model), "type": "Directory"},
+                        },
+                    },
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PersistentVolumeClaim",
+                        "metadata": {"name": claim, "namespace": ns},
+                        "spec": {
+                            "accessModes": ["ReadOnlyMany"],
+                            "storageClassName": "",
+                            "volumeName": f"{ns}-model",
+                            "resources": {"requests": {"storage": "1Gi"}},
+                        },
+                    },
+                ],
+            }
+        ),
+        ns,
+    )
     return claim
 
 
@@ -278,8 +319,7 @@ def wrong_token_test_pod(cluster: ControlPlane, ns: str, secret: str) -> dict[st
     """The release's own ``helm test`` pod (from ``helm get hooks``) under another name, its
     token from ``secret`` and a 5 s deadline: what the hook does when the token is wrong."""
     hooks = yaml.safe_load_all(cluster.helm("get", "hooks", RELEASE, "--namespace", ns).stdout)
-    (pod,) = [h for h in hooks if h and h["kind"] == "Pod"
-              and h["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    (pod,) = [h for h in hooks if h and h["kind"] == "Pod" and h["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
     pod["metadata"]["name"] += "-wrong-token"
     del pod["metadata"]["annotations"]
     (container,) = pod["spec"]["containers"]
@@ -298,8 +338,10 @@ def install_args(real: RealCluster, claim: str) -> list[str]:
     op_repo, op_tag = real.operator.name.rsplit(":", 1)
     agent_repo, agent_tag = real.agent.name.rsplit(":", 1)
     values: dict[str, Any] = {
-        "image.operator.repository": op_repo, "image.operator.tag": op_tag,
-        "image.agent.repository": agent_repo, "image.agent.tag": agent_tag,
+        "image.operator.repository": op_repo,
+        "image.operator.tag": op_tag,
+        "image.agent.repository": agent_repo,
+        "image.agent.tag": agent_tag,
         "image.pullPolicy": "Never",
         "agent.baseModel": BASE_MODEL,
         "agent.model.pvc.claimName": claim,
@@ -324,17 +366,28 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
         logs = ""
         for name in ("lorafleet-operator", "lorafleet-agent"):
-            out = cluster.kubectl("logs", "-n", ns, "-l", f"app.kubernetes.io/name={name}", "--tail=30",
-                                  "--all-containers", "--prefix", check=False)
+            out = cluster.kubectl(
+                "logs", "-n", ns, "-l", f"app.kubernetes.io/name={name}", "--tail=30", "--all-containers", "--prefix", check=False
+            )
             logs += f"{name} log:\n{out.stdout or out.stderr}\n"
-        return (f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}\n"
-                f"coredns:\n{node.logs('coredns', 20)}")
+        return (
+            f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}\ncoredns:\n{node.logs('coredns', 20)}"
+        )
 
     try:
         claim = model_claim(cluster, ns, real_cluster.data / "model")
-        install = cluster.helm("install", RELEASE, str(CHECKOUT.chart), "--namespace", ns,
-                               *install_args(real_cluster, claim), "--wait", "--timeout=400s",
-                               check=False, timeout_s=460)
+        install = cluster.helm(
+            "install",
+            RELEASE,
+            str(CHECKOUT.chart),
+            "--namespace",
+            ns,
+            *install_args(real_cluster, claim),
+            "--wait",
+            "--timeout=400s",
+            check=False,
+            timeout_s=460,
+        )
         assert install.returncode == 0, f"{install.stderr}\n{diagnose()}"
         lap("helm install --wait")
         # The model came from the claim: bound to its volume, mounted by the agents.
@@ -355,8 +408,7 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         for probe in ("Startup", "Readiness"):
             assert probe_results(node, ns, "agent", probe).get("successful", 0) >= 2, probe
 
-        token = base64.b64decode(cluster.kubectl_json(
-            "get", "secret", f"{FULLNAME}-agent-token", "-n", ns)["data"]["token"]).decode()
+        token = base64.b64decode(cluster.kubectl_json("get", "secret", f"{FULLNAME}-agent-token", "-n", ns)["data"]["token"]).decode()
         # The token is required (auth on by default): a call without it is refused.
         channel, anonymous = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
         with channel, pytest.raises(grpc.RpcError) as refused:
@@ -370,19 +422,26 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         own, other = (f"{ns}/{p['metadata']['name']}" for p in agents)
         channel, first = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
         with channel:
-            proofs = {pod: first.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=10).proof
-                      for pod in (own, other)}
+            proofs = {
+                pod: first.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=10).proof for pod in (own, other)
+            }
         assert proof_matches(token, own, nonce, proofs[own]), proofs
         assert proofs[other] == b"", proofs
         lap("pods, probes, token, identity")
 
         # A LoraAdapter applied with kubectl: Ready, and its per-agent, per-rank status equals
         # what each agent pod's registry holds.
-        cluster.apply(json.dumps({
-            "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-            "metadata": {"name": "support"},
-            "spec": {"baseModel": BASE_MODEL, "source": {"uri": f"file://{ADAPTER_ROOT}/support"},
-                     "fleetRef": {"name": "default"}}}), ns)
+        cluster.apply(
+            json.dumps(
+                {
+                    "apiVersion": "lorafleet.dev/v1alpha1",
+                    "kind": "LoraAdapter",
+                    "metadata": {"name": "support"},
+                    "spec": {"baseModel": BASE_MODEL, "source": {"uri": f"file://{ADAPTER_ROOT}/support"}, "fleetRef": {"name": "default"}},
+                }
+            ),
+            ns,
+        )
         held = f"{ns}.support"
 
         def adapter_status() -> dict[str, Any]:
@@ -413,16 +472,18 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
 
         def replacement() -> dict[str, Any]:
             for pod in pods(cluster, ns, "lorafleet-agent"):
-                if pod["metadata"]["name"] == victim["metadata"]["name"] and ready(pod) \
-                        and pod["metadata"]["uid"] != victim["metadata"]["uid"]:
+                if (
+                    pod["metadata"]["name"] == victim["metadata"]["name"]
+                    and ready(pod)
+                    and pod["metadata"]["uid"] != victim["metadata"]["uid"]
+                ):
                     return pod
             return {}
 
         new_agent = wait_for("the StatefulSet's new agent pod Ready", replacement, 300, diagnose)
         lap("replacement agent Ready")
         new_address = f"{new_agent['status']['podIP']}:{GRPC_PORT}"
-        wait_for("the adapter back on the new agent pod", lambda: registry(new_address, token) == {held: [0]},
-                 180, diagnose)
+        wait_for("the adapter back on the new agent pod", lambda: registry(new_address, token) == {held: [0]}, 180, diagnose)
         st = wait_for("LoraAdapter support Ready on both agents again", loaded_everywhere, 120, diagnose)
         assert st["ranksSummary"] == "2/2", st
         lap("adapter reloaded onto the replacement")
@@ -449,17 +510,37 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         old_agents = {p["metadata"]["uid"] for p in pods(cluster, ns, "lorafleet-agent")}
         ca = Authority("lorafleet-real-node-ca")
         server_name = f"{FULLNAME}-agent.{ns}.svc"
-        cluster.apply(tls_secret("agent-tls", ca, ca.issue(server_name, server=True, dns_names=(server_name,),
-                                                           client_too=True)), ns)
+        cluster.apply(tls_secret("agent-tls", ca, ca.issue(server_name, server=True, dns_names=(server_name,), client_too=True)), ns)
         archive, sha = model_archive(real_cluster.data / "model", real_cluster.data)
         with serving(archive, cluster.advertise_ip) as (model_url, requested):
             upgrade = cluster.helm(
-                "upgrade", RELEASE, str(CHECKOUT.chart), "--namespace", ns, "--reuse-values",
-                "--set", "operator.logLevel=DEBUG",
-                "--set", "tls.enabled=true", "--set", "tls.secretName=agent-tls", "--set", f"tls.serverName={server_name}",
-                "--set", "agent.model.pvc.claimName=", "--set", f"agent.model.download.url={model_url}",
-                "--set", f"agent.model.download.sha256={sha}", "--set", "agent.model.download.allowHttp=true",
-                "--wait", "--timeout=480s", check=False, timeout_s=540)
+                "upgrade",
+                RELEASE,
+                str(CHECKOUT.chart),
+                "--namespace",
+                ns,
+                "--reuse-values",
+                "--set",
+                "operator.logLevel=DEBUG",
+                "--set",
+                "tls.enabled=true",
+                "--set",
+                "tls.secretName=agent-tls",
+                "--set",
+                f"tls.serverName={server_name}",
+                "--set",
+                "agent.model.pvc.claimName=",
+                "--set",
+                f"agent.model.download.url={model_url}",
+                "--set",
+                f"agent.model.download.sha256={sha}",
+                "--set",
+                "agent.model.download.allowHttp=true",
+                "--wait",
+                "--timeout=480s",
+                check=False,
+                timeout_s=540,
+            )
             assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
             lap("helm upgrade --wait (TLS, download)")
 
@@ -485,20 +566,25 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         client = ClientTls(ca.pem, ca.issue("real-node-test", server=False), server_name)
         tls_addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in new_agents]
         for address in tls_addresses:
-            wait_for(f"the adapter on the upgraded agent {address}",
-                     lambda address=address: registry(address, token, client) == {held: [0]}, 180, diagnose)
+            wait_for(
+                f"the adapter on the upgraded agent {address}",
+                lambda address=address: registry(address, token, client) == {held: [0]},
+                180,
+                diagnose,
+            )
         st = wait_for("LoraAdapter support Ready on both upgraded agents", loaded_everywhere, 120, diagnose)
         assert st["ranksSummary"] == "2/2", st
         stranger = Authority("someone else").issue("real-node-test", server=False)
-        for who, tls in (("a plaintext client", None),
-                         ("a client without a certificate", ClientTls(ca.pem, None, server_name)),
-                         ("a client with another CA's certificate", ClientTls(ca.pem, stranger, server_name))):
+        for who, tls in (
+            ("a plaintext client", None),
+            ("a client without a certificate", ClientTls(ca.pem, None, server_name)),
+            ("a client with another CA's certificate", ClientTls(ca.pem, stranger, server_name)),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 registry(tls_addresses[0], token, tls)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (who, refused.value)
         lap("adapter reloaded over TLS, refusals")
-        cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns,
-                        "--timeout=120s")
+        cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns, "--timeout=120s")
 
         def replaced() -> list[dict[str, Any]]:
             found = pods(cluster, ns, "lorafleet-operator")
@@ -512,9 +598,12 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         # The chart's liveness probe, run by the kubelet itself, passes (successes counted in
         # its probe metrics) and never restarted the operator. A failure or two while it starts
         # on a loaded machine is tolerated, as by the probe's own failureThreshold.
-        wait_for("a successful liveness probe of the operator",
-                 lambda: probe_results(node, ns, "operator", "Liveness").get("successful", 0) >= 1,
-                 90, diagnose)
+        wait_for(
+            "a successful liveness probe of the operator",
+            lambda: probe_results(node, ns, "operator", "Liveness").get("successful", 0) >= 1,
+            90,
+            diagnose,
+        )
         (restarted,) = pods(cluster, ns, "lorafleet-operator")
         assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
         lap("new operator pod, liveness")
@@ -524,8 +613,9 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         # one (health SERVING, Describe over mutual TLS with the token); it needs REPLICAS (2)
         # addresses. helm deletes the pod once it has succeeded.
         tested = cluster.helm("test", RELEASE, "--namespace", ns, "--timeout=300s", check=False, timeout_s=360)
-        assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), \
+        assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), (
             f"{tested.stdout}\n{tested.stderr}\n{diagnose()}"
+        )
         lap("helm test")
         # The same pod with a wrong token fails, naming each agent it resolved as refusing it.
         cluster.kubectl("create", "secret", "generic", "wrong-token", "-n", ns, "--from-literal=token=not-the-token")
@@ -548,24 +638,33 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
         # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
         # Service) has the operator unload everything (over TLS now); nothing of the release is
         # left, nothing is stuck. The TLS Secret is the user's, not the chart's: it stays.
-        uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait",
-                                 "--timeout=240s", check=False, timeout_s=300)
+        uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait", "--timeout=240s", check=False, timeout_s=300)
         assert uninstall.returncode == 0, f"{uninstall.stderr}\n{diagnose()}"
         lap("helm uninstall --wait")
         users = {"secrets": ["agent-tls"], "persistentvolumeclaims": [claim]}
-        for kind in ("loraadapters", "lorafleets", "deployments", "statefulsets", "services", "jobs",
-                     "secrets", "persistentvolumeclaims", "poddisruptionbudgets", "roles", "rolebindings"):
+        for kind in (
+            "loraadapters",
+            "lorafleets",
+            "deployments",
+            "statefulsets",
+            "services",
+            "jobs",
+            "secrets",
+            "persistentvolumeclaims",
+            "poddisruptionbudgets",
+            "roles",
+            "rolebindings",
+        ):
             left = [i["metadata"]["name"] for i in cluster.kubectl_json("get", kind, "-n", ns)["items"]]
             assert left == users.get(kind, []), f"{kind} left: {left}"
         left_sas = {i["metadata"]["name"] for i in cluster.kubectl_json("get", "serviceaccounts", "-n", ns)["items"]}
         assert left_sas == {"default"}
-        wait_for("every pod of the release gone",
-                 lambda: not cluster.kubectl_json("get", "pods", "-n", ns)["items"], 180, diagnose)
+        wait_for("every pod of the release gone", lambda: not cluster.kubectl_json("get", "pods", "-n", ns)["items"], 180, diagnose)
         # The hook ran as a real pod on the node (helm deleted its Job once it succeeded).
-        started = cluster.kubectl_json("get", "events", "-n", ns,
-                                       "--field-selector=involvedObject.kind=Pod,reason=Started")
-        hook_pods = {e["involvedObject"]["name"] for e in started["items"]
-                     if e["involvedObject"]["name"].startswith(f"{FULLNAME}-uninstall-")}
+        started = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector=involvedObject.kind=Pod,reason=Started")
+        hook_pods = {
+            e["involvedObject"]["name"] for e in started["items"] if e["involvedObject"]["name"].startswith(f"{FULLNAME}-uninstall-")
+        }
         assert len(hook_pods) == 1, started["items"]
         wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
         lap("nothing of the release left")

@@ -28,8 +28,7 @@ def agent_spec(root: Path, **settings: Any) -> tuple[AgentSpec, Path]:
     them (with `settings` of AgentSpec); returns the spec and the adapter root."""
     adapters = root / "adapters"
     adapters.mkdir()
-    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,),
-                     base_model_name=BASE_MODEL, **settings)
+    spec = AgentSpec(model_dir=write_model(root / "model", SHAPE), adapter_roots=(adapters,), base_model_name=BASE_MODEL, **settings)
     return spec, adapters
 
 
@@ -58,28 +57,30 @@ def corrupt_adapter(root: Path, name: str) -> Path:
     return path
 
 
-def adapter_manifest(name: str, path: Path, *, fleet: str = "default",
-                     base_model: str = BASE_MODEL) -> dict[str, Any]:
-    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-            "metadata": {"name": name},
-            "spec": {"baseModel": base_model, "source": {"uri": f"file://{path}"},
-                     "fleetRef": {"name": fleet}}}
+def adapter_manifest(name: str, path: Path, *, fleet: str = "default", base_model: str = BASE_MODEL) -> dict[str, Any]:
+    return {
+        "apiVersion": "lorafleet.dev/v1alpha1",
+        "kind": "LoraAdapter",
+        "metadata": {"name": name},
+        "spec": {"baseModel": base_model, "source": {"uri": f"file://{path}"}, "fleetRef": {"name": fleet}},
+    }
 
 
 def fleet_manifest(name: str = "default") -> dict[str, Any]:
-    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet",
-            "metadata": {"name": name},
-            "spec": {"selector": {"matchLabels": {FLEET_LABEL: name}}, "grpcPortName": "grpc"}}
+    return {
+        "apiVersion": "lorafleet.dev/v1alpha1",
+        "kind": "LoraFleet",
+        "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {FLEET_LABEL: name}}, "grpcPortName": "grpc"},
+    }
 
 
 def apply(cluster: ControlPlane, ns: str, *objects: dict[str, Any]) -> None:
     cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)}), ns)
 
 
-def add_agent_pod(cluster: ControlPlane, ns: str, agent: AgentProcess, *, ready: bool = True,
-                  fleet: str = "default") -> None:
-    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: fleet},
-                             ready=ready)
+def add_agent_pod(cluster: ControlPlane, ns: str, agent: AgentProcess, *, ready: bool = True, fleet: str = "default") -> None:
+    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: fleet}, ready=ready)
 
 
 def stub(agent: AgentProcess) -> tuple[grpc.Channel, agent_pb2_grpc.NodeAgentStub]:
@@ -94,17 +95,14 @@ def registry(agent: AgentProcess, ns: str | None = None) -> dict[str, list[int]]
         reply = agent_stub.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
     names = [a.name for a in reply.adapters]
     assert len(names) == len(set(names)), f"duplicate registry entries: {names}"
-    return {a.name: list(a.ranks) for a in reply.adapters
-            if ns is None or a.name.startswith(f"{ns}.")}
+    return {a.name: list(a.ranks) for a in reply.adapters if ns is None or a.name.startswith(f"{ns}.")}
 
 
 def generate(agent: AgentProcess, adapter: str, tokens: list[int], n: int = 4) -> list[int]:
     """Greedy tokens from the agent with ``adapter`` (raises grpc.RpcError if not routable)."""
     channel, agent_stub = stub(agent)
     with channel:
-        replies = agent_stub.Generate(
-            agent_pb2.GenerateRequest(token_ids=tokens, adapter=adapter, max_new_tokens=n),
-            timeout=30)
+        replies = agent_stub.Generate(agent_pb2.GenerateRequest(token_ids=tokens, adapter=adapter, max_new_tokens=n), timeout=30)
         return [r.token_id for r in replies]
 
 

@@ -42,13 +42,18 @@ CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "lorafleet"
 def service_account_kubeconfig(cluster: ControlPlane, ns: str, sa: str, path: Path) -> Path:
     """A kubeconfig holding a real token of the ServiceAccount (TokenRequest API)."""
     token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": cluster.server,
-                                               "certificate-authority": str(cluster.ca_file)}}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
-        "current-context": "c"}))
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca_file)}}],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
+                "current-context": "c",
+            }
+        )
+    )
     return path
 
 
@@ -98,30 +103,41 @@ class OperatorProcess:
         return self.popen.returncode
 
 
-def start_operator(cluster: ControlPlane, namespace: str, work_dir: Path, *,
-                   identity: str = "op-0", kubeconfig: Path | None = None,
-                   env: dict[str, str] | None = None,
-                   wait_leader: bool = True) -> OperatorProcess:
+def start_operator(
+    cluster: ControlPlane,
+    namespace: str,
+    work_dir: Path,
+    *,
+    identity: str = "op-0",
+    kubeconfig: Path | None = None,
+    env: dict[str, str] | None = None,
+    wait_leader: bool = True,
+) -> OperatorProcess:
     """Start ``lorafleet-operator`` for ``namespace`` (its lease there too)."""
     port = free_port()
     log_path = work_dir / f"operator-{identity}.log"
-    full_env = {**cluster.tool_env(), **FAST_ENV,
-                "KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
-                "LORAFLEET_WATCH_NAMESPACES": namespace, "LORAFLEET_LEASE_NAMESPACE": namespace,
-                "POD_NAME": identity, "LORAFLEET_METRICS_PORT": str(port),
-                "LORAFLEET_LOG_LEVEL": "INFO", **(env or {})}
+    full_env = {
+        **cluster.tool_env(),
+        **FAST_ENV,
+        "KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
+        "LORAFLEET_WATCH_NAMESPACES": namespace,
+        "LORAFLEET_LEASE_NAMESPACE": namespace,
+        "POD_NAME": identity,
+        "LORAFLEET_METRICS_PORT": str(port),
+        "LORAFLEET_LOG_LEVEL": "INFO",
+        **(env or {}),
+    }
     with open(log_path, "wb") as log_file:
-        popen = subprocess.Popen(["lorafleet-operator"], stdout=log_file,
-                                 stderr=subprocess.STDOUT, env=full_env)
+        popen = subprocess.Popen(["lorafleet-operator"], stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     proc = OperatorProcess(popen, log_path, port, identity)
     if wait_leader:
-        wait_for(lambda: "became leader" in proc.log(), 60, f"operator {identity} to lead",
-                 proc)
+        wait_for(lambda: "became leader" in proc.log(), 60, f"operator {identity} to lead", proc)
     return proc
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
-             operator: OperatorProcess | None = None, interval_s: float = 0.2) -> None:
+def wait_for(
+    predicate: Callable[[], object], timeout_s: float, what: str, operator: OperatorProcess | None = None, interval_s: float = 0.2
+) -> None:
     """Poll until ``predicate()`` is truthy; fail with the operator's log tail otherwise."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -131,8 +147,7 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
         except Exception:
             pass
         if operator is not None and operator.popen.poll() is not None:
-            pytest.fail(f"operator exited ({operator.popen.returncode}) while waiting for "
-                        f"{what}:\n{operator.log()[-4000:]}")
+            pytest.fail(f"operator exited ({operator.popen.returncode}) while waiting for {what}:\n{operator.log()[-4000:]}")
         if time.monotonic() > deadline:
             tail = operator.log()[-4000:] if operator else ""
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}\n{tail}")
@@ -140,8 +155,7 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str,
 
 
 @pytest.fixture
-def operator(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-             tmp_path: Path) -> Iterator[OperatorProcess]:
+def operator(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...], tmp_path: Path) -> Iterator[OperatorProcess]:
     """The operator watching this test's namespace; stopped (SIGTERM) afterwards."""
     proc = start_operator(kube_cluster, kube_namespace, tmp_path)
     try:

@@ -31,23 +31,36 @@ class Copies:
 def configured() -> kopf.OperatorSettings:
     settings = Settings()
     operator_settings = kopf.OperatorSettings()
-    configure(settings=operator_settings, memo=kopf.Memo(runtime=Runtime(settings, None, AgentClients(settings))),
-              agent_pods={}, lora_fleets={})
+    configure(
+        settings=operator_settings, memo=kopf.Memo(runtime=Runtime(settings, None, AgentClients(settings))), agent_pods={}, lora_fleets={}
+    )
     return operator_settings
 
 
 def adapter(**extra: Any) -> dict[str, Any]:
     last_applied = json.dumps({"spec": {"baseModel": "tiny"}})
-    return {"apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-            "metadata": {"name": "a", "namespace": "ns", "uid": "u", "resourceVersion": "7",
-                         "generation": 2, "finalizers": ["lorafleet.dev/unload"],
-                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}] * 20,
-                         "labels": {"team": "x"},
-                         "annotations": {"kubectl.kubernetes.io/last-applied-configuration": last_applied,
-                                         f"{ANNOTATION_PREFIX}/last-handled-configuration": "{}",
-                                         "note": "kept"}},
-            "spec": {"baseModel": "tiny", "source": {"uri": "file:///a"}, "fleetRef": {"name": "f"}},
-            "status": {"phase": "Ready", "agents": [{"pod": f"agent-{i}"} for i in range(64)]}, **extra}
+    return {
+        "apiVersion": "lorafleet.dev/v1alpha1",
+        "kind": "LoraAdapter",
+        "metadata": {
+            "name": "a",
+            "namespace": "ns",
+            "uid": "u",
+            "resourceVersion": "7",
+            "generation": 2,
+            "finalizers": ["lorafleet.dev/unload"],
+            "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}] * 20,
+            "labels": {"team": "x"},
+            "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": last_applied,
+                f"{ANNOTATION_PREFIX}/last-handled-configuration": "{}",
+                "note": "kept",
+            },
+        },
+        "spec": {"baseModel": "tiny", "source": {"uri": "file:///a"}, "fleetRef": {"name": "f"}},
+        "status": {"phase": "Ready", "agents": [{"pod": f"agent-{i}"} for i in range(64)]},
+        **extra,
+    }
 
 
 BODIES = [

@@ -22,12 +22,12 @@ from lorafleet_operator.reconcile import FleetView, admission, departed_holders,
 from lorafleet_operator.runtime import Listing, Runtime
 
 NS = "team"
-SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"},
-                        "fleetRef": {"name": "default"}}
+SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"}, "fleetRef": {"name": "default"}}
 
 
-def entry(name: str = "team.one", uri: str = "file:///a/one", sha256: str = "ab",
-          pinned: bool = False, ranks: tuple[int, ...] = (0, 1)) -> RegistryEntry:
+def entry(
+    name: str = "team.one", uri: str = "file:///a/one", sha256: str = "ab", pinned: bool = False, ranks: tuple[int, ...] = (0, 1)
+) -> RegistryEntry:
     return RegistryEntry(name, uri, sha256, pinned, ranks)
 
 
@@ -44,46 +44,59 @@ def test_holds_only_the_same_source_sha_and_pinning_on_every_rank() -> None:
 
 
 def pod(name: str, labels: dict[str, str] | None = None, ready: bool = True) -> AgentPod:
-    return AgentPod(name=name, namespace=NS, uid=f"uid-{name}",
-                    labels=labels if labels is not None else {"fleet": "default"},
-                    ready=ready, endpoint=f"10.0.0.{len(name)}:50051", restarts=0)
+    return AgentPod(
+        name=name,
+        namespace=NS,
+        uid=f"uid-{name}",
+        labels=labels if labels is not None else {"fleet": "default"},
+        ready=ready,
+        endpoint=f"10.0.0.{len(name)}:50051",
+        restarts=0,
+    )
 
 
 def info(base_model: str = "tiny") -> AgentInfo:
-    return AgentInfo(base_model=base_model, tp_size=2, dp_size=2, attn_tp_size=1, ep_size=1,
-                     moe_tp_size=2, max_lora_rank=16, max_loras_per_batch=4,
-                     max_loaded_loras=8)
+    return AgentInfo(
+        base_model=base_model,
+        tp_size=2,
+        dp_size=2,
+        attn_tp_size=1,
+        ep_size=1,
+        moe_tp_size=2,
+        max_lora_rank=16,
+        max_loras_per_batch=4,
+        max_loaded_loras=8,
+    )
 
 
 def fleet(name: str, selector: dict[str, Any]) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": NS}, "spec": {"selector": selector}}
 
 
-def adapter(name: str, fleet_name: str = "default", base_model: str = "tiny",
-            deleting: bool = False) -> dict[str, Any]:
+def adapter(name: str, fleet_name: str = "default", base_model: str = "tiny", deleting: bool = False) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": NS}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": meta, "spec": {**SPEC, "baseModel": base_model,
-                                       "fleetRef": {"name": fleet_name}}}
+    return {"metadata": meta, "spec": {**SPEC, "baseModel": base_model, "fleetRef": {"name": fleet_name}}}
 
 
-FLEETS = [fleet("default", {"matchLabels": {"fleet": "default"}}),
-          fleet("other", {"matchLabels": {"fleet": "other"}})]
+FLEETS = [fleet("default", {"matchLabels": {"fleet": "default"}}), fleet("other", {"matchLabels": {"fleet": "other"}})]
 
 
 def test_wanted_on_an_agent_live_resources_of_fleets_selecting_it_and_its_model() -> None:
-    adapters = [adapter("one"), adapter("two"),
-                adapter("gone", deleting=True),  # being deleted: nobody wants it any more
-                adapter("elsewhere", fleet_name="other"),  # its fleet does not select the pod
-                adapter("bigger", base_model="big"),  # another base model
-                adapter("stray", fleet_name="missing")]  # no such fleet
+    adapters = [
+        adapter("one"),
+        adapter("two"),
+        adapter("gone", deleting=True),  # being deleted: nobody wants it any more
+        adapter("elsewhere", fleet_name="other"),  # its fleet does not select the pod
+        adapter("bigger", base_model="big"),  # another base model
+        adapter("stray", fleet_name="missing"),
+    ]  # no such fleet
     assert wanted_on(pod("agent-0"), info(), adapters, FLEETS) == {"team.one", "team.two"}
     # A pod both fleets select serves both fleets' adapters.
     both = pod("agent-0", {"fleet": "default", "also": "x"})
     fleets = [*FLEETS, fleet("also", {"matchLabels": {"also": "x"}})]
-    assert "team.also-one" in wanted_on(both, info(), [*adapters, adapter("also-one", "also")],
-                                        fleets)
+    assert "team.also-one" in wanted_on(both, info(), [*adapters, adapter("also-one", "also")], fleets)
     assert wanted_on(pod("agent-0"), info("big"), adapters, FLEETS) == {"team.bigger"}
 
 
@@ -113,8 +126,7 @@ def test_unwanted_leaves_agents_alone_whose_state_is_unknown() -> None:
         # agent-2 turned Ready after the registries were listed: no registry yet
         "agent-3": {"team.old": entry("team.old")},  # not Ready: not dialled at all
     }
-    fleet_view = view(a0, a1, a2, a3, infos={"agent-0": info(), "agent-1": down,
-                                             "agent-2": info()})
+    fleet_view = view(a0, a1, a2, a3, infos={"agent-0": info(), "agent-1": down, "agent-2": info()})
     assert unwanted(fleet_view, registries, [], FLEETS) == []
 
 
@@ -137,8 +149,7 @@ def test_the_fleet_admits_pins_and_http_sources_only_as_its_owner_allows() -> No
     # An adapter the fleet does not admit is not wanted: the drift check unloads it.
     fleets = [{**FLEETS[0], "spec": {**FLEETS[0]["spec"]}}, FLEETS[1]]
     one_pinned = {**adapter("one"), "spec": {**adapter("one")["spec"], "pinned": True}}
-    assert wanted_on(pod("agent-0"), info(), [one_pinned, adapter("two")], fleets) == \
-        {"team.two"}
+    assert wanted_on(pod("agent-0"), info(), [one_pinned, adapter("two")], fleets) == {"team.two"}
     fleets[0]["spec"]["pinning"] = {"allowed": True}
     assert wanted_on(pod("agent-0"), info(), [one_pinned], fleets) == {"team.one"}
 
@@ -191,8 +202,7 @@ def test_a_deletion_also_unloads_where_an_agent_outside_the_fleet_may_hold_it() 
     there is not settled; agents of the fleet are :func:`may_hold`'s, never listed twice."""
     settings = Settings()
     rt = Runtime(settings, None, AgentClients(settings))
-    here = AgentPod(name="agent-0", namespace=NS, uid="u0", labels={}, ready=True,
-                    endpoint="10.0.0.1:50051", restarts=0)
+    here = AgentPod(name="agent-0", namespace=NS, uid="u0", labels={}, ready=True, endpoint="10.0.0.1:50051", restarts=0)
     view = FleetView(NS, (here,), {}, Credentials(), "default", {})
     name = "team.one"
     assert departed_holders(rt, view, name) == []
@@ -202,10 +212,8 @@ def test_a_deletion_also_unloads_where_an_agent_outside_the_fleet_may_hold_it() 
     rt.sent.sending("10.0.0.4:50051", name)
     assert departed_holders(rt, view, name) == ["10.0.0.2:50051", "10.0.0.4:50051"]
     assert departed_holders(rt, view, "team.other") == ["10.0.0.3:50051"]
-    not_ready = FleetView(NS, (dataclasses.replace(here, ready=False),), {},
-                          Credentials(), "default", {})
-    assert departed_holders(rt, not_ready, name) == ["10.0.0.1:50051", "10.0.0.2:50051",
-                                                    "10.0.0.4:50051"]
+    not_ready = FleetView(NS, (dataclasses.replace(here, ready=False),), {}, Credentials(), "default", {})
+    assert departed_holders(rt, not_ready, name) == ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.4:50051"]
 
 
 def test_the_check_leaves_an_adapter_to_its_handlers_while_they_have_it_in_hand() -> None:

@@ -44,27 +44,38 @@ from lorafleet_operator.kube import SecretData
 from lorafleet_operator.reconcile import ALLOW_ANNOTATION, ALLOW_LABEL, opened_to
 from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, build_status
 
-REFUSED = ControlReply(success=False, error_message="sha256 mismatch", ranks_ok=0,
-                       ranks_reported=2)
+REFUSED = ControlReply(success=False, error_message="sha256 mismatch", ranks_ok=0, ranks_reported=2)
 DOWN = AgentError(grpc.StatusCode.UNAVAILABLE, "connection refused")
-SETTINGS = Settings(transient_retry_s=2.0, transient_retry_max_s=60.0, failed_retry_s=300.0,
-                    failed_retry_max_s=3600.0, delete_retries=5)
+SETTINGS = Settings(transient_retry_s=2.0, transient_retry_max_s=60.0, failed_retry_s=300.0, failed_retry_max_s=3600.0, delete_retries=5)
 
 
-@pytest.mark.parametrize("code", [
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+    ],
+)
 def test_busy_or_down_agents_are_transient(code: grpc.StatusCode) -> None:
     assert is_transient(AgentError(code, "x"))
     assert agent_state(AgentError(code, "x")) is AgentState.UNREACHABLE
 
 
-@pytest.mark.parametrize("code", [
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    ],
+)
 def test_other_codes_and_refusals_are_permanent(code: grpc.StatusCode) -> None:
     assert not is_transient(AgentError(code, "x"))
     assert agent_state(AgentError(code, "x")) is AgentState.FAILED
@@ -83,8 +94,7 @@ def test_backoff_doubles_from_the_first_delay_up_to_the_cap() -> None:
     assert backoff(2.0, 60.0, 10_000) == 60  # no overflow for long-failing handlers
     assert [transient_delay(SETTINGS, n) for n in (0, 1, 5)] == [2, 4, 60]
     # The drift check counts attempts from 1: the first failure waits the first delay.
-    assert [failed_delay(SETTINGS, n) for n in (1, 2, 3, 4, 5, 6)] == \
-        [300, 600, 1200, 2400, 3600, 3600]
+    assert [failed_delay(SETTINGS, n) for n in (1, 2, 3, 4, 5, 6)] == [300, 600, 1200, 2400, 3600, 3600]
 
 
 def test_deletion_waits_only_for_unreachable_agents_and_only_so_long() -> None:
@@ -119,8 +129,7 @@ def unavailable(pod: str = "agent-1") -> AgentResult:
 def test_load_retries_back_off_per_generation_and_agent() -> None:
     clock = Clock()
     book = LoadRetries(SETTINGS, clock=clock, wall_clock=lambda: 1_000_000.0, draw=lambda: 0.0)
-    key, other_agent, next_generation = ("uid", 1, "agent-1"), ("uid", 1, "agent-0"), \
-        ("uid", 2, "agent-1")
+    key, other_agent, next_generation = ("uid", 1, "agent-1"), ("uid", 1, "agent-0"), ("uid", 2, "agent-1")
     assert book.waiting(key, LIFE) is None  # never failed: due at once
     booked = book.remember(key, LIFE, refused())
     waiting = book.waiting(key, LIFE)
@@ -197,20 +206,22 @@ def test_a_load_retries_while_an_agent_is_unreachable_and_stops_when_refused() -
     with pytest.raises(Transient, match="connection refused"):
         check_load([LOADED, UNREACHABLE], Phase.DEGRADED, "connection refused")
     with pytest.raises(Permanent, match="sha256 mismatch"):
-        check_load([AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch"), FAILED],
-                   Phase.FAILED, "sha256 mismatch")
+        check_load([AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch"), FAILED], Phase.FAILED, "sha256 mismatch")
 
 
 def test_settings_from_the_environment_default_to_the_fields_defaults() -> None:
-    assert Settings.from_env({}) == Settings(namespaces=("default",),
-                                             identity=Settings.from_env({}).identity)
-    env = {"LORAFLEET_DRIFT_INTERVAL_SECONDS": "1.5", "LORAFLEET_DELETE_RETRIES": "2",
-           "LORAFLEET_WATCH_NAMESPACES": "a, b,", "LORAFLEET_LEASE_NAMESPACE": "ops",
-           "POD_NAME": "op-0", "LORAFLEET_LEASE_NAME": " "}
+    assert Settings.from_env({}) == Settings(namespaces=("default",), identity=Settings.from_env({}).identity)
+    env = {
+        "LORAFLEET_DRIFT_INTERVAL_SECONDS": "1.5",
+        "LORAFLEET_DELETE_RETRIES": "2",
+        "LORAFLEET_WATCH_NAMESPACES": "a, b,",
+        "LORAFLEET_LEASE_NAMESPACE": "ops",
+        "POD_NAME": "op-0",
+        "LORAFLEET_LEASE_NAME": " ",
+    }
     settings = Settings.from_env(env)
     assert (settings.drift_interval_s, settings.delete_retries) == (1.5, 2)
-    assert (settings.namespaces, settings.lease_namespace, settings.identity) == \
-        (("a", "b"), "ops", "op-0")
+    assert (settings.namespaces, settings.lease_namespace, settings.identity) == (("a", "b"), "ops", "op-0")
     assert settings.lease_name == "lorafleet-operator"  # blank means unset
     assert Settings.from_env({"LORAFLEET_LEASE_NAMESPACE": "ops"}).namespaces == ("ops",)
     # Every setting has its variable (docs/operator.md lists them).
@@ -222,29 +233,27 @@ def test_check_load_stops_for_a_condemned_generation_even_with_agents_down() -> 
         check_load([UNREACHABLE], Phase.LOADING, "its loads crashed agents", condemned=True)
 
 
-@pytest.mark.parametrize(("err", "crash_candidate"), [
-    # No answer of the agent's own: its process died under the call, or the deadline fired.
-    (AgentError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
-    (AgentError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
-    # The agent answered with its own reason: its engine stopped serving (it is exiting) ...
-    (AgentError(grpc.StatusCode.UNAVAILABLE, "engine is not serving",
-                reason="engine_unavailable"), True),
-    # ... or a download timed out / too many downloads: retryable, never a crash.
-    (AgentError(grpc.StatusCode.UNAVAILABLE, "did not finish within the 600-s download deadline",
-                reason="download_failed"), False),
-    (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "8 downloads", reason="too_many_downloads"),
-     False),
-    (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no reason"), False),
-    (AgentError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), False),
-])
-def test_which_failed_loads_may_be_the_agent_dying(err: AgentError,
-                                                   crash_candidate: bool) -> None:
+@pytest.mark.parametrize(
+    ("err", "crash_candidate"),
+    [
+        # No answer of the agent's own: its process died under the call, or the deadline fired.
+        (AgentError(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
+        (AgentError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), True),
+        # The agent answered with its own reason: its engine stopped serving (it is exiting) ...
+        (AgentError(grpc.StatusCode.UNAVAILABLE, "engine is not serving", reason="engine_unavailable"), True),
+        # ... or a download timed out / too many downloads: retryable, never a crash.
+        (AgentError(grpc.StatusCode.UNAVAILABLE, "did not finish within the 600-s download deadline", reason="download_failed"), False),
+        (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "8 downloads", reason="too_many_downloads"), False),
+        (AgentError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no reason"), False),
+        (AgentError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), False),
+    ],
+)
+def test_which_failed_loads_may_be_the_agent_dying(err: AgentError, crash_candidate: bool) -> None:
     assert died_under(err) is crash_candidate
 
 
 def pod(name: str, restarts: int = 0, uid: str = "", ready: bool = True) -> AgentPod:
-    return AgentPod(name=name, namespace="ns", uid=uid or f"uid-{name}", labels={}, ready=ready,
-                    endpoint="127.0.0.1:1", restarts=restarts)
+    return AgentPod(name=name, namespace="ns", uid=uid or f"uid-{name}", labels={}, ready=ready, endpoint="127.0.0.1:1", restarts=restarts)
 
 
 GEN1, GEN2 = ("adapter", 1), ("adapter", 2)
@@ -381,8 +390,7 @@ def test_kopfs_own_api_requests_retry_without_giving_up() -> None:
     assert not hasattr(backoffs, "__len__")  # kopf then counts attempts without a last one
 
 
-@pytest.mark.parametrize(("raw", "token"), [(b"tok\n", "tok"), (b"  tok \r\n", "tok"),
-                                            (b"a-b_c.d~e+f/g=", "a-b_c.d~e+f/g=")])
+@pytest.mark.parametrize(("raw", "token"), [(b"tok\n", "tok"), (b"  tok \r\n", "tok"), (b"a-b_c.d~e+f/g=", "a-b_c.d~e+f/g=")])
 def test_bearer_token_is_trimmed(raw: bytes, token: str) -> None:
     assert bearer_token(raw) == token
 

@@ -86,8 +86,9 @@ def fault_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultEnv]:
     adapters = root / "adapters"
     adapters.mkdir()
     spec = AgentSpec(model_dir=model, adapter_roots=(adapters,), base_model_name=BASE_MODEL)
-    agents = [AgentProcess(name, replace(spec, extra_args=("--cache-dir", str(root / name))),
-                           root / "logs") for name in ("agent-0", "agent-1")]
+    agents = [
+        AgentProcess(name, replace(spec, extra_args=("--cache-dir", str(root / name))), root / "logs") for name in ("agent-0", "agent-1")
+    ]
     for agent in agents:
         agent.start()
     try:
@@ -115,8 +116,7 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(kube_cluster: ControlPlane, kube_namespace: str, fault_env: FaultEnv,
-          lorafleet_crds: tuple[str, ...]) -> Iterator[Fleet]:
+def fleet(kube_cluster: ControlPlane, kube_namespace: str, fault_env: FaultEnv, lorafleet_crds: tuple[str, ...]) -> Iterator[Fleet]:
     agents = fault_env.agents
     for agent in agents:
         agent.wait_ready(120)
@@ -124,8 +124,7 @@ def fleet(kube_cluster: ControlPlane, kube_namespace: str, fault_env: FaultEnv,
     adapters.mkdir()
     with FaultProxy(agents[1].port) as proxy:
         for agent, port in ((agents[0], agents[0].port), (agents[1], proxy.port)):
-            kube_cluster.create_agent_pod(kube_namespace, agent.name, port,
-                                          labels={FLEET_LABEL: "default"})
+            kube_cluster.create_agent_pod(kube_namespace, agent.name, port, labels={FLEET_LABEL: "default"})
         apply(kube_cluster, kube_namespace, fleet_manifest())
         yield Fleet(kube_namespace, agents, proxy, adapters)
 
@@ -140,6 +139,7 @@ def operator(kube_cluster: ControlPlane, fleet: Fleet, tmp_path: Path) -> Iterat
 
 
 # ---- the truth, and waiting for the status to say it ---------------------------------------------
+
 
 def adapters_of(cluster: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return list(cluster.kubectl_json("get", "la", "-n", ns)["items"])
@@ -164,16 +164,13 @@ def disagreement(cluster: ControlPlane, fleet: Fleet) -> str:
         for pod, held in registries.items():
             holds = len(held.get(f"{fleet.ns}.{name}", [])) == 2
             entry = entries.get(pod)
-            says = bool(entry) and entry["state"] == "Loaded" and \
-                entry["ranksLoaded"] == entry["ranksTotal"] == 2
+            says = bool(entry) and entry["state"] == "Loaded" and entry["ranksLoaded"] == entry["ranksTotal"] == 2
             if holds != says:
-                return f"{name} on {pod}: the agent {'holds' if holds else 'lacks'} it, " \
-                       f"the status says {entry}"
+                return f"{name} on {pod}: the agent {'holds' if holds else 'lacks'} it, the status says {entry}"
     return ""
 
 
-def wait_converged(cluster: ControlPlane, fleet: Fleet, op: OperatorProcess,
-                   timeout_s: float = 120) -> None:
+def wait_converged(cluster: ControlPlane, fleet: Fleet, op: OperatorProcess, timeout_s: float = 120) -> None:
     last = [""]
 
     def agreed() -> bool:
@@ -186,8 +183,7 @@ def wait_converged(cluster: ControlPlane, fleet: Fleet, op: OperatorProcess,
         pytest.fail(f"not converged: {last[0]}\n{op.log()[-3000:]}")
 
 
-def wait_phase(cluster: ControlPlane, ns: str, name: str, want: str, op: OperatorProcess,
-               timeout_s: float = 90) -> dict[str, Any]:
+def wait_phase(cluster: ControlPlane, ns: str, name: str, want: str, op: OperatorProcess, timeout_s: float = 90) -> dict[str, Any]:
     wait_for(lambda: phase(cluster, ns, name) == want, timeout_s, f"{name} {want}", op)
     return status(cluster, ns, name)
 
@@ -197,6 +193,7 @@ def make(fleet: Fleet, name: str, seed: int = 0) -> dict[str, Any]:
 
 
 # ---- 1. a load that kills its agents -----------------------------------------------------------
+
 
 def _port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1], 16)
@@ -261,27 +258,25 @@ def kubelet_step(cluster: ControlPlane, fleet: Fleet, timeout_s: float = 120.0) 
     deadline = time.monotonic() + timeout_s
     while True:
         for agent in fleet.agents:
-            if all(a is not agent for a in starting) and agent.popen is not None \
-                    and agent.popen.poll() is not None:
-                cluster.write_pod_status(fleet.ns, agent.name, ready=False,
-                                         restart_count=fleet.restarts.get(agent.name, 0))
+            if all(a is not agent for a in starting) and agent.popen is not None and agent.popen.poll() is not None:
+                cluster.write_pod_status(fleet.ns, agent.name, ready=False, restart_count=fleet.restarts.get(agent.name, 0))
                 agent.start()
                 starting.append(agent)
         for agent in [a for a in starting if a.serving()]:
             starting.remove(agent)
             fleet.restarts[agent.name] = fleet.restarts.get(agent.name, 0) + 1
-            cluster.write_pod_status(fleet.ns, agent.name, ready=True,
-                                     restart_count=fleet.restarts[agent.name])
+            cluster.write_pod_status(fleet.ns, agent.name, ready=True, restart_count=fleet.restarts[agent.name])
         if not starting:
             return True
         if time.monotonic() > deadline:
-            raise AssertionError(f"agents not serving after {timeout_s}s: "
-                                 f"{[a.name for a in starting]}")
+            raise AssertionError(f"agents not serving after {timeout_s}s: {[a.name for a in starting]}")
         time.sleep(0.2)
 
 
 def test_a_load_that_kills_its_agents_fails_the_adapter_and_is_not_sent_again(
-    kube_cluster: ControlPlane, fleet: Fleet, operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    operator: OperatorProcess,
 ) -> None:
     ns = fleet.ns
     apply(kube_cluster, ns, make(fleet, "good"))
@@ -292,37 +287,44 @@ def test_a_load_that_kills_its_agents_fails_the_adapter_and_is_not_sent_again(
         allowed = fleet_manifest()  # the fleet's owner allows this source (spec.sources)
         allowed["spec"]["sources"] = {"allow": [f"http://127.0.0.1:{source.port}/"]}
         apply(kube_cluster, ns, allowed, crasher)
-        wait_for(lambda: kubelet_step(kube_cluster, fleet)
-                 and phase(kube_cluster, ns, "crasher") == "Failed", 240,
-                 "the crasher to be Failed", operator, interval_s=0.5)
+        wait_for(
+            lambda: kubelet_step(kube_cluster, fleet) and phase(kube_cluster, ns, "crasher") == "Failed",
+            240,
+            "the crasher to be Failed",
+            operator,
+            interval_s=0.5,
+        )
         st = status(kube_cluster, ns, "crasher")
         ready = st["conditions"][0]
         assert (ready["status"], ready["reason"]) == ("False", "LoadCrashedAgent"), st
         assert "agent-0" in ready["message"] and "agent-1" in ready["message"], ready
         assert "until the spec changes" in ready["message"]
         # (An agent still restarting is Unreachable for a moment: what it holds is unknown.)
-        wait_for(lambda: kubelet_step(kube_cluster, fleet) and [
-            a["state"] for a in status(kube_cluster, ns, "crasher")["agents"]] ==
-            ["Failed", "Failed"], 60, "both agents' entries Failed", operator)
+        wait_for(
+            lambda: (
+                kubelet_step(kube_cluster, fleet)
+                and [a["state"] for a in status(kube_cluster, ns, "crasher")["agents"]] == ["Failed", "Failed"]
+            ),
+            60,
+            "both agents' entries Failed",
+            operator,
+        )
         # Each agent died once (the budget is 2 agent processes), during its one fetch.
-        assert sorted(agent for _, agent in source.requests) == ["agent-0", "agent-1"], \
-            source.requests
+        assert sorted(agent for _, agent in source.requests) == ["agent-0", "agent-1"], source.requests
         assert fleet.restarts == {"agent-0": 1, "agent-1": 1}
         # The other adapter is back on the restarted agents (drift repair), and the crasher is
         # sent to no agent any more: no fetch, no death, no LoadAdapter over 8 drift checks.
-        wait_for(lambda: kubelet_step(kube_cluster, fleet)
-                 and phase(kube_cluster, ns, "good") == "Ready", 120, "good Ready again",
-                 operator)
+        wait_for(
+            lambda: kubelet_step(kube_cluster, fleet) and phase(kube_cluster, ns, "good") == "Ready", 120, "good Ready again", operator
+        )
         wait_converged(kube_cluster, fleet, operator)
         calls, checks = operator.agent_calls("LoadAdapter"), operator.drift_checks()
         wait_for(lambda: operator.drift_checks() >= checks + 8, 60, "8 drift checks", operator)
         assert operator.agent_calls("LoadAdapter") == calls
-        assert len(source.requests) == 2 and all(a.popen and a.popen.poll() is None
-                                                 for a in fleet.agents)
+        assert len(source.requests) == 2 and all(a.popen and a.popen.poll() is None for a in fleet.agents)
         assert phase(kube_cluster, ns, "crasher") == "Failed"
         events = kube_cluster.kubectl_json("get", "events", "-n", ns)["items"]
-        assert any(e["reason"] == "Failed" and e["involvedObject"]["name"] == "crasher"
-                   for e in events)
+        assert any(e["reason"] == "Failed" and e["involvedObject"]["name"] == "crasher" for e in events)
     # A spec change (new generation) is tried again.
     apply(kube_cluster, ns, adapter_manifest("crasher", make_adapter(fleet.adapters, "fixed")))
     st = wait_phase(kube_cluster, ns, "crasher", "Ready", operator)
@@ -332,8 +334,11 @@ def test_a_load_that_kills_its_agents_fails_the_adapter_and_is_not_sent_again(
 
 # ---- 2. an agent that stalls mid-load --------------------------------------------------------
 
+
 def test_an_agent_stalling_mid_load_is_degraded_then_recovers(
-    kube_cluster: ControlPlane, fleet: Fleet, operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    operator: OperatorProcess,
 ) -> None:
     ns = fleet.ns
     apply(kube_cluster, ns, make(fleet, "before"))
@@ -358,15 +363,18 @@ def test_an_agent_stalling_mid_load_is_degraded_then_recovers(
 
 # ---- 3. a partition longer than the drift period -----------------------------------------------
 
+
 class StatusWatch:
     """Every version of every LoraAdapter's status in a namespace (``kubectl get -w -o json``:
     one JSON object per version, back to back)."""
 
     def __init__(self, cluster: ControlPlane, ns: str) -> None:
         self.popen = subprocess.Popen(
-            [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "la",
-             "-n", ns, "-w", "-o", "json"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "la", "-n", ns, "-w", "-o", "json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self.versions: list[tuple[str, str, dict[str, str]]] = []  # (name, phase, {pod: state})
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -383,8 +391,7 @@ class StatusWatch:
                     break  # an incomplete object: read on
                 buffer = buffer.lstrip()[end:]
                 st = obj.get("status") or {}
-                self.versions.append((obj["metadata"]["name"], st.get("phase", ""),
-                                      {a["pod"]: a["state"] for a in st.get("agents") or []}))
+                self.versions.append((obj["metadata"]["name"], st.get("phase", ""), {a["pod"]: a["state"] for a in st.get("agents") or []}))
 
     def history(self, name: str) -> list[tuple[str, dict[str, str]]]:
         """(phase, {pod: state}) of each version of ``name``, consecutive repeats dropped."""
@@ -400,7 +407,9 @@ class StatusWatch:
 
 
 def test_a_partitioned_agent_does_not_flap_and_is_repaired_afterwards(
-    kube_cluster: ControlPlane, fleet: Fleet, operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    operator: OperatorProcess,
 ) -> None:
     ns = fleet.ns
     apply(kube_cluster, ns, make(fleet, "steady"), make(fleet, "doomed", seed=1))
@@ -416,8 +425,7 @@ def test_a_partitioned_agent_does_not_flap_and_is_repaired_afterwards(
         wait_phase(kube_cluster, ns, "newcomer", "Degraded", operator, timeout_s=60)
         wait_phase(kube_cluster, ns, "steady", "Degraded", operator, timeout_s=60)
         # Longer than the drift period (1 s): several complete checks during the partition.
-        wait_for(lambda: operator.drift_checks() >= checks + 3, 90,
-                 "3 drift checks during the partition", operator)
+        wait_for(lambda: operator.drift_checks() >= checks + 3, 90, "3 drift checks during the partition", operator)
         assert f"{ns}.doomed" in registry(fleet.agents[1], ns)  # not reachable to unload
         fleet.proxy.pass_through()
         wait_converged(kube_cluster, fleet, operator)
@@ -438,8 +446,11 @@ def test_a_partitioned_agent_does_not_flap_and_is_repaired_afterwards(
 
 # ---- 3b. deletions: bounded fan-out, failures merged, completion ------------------------------
 
+
 def test_deletions_with_an_agent_cut_off_complete_with_its_failure_merged(
-    kube_cluster: ControlPlane, fleet: Fleet, operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    operator: OperatorProcess,
 ) -> None:
     """Adapters deleted together while agent-1 is black-holed: every deletion completes (after
     LORAFLEET_DELETE_RETRIES) with an UnloadIncomplete Event naming agent-1 and its error, merged
@@ -452,18 +463,15 @@ def test_deletions_with_an_agent_cut_off_complete_with_its_failure_merged(
         wait_phase(kube_cluster, ns, name, "Ready", operator)
     fleet.proxy.blackhole()
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=false")
-    wait_for(lambda: not adapters_of(kube_cluster, ns), 120, "every deletion to complete",
-             operator)
+    wait_for(lambda: not adapters_of(kube_cluster, ns), 120, "every deletion to complete", operator)
     assert registry(fleet.agents[0], ns) == {}
     assert set(registry(fleet.agents[1], ns)) == {f"{ns}.{name}" for name in doomed}
 
     def incomplete() -> dict[str, str]:
-        events = kube_cluster.kubectl_json("get", "events", "-n", ns, "--field-selector",
-                                           "reason=UnloadIncomplete")["items"]
+        events = kube_cluster.kubectl_json("get", "events", "-n", ns, "--field-selector", "reason=UnloadIncomplete")["items"]
         return {e["involvedObject"]["name"]: e["message"] for e in events}
 
-    wait_for(lambda: set(incomplete()) == set(doomed), 30, "an UnloadIncomplete Event each",
-             operator)
+    wait_for(lambda: set(incomplete()) == set(doomed), 30, "an UnloadIncomplete Event each", operator)
     for name, message in incomplete().items():
         assert message.startswith("not unloaded from agent-1: "), (name, message)
         assert "Deadline Exceeded" in message, (name, message)
@@ -486,11 +494,9 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
     async def run() -> tuple[int, list[list[UnloadOutcome]]]:
         # Unloads need no Kubernetes API. No registry listed yet: every agent may hold each.
         rt = Runtime(settings, None, AgentClients(settings))
-        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0)
-                     for a in fault_env.agents)
+        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0) for a in fault_env.agents)
         view = FleetView("t", pods, {}, Credentials(), "default", {})
-        started = [asyncio.ensure_future(unload_from_holders(rt, view, f"t.a{i:04d}"))
-                   for i in range(deletions)]
+        started = [asyncio.ensure_future(unload_from_holders(rt, view, f"t.a{i:04d}")) for i in range(deletions)]
         for _ in range(3):  # every deletion runs up to its first wait (FIFO scheduling)
             await asyncio.sleep(0)
         tasks = len(asyncio.all_tasks())
@@ -509,11 +515,13 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
 
 def unloads_sent() -> float:
     """UnloadAdapter calls this test process's AgentClients made, whatever their outcome."""
-    return sum(sample.value for metric in REGISTRY.collect()
-               if metric.name == "lorafleet_agent_calls"
-               for sample in metric.samples
-               if sample.name == "lorafleet_agent_calls_total"
-               and sample.labels.get("method") == "UnloadAdapter")
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        if metric.name == "lorafleet_agent_calls"
+        for sample in metric.samples
+        if sample.name == "lorafleet_agent_calls_total" and sample.labels.get("method") == "UnloadAdapter"
+    )
 
 
 def test_an_unload_still_waiting_is_shared_and_one_asked_after_it_started_is_sent(
@@ -564,18 +572,18 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
     path = make_adapter(fault_env.adapters, "queued")
 
     def body(i: int) -> dict[str, Any]:
-        return {"metadata": {"namespace": "t", "name": f"q{i:03d}", "uid": f"u{i}", "generation": 1},
-                "spec": {"source": {"uri": f"file://{path}"}}}
+        return {
+            "metadata": {"namespace": "t", "name": f"q{i:03d}", "uid": f"u{i}", "generation": 1},
+            "spec": {"source": {"uri": f"file://{path}"}},
+        }
 
     async def run() -> tuple[int, list[list[AgentResult]], int, set[str]]:
         rt = Runtime(settings, None, AgentClients(settings))
-        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0)
-                     for a in fault_env.agents)
+        pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0) for a in fault_env.agents)
         infos = {p.name: await rt.agents.describe(p.endpoint, Credentials()) for p in pods}
         view = FleetView("t", pods, infos, Credentials(), "default", {})
         targets = [Target(p, infos[p.name]) for p in pods]
-        started = [asyncio.ensure_future(load_each(rt, view, targets, body(i), None))
-                   for i in range(adapters)]
+        started = [asyncio.ensure_future(load_each(rt, view, targets, body(i), None)) for i in range(adapters)]
         for _ in range(3):  # every reconcile runs up to its first wait (FIFO scheduling)
             await asyncio.sleep(0)
         tasks = len(asyncio.all_tasks())
@@ -584,10 +592,8 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
         cancelled.cancel()
         try:
             results = list(await asyncio.gather(*started))
-            held = {name for p in pods
-                    for name in rt.reservations.held(p.endpoint, set())}
-            unloads = await rt.agents.unload_each([(p.endpoint, Credentials(), f"t.q{i:03d}")
-                                                   for p in pods for i in range(adapters)])
+            held = {name for p in pods for name in rt.reservations.held(p.endpoint, set())}
+            unloads = await rt.agents.unload_each([(p.endpoint, Credentials(), f"t.q{i:03d}") for p in pods for i in range(adapters)])
             return tasks, results, sum(1 for u in unloads if isinstance(u, AgentError)), held
         finally:
             await rt.agents.close()
@@ -607,28 +613,31 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
 def agent_calls_sent(method: str, code: str | None = None) -> float:
     """Calls of ``method`` this test process's AgentClients made (with status ``code``, or
     whatever their outcome)."""
-    return sum(sample.value for metric in REGISTRY.collect()
-               if metric.name == "lorafleet_agent_calls"
-               for sample in metric.samples
-               if sample.name == "lorafleet_agent_calls_total"
-               and sample.labels.get("method") == method
-               and code in (None, sample.labels.get("code")))
+    return sum(
+        sample.value
+        for metric in REGISTRY.collect()
+        if metric.name == "lorafleet_agent_calls"
+        for sample in metric.samples
+        if sample.name == "lorafleet_agent_calls_total"
+        and sample.labels.get("method") == method
+        and code in (None, sample.labels.get("code"))
+    )
 
 
 def queued_body(name: str, path: Path) -> dict[str, Any]:
     """A LoraAdapter body of namespace "t" as load_each reads it."""
-    return {"metadata": {"namespace": "t", "name": name, "uid": f"uid-{name}", "generation": 1},
-            "spec": {"source": {"uri": f"file://{path}"}}}
+    return {
+        "metadata": {"namespace": "t", "name": name, "uid": f"uid-{name}", "generation": 1},
+        "spec": {"source": {"uri": f"file://{path}"}},
+    }
 
 
-async def load_at_once(rt: Runtime, agent: AgentPod,
-                       bodies: list[dict[str, Any]]) -> list[AgentResult]:
+async def load_at_once(rt: Runtime, agent: AgentPod, bodies: list[dict[str, Any]]) -> list[AgentResult]:
     """``load_each`` of every body on one agent, started together as concurrent reconciles
     are: their loads wait in the agent's queue together."""
     info = await rt.agents.describe(agent.endpoint, Credentials())
     view = FleetView("t", (agent,), {agent.name: info}, Credentials(), "default", {})
-    started = [asyncio.ensure_future(load_each(rt, view, [Target(agent, info)], b, None))
-               for b in bodies]
+    started = [asyncio.ensure_future(load_each(rt, view, [Target(agent, info)], b, None)) for b in bodies]
     return [per[0] for per in await asyncio.gather(*started)]
 
 
@@ -652,11 +661,15 @@ def test_loads_waiting_together_go_in_one_call_and_a_bad_one_fails_alone(
         try:
             results = await load_at_once(rt, pod, bodies)
             held = set(rt.reservations.held(agent.endpoint, set()))
-            return (results, agent_calls_sent("LoadAdapters") - batches,
-                    agent_calls_sent("LoadAdapter") - singles, held, len(rt.failures.entries))
+            return (
+                results,
+                agent_calls_sent("LoadAdapters") - batches,
+                agent_calls_sent("LoadAdapter") - singles,
+                held,
+                len(rt.failures.entries),
+            )
         finally:
-            await rt.agents.unload_each([(agent.endpoint, Credentials(), f"t.b{i}")
-                                         for i in range(10)])
+            await rt.agents.unload_each([(agent.endpoint, Credentials(), f"t.b{i}") for i in range(10)])
             await rt.agents.close()
 
     results, batches, singles, held, backing_off = asyncio.run(run())
@@ -685,8 +698,7 @@ def older_agent(agent: AgentProcess) -> Iterator[str]:
         return grpc.unary_unary_rpc_method_handler(handle)
 
     server = grpc.server(ThreadPoolExecutor(8))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "lorafleet.v1.NodeAgent", {m: passed_on(m) for m in known}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lorafleet.v1.NodeAgent", {m: passed_on(m) for m in known}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -710,11 +722,9 @@ def test_an_agent_without_load_batches_gets_one_call_per_load(fault_env: FaultEn
         try:
             first = await load_at_once(rt, pod, [queued_body(f"o{i}", good) for i in range(5)])
             again = await load_at_once(rt, pod, [queued_body(f"p{i}", good) for i in range(5)])
-            return (first, again, agent_calls_sent("LoadAdapters") - unknown,
-                    agent_calls_sent("LoadAdapter") - singles)
+            return (first, again, agent_calls_sent("LoadAdapters") - unknown, agent_calls_sent("LoadAdapter") - singles)
         finally:
-            await rt.agents.unload_each([(endpoint, Credentials(), f"t.{p}{i}")
-                                         for p in "op" for i in range(5)])
+            await rt.agents.unload_each([(endpoint, Credentials(), f"t.{p}{i}") for p in "op" for i in range(5)])
             await rt.agents.close()
 
     unimplemented = agent_calls_sent("LoadAdapters", "UNIMPLEMENTED")
@@ -727,6 +737,7 @@ def test_an_agent_without_load_batches_gets_one_call_per_load(fault_env: FaultEn
 
 
 # ---- 4. the API server answering 429, then 500 --------------------------------------------------
+
 
 class ErrorFront:
     """An HTTPS server that answers every request with one error status (429 with Retry-After,
@@ -751,9 +762,16 @@ class ErrorFront:
                 if "watch=true" in query:
                     front.watches[path] += 1
                 reason = "TooManyRequests" if front.code == 429 else "InternalError"
-                body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                   "reason": reason, "code": front.code,
-                                   "message": f"fault injected: {front.code}"}).encode()
+                body = json.dumps(
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "reason": reason,
+                        "code": front.code,
+                        "message": f"fault injected: {front.code}",
+                    }
+                ).encode()
                 length = int(self.headers.get("Content-Length") or 0)
                 if length:
                     self.rfile.read(length)
@@ -793,7 +811,9 @@ def kubeconfig_via(cluster: ControlPlane, port: int, path: Path) -> Path:
 
 
 def test_api_server_answering_429_then_500_loses_nothing(
-    kube_cluster: ControlPlane, fleet: Fleet, tmp_path: Path,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     ns = fleet.ns
     api_port = int(kube_cluster.server.rsplit(":", 1)[1])
@@ -801,10 +821,14 @@ def test_api_server_answering_429_then_500_loses_nothing(
     with FaultProxy(api_port) as api:
         # A lease that outlives the fault (its renewals fail too; a shorter one makes the
         # operator exit to be restarted, as test_e2e's API-server restart shows).
-        op = start_operator(kube_cluster, ns, tmp_path, identity="api-op",
-                            kubeconfig=kubeconfig_via(kube_cluster, api.port,
-                                                      tmp_path / "via-proxy.kubeconfig"),
-                            env={**FAULT_ENV, "LORAFLEET_LEASE_DURATION_SECONDS": "90"})
+        op = start_operator(
+            kube_cluster,
+            ns,
+            tmp_path,
+            identity="api-op",
+            kubeconfig=kubeconfig_via(kube_cluster, api.port, tmp_path / "via-proxy.kubeconfig"),
+            env={**FAULT_ENV, "LORAFLEET_LEASE_DURATION_SECONDS": "90"},
+        )
         try:
             apply(kube_cluster, ns, make(fleet, "old-429"), make(fleet, "old-500", seed=1))
             for name in ("old-429", "old-500"):
@@ -821,19 +845,22 @@ def test_api_server_answering_429_then_500_loses_nothing(
                 kube_cluster.kubectl("delete", "la", f"old-{code}", "-n", ns, "--wait=false")
                 # Longer than kopf would retry on its own (9 attempts, then a watch that fails
                 # on a 5xx stops the operator): the policy's retries never give up.
-                wait_for(lambda: max(front.watches.values(), default=0) >= 12, 90,
-                         f"12 tries of one watch, all answered {code}", op)
+                wait_for(lambda: max(front.watches.values(), default=0) >= 12, 90, f"12 tries of one watch, all answered {code}", op)
                 # The drift check backs off (one line per failed check, the wait doubling).
-                waits = [float(w) for w in re.findall(
-                    rf"drift check of lorafleet {ns}/default failed: Kubernetes API: {code} "
-                    r".*; next in ([\d.]+)s", op.log()[marker:])]
+                waits = [
+                    float(w)
+                    for w in re.findall(
+                        rf"drift check of lorafleet {ns}/default failed: Kubernetes API: {code} "
+                        r".*; next in ([\d.]+)s",
+                        op.log()[marker:],
+                    )
+                ]
                 assert waits and max(waits) > 1.0, op.log()[marker:][-3000:]
                 api.retarget(api_port)
                 api.reset()
                 api.pass_through()
             wait_converged(kube_cluster, fleet, op, timeout_s=180)
-            assert sorted(i["metadata"]["name"] for i in adapters_of(kube_cluster, ns)) == \
-                ["new-429", "new-500"]
+            assert sorted(i["metadata"]["name"] for i in adapters_of(kube_cluster, ns)) == ["new-429", "new-500"]
             for name in ("new-429", "new-500"):
                 assert phase(kube_cluster, ns, name) == "Ready"
             assert op.popen.poll() is None, op.log()[-3000:]
@@ -844,14 +871,16 @@ def test_api_server_answering_429_then_500_loses_nothing(
 
 # ---- 5. an etcd restart ----------------------------------------------------------------------------
 
+
 def test_an_etcd_restart_is_survived(
-    kube_cluster: ControlPlane, fleet: Fleet, tmp_path: Path,
+    kube_cluster: ControlPlane,
+    fleet: Fleet,
+    tmp_path: Path,
 ) -> None:
     ns = fleet.ns
     # A lease that outlives the outage (a shorter one makes the operator exit to be restarted:
     # test_e2e's API-server restart shows that).
-    op = start_operator(kube_cluster, ns, tmp_path, identity="etcd-op",
-                        env={**FAULT_ENV, "LORAFLEET_LEASE_DURATION_SECONDS": "90"})
+    op = start_operator(kube_cluster, ns, tmp_path, identity="etcd-op", env={**FAULT_ENV, "LORAFLEET_LEASE_DURATION_SECONDS": "90"})
     try:
         apply(kube_cluster, ns, make(fleet, "before"), make(fleet, "removed", seed=1))
         for name in ("before", "removed"):
@@ -861,8 +890,7 @@ def test_an_etcd_restart_is_survived(
         kube_cluster.kubectl("delete", "la", "removed", "-n", ns, "--wait=false")
         wait_phase(kube_cluster, ns, "after", "Ready", op, timeout_s=120)
         wait_converged(kube_cluster, fleet, op, timeout_s=120)
-        assert sorted(i["metadata"]["name"] for i in adapters_of(kube_cluster, ns)) == \
-            ["after", "before"]
+        assert sorted(i["metadata"]["name"] for i in adapters_of(kube_cluster, ns)) == ["after", "before"]
         assert op.popen.poll() is None
     finally:
         op.stop()

@@ -34,11 +34,15 @@ SELECTORS: list[dict[str, Any]] = [
     {"matchExpressions": [{"key": "fleet", "operator": "In", "values": ["a", "b"]}]},
     {"matchExpressions": [{"key": "fleet", "operator": "NotIn", "values": ["a"]}]},
     {"matchExpressions": [{"key": "zone", "operator": "Exists"}]},
-    {"matchLabels": {"fleet": "b"},
-     "matchExpressions": [{"key": "zone", "operator": "DoesNotExist"}]},
+    {"matchLabels": {"fleet": "b"}, "matchExpressions": [{"key": "zone", "operator": "DoesNotExist"}]},
 ]
-PODS = {"p-a1": {"fleet": "a", "zone": "z1"}, "p-a2": {"fleet": "a"},
-        "p-b1": {"fleet": "b"}, "p-b2": {"fleet": "b", "zone": "z2"}, "p-c": {"other": "x"}}
+PODS = {
+    "p-a1": {"fleet": "a", "zone": "z1"},
+    "p-a2": {"fleet": "a"},
+    "p-b1": {"fleet": "b"},
+    "p-b2": {"fleet": "b", "zone": "z2"},
+    "p-c": {"other": "x"},
+}
 
 
 def selector_string(selector: Mapping[str, Any]) -> str:
@@ -60,33 +64,25 @@ def selector_string(selector: Mapping[str, Any]) -> str:
     return ",".join(parts)
 
 
-def test_selectors_agree_with_the_api_server(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
+def test_selectors_agree_with_the_api_server(kube_cluster: ControlPlane, kube_namespace: str) -> None:
     for i, (name, labels) in enumerate(PODS.items()):
         kube_cluster.create_agent_pod(kube_namespace, name, 50100 + i, labels=labels)
     pods = kube_cluster.kubectl_json("get", "pods", "-n", kube_namespace)["items"]
     for selector in SELECTORS:
-        served = kube_cluster.kubectl_json("get", "pods", "-n", kube_namespace, "-l",
-                                           selector_string(selector))["items"]
+        served = kube_cluster.kubectl_json("get", "pods", "-n", kube_namespace, "-l", selector_string(selector))["items"]
         by_server = sorted(p["metadata"]["name"] for p in served)
-        by_us = sorted(p["metadata"]["name"] for p in pods
-                       if selector_matches(selector, p["metadata"]["labels"]))
+        by_us = sorted(p["metadata"]["name"] for p in pods if selector_matches(selector, p["metadata"]["labels"]))
         assert by_us == by_server, selector
         assert by_server  # every case selects something: the comparison is not vacuous
 
 
-def test_endpoint_and_readiness_from_the_pod(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
-    ready = kube_cluster.create_agent_pod(kube_namespace, "agent-0", 50051,
-                                          labels={"fleet": "a"})
+def test_endpoint_and_readiness_from_the_pod(kube_cluster: ControlPlane, kube_namespace: str) -> None:
+    ready = kube_cluster.create_agent_pod(kube_namespace, "agent-0", 50051, labels={"fleet": "a"})
     assert agent_from_pod(ready).endpoint == "127.0.0.1:50051"
     assert agent_from_pod(ready).dialable
     # Another port name: no endpoint, not dialable.
     assert agent_from_pod(ready, "metrics").endpoint == ""
-    not_ready = kube_cluster.create_agent_pod(kube_namespace, "agent-1", 50052, ready=False,
-                                              labels={"fleet": "a"})
+    not_ready = kube_cluster.create_agent_pod(kube_namespace, "agent-1", 50052, ready=False, labels={"fleet": "a"})
     agent = agent_from_pod(not_ready)
     assert not agent.ready and not agent.dialable
     restarted = kube_cluster.write_pod_status(kube_namespace, "agent-1", restart_count=2)
@@ -121,13 +117,11 @@ def test_a_look_at_a_fleet_reads_the_fleet_index_without_a_request() -> None:
     fleet = fleet_manifest("f")
     fleet["metadata"].update(namespace="ns", uid="u-1", generation=3)
     rt.fleets = {("ns", "f"): [fleet_summary({**fleet, "status": {"agents": 9}})]}
-    rt.pods = {"ns": [{"metadata": {"name": "p", "namespace": "ns", "uid": "p-1",
-                                    "labels": {"lorafleet.dev/fleet": "f"}}}]}
+    rt.pods = {"ns": [{"metadata": {"name": "p", "namespace": "ns", "uid": "p-1", "labels": {"lorafleet.dev/fleet": "f"}}}]}
     view = asyncio.run(fleet_view(rt, "ns", "f"))
     assert (view.name, [a.name for a in view.agents]) == ("f", ["p"])
     assert view.spec == fleet["spec"]
-    deleting = {**fleet, "metadata": {**fleet["metadata"],
-                                      "deletionTimestamp": "2026-12-02T00:00:00Z"}}
+    deleting = {**fleet, "metadata": {**fleet["metadata"], "deletionTimestamp": "2026-12-02T00:00:00Z"}}
     rt.fleets = {("ns", "f"): [fleet_summary(deleting)]}
     with pytest.raises(FleetProblem) as refused:
         asyncio.run(fleet_view(rt, "ns", "f"))
@@ -143,10 +137,12 @@ def test_a_fleets_agents_are_made_again_only_when_its_spec_or_a_pod_changed() ->
     spec = fleet_manifest("f")["spec"]
 
     def pod(name: str, ready: bool) -> dict[str, Any]:
-        return pod_summary({"metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}",
-                                         "labels": {"lorafleet.dev/fleet": "f"}},
-                            "status": {"phase": "Running", "conditions": [
-                                {"type": "Ready", "status": str(ready)}]}})
+        return pod_summary(
+            {
+                "metadata": {"name": name, "namespace": "ns", "uid": f"u-{name}", "labels": {"lorafleet.dev/fleet": "f"}},
+                "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]},
+            }
+        )
 
     rt.pods = {"ns": [pod("a", False), pod("b", True)]}
     first = fleet_agents(rt, "ns", "f", spec)
@@ -160,9 +156,7 @@ def test_a_fleets_agents_are_made_again_only_when_its_spec_or_a_pod_changed() ->
     assert fleet_agents(rt, "ns", "f", other) == ()
 
 
-def test_a_fleet_the_index_lacks_is_asked_for(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
-) -> None:
+def test_a_fleet_the_index_lacks_is_asked_for(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]) -> None:
     """A fleet created a moment ago, not yet in the index (its watch event still coming), is
     found on the API server; one the API server lacks too is FleetNotFound, as before."""
     apply(kube_cluster, kube_namespace, fleet_manifest("new"))

@@ -20,8 +20,7 @@ from tests.operator.conftest import start_operator, wait_for
 
 
 def elector(cluster: ControlPlane, namespace: str, identity: str) -> LeaderElector:
-    settings = Settings(lease_name="lf-test", lease_namespace=namespace, identity=identity,
-                        lease_duration_s=2.0)
+    settings = Settings(lease_name="lf-test", lease_namespace=namespace, identity=identity, lease_duration_s=2.0)
     return LeaderElector(make_api_client(str(cluster.kubeconfig)), settings)
 
 
@@ -30,9 +29,7 @@ def holder(cluster: ControlPlane, namespace: str) -> str:
     return str(lease["spec"].get("holderIdentity") or "")
 
 
-def test_one_leader_then_takeover_after_expiry(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
+def test_one_leader_then_takeover_after_expiry(kube_cluster: ControlPlane, kube_namespace: str) -> None:
     a, b = elector(kube_cluster, kube_namespace, "a"), elector(kube_cluster, kube_namespace, "b")
     assert a.try_acquire_or_renew()
     assert not b.try_acquire_or_renew()  # a's lease is fresh
@@ -73,15 +70,12 @@ class Interleaved(LeaderElector):
         return lease
 
 
-def test_a_renewal_in_flight_does_not_undo_the_release(
-    kube_cluster: ControlPlane, kube_namespace: str
-) -> None:
+def test_a_renewal_in_flight_does_not_undo_the_release(kube_cluster: ControlPlane, kube_namespace: str) -> None:
     """Stopping the hold loop cancels its task, not the renewal its thread is running; that
     renewal can land between the release's read and its write. The release's write then
     conflicts, and used to be dropped (with "released lease" logged): the Lease stayed held
     until it expired. Now the release is tried again on the Lease as it is."""
-    settings = Settings(lease_name="lf-test", lease_namespace=kube_namespace, identity="a",
-                        lease_duration_s=2.0)
+    settings = Settings(lease_name="lf-test", lease_namespace=kube_namespace, identity="a", lease_duration_s=2.0)
     a = Interleaved(make_api_client(str(kube_cluster.kubeconfig)), settings)
     assert a.try_acquire_or_renew()
     a.leading = True
@@ -100,10 +94,8 @@ def adapters_not_served(cluster: ControlPlane, namespace: str) -> Iterator[None]
 
     def serve(served: bool) -> None:
         patch = [{"op": "replace", "path": "/spec/versions/0/served", "value": served}]
-        cluster.kubectl("patch", "crd", f"{ADAPTERS}.{GROUP}", "--type=json",
-                        "-p", json.dumps(patch))
-        wait_for(lambda: cluster.request("GET", url)[0] == (200 if served else 404), 60,
-                 f"{ADAPTERS} served={served}")
+        cluster.kubectl("patch", "crd", f"{ADAPTERS}.{GROUP}", "--type=json", "-p", json.dumps(patch))
+        wait_for(lambda: cluster.request("GET", url)[0] == (200 if served else 404), 60, f"{ADAPTERS} served={served}")
 
     serve(False)
     try:
@@ -113,7 +105,9 @@ def adapters_not_served(cluster: ControlPlane, namespace: str) -> Iterator[None]
 
 
 def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
     tmp_path: Path,
 ) -> None:
     """A real failure of kopf's loop: the resource it watches stops being served (404). kopf
@@ -126,11 +120,14 @@ def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
     op = start_operator(kube_cluster, ns, tmp_path)
     apply(kube_cluster, ns, fleet_manifest())
     # kopf's loop runs: the fleet's drift daemon wrote its status.
-    wait_for(lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns)
-             .get("status", {}).get("conditions"), 60, "the fleet's status", op)
+    wait_for(
+        lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns).get("status", {}).get("conditions"),
+        60,
+        "the fleet's status",
+        op,
+    )
     lease = "lorafleet-operator"
-    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"][
-        "holderIdentity"] == "op-0"
+    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"]["holderIdentity"] == "op-0"
     with adapters_not_served(kube_cluster, ns):
         try:
             code = op.popen.wait(120)
@@ -140,8 +137,7 @@ def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
     assert code == 1, log[-4000:]
     assert "kopf's reconcile loop failed; releasing the lease and exiting" in log
     assert "lost leadership" not in log
-    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"][
-        "holderIdentity"] == ""
+    assert kube_cluster.kubectl_json("get", "lease", lease, "-n", ns)["spec"]["holderIdentity"] == ""
     standby = start_operator(kube_cluster, ns, tmp_path, identity="op-1")
     try:
         assert "waiting for leadership" not in standby.log()
@@ -150,7 +146,9 @@ def test_a_leader_whose_reconcile_loop_fails_releases_the_lease_and_exits(
 
 
 def test_a_stopped_leader_leaves_kopf_no_task_to_wait_for(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
     tmp_path: Path,
 ) -> None:
     """SIGTERM: kopf stops, the operator releases the Lease and exits 0, and kopf found no
@@ -159,11 +157,14 @@ def test_a_stopped_leader_leaves_kopf_no_task_to_wait_for(
     ns = kube_namespace
     op = start_operator(kube_cluster, ns, tmp_path, env={"LORAFLEET_LOG_LEVEL": "DEBUG"})
     apply(kube_cluster, ns, fleet_manifest())
-    wait_for(lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns)
-             .get("status", {}).get("conditions"), 60, "the fleet's status", op)
+    wait_for(
+        lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns).get("status", {}).get("conditions"),
+        60,
+        "the fleet's status",
+        op,
+    )
     assert op.stop() == 0
     log = op.log()
     assert "Hung tasks stopping is skipped: no tasks given." in log, log[-4000:]
     assert "Hung tasks are stopped" not in log
-    assert kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)["spec"][
-        "holderIdentity"] == ""
+    assert kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)["spec"]["holderIdentity"] == ""

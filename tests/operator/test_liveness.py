@@ -57,20 +57,26 @@ def healthz(port: int) -> tuple[int, object]:
 
 
 def test_liveness_fails_while_a_drift_loop_is_wedged_and_recovers(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    agent: AgentProcess, tmp_path: Path,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    agent: AgentProcess,
+    tmp_path: Path,
 ) -> None:
     ns = kube_namespace
     health = free_port()
     with FaultProxy(agent.port) as proxy:
         kube_cluster.create_agent_pod(ns, agent.name, proxy.port, labels={FLEET_LABEL: "default"})
         apply(kube_cluster, ns, fleet_manifest())
-        op = start_operator(kube_cluster, ns, tmp_path,
-                            env={**WEDGE_ENV, "LORAFLEET_HEALTH_PORT": str(health)})
+        op = start_operator(kube_cluster, ns, tmp_path, env={**WEDGE_ENV, "LORAFLEET_HEALTH_PORT": str(health)})
         try:
             # Healthy: the fleet's loop finishes rounds, over an open connection to the agent.
-            wait_for(lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns)
-                     .get("status", {}).get("readyAgents") == 1, 60, "the agent to answer", op)
+            wait_for(
+                lambda: kube_cluster.kubectl_json("get", "lorafleet", "default", "-n", ns).get("status", {}).get("readyAgents") == 1,
+                60,
+                "the agent to answer",
+                op,
+            )
             wait_for(lambda: healthz(health) == (200, {"driftLoops": 1}), 60, "healthz 200", op)
 
             # The agent stops answering: the next round's Describe waits on the open
@@ -82,8 +88,7 @@ def test_liveness_fails_while_a_drift_loop_is_wedged_and_recovers(
 
             # The agent answers again: the waiting round ends, and so does the failure.
             proxy.pass_through()
-            wait_for(lambda: healthz(health) == (200, {"driftLoops": 1}), 60,
-                     "healthz 200 again", op)
+            wait_for(lambda: healthz(health) == (200, {"driftLoops": 1}), 60, "healthz 200 again", op)
             assert op.popen.poll() is None  # the probe reports; restarting is the kubelet's
             # The probe's reason is logged once per failed probe; no line per request.
             assert "GET /healthz" not in op.log()

@@ -13,26 +13,32 @@ from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 
 
 def adapter(name: str, fleet: str = "default", uri: str | None = None) -> str:
-    return json.dumps({
-        "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
-        "metadata": {"name": name},
-        "spec": {"baseModel": "tiny", "source": {"uri": uri or f"file:///adapters/{name}"},
-                 "fleetRef": {"name": fleet}}})
+    return json.dumps(
+        {
+            "apiVersion": "lorafleet.dev/v1alpha1",
+            "kind": "LoraAdapter",
+            "metadata": {"name": name},
+            "spec": {"baseModel": "tiny", "source": {"uri": uri or f"file:///adapters/{name}"}, "fleetRef": {"name": fleet}},
+        }
+    )
 
 
 def fleet(name: str = "default", selector: dict[str, str] | None = None) -> str:
-    return json.dumps({
-        "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraFleet", "metadata": {"name": name},
-        "spec": {"selector": {"matchLabels": selector or {"lorafleet.dev/fleet": name}}}})
+    return json.dumps(
+        {
+            "apiVersion": "lorafleet.dev/v1alpha1",
+            "kind": "LoraFleet",
+            "metadata": {"name": name},
+            "spec": {"selector": {"matchLabels": selector or {"lorafleet.dev/fleet": name}}},
+        }
+    )
 
 
 def get(cluster: ControlPlane, kind: str, name: str, ns: str) -> dict[str, Any]:
     return dict(cluster.kubectl_json("get", kind, name, "-n", ns))
 
 
-def test_missing_fleet_then_empty_fleet_then_delete(
-    kube_cluster: ControlPlane, kube_namespace: str, operator: OperatorProcess
-) -> None:
+def test_missing_fleet_then_empty_fleet_then_delete(kube_cluster: ControlPlane, kube_namespace: str, operator: OperatorProcess) -> None:
     ns = kube_namespace
     kube_cluster.apply(adapter("a"), ns)
 
@@ -41,19 +47,20 @@ def test_missing_fleet_then_empty_fleet_then_delete(
         ready = (status.get("conditions") or [{}])[0]
         return status.get("phase", ""), ready.get("reason", "")
 
-    wait_for(lambda: phase_reason() == ("Pending", "FleetNotFound"), 30, "FleetNotFound",
-             operator)
+    wait_for(lambda: phase_reason() == ("Pending", "FleetNotFound"), 30, "FleetNotFound", operator)
     la = get(kube_cluster, "la", "a", ns)
     assert "lorafleet.dev/unload" in la["metadata"]["finalizers"]
     assert la["status"]["conditions"][0]["type"] == "Ready"
 
     # The fleet appears (no agent pods): its drift check re-evaluates the adapter.
     kube_cluster.apply(fleet(), ns)
-    wait_for(lambda: phase_reason() == ("Pending", "NoTargetAgents"), 30, "NoTargetAgents",
-             operator)
-    wait_for(lambda: get(kube_cluster, "lfleet", "default", ns).get("status", {})
-             .get("conditions", [{}])[0].get("reason") == "NoAgents", 30, "fleet status",
-             operator)
+    wait_for(lambda: phase_reason() == ("Pending", "NoTargetAgents"), 30, "NoTargetAgents", operator)
+    wait_for(
+        lambda: get(kube_cluster, "lfleet", "default", ns).get("status", {}).get("conditions", [{}])[0].get("reason") == "NoAgents",
+        30,
+        "fleet status",
+        operator,
+    )
     fleet_status = get(kube_cluster, "lfleet", "default", ns)["status"]
     assert (fleet_status["agents"], fleet_status["readyAgents"]) == (0, 0)
 
@@ -70,7 +77,9 @@ def test_missing_fleet_then_empty_fleet_then_delete(
 
 
 def test_two_replicas_only_the_leader_acts_and_the_other_takes_over(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
     tmp_path: Path,
 ) -> None:
     ns = kube_namespace
@@ -91,8 +100,7 @@ def test_two_replicas_only_the_leader_acts_and_the_other_takes_over(
         assert "waiting for leadership" in following
         assert "reconciled loraadapter" not in following
         kube_cluster.apply(adapter("b"), ns)
-        wait_for(lambda: f"reconciled loraadapter {ns}/b" in second.log(), 30,
-                 "op-b to act", second)
+        wait_for(lambda: f"reconciled loraadapter {ns}/b" in second.log(), 30, "op-b to act", second)
         lease = kube_cluster.kubectl_json("get", "lease", "lorafleet-operator", "-n", ns)
         assert lease["spec"]["holderIdentity"] == "op-b"
         assert lease["spec"]["leaseTransitions"] >= 1

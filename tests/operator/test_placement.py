@@ -67,25 +67,46 @@ from tests.operator.conftest import OperatorProcess, wait_for
 # ---- the rule, as plain decisions -------------------------------------------------------
 
 
-def agent(pod: str, held: set[str] | None = None, *, cap: int = 2, rank: int = 16,
-          model: str = "m", dialable: bool = True, known: bool = True,
-          failing: bool = False) -> Candidate:
-    return Candidate(pod, f"ep-{pod}", dialable, known=known, base_model=model,
-                     max_lora_rank=rank, max_loaded_loras=cap, held=frozenset(held or ()),
-                     failing=failing)
+def agent(
+    pod: str,
+    held: set[str] | None = None,
+    *,
+    cap: int = 2,
+    rank: int = 16,
+    model: str = "m",
+    dialable: bool = True,
+    known: bool = True,
+    failing: bool = False,
+) -> Candidate:
+    return Candidate(
+        pod,
+        f"ep-{pod}",
+        dialable,
+        known=known,
+        base_model=model,
+        max_lora_rank=rank,
+        max_loaded_loras=cap,
+        held=frozenset(held or ()),
+        failing=failing,
+    )
 
 
-def want(name: str, *, replicas: int | None = None, rank: int | None = None, order: str = "",
-         previous: tuple[str, ...] = (), refused: frozenset[str] = frozenset()) -> Demand:
+def want(
+    name: str,
+    *,
+    replicas: int | None = None,
+    rank: int | None = None,
+    order: str = "",
+    previous: tuple[str, ...] = (),
+    refused: frozenset[str] = frozenset(),
+) -> Demand:
     return Demand(name, "m", replicas, rank, (order or name, name), previous, refused)
 
 
 def test_unset_replicas_is_every_fitting_agent_with_room() -> None:
-    got = place([agent("a0"), agent("a1"), agent("a2", model="other"), agent("a3", {"x", "y"})],
-                [want("n")])["n"]
+    got = place([agent("a0"), agent("a1"), agent("a2", model="other"), agent("a3", {"x", "y"})], [want("n")])["n"]
     assert got.placed == ("a0", "a1")
-    assert {s.pod: s.reason for s in got.skipped} == {"a2": SkipReason.BASE_MODEL,
-                                                      "a3": SkipReason.FULL}
+    assert {s.pod: s.reason for s in got.skipped} == {"a2": SkipReason.BASE_MODEL, "a3": SkipReason.FULL}
     assert got.why_not() == ""  # replicas unset: every agent with room is all it asks for
 
 
@@ -100,8 +121,12 @@ def test_agents_with_failed_loads_get_new_adapters_only_after_the_others() -> No
     """An agent that refuses every load holds nothing, so it is the least loaded: without the
     back-off book's word it would be every new adapter's first choice (found at fleet scale:
     replicas 4 with 6 of 64 agents refusing left 40 of 200 adapters Failed)."""
-    agents = [agent("bad0", cap=8, failing=True), agent("bad1", cap=8, failing=True),
-              agent("ok0", {"x", "y"}, cap=8), agent("ok1", {"x"}, cap=8)]
+    agents = [
+        agent("bad0", cap=8, failing=True),
+        agent("bad1", cap=8, failing=True),
+        agent("ok0", {"x", "y"}, cap=8),
+        agent("ok1", {"x"}, cap=8),
+    ]
     got = place(agents, [want("n", replicas=2)])["n"]
     assert got.placed == ("ok0", "ok1")
     # Still chosen when the others cannot take it (full), and with replicas unset.
@@ -112,8 +137,7 @@ def test_agents_with_failed_loads_get_new_adapters_only_after_the_others() -> No
 
 def test_spread_over_a_fleet_in_creation_order() -> None:
     """Four single-replica adapters on two empty agents: two each, the oldest first."""
-    got = place([agent("a0", cap=8), agent("a1", cap=8)],
-                [want(f"n{i}", replicas=1, order=str(i)) for i in range(4)])
+    got = place([agent("a0", cap=8), agent("a1", cap=8)], [want(f"n{i}", replicas=1, order=str(i)) for i in range(4)])
     assert [got[f"n{i}"].placed for i in range(4)] == [("a0",), ("a1",), ("a0",), ("a1",)]
 
 
@@ -128,24 +152,21 @@ def test_stable_agents_that_come_and_go_never_move_an_adapter() -> None:
 
 
 def test_placed_again_when_its_agent_stops_being_ready() -> None:
-    got = place([agent("a0", {"n"}, dialable=False), agent("a1")],
-                [want("n", replicas=1, previous=("a0",))])["n"]
+    got = place([agent("a0", {"n"}, dialable=False), agent("a1")], [want("n", replicas=1, previous=("a0",))])["n"]
     assert got.placed == ("a1",)
     assert [(s.pod, s.reason) for s in got.skipped] == [("a0", SkipReason.NOT_READY)]
 
 
 def test_an_agent_that_did_not_answer_keeps_its_place_but_gets_no_new_one() -> None:
     silent = agent("a0", known=False)
-    assert place([silent, agent("a1")], [want("n", replicas=1, previous=("a0",))])["n"] \
-        .placed == ("a0",)
+    assert place([silent, agent("a1")], [want("n", replicas=1, previous=("a0",))])["n"].placed == ("a0",)
     assert place([silent, agent("a1")], [want("n", replicas=1)])["n"].placed == ("a1",)
     # With replicas unset it is a place, as every Ready agent is (retried while silent).
     assert place([silent, agent("a1")], [want("n")])["n"].placed == ("a0", "a1")
 
 
 def test_rank_known_from_the_spec_skips_agents_with_a_lower_limit() -> None:
-    got = place([agent("a0", rank=8), agent("a1", {"x"}, rank=16)], [want("n", replicas=1,
-                                                                          rank=16)])["n"]
+    got = place([agent("a0", rank=8), agent("a1", {"x"}, rank=16)], [want("n", replicas=1, rank=16)])["n"]
     assert got.placed == ("a1",)
     assert got.skipped[0].message == "has max_lora_rank 8 < the adapter's rank 16"
 
@@ -153,12 +174,10 @@ def test_rank_known_from_the_spec_skips_agents_with_a_lower_limit() -> None:
 def test_an_agent_that_refused_is_used_only_when_nothing_else_fits() -> None:
     """The rank unknown: the agent that refused this version gives its place to another."""
     refused = frozenset({"a0"})
-    got = place([agent("a0"), agent("a1", {"x"})],
-                [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
+    got = place([agent("a0"), agent("a1", {"x"})], [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
     assert got.placed == ("a1",)
     assert [(s.pod, s.reason) for s in got.skipped] == [("a0", SkipReason.REFUSED)]
-    alone = place([agent("a0"), agent("a1", {"x", "y"})],
-                  [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
+    alone = place([agent("a0"), agent("a1", {"x", "y"})], [want("n", replicas=1, previous=("a0",), refused=refused)])["n"]
     assert alone.placed == ("a0",)  # nothing else has room: it stays (Failed, retried)
 
 
@@ -168,13 +187,10 @@ def test_fits_nowhere_says_why_and_the_oldest_gets_the_room_first() -> None:
     assert pending.placed == ()
     assert pending.why_not() == "0 of 4 agents have room: each holds 32 of 32"
     one_free = [replace(full[0], held=frozenset(f"x{j}" for j in range(31))), *full[1:]]
-    got = place(one_free, [want("newer", replicas=1, order="2"),
-                           want("older", replicas=1, order="1")])
+    got = place(one_free, [want("newer", replicas=1, order="2"), want("older", replicas=1, order="1")])
     assert (got["older"].placed, got["newer"].placed) == (("a0",), ())
-    mixed = place([agent("a0", {"x", "y"}), agent("a1", rank=8)],
-                  [want("n", replicas=1, rank=16)])["n"]
-    assert mixed.why_not() == ("0 of 2 agents can hold it: a0 holds 2 of 2; a1 has "
-                               "max_lora_rank 8 < the adapter's rank 16")
+    mixed = place([agent("a0", {"x", "y"}), agent("a1", rank=8)], [want("n", replicas=1, rank=16)])["n"]
+    assert mixed.why_not() == ("0 of 2 agents can hold it: a0 holds 2 of 2; a1 has max_lora_rank 8 < the adapter's rank 16")
 
 
 def test_reservations_count_loads_until_a_later_listing_has_them() -> None:
@@ -237,8 +253,7 @@ def test_the_crds_caps_are_the_operators() -> None:
     assert agents["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
     assert placement["placed"]["maxItems"] == MAX_LISTED_PLACED
     assert placement["skipped"]["maxItems"] == MAX_LISTED_SKIPS
-    assert placement["skipped"]["items"]["properties"]["message"]["maxLength"] == \
-        MAX_SKIP_MESSAGE
+    assert placement["skipped"]["items"]["properties"]["message"]["maxLength"] == MAX_SKIP_MESSAGE
     fleet = _schema("lorafleet.dev_lorafleets.yaml")["status"]["properties"]
     assert fleet["members"]["maxItems"] == MAX_LISTED_MEMBERS
     assert fleet["members"]["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
@@ -269,10 +284,8 @@ def test_a_big_fleets_status_lists_its_members_capped_not_ready_first() -> None:
     """LoraFleet: at most MAX_LISTED_MEMBERS members, those not ready chosen first; the rest
     counted (membersNotListed); agents and readyAgents count every pod."""
     info = AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32)
-    pods = [AgentPod(f"p{i:03d}", "ns", f"u{i}", {}, i % 10 != 0, f"10.0.0.1:{i + 1}", 0)
-            for i in range(200)]
-    view = FleetView("ns", tuple(pods), {p.name: info for p in pods if p.dialable},
-                     Credentials(), "f")
+    pods = [AgentPod(f"p{i:03d}", "ns", f"u{i}", {}, i % 10 != 0, f"10.0.0.1:{i + 1}", 0) for i in range(200)]
+    view = FleetView("ns", tuple(pods), {p.name: info for p in pods if p.dialable}, Credentials(), "f")
     fleet = {"metadata": {"name": "f", "generation": 1}}
     got = fleet_status(fleet, view, {p.name: {} for p in pods}, None)
     assert (got["agents"], got["readyAgents"]) == (200, 180)
@@ -286,27 +299,23 @@ def test_the_drift_check_unloads_an_adapter_only_where_placement_dropped_it() ->
     """Replicas lowered from 2 to 1: the agent it is no longer placed on unloads it; another
     fleet's adapter (no placement here) is still wanted wherever its fleet selects."""
     info = AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32)
-    pods = [AgentPod(f"agent-{i}", "ns", f"u{i}", {"f": "1"}, True, f"10.0.0.1:{i + 1}", 0)
-            for i in range(2)]
+    pods = [AgentPod(f"agent-{i}", "ns", f"u{i}", {"f": "1"}, True, f"10.0.0.1:{i + 1}", 0) for i in range(2)]
     view = FleetView("ns", tuple(pods), {p.name: info for p in pods}, Credentials(), "f")
     spec = {"baseModel": "m", "source": {"uri": "file:///a"}}
-    adapters = [{"metadata": {"namespace": "ns", "name": n}, "spec": {**spec, "fleetRef":
-                                                                       {"name": f}}}
-                for n, f in (("mine", "f"), ("theirs", "g"))]
-    fleets = [{"metadata": {"name": f}, "spec": {"selector": {"matchLabels": {"f": "1"}}}}
-              for f in ("f", "g")]
-    registries: dict[str, Registry] = {p.name: {n: RegistryEntry(n, "file:///a", "", False,
-                                                                 (0, 1))
-                                                for n in ("ns.mine", "ns.theirs")}
-                                       for p in pods}
+    adapters = [
+        {"metadata": {"namespace": "ns", "name": n}, "spec": {**spec, "fleetRef": {"name": f}}} for n, f in (("mine", "f"), ("theirs", "g"))
+    ]
+    fleets = [{"metadata": {"name": f}, "spec": {"selector": {"matchLabels": {"f": "1"}}}} for f in ("f", "g")]
+    registries: dict[str, Registry] = {
+        p.name: {n: RegistryEntry(n, "file:///a", "", False, (0, 1)) for n in ("ns.mine", "ns.theirs")} for p in pods
+    }
     candidates = [agent(p.name, {"ns.mine", "ns.theirs"}, cap=4) for p in pods]
-    placements = place([replace(c, base_model="m") for c in candidates],
-                       [want("ns.mine", replicas=1, previous=("agent-1",))])
+    placements = place([replace(c, base_model="m") for c in candidates], [want("ns.mine", replicas=1, previous=("agent-1",))])
     assert placements["ns.mine"].placed == ("agent-1",)
-    assert [(a.name, n) for a, n in unwanted(view, registries, adapters, fleets, placements)] \
-        == [("agent-0", "ns.mine")]
-    assert unwanted(view, registries, adapters, fleets, placements,
-                    busy=frozenset({"ns.mine"})) == []  # a handler is placing it: left alone
+    assert [(a.name, n) for a, n in unwanted(view, registries, adapters, fleets, placements)] == [("agent-0", "ns.mine")]
+    assert (
+        unwanted(view, registries, adapters, fleets, placements, busy=frozenset({"ns.mine"})) == []
+    )  # a handler is placing it: left alone
 
 
 def largest_status() -> dict[str, Any]:
@@ -315,10 +324,12 @@ def largest_status() -> dict[str, Any]:
     2,048-character source, and 2,000 more skipped."""
     pods = [f"{i:04d}-" + "p" * 248 for i in range(4000)]
     old = ServedVersion("file:///" + "u" * 2040, "a" * 64)
-    results = [AgentResult(p, AgentState.FAILED, 0, 8, f"{p}: " + "e" * 20000, served=old,
-                           next_retry="2026-01-01T00:00:00Z") for p in pods[:2000]]
-    placement = place([agent(p, {f"x{j}" for j in range(2)} if i >= 2000 else set(), cap=2)
-                       for i, p in enumerate(pods)], [want("n", replicas=2000)])["n"]
+    results = [
+        AgentResult(p, AgentState.FAILED, 0, 8, f"{p}: " + "e" * 20000, served=old, next_retry="2026-01-01T00:00:00Z") for p in pods[:2000]
+    ]
+    placement = place(
+        [agent(p, {f"x{j}" for j in range(2)} if i >= 2000 else set(), cap=2) for i, p in enumerate(pods)], [want("n", replicas=2000)]
+    )["n"]
     return build_status(results, generation=1, placement=placement, crashed="c" * 50000)
 
 
@@ -349,13 +360,11 @@ def test_a_refused_status_patch_is_reported_and_never_sent_again(
     apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
     body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
     settings = Settings()
-    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
-                 AgentClients(settings))
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))), AgentClients(settings))
     bad = {**build_status([], generation=1), "agentsSummary": "9/9"}
 
     def refusals() -> float:
-        value = REGISTRY.get_sample_value("lorafleet_status_refused_total",
-                                          {"kind": "LoraAdapter"})
+        value = REGISTRY.get_sample_value("lorafleet_status_refused_total", {"kind": "LoraAdapter"})
         return value or 0.0
 
     before = refusals()
@@ -377,16 +386,14 @@ def test_a_placed_status_read_back_is_not_written_again(
     written every round. Replicas unset, then set, then unset again (removed)."""
     apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
     settings = Settings()
-    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
-                 AgentClients(settings))
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))), AgentClients(settings))
     results = [AgentResult("a0", AgentState.LOADED, 2, 2)]
     for replicas in (None, 1, None):
         placement = place([agent("a0")], [want("n", replicas=replicas)])["n"]
         for written in (True, False):
             body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
             stored = body.get("status") or {}
-            new = build_status(results, generation=1, previous=stored, placement=placement,
-                               now="2026-01-01T00:00:00Z")
+            new = build_status(results, generation=1, previous=stored, placement=placement, now="2026-01-01T00:00:00Z")
             assert asyncio.run(publish_status(rt, body, new)) is written, (replicas, written)
         stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)["status"]
         assert stored["placement"].get("replicas") == replicas
@@ -402,8 +409,7 @@ def test_a_reconcile_marks_the_adapter_for_drift_checks_listed_before_it_ended(
     again (docs/operator.md, drift)."""
     apply(kube_cluster, kube_namespace, adapter_manifest("a", Path("/adapters/a")))
     settings = Settings()
-    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))),
-                 AgentClients(settings))
+    rt = Runtime(settings, Kube(make_api_client(str(kube_cluster.kubeconfig))), AgentClients(settings))
     body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
     listed_before = time.monotonic()
     asyncio.run(reconcile_adapter(rt, body, "create"))
@@ -418,37 +424,36 @@ def test_a_reconcile_marks_the_adapter_for_drift_checks_listed_before_it_ended(
 
 
 @pytest.fixture(scope="module")
-def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess],
-                                                                               Path]]:
+def small_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess], Path]]:
     """Two agents that hold at most 2 adapters each; agent-1 allows rank 8 only. On the
     machine's own address: the API server refuses loopback endpoints in EndpointSlices."""
     root = tmp_path_factory.mktemp("placement-agents")
     spec, adapters = agent_spec(root, max_loaded_loras=2, host=machine_ip())
-    agents = [AgentProcess("agent-0", spec, root / "logs"),
-              AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
+    agents = [AgentProcess("agent-0", spec, root / "logs"), AgentProcess("agent-1", replace(spec, max_lora_rank=8), root / "logs")]
     with serving(agents):
         yield agents, adapters
 
 
 def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
     """The agent's Pod of the default fleet, Ready at the agent's address."""
-    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: "default"},
-                             ip=agent.spec.host)
+    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: "default"}, ip=agent.spec.host)
 
 
 def placed(cluster: ControlPlane, ns: str, name: str) -> list[str]:
     return list((status(cluster, ns, name).get("placement") or {}).get("placed") or [])
 
 
-def with_replicas(manifest: dict[str, Any], replicas: int | None = None,
-                  rank: int | None = None) -> dict[str, Any]:
+def with_replicas(manifest: dict[str, Any], replicas: int | None = None, rank: int | None = None) -> dict[str, Any]:
     extra = {k: v for k, v in (("replicas", replicas), ("rank", rank)) if v is not None}
     return {**manifest, "spec": {**manifest["spec"], **extra}}
 
 
 def test_replicas_capacity_rank_pending_and_room_in_creation_order(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path],
+    operator: OperatorProcess,
 ) -> None:
     (a0, a1), root = small_agents
     ns = kube_namespace
@@ -483,15 +488,12 @@ def test_replicas_capacity_rank_pending_and_room_in_creation_order(
     # Named so that the name order is the reverse of the creation order (the tie-break of
     # creationTimestamp, which has whole seconds: the newer is made a second later).
     apply(kube_cluster, ns, with_replicas(adapter_manifest("z-older", path), 1))
-    wait_for(lambda: status(kube_cluster, ns, "z-older").get("phase") == "Pending", 60,
-             "z-older Pending", operator)
+    wait_for(lambda: status(kube_cluster, ns, "z-older").get("phase") == "Pending", 60, "z-older Pending", operator)
     time.sleep(1.1)
     apply(kube_cluster, ns, with_replicas(adapter_manifest("a-newer", path), 1))
-    wait_for(lambda: status(kube_cluster, ns, "a-newer").get("phase") == "Pending", 60,
-             "a-newer Pending", operator)
+    wait_for(lambda: status(kube_cluster, ns, "a-newer").get("phase") == "Pending", 60, "a-newer Pending", operator)
     ready_condition = status(kube_cluster, ns, "z-older")["conditions"][0]
-    assert (ready_condition["reason"], ready_condition["message"]) == (
-        "NoRoom", "0 of 2 agents have room: each holds 2 of 2")
+    assert (ready_condition["reason"], ready_condition["message"]) == ("NoRoom", "0 of 2 agents have room: each holds 2 of 2")
     assert held() == ({f"{ns}.rank16", f"{ns}.two"}, {f"{ns}.two", f"{ns}.every"})
     # Room appears on agent-1: the older of the two Pending adapters takes it.
     kube_cluster.kubectl("delete", "la", "every", "-n", ns)
@@ -505,8 +507,11 @@ def test_replicas_capacity_rank_pending_and_room_in_creation_order(
 
 
 def test_replicas_changed_on_a_ready_adapter_are_honoured(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path],
+    operator: OperatorProcess,
 ) -> None:
     """spec.replicas of a Ready adapter goes 2 -> 1 -> 2 (issue 13): each time the placement,
     the agents' registries (unloaded from the dropped agent, loaded again on it) and the
@@ -521,31 +526,35 @@ def test_replicas_changed_on_a_ready_adapter_are_honoured(
     def follows(pods: list[str]) -> bool:
         """Ready, placed on exactly `pods`, held by them only, routed to them only."""
         st = status(kube_cluster, ns, "r")
-        return (st.get("phase") == "Ready" and placed(kube_cluster, ns, "r") == pods
-                and [a.name for a in (a0, a1) if registry(a, ns) == {f"{ns}.r": [0, 1]}]
-                == pods and sorted(routed(kube_cluster, ns, "r")) == pods)
+        return (
+            st.get("phase") == "Ready"
+            and placed(kube_cluster, ns, "r") == pods
+            and [a.name for a in (a0, a1) if registry(a, ns) == {f"{ns}.r": [0, 1]}] == pods
+            and sorted(routed(kube_cluster, ns, "r")) == pods
+        )
 
-    for replicas, pods in ((2, ["agent-0", "agent-1"]), (1, ["agent-0"]),
-                           (2, ["agent-0", "agent-1"])):
+    for replicas, pods in ((2, ["agent-0", "agent-1"]), (1, ["agent-0"]), (2, ["agent-0", "agent-1"])):
         apply(kube_cluster, ns, with_replicas(manifest, replicas))
         wait_for(functools.partial(follows, pods), 90, f"replicas {replicas} on {pods}", operator)
         st = status(kube_cluster, ns, "r")
         assert st["placement"]["replicas"] == replicas
         assert (st["agentsSummary"], st["observedGeneration"]) == (
             f"{len(pods)}/{len(pods)}",
-            kube_cluster.kubectl_json("get", "la", "r", "-n", ns)["metadata"]["generation"])
+            kube_cluster.kubectl_json("get", "la", "r", "-n", ns)["metadata"]["generation"],
+        )
         if replicas == 1:  # the kept agent is the first of the last placement
-            assert [(s["pod"], s["reason"]) for s in st["placement"]["skipped"]] == [
-                ("agent-1", "ReplicasReached")]
+            assert [(s["pod"], s["reason"]) for s in st["placement"]["skipped"]] == [("agent-1", "ReplicasReached")]
             assert registry(a1, ns) == {}
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
-    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied",
-             operator)
+    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied", operator)
 
 
 def test_a_refused_place_goes_to_another_agent_in_the_same_reconcile(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    small_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    small_agents: tuple[list[AgentProcess], Path],
+    operator: OperatorProcess,
 ) -> None:
     """Rank 16, not stated in the spec, one replica: placement picks agent-1 (the least
     loaded), which refuses it (max_lora_rank 8); the handler gives the place to agent-0 in the
@@ -569,8 +578,7 @@ def test_a_refused_place_goes_to_another_agent_in_the_same_reconcile(
     apply(kube_cluster, ns, with_replicas(adapter_manifest("first", make_adapter(root / ns, "first")), 1))
     wait_for(lambda: ready("first"), 90, "first Ready", operator)
     assert placed(kube_cluster, ns, "first") == ["agent-0"]
-    apply(kube_cluster, ns, with_replicas(
-        adapter_manifest("big", make_adapter(root / ns, "big", rank=16)), 1))
+    apply(kube_cluster, ns, with_replicas(adapter_manifest("big", make_adapter(root / ns, "big", rank=16)), 1))
     wait_for(lambda: ready("big") and "Ready" in reasons(), 90, "big Ready", operator)
     st = status(kube_cluster, ns, "big")
     assert placed(kube_cluster, ns, "big") == ["agent-0"]
@@ -578,12 +586,10 @@ def test_a_refused_place_goes_to_another_agent_in_the_same_reconcile(
     assert (set(registry(a0, ns)), registry(a1, ns)) == ({f"{ns}.first", f"{ns}.big"}, {})
     assert "Failed" not in reasons(), reasons()
     kube_cluster.kubectl("delete", "la", "--all", "-n", ns)
-    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied",
-             operator)
+    wait_for(lambda: not registry(a0, ns) and not registry(a1, ns), 60, "agents emptied", operator)
 
 
 def routed(cluster: ControlPlane, ns: str, adapter: str) -> list[str]:
     """The pods listed by the adapter's EndpointSlices (docs/operator.md, Routing)."""
-    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
-                                  f"{ADAPTER_LABEL}={adapter}")["items"]
+    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}={adapter}")["items"]
     return [e["targetRef"]["name"] for s in slices for e in s.get("endpoints") or []]

@@ -53,13 +53,15 @@ def source(adapters: Path) -> Iterator[Source]:
 
 
 #: Transient retries from 2 s doubling to 20 s (jittered down by up to half), drift every 1 s.
-BACKOFF_ENV = {"LORAFLEET_TRANSIENT_RETRY_SECONDS": "2",
-               "LORAFLEET_TRANSIENT_RETRY_MAX_SECONDS": "20"}
+BACKOFF_ENV = {"LORAFLEET_TRANSIENT_RETRY_SECONDS": "2", "LORAFLEET_TRANSIENT_RETRY_MAX_SECONDS": "20"}
 
 
 def test_a_source_answering_503_is_asked_less_and_less(
-    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
-    source: Source, tmp_path: Path,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    fleet: list[AgentProcess],
+    source: Source,
+    tmp_path: Path,
 ) -> None:
     """Both agents' downloads get 503. Before, every drift check (every second here) loaded
     again on every agent: at least 2 fetches per check. Now each agent's tries wait 1-2 s,
@@ -78,9 +80,11 @@ def test_a_source_answering_503_is_asked_less_and_less(
         def failing_with_a_retry_time() -> bool:
             st = status(kube_cluster, ns, "remote")
             agents_st = st.get("agents") or []
-            return len(agents_st) == 2 and bool(st.get("nextRetryTime")) and all(
-                a["state"] == "Unreachable" and "503" in a["message"] and a.get("nextRetryTime")
-                for a in agents_st)
+            return (
+                len(agents_st) == 2
+                and bool(st.get("nextRetryTime"))
+                and all(a["state"] == "Unreachable" and "503" in a["message"] and a.get("nextRetryTime") for a in agents_st)
+            )
 
         wait_for(failing_with_a_retry_time, 60, "both agents failing with a retry time", op)
         st = status(kube_cluster, ns, "remote")
@@ -101,8 +105,11 @@ def test_a_source_answering_503_is_asked_less_and_less(
 
 
 def test_a_failed_replace_says_the_previous_version_is_still_served(
-    kube_cluster: ControlPlane, kube_namespace: str, fleet: list[AgentProcess],
-    adapters: Path, operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    fleet: list[AgentProcess],
+    adapters: Path,
+    operator: OperatorProcess,
 ) -> None:
     """A Ready adapter's source is changed to one the agents refuse. They keep serving the old
     weights (their registries still list the old source), so the status says so: Degraded,
@@ -116,9 +123,15 @@ def test_a_failed_replace_says_the_previous_version_is_still_served(
 
     bad = corrupt_adapter(adapters, "bad")
     apply(kube_cluster, ns, adapter_manifest("one", bad))
-    wait_for(lambda: status(kube_cluster, ns, "one").get("observedGeneration") == 2
-             and status(kube_cluster, ns, "one").get("phase") not in ("Loading", "Ready"),
-             60, "generation 2 handled", operator)
+    wait_for(
+        lambda: (
+            status(kube_cluster, ns, "one").get("observedGeneration") == 2
+            and status(kube_cluster, ns, "one").get("phase") not in ("Loading", "Ready")
+        ),
+        60,
+        "generation 2 handled",
+        operator,
+    )
     checks = operator.drift_checks()
     wait_for(lambda: operator.drift_checks() >= checks + 3, 60, "drift checks", operator)
     st = status(kube_cluster, ns, "one")

@@ -77,19 +77,20 @@ def test_the_operators_fleet_defaults_are_the_crds() -> None:
 
 
 def test_only_pods_that_hold_the_adapter_on_every_rank_are_listed() -> None:
-    agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051),
-              pod("p2", "10.0.0.3", 50051, ready=False), pod("p3", "127.0.0.1", 50051),
-              pod("p4", "10.0.0.5", 50051)]
-    results = [loaded("p0"), loaded("p1", ranks=1), loaded("p2"), loaded("p3"),
-               AgentResult("p4", AgentState.FAILED, 0, 2, "no")]
+    agents = [
+        pod("p0", "10.0.0.1", 50051),
+        pod("p1", "10.0.0.2", 50051),
+        pod("p2", "10.0.0.3", 50051, ready=False),
+        pod("p3", "127.0.0.1", 50051),
+        pod("p4", "10.0.0.5", 50051),
+    ]
+    results = [loaded("p0"), loaded("p1", ranks=1), loaded("p2"), loaded("p3"), AgentResult("p4", AgentState.FAILED, 0, 2, "no")]
     assert [p.pod for p in routed_pods({}, agents, results)] == ["p0"]
 
 
 def test_one_slice_per_port_set_with_the_labels_and_owner() -> None:
-    agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051),
-              pod("p2", "10.0.0.3", 50052, http=False)]
-    slices = desired_slices(ADAPTER, "svc", routed_pods(
-        {}, agents, [loaded(a.name) for a in agents]))
+    agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051), pod("p2", "10.0.0.3", 50052, http=False)]
+    slices = desired_slices(ADAPTER, "svc", routed_pods({}, agents, [loaded(a.name) for a in agents]))
     assert len(slices) == 2
     by_ports = {tuple((p["name"], p["port"]) for p in s["ports"]): s for s in slices}
     both = by_ports[(("grpc", 50051), ("http", HTTP_PORT))]
@@ -114,8 +115,7 @@ def test_a_long_adapter_name_gets_a_label_value_that_fits() -> None:
 
 
 @pytest.fixture(scope="module")
-def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess],
-                                                                                Path]]:
+def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess], Path]]:
     """Two agents on the machine's own address (pods may not have loopback endpoints)."""
     root = tmp_path_factory.mktemp("routing-agents")
     spec, adapters = agent_spec(root, host=machine_ip())
@@ -126,21 +126,36 @@ def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[li
 
 def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
     """The agent's Pod with a gRPC and an HTTP port, Running and Ready at its address."""
-    cluster.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": agent.name, "namespace": ns, "labels": {FLEET_LABEL: "default"}},
-        "spec": {"nodeName": LOCAL_NODE, "terminationGracePeriodSeconds": 0,
-                 "automountServiceAccountToken": False,
-                 "containers": [{"name": "agent", "image": "lorafleet-agent:local",
-                                 "ports": [{"name": "grpc", "containerPort": agent.port},
-                                           {"name": "http", "containerPort": HTTP_PORT}]}]}}))
+    cluster.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": agent.name, "namespace": ns, "labels": {FLEET_LABEL: "default"}},
+                "spec": {
+                    "nodeName": LOCAL_NODE,
+                    "terminationGracePeriodSeconds": 0,
+                    "automountServiceAccountToken": False,
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "image": "lorafleet-agent:local",
+                            "ports": [{"name": "grpc", "containerPort": agent.port}, {"name": "http", "containerPort": HTTP_PORT}],
+                        }
+                    ],
+                },
+            }
+        ),
+    )
     cluster.write_pod_status(ns, agent.name, ready=True, ip=agent.spec.host)
 
 
 def endpoints(cluster: ControlPlane, ns: str, adapter: str) -> dict[str, dict[str, int]]:
     """pod -> {port name: port} over every EndpointSlice labelled for the adapter."""
-    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
-                                  f"{ADAPTER_LABEL}={adapter}")["items"]
+    slices = cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}={adapter}")["items"]
     listed: dict[str, dict[str, int]] = {}
     for s in slices:
         assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == DEFAULT_SERVICE  # the default
@@ -154,8 +169,11 @@ def with_replicas(manifest: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 
 def test_endpointslices_follow_placement_and_pods(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
-    routed_agents: tuple[list[AgentProcess], Path], operator: OperatorProcess,
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    routed_agents: tuple[list[AgentProcess], Path],
+    operator: OperatorProcess,
 ) -> None:
     """Replicas unset: both pods, with their gRPC and HTTP ports; one replica: one pod. The
     pod holding the single replica is deleted: the adapter is placed on the other agent and
@@ -168,53 +186,51 @@ def test_endpointslices_follow_placement_and_pods(
     apply(kube_cluster, ns, fleet_manifest())
     path = make_adapter(root / ns, "w")
     apply(kube_cluster, ns, adapter_manifest("every", path))
-    wait_for(lambda: status(kube_cluster, ns, "every").get("phase") == "Ready", 90,
-             "every Ready", operator)
+    wait_for(lambda: status(kube_cluster, ns, "every").get("phase") == "Ready", 90, "every Ready", operator)
     apply(kube_cluster, ns, with_replicas(adapter_manifest("one", path), 1))
-    wait_for(lambda: status(kube_cluster, ns, "one").get("phase") == "Ready", 90,
-             "one Ready", operator)
+    wait_for(lambda: status(kube_cluster, ns, "one").get("phase") == "Ready", 90, "one Ready", operator)
     ports = {a.name: {"grpc": a.port, "http": HTTP_PORT} for a in (a0, a1)}
-    wait_for(lambda: endpoints(kube_cluster, ns, "every") == ports, 30, "every's slices",
-             operator)
+    wait_for(lambda: endpoints(kube_cluster, ns, "every") == ports, 30, "every's slices", operator)
     first = status(kube_cluster, ns, "one")["placement"]["placed"]
     assert len(first) == 1
-    wait_for(lambda: list(endpoints(kube_cluster, ns, "one")) == first, 30, "one's slices",
-             operator)
+    wait_for(lambda: list(endpoints(kube_cluster, ns, "one")) == first, 30, "one's slices", operator)
     assert slice_lists(operator) == 0  # new adapters' slices are created without a list
     gone, other = (a0, a1) if first == ["agent-0"] else (a1, a0)
 
     kube_cluster.kubectl("delete", "pod", gone.name, "-n", ns, "--wait=true")
-    wait_for(lambda: status(kube_cluster, ns, "one")["placement"]["placed"] == [other.name]
-             and status(kube_cluster, ns, "one")["phase"] == "Ready", 60,
-             "one placed again", operator)
+    wait_for(
+        lambda: (
+            status(kube_cluster, ns, "one")["placement"]["placed"] == [other.name] and status(kube_cluster, ns, "one")["phase"] == "Ready"
+        ),
+        60,
+        "one placed again",
+        operator,
+    )
     assert f"{ns}.one" in registry(other, ns)
-    wait_for(lambda: endpoints(kube_cluster, ns, "one") == {other.name: ports[other.name]}, 30,
-             "one's slices follow", operator)
-    wait_for(lambda: endpoints(kube_cluster, ns, "every") == {other.name: ports[other.name]},
-             30, "every's slices follow", operator)
+    wait_for(lambda: endpoints(kube_cluster, ns, "one") == {other.name: ports[other.name]}, 30, "one's slices follow", operator)
+    wait_for(lambda: endpoints(kube_cluster, ns, "every") == {other.name: ports[other.name]}, 30, "every's slices follow", operator)
 
     kube_cluster.kubectl("delete", "la", "one", "-n", ns)
-    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
-                                     f"{ADAPTER_LABEL}=one")["items"] == []
+    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}=one")["items"] == []
 
     # The slices the operator wrote are deleted by name: the deletion lists none.
     lists = slice_lists(operator)
     kube_cluster.kubectl("delete", "la", "every", "-n", ns)
     assert slice_lists(operator) == lists
-    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
-                                     f"{ADAPTER_LABEL}=every")["items"] == []
+    assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}=every")["items"] == []
 
 
 def slice_lists(operator: OperatorProcess) -> float:
     """The EndpointSlice LISTs this operator has sent (its ``lorafleet_kube_requests_total``:
     the API server's own counter also counts other clients', e.g. the namespace controller
     emptying an earlier test's namespace)."""
-    return operator.metrics().get(
-        'lorafleet_kube_requests_total{call="list_namespaced_endpoint_slice"}', 0.0)
+    return operator.metrics().get('lorafleet_kube_requests_total{call="list_namespaced_endpoint_slice"}', 0.0)
 
 
 def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
-    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...],
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
 ) -> None:
     """A new adapter's slices are created without a list; one that exists already (409) sends
     the write down the listing path, which replaces it. In-process, the real API server, no
@@ -232,8 +248,7 @@ def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
         settings = Settings.from_env()
         agents = AgentClients(settings)
         try:
-            return await publish_slices(Runtime(settings=settings, kube=Kube(api), agents=agents),
-                                        adapter, {}, (), [], new=True)
+            return await publish_slices(Runtime(settings=settings, kube=Kube(api), agents=agents), adapter, {}, (), [], new=True)
         finally:
             await agents.close()
 
@@ -241,7 +256,5 @@ def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
         assert asyncio.run(publish())
     finally:
         api.close()
-    slices = kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l",
-                                       f"{ADAPTER_LABEL}=fresh")["items"]
-    assert [(s["metadata"]["name"], s.get("endpoints") or []) for s in slices] == \
-        [(stale["metadata"]["name"], [])]
+    slices = kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}=fresh")["items"]
+    assert [(s["metadata"]["name"], s.get("endpoints") or []) for s in slices] == [(stale["metadata"]["name"], [])]

@@ -43,8 +43,7 @@ def _agent(root: Path, *, failing: bool = False) -> Agent:
     """The real agent over simulated ranks, as the simulator serves it."""
     config = EngineConfig(model_dir=root / "model", topology=Topology(8, 2), max_lora_rank=16, max_loaded_loras=64)
     policy = SourcePolicy(adapter_roots=(root / "adapters",))
-    return Agent(SimulatedEngine(config, fails_loads=failing), AgentConfig(base_model_name="tiny", agent_id="sim",
-                                                                        sources=policy))
+    return Agent(SimulatedEngine(config, fails_loads=failing), AgentConfig(base_model_name="tiny", agent_id="sim", sources=policy))
 
 
 def _uri(root: Path, i: int) -> str:

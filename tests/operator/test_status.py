@@ -29,26 +29,27 @@ FAILED_0 = AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch")
 DOWN_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "connection refused")
 OLD = ServedVersion("file:///adapters/old", "a" * 64)
 #: A replace refused on agent-0, which still serves the previous version; retried later.
-STALE_0 = AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch", served=OLD,
-                      next_retry="2026-01-01T00:05:00Z")
-STALE_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "HTTP 503", served=OLD,
-                      next_retry="2026-01-01T00:00:04Z")
+STALE_0 = AgentResult("agent-0", AgentState.FAILED, 0, 2, "sha256 mismatch", served=OLD, next_retry="2026-01-01T00:05:00Z")
+STALE_1 = AgentResult("agent-1", AgentState.UNREACHABLE, 0, 2, "HTTP 503", served=OLD, next_retry="2026-01-01T00:00:04Z")
 
 
-@pytest.mark.parametrize(("results", "phase"), [
-    ([], Phase.PENDING),
-    ([LOADED, LOADED_1], Phase.READY),
-    ([LOADED, FAILED_1], Phase.DEGRADED),
-    ([LOADED, DOWN_1], Phase.DEGRADED),
-    ([FAILED_0, FAILED_1], Phase.FAILED),
-    ([FAILED_0, DOWN_1], Phase.FAILED),
-    # A failed replace: the previous version is still served, so the adapter is not Failed.
-    ([STALE_0, FAILED_1], Phase.DEGRADED),
-    ([STALE_0, STALE_1], Phase.DEGRADED),
-    ([AgentResult("agent-0", AgentState.UNREACHABLE, 0, 2, "x")], Phase.LOADING),
-    # Loaded on only some ranks is not loaded.
-    ([AgentResult("agent-0", AgentState.LOADED, 1, 2)], Phase.LOADING),
-])
+@pytest.mark.parametrize(
+    ("results", "phase"),
+    [
+        ([], Phase.PENDING),
+        ([LOADED, LOADED_1], Phase.READY),
+        ([LOADED, FAILED_1], Phase.DEGRADED),
+        ([LOADED, DOWN_1], Phase.DEGRADED),
+        ([FAILED_0, FAILED_1], Phase.FAILED),
+        ([FAILED_0, DOWN_1], Phase.FAILED),
+        # A failed replace: the previous version is still served, so the adapter is not Failed.
+        ([STALE_0, FAILED_1], Phase.DEGRADED),
+        ([STALE_0, STALE_1], Phase.DEGRADED),
+        ([AgentResult("agent-0", AgentState.UNREACHABLE, 0, 2, "x")], Phase.LOADING),
+        # Loaded on only some ranks is not loaded.
+        ([AgentResult("agent-0", AgentState.LOADED, 1, 2)], Phase.LOADING),
+    ],
+)
 def test_phase(results: list[AgentResult], phase: Phase) -> None:
     assert phase_of(results) is phase
     assert phase_of(results, deleting=True) is Phase.TERMINATING
@@ -57,8 +58,7 @@ def test_phase(results: list[AgentResult], phase: Phase) -> None:
 def test_message_is_failure_first_over_agents() -> None:
     """Distinct agent errors in order of appearance, joined with ' | ' (the one rule)."""
     other = AgentResult("agent-2", AgentState.FAILED, 0, 2, "rank 1: out of memory")
-    assert merged_message([LOADED, FAILED_1, FAILED_0, other]) == \
-        "sha256 mismatch | rank 1: out of memory"
+    assert merged_message([LOADED, FAILED_1, FAILED_0, other]) == "sha256 mismatch | rank 1: out of memory"
     assert merged_message([LOADED, LOADED_1]) == ""
 
 
@@ -66,13 +66,11 @@ def test_status_totals_agents_and_conditions() -> None:
     status = build_status([FAILED_1, LOADED], generation=3, now="2026-01-01T00:00:00Z")
     assert status["phase"] == "Degraded"
     assert [a["pod"] for a in status["agents"]] == ["agent-0", "agent-1"]
-    assert status["agents"][1] == {"pod": "agent-1", "state": "Failed", "ranksLoaded": 0,
-                                   "ranksTotal": 2, "message": "sha256 mismatch"}
+    assert status["agents"][1] == {"pod": "agent-1", "state": "Failed", "ranksLoaded": 0, "ranksTotal": 2, "message": "sha256 mismatch"}
     assert (status["agentsSummary"], status["ranksSummary"]) == ("1/2", "2/4")
     assert status["message"] == "sha256 mismatch"
     ready, degraded = status["conditions"]
-    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False",
-                                                                  "PartiallyLoaded")
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "PartiallyLoaded")
     assert "agent-1" in ready["message"]  # names the failing agent
     assert (degraded["type"], degraded["status"]) == ("Degraded", "True")
     assert "agent-1 (Failed)" in degraded["message"]
@@ -87,11 +85,9 @@ def test_a_failed_replace_says_what_the_agents_still_serve() -> None:
     assert status["phase"] == "Degraded"
     ready = status["conditions"][0]
     assert (ready["status"], ready["reason"]) == ("False", PREVIOUS_VERSION_SERVED)
-    assert "agent-0, agent-1 still serve(s) a previous version (file:///adapters/old)" in \
-        ready["message"]
+    assert "agent-0, agent-1 still serve(s) a previous version (file:///adapters/old)" in ready["message"]
     assert status["agents"][0]["served"] == {"uri": "file:///adapters/old", "sha256": "a" * 64}
-    assert [a["nextRetryTime"] for a in status["agents"]] == ["2026-01-01T00:05:00Z",
-                                                              "2026-01-01T00:00:04Z"]
+    assert [a["nextRetryTime"] for a in status["agents"]] == ["2026-01-01T00:05:00Z", "2026-01-01T00:00:04Z"]
     assert status["nextRetryTime"] == "2026-01-01T00:00:04Z"
     assert build_status([LOADED], generation=2)["nextRetryTime"] is None
 
@@ -108,8 +104,7 @@ def test_last_transition_time_kept_while_status_unchanged() -> None:
 
 
 def test_pending_explains_why() -> None:
-    status = build_status([], generation=1, pending_reason="FleetNotFound",
-                          pending_message="LoraFleet 'x' not found in ns")
+    status = build_status([], generation=1, pending_reason="FleetNotFound", pending_message="LoraFleet 'x' not found in ns")
     assert status["phase"] == "Pending"
     assert status["message"] == "LoraFleet 'x' not found in ns"
     assert status["conditions"][0]["reason"] == "FleetNotFound"
@@ -117,10 +112,10 @@ def test_pending_explains_why() -> None:
 
 
 ADAPTER = {
-    "apiVersion": "lorafleet.dev/v1alpha1", "kind": "LoraAdapter",
+    "apiVersion": "lorafleet.dev/v1alpha1",
+    "kind": "LoraAdapter",
     "metadata": {"name": "a"},
-    "spec": {"baseModel": "tiny", "source": {"uri": "file:///adapters/a"},
-             "fleetRef": {"name": "default"}},
+    "spec": {"baseModel": "tiny", "source": {"uri": "file:///adapters/a"}, "fleetRef": {"name": "default"}},
 }
 
 
@@ -138,8 +133,7 @@ def test_every_status_is_accepted_by_the_api_server(
         build_status([LOADED, LOADED_1], generation=1),
         build_status([LOADED, FAILED_1], generation=1),
         build_status([FAILED_0, DOWN_1], generation=1),
-        build_status([AgentResult("agent-0", AgentState.FAILED, 0, 2, long_message)],
-                     generation=1),
+        build_status([AgentResult("agent-0", AgentState.FAILED, 0, 2, long_message)], generation=1),
         build_status([STALE_0, STALE_1], generation=1),
         build_status([LOADED], generation=1, deleting=True),
     ]
@@ -152,13 +146,10 @@ def test_every_status_is_accepted_by_the_api_server(
     assert "Terminating" in table
     # The agents[] list is atomic: the status write's managedFields name the list, not each
     # listed pod (a keyed list would add an entry per pod to every write and watch event).
-    many = build_status([AgentResult(f"agent-{i}", AgentState.LOADED, 2, 2) for i in range(32)],
-                        generation=1)
+    many = build_status([AgentResult(f"agent-{i}", AgentState.LOADED, 2, 2) for i in range(32)], generation=1)
     asyncio.run(kube.patch_adapter_status(kube_namespace, "a", many))
-    stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace,
-                                       "--show-managed-fields", "-o", "json")
-    fields = json.dumps([m["fieldsV1"] for m in stored["metadata"]["managedFields"]
-                         if m.get("subresource") == "status"])
+    stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace, "--show-managed-fields", "-o", "json")
+    fields = json.dumps([m["fieldsV1"] for m in stored["metadata"]["managedFields"] if m.get("subresource") == "status"])
     assert '"f:agents": {}' in fields and "agent-3" not in fields, fields
 
 

@@ -37,6 +37,7 @@ class Jobs:
             if error is not None:
                 raise error
             return f"{name} done"
+
         return run
 
 

@@ -101,9 +101,15 @@ def _hf_model(model_dir: Path, adapter_dir: Path | None) -> Any:
 def reference_generate(model_dir: Path, adapters: dict[str, Path], req: Req) -> list[int]:
     """Greedy `generate` (its own KV cache, fp32) of exactly `max_tokens` new tokens."""
     model = _hf_model(model_dir, None if req.adapter is None else adapters[req.adapter])
-    out = model.generate(input_ids=torch.tensor([req.tokens]), attention_mask=torch.ones(1, len(req.tokens), dtype=torch.long),
-                         max_new_tokens=req.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    new: list[int] = out[0, len(req.tokens):].tolist()
+    out = model.generate(
+        input_ids=torch.tensor([req.tokens]),
+        attention_mask=torch.ones(1, len(req.tokens), dtype=torch.long),
+        max_new_tokens=req.max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    new: list[int] = out[0, len(req.tokens) :].tolist()
     assert len(new) == req.max_tokens, "premise: the oracle generates max_tokens tokens"
     return new
 
@@ -121,8 +127,7 @@ class Served:
     def generate(self, reqs: list[Req], **sampling: Any) -> list[list[int]]:
         """Submit every request at once, then collect each one's tokens."""
         api = engine_api()
-        handles = [self.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens, **sampling))
-                   for r in reqs]
+        handles = [self.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens, **sampling)) for r in reqs]
         out = []
         for handle in handles:
             steps = list(handle.tokens())
@@ -141,14 +146,21 @@ def artifacts(tmp_path_factory) -> Artifacts:
     return Artifacts(tmp_path_factory.mktemp("serving-artifacts"))
 
 
-def _engine(artifacts: Artifacts, tp: int, dp: int, model: str = MODEL, fully_sharded: bool = False,
-            **serving: Any) -> Iterator[Served]:
+def _engine(artifacts: Artifacts, tp: int, dp: int, model: str = MODEL, fully_sharded: bool = False, **serving: Any) -> Iterator[Served]:
     api = engine_api()
     model_dir = artifacts.model(model)
     adapters = {name: artifacts.adapter(model, "standard", name) for name in ADAPTERS}
     topology = api.Topology(tp_size=tp, dp_size=dp, fully_sharded_loras=fully_sharded)
-    config = api.EngineConfig(model_dir=model_dir, topology=topology, max_lora_rank=16,
-                              max_loras_per_batch=4, max_loaded_loras=8, device="cpu", block_size=BLOCK_SIZE, **serving)
+    config = api.EngineConfig(
+        model_dir=model_dir,
+        topology=topology,
+        max_lora_rank=16,
+        max_loras_per_batch=4,
+        max_loaded_loras=8,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        **serving,
+    )
     with api.Engine(config) as engine:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
@@ -171,8 +183,16 @@ def generate_on_a_fresh_engine(config: Any, adapters: dict[str, Path], reqs: lis
 @pytest.fixture(scope="module", params=TOPOLOGIES, ids=[t.id for t in TOPOLOGIES])
 def served(request, artifacts) -> Iterator[Served]:
     topo: Topo = request.param
-    yield from _engine(artifacts, topo.tp, topo.dp, topo.model, topo.fully_sharded, prefix_caching=topo.prefix_caching,
-                       max_num_seqs=8, max_num_batched_tokens=16)
+    yield from _engine(
+        artifacts,
+        topo.tp,
+        topo.dp,
+        topo.model,
+        topo.fully_sharded,
+        prefix_caching=topo.prefix_caching,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -182,8 +202,11 @@ def test_concurrent_greedy_equals_transformers_peft_generate(served: Served):
     reqs = requests(served.vocab)
     got = served.generate(reqs)
     want = [reference_generate(served.model_dir, served.adapters, r) for r in reqs]
-    wrong = [f"request {i} (adapter={r.adapter}, prompt {len(r.tokens)}): {g} != {w}"
-             for i, (r, g, w) in enumerate(zip(reqs, got, want, strict=True)) if g != w]
+    wrong = [
+        f"request {i} (adapter={r.adapter}, prompt {len(r.tokens)}): {g} != {w}"
+        for i, (r, g, w) in enumerate(zip(reqs, got, want, strict=True))
+        if g != w
+    ]
     assert not wrong, "\n".join(wrong)
     assert served.engine.serving_stats().steps > 0
     served.assert_all_blocks_free()
@@ -208,8 +231,11 @@ def test_a_forward_during_generations_shares_their_steps_and_both_match_the_orac
     api = engine_api()
     reqs = requests(served.vocab)
     handles = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens)) for r in reqs]
-    seqs = [(draw_tokens(52, 21, served.vocab), "qv_r2"), (draw_tokens(53, 4, served.vocab), None),
-            (draw_tokens(54, 9, served.vocab), "all_list")]
+    seqs = [
+        (draw_tokens(52, 21, served.vocab), "qv_r2"),
+        (draw_tokens(53, 4, served.vocab), None),
+        (draw_tokens(54, 9, served.vocab), "all_list"),
+    ]
     got = served.engine.forward([api.SequenceInput(tokens, adapter) for tokens, adapter in seqs])
     generated = [[s.token_id for s in handle.tokens()] for handle in handles]
     for g, w in zip(got, R.reference_logits(served.model_dir, seqs, served.adapters), strict=True):
@@ -225,8 +251,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(served: Served):
     alone = served.generate([probe], **sampling)[0]
     busy = requests(served.vocab)[:6]
     api = engine_api()
-    others = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens, temperature=1.0))
-              for r in busy]
+    others = [served.engine.submit(r.tokens, r.adapter, api.SamplingParams(max_tokens=r.max_tokens, temperature=1.0)) for r in busy]
     among = served.generate([probe], **sampling)[0]
     for handle in others:
         list(handle.tokens())
@@ -297,8 +322,7 @@ def test_a_tiny_kv_budget_preempts_and_keeps_every_token(artifacts, prefix_cachi
     probe.close()
     # 8 blocks of 4 tokens per group: any request fits alone (at most 13 + 11 - 1 = 23 tokens),
     # ten at once do not.
-    gen = _engine(artifacts, 2, 1, kv_cache_bytes=8 * block_bytes, max_num_seqs=8, max_num_batched_tokens=16,
-                  prefix_caching=prefix_caching)
+    gen = _engine(artifacts, 2, 1, kv_cache_bytes=8 * block_bytes, max_num_seqs=8, max_num_batched_tokens=16, prefix_caching=prefix_caching)
     served = next(gen)
     try:
         assert served.engine.num_kv_blocks == 8
@@ -338,15 +362,18 @@ def reference_logprobs(model_dir: Path, adapters: dict[str, Path], req: Req, gen
     the logits that predicted each generated token, and the `top_n` most likely (stable order)."""
     model = _hf_model(model_dir, None if req.adapter is None else adapters[req.adapter])
     ids = torch.tensor([req.tokens + generated[:-1]])
-    logprobs = model(input_ids=ids).logits[0, len(req.tokens) - 1:].float().log_softmax(dim=-1)
+    logprobs = model(input_ids=ids).logits[0, len(req.tokens) - 1 :].float().log_softmax(dim=-1)
     values, top_ids = torch.sort(logprobs, dim=-1, descending=True, stable=True)
     top = [zip(top_ids[i, :top_n].tolist(), values[i, :top_n].tolist(), strict=True) for i in range(len(generated))]
-    return [{"token": token, "logprob": logprobs[i, token].item(), "top_logprobs": [{"token": t, "logprob": v} for t, v in top[i]]}
-            for i, token in enumerate(generated)]
+    return [
+        {"token": token, "logprob": logprobs[i, token].item(), "top_logprobs": [{"token": t, "logprob": v} for t, v in top[i]]}
+        for i, token in enumerate(generated)
+    ]
 
 
 def assert_logprobs_close(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
     """Same tokens in the same order, every logprob within 1e-4."""
+
     def ids(entries: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
         return [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in entries]
 
@@ -365,17 +392,41 @@ def test_the_generate_command_writes_each_requests_tokens_and_logprobs_in_input_
     model_dir = artifacts.model(MODEL)
     adapters = {name: artifacts.adapter(MODEL, "standard", name) for name in ADAPTERS[:2]}
     vocab = model_config(model_dir)["vocab_size"]
-    reqs = [Req(draw_tokens(90, 6, vocab), "all_list", 5), Req(draw_tokens(91, 3, vocab), None, 4),
-            Req(draw_tokens(92, 9, vocab), "qv_r2", 3)]
+    reqs = [
+        Req(draw_tokens(90, 6, vocab), "all_list", 5),
+        Req(draw_tokens(91, 3, vocab), None, 4),
+        Req(draw_tokens(92, 9, vocab), "qv_r2", 3),
+    ]
     items: list[dict[str, Any]] = [{"tokens": r.tokens, "adapter": r.adapter, "max_tokens": r.max_tokens} for r in reqs]
     stop = reference_generate(model_dir, adapters, reqs[0])[2]
     items[0]["stop_token_ids"] = [stop]
     items[1]["logprobs"] = None  # a request's own field wins over --logprobs
     items[2]["logprobs"] = 5
     (tmp_path / "in.json").write_text(json.dumps(items))
-    command = [sys.executable, "-m", "node_agent.cli", "generate", "--model", str(model_dir), "--tp", "2", "--dp", "2",
-               "--block-size", "4", "--max-num-batched-tokens", "8", "--max-num-seqs", "4", "--logprobs", "3",
-               "--input", str(tmp_path / "in.json"), "--output", str(tmp_path / "out.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "node_agent.cli",
+        "generate",
+        "--model",
+        str(model_dir),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-num-seqs",
+        "4",
+        "--logprobs",
+        "3",
+        "--input",
+        str(tmp_path / "in.json"),
+        "--output",
+        str(tmp_path / "out.json"),
+    ]
     command += [f"--adapter={name}={path}" for name, path in adapters.items()]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -384,7 +435,9 @@ def test_the_generate_command_writes_each_requests_tokens_and_logprobs_in_input_
     cut = want[0].index(stop) + 1
     assert [{k: v for k, v in o.items() if k != "logprobs"} for o in out] == [
         {"tokens": want[0][:cut], "finish_reason": "stop"},
-        {"tokens": want[1], "finish_reason": "length"}, {"tokens": want[2], "finish_reason": "length"}]
+        {"tokens": want[1], "finish_reason": "length"},
+        {"tokens": want[2], "finish_reason": "length"},
+    ]
     assert "logprobs" not in out[1]
     assert_logprobs_close(out[0]["logprobs"], reference_logprobs(model_dir, adapters, reqs[0], want[0][:cut], 3))
     assert_logprobs_close(out[2]["logprobs"], reference_logprobs(model_dir, adapters, reqs[2], want[2], 5))
@@ -392,11 +445,11 @@ def test_the_generate_command_writes_each_requests_tokens_and_logprobs_in_input_
     command[command.index(str(tmp_path / "in.json"))] = str(tmp_path / "bad.json")
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "lorafleet-agent: error: an input request names adapter 'missing', which no --adapter gives"]
+        "lorafleet-agent: error: an input request names adapter 'missing', which no --adapter gives"
+    ]
     command[command.index("--logprobs") + 1] = "21"
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "lorafleet-agent: error: --logprobs must be in [0, 20], got 21"]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["lorafleet-agent: error: --logprobs must be in [0, 20], got 21"]
 
 
 def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
@@ -408,18 +461,44 @@ def test_moe_with_expert_parallelism_generates_as_peft(tmp_path_factory):
     model_dir = R.make_tiny_model(root / "model", "qwen3_moe", seed=5)
     fused = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     adapters = {
-        "fused": R.make_adapter(model_dir, root / "fused", seed=1, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                target_modules=["q_proj", "v_proj"], target_parameters=fused),
-        "fused_rslora": R.make_adapter(model_dir, root / "fused_rslora", seed=2, r=2, lora_alpha=4, use_rslora=True,
-                                       a_std=0.3, b_std=0.3, target_modules=[], target_parameters=fused),
+        "fused": R.make_adapter(
+            model_dir,
+            root / "fused",
+            seed=1,
+            r=4,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=fused,
+        ),
+        "fused_rslora": R.make_adapter(
+            model_dir,
+            root / "fused_rslora",
+            seed=2,
+            r=2,
+            lora_alpha=4,
+            use_rslora=True,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=[],
+            target_parameters=fused,
+        ),
         "per_expert": R.make_per_expert_adapter(model_dir, root / "per_expert", seed=3, r=4, lora_alpha=8),
     }
     vocab = model_config(model_dir)["vocab_size"]
     names: list[str | None] = ["fused", None, "per_expert", "fused_rslora"]
     reqs = [Req(draw_tokens(200 + i, 2 + (5 * i) % 11, vocab), names[i % 4], 3 + (3 * i) % 8) for i in range(8)]
-    config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(4, 2, ep_size=2, fully_sharded_loras=True),
-                              max_lora_rank=8, max_loras_per_batch=3, device="cpu", block_size=BLOCK_SIZE,
-                              max_num_seqs=8, max_num_batched_tokens=16)
+    config = api.EngineConfig(
+        model_dir=model_dir,
+        topology=api.Topology(4, 2, ep_size=2, fully_sharded_loras=True),
+        max_lora_rank=8,
+        max_loras_per_batch=3,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )
     got = generate_on_a_fresh_engine(config, adapters, reqs)
     want = [reference_generate(model_dir, adapters, r) for r in reqs]
     assert got == want
@@ -472,8 +551,7 @@ def test_many_mixed_requests_with_cancellations_leave_every_block_free(served: S
 
 def test_a_kv_budget_from_device_memory_needs_cuda(artifacts):
     api = engine_api()
-    config = api.EngineConfig(model_dir=artifacts.model(MODEL), topology=api.Topology(1, 1), device="cpu",
-                              gpu_memory_utilization=0.9)
+    config = api.EngineConfig(model_dir=artifacts.model(MODEL), topology=api.Topology(1, 1), device="cpu", gpu_memory_utilization=0.9)
     with pytest.raises(api.EngineError, match="gpu_memory_utilization needs device cuda, not cpu"):
         api.Engine(config)
 
@@ -487,21 +565,47 @@ def test_a_moe_with_a_shared_expert_at_another_ep_split_generates_as_peft(tmp_pa
     root = tmp_path_factory.mktemp("serving-moe-shared")
     model_dir = R.make_tiny_model(root / "model", "qwen2_moe", seed=6)
     adapters = {
-        "everything": R.make_adapter(model_dir, root / "everything", seed=4, r=4, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                     target_modules="all-linear",
-                                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
-        "shared_only": R.make_adapter(model_dir, root / "shared_only", seed=5, r=2, lora_alpha=8, a_std=0.3, b_std=0.3,
-                                      target_modules=["shared_expert_gate", "gate_proj", "down_proj"]),
+        "everything": R.make_adapter(
+            model_dir,
+            root / "everything",
+            seed=4,
+            r=4,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules="all-linear",
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+        "shared_only": R.make_adapter(
+            model_dir,
+            root / "shared_only",
+            seed=5,
+            r=2,
+            lora_alpha=8,
+            a_std=0.3,
+            b_std=0.3,
+            target_modules=["shared_expert_gate", "gate_proj", "down_proj"],
+        ),
     }
     vocab = model_config(model_dir)["vocab_size"]
     names: list[str | None] = ["everything", None, "shared_only"]
     reqs = [Req(draw_tokens(300 + i, 2 + (7 * i) % 12, vocab), names[i % 3], 2 + (5 * i) % 9) for i in range(6)]
-    config = api.EngineConfig(model_dir=model_dir, topology=api.Topology(2, 1, ep_size=2), max_lora_rank=8,
-                              max_loras_per_batch=2, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=6,
-                              max_num_batched_tokens=16)
+    config = api.EngineConfig(
+        model_dir=model_dir,
+        topology=api.Topology(2, 1, ep_size=2),
+        max_lora_rank=8,
+        max_loras_per_batch=2,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+    )
     got = generate_on_a_fresh_engine(config, adapters, reqs)
     want = [reference_generate(model_dir, adapters, r) for r in reqs]
     assert got == want
     for adapter in ("everything", "shared_only"):  # premise: each adapter changes some output
-        assert any(w != reference_generate(model_dir, adapters, Req(r.tokens, None, r.max_tokens))
-                   for r, w in zip(reqs, want, strict=True) if r.adapter == adapter), adapter
+        assert any(
+            w != reference_generate(model_dir, adapters, Req(r.tokens, None, r.max_tokens))
+            for r, w in zip(reqs, want, strict=True)
+            if r.adapter == adapter
+        ), adapter

@@ -49,8 +49,11 @@ def test_blocks_come_from_the_byte_budget() -> None:
 
 def test_a_budget_below_one_block_is_refused_with_the_sizes() -> None:
     spec = layout()
-    with pytest.raises(KVCacheError, match=rf"budget of {spec.bytes_per_block - 1} bytes cannot hold one block of "
-                                           rf"{spec.bytes_per_block} bytes \(4 tokens × 3 layers × 2 KV heads"):
+    with pytest.raises(
+        KVCacheError,
+        match=rf"budget of {spec.bytes_per_block - 1} bytes cannot hold one block of "
+        rf"{spec.bytes_per_block} bytes \(4 tokens × 3 layers × 2 KV heads",
+    ):
         spec.blocks_for_budget(spec.bytes_per_block - 1)
 
 
@@ -65,15 +68,17 @@ def test_the_device_memory_budget_is_the_allowed_share_minus_what_is_in_use() ->
     assert spec.blocks_for_budget(budget) == 5
 
 
-@pytest.mark.parametrize(("free", "total", "utilization", "message"), [
-    (10, 100, 0.5, r"allows 50 of the device's 100 bytes, but 90 are already in use"),
-    (50, 100, 0.5, r"nothing is left for the KV cache"),
-    (50, 100, 0.0, r"must be in \(0, 1\], got 0.0"),
-    (50, 100, 1.5, r"must be in \(0, 1\], got 1.5"),
-    (150, 100, 0.5, r"free 150, total 100"),
-])
-def test_a_device_memory_budget_that_leaves_nothing_is_refused(free: int, total: int, utilization: float,
-                                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("free", "total", "utilization", "message"),
+    [
+        (10, 100, 0.5, r"allows 50 of the device's 100 bytes, but 90 are already in use"),
+        (50, 100, 0.5, r"nothing is left for the KV cache"),
+        (50, 100, 0.0, r"must be in \(0, 1\], got 0.0"),
+        (50, 100, 1.5, r"must be in \(0, 1\], got 1.5"),
+        (150, 100, 0.5, r"free 150, total 100"),
+    ],
+)
+def test_a_device_memory_budget_that_leaves_nothing_is_refused(free: int, total: int, utilization: float, message: str) -> None:
     with pytest.raises(KVCacheError, match=message):
         budget_from_device_memory(free, total, utilization)
 
@@ -291,6 +296,12 @@ def test_the_same_calls_give_the_same_blocks_in_any_process() -> None:
         "print(run_workload(BlockAllocator(num_blocks=12, block_size=4, prefix_caching=True), seed=3))\n"
     )
     other_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                            cwd=REPO_ROOT, env={**os.environ, "PYTHONHASHSEED": other_seed})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONHASHSEED": other_seed},
+    )
     assert result.stdout.strip() == str(here)

@@ -108,9 +108,7 @@ def test_prefill_matches_dense_causal(block_size: int, group: int) -> None:
     query_lens = [5, 1, block_size + 3, block_size + 2]
     problem = make_problem(lengths, block_size=block_size, group=group)
     q = torch.cat([qs[-n:] for qs, n in zip(problem.q, query_lens, strict=True)])
-    out = paged_attention.prefill(
-        q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, query_lens, lengths, SCALE
-    )
+    out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, query_lens, lengths, SCALE)
     rows = out.split(query_lens)
     for index, n in enumerate(query_lens):
         torch.testing.assert_close(rows[index].double(), problem.reference(index)[-n:], **FP32_TOL)
@@ -125,12 +123,18 @@ def test_prefill_of_equal_lengths_is_one_attention_call_with_the_same_result() -
     q = torch.cat([qs[-n:] for qs, n in zip(problem.q, query_lens, strict=True)])
     counter = OpCounter()
     with counter:
-        out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                      query_lens, lengths, SCALE)
+        out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, query_lens, lengths, SCALE)
     assert counter.ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 3  # runs of 3, 1 and 2
     for index, (rows, n) in enumerate(zip(out.split(query_lens), query_lens, strict=True)):
-        alone = paged_attention.prefill(problem.q[index][-n:], problem.cache.key(1), problem.cache.value(1),
-                                        problem.block_tables[index : index + 1], [n], [lengths[index]], SCALE)
+        alone = paged_attention.prefill(
+            problem.q[index][-n:],
+            problem.cache.key(1),
+            problem.cache.value(1),
+            problem.block_tables[index : index + 1],
+            [n],
+            [lengths[index]],
+            SCALE,
+        )
         assert torch.equal(rows, alone)
         torch.testing.assert_close(rows.double(), problem.reference(index)[-n:], **FP32_TOL)
 
@@ -154,8 +158,7 @@ def test_decode_torch_matches_dense(block_size: int, group: int) -> None:
     problem = make_problem(lengths, block_size=block_size, group=group)
     q = torch.stack([qs[-1] for qs in problem.q])
     context_lens = torch.tensor(lengths, dtype=torch.int32)
-    out = paged_attention.decode_torch(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                       context_lens, SCALE)
+    out = paged_attention.decode_torch(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, context_lens, SCALE)
     for index in range(len(lengths)):
         torch.testing.assert_close(out[index].double(), problem.reference(index)[-1], **FP32_TOL)
 
@@ -183,12 +186,16 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_them_as_a_view(length: int)
     torch.testing.assert_close(viewed[0].double(), want, **FP32_TOL)
 
 
-@pytest.mark.parametrize(("tables", "lengths"), [
-    ([[3, 5]], [20]),  # a gap
-    ([[4, 3]], [20]),  # descending
-    ([[0, 1], [2, 3]], [20, 20]),  # two sequences: gathered
-    ([[7, 8, 0]], [20]),  # consecutive over the blocks in use; the padding is not read
-], ids=["gap", "descending", "two-sequences", "padded"])
+@pytest.mark.parametrize(
+    ("tables", "lengths"),
+    [
+        ([[3, 5]], [20]),  # a gap
+        ([[4, 3]], [20]),  # descending
+        ([[0, 1], [2, 3]], [20, 20]),  # two sequences: gathered
+        ([[7, 8, 0]], [20]),  # consecutive over the blocks in use; the padding is not read
+    ],
+    ids=["gap", "descending", "two-sequences", "padded"],
+)
 def test_which_block_tables_count_as_consecutive(tables: list[list[int]], lengths: list[int]) -> None:
     got = paged_attention.consecutive_blocks(torch.tensor(tables, dtype=torch.int32), lengths, 16)
     assert got == (7 if tables == [[7, 8, 0]] else None)
@@ -202,8 +209,10 @@ def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass()
     layout = KVCacheLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=block_size, dtype=torch.float32)
     cache = PagedKVCache(layout, allocator.num_blocks, CPU)
     gen = torch.Generator().manual_seed(3)
-    full = {seq: (torch.randn(length, 4, 8, generator=gen), torch.randn(length, 2, 8, generator=gen),
-                  torch.randn(length, 2, 8, generator=gen)) for seq, length in ((0, 13), (1, 9))}
+    full = {
+        seq: (torch.randn(length, 4, 8, generator=gen), torch.randn(length, 2, 8, generator=gen), torch.randn(length, 2, 8, generator=gen))
+        for seq, length in ((0, 13), (1, 9))
+    }
     for seq in full:
         allocator.add(seq, None, list(range(len(full[seq][0]))))
     # Steps of (sequence, new tokens): chunked prefills interleaved, then one-token decodes.
@@ -223,13 +232,13 @@ def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass()
             tables.append(list(allocator.block_table(seq)))
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        out = paged_attention.prefill(torch.cat(queries), cache.key(0), cache.value(0), block_tables, query_lens,
-                                      context_lens, SCALE)
+        out = paged_attention.prefill(torch.cat(queries), cache.key(0), cache.value(0), block_tables, query_lens, context_lens, SCALE)
         for (seq, _), rows in zip(step, out.split(query_lens), strict=True):
             outputs[seq].append(rows)
         if all(new == 1 for _, new in step):
-            decoded = paged_attention.decode_torch(torch.cat(queries), cache.key(0), cache.value(0), block_tables,
-                                                   torch.tensor(context_lens), SCALE)
+            decoded = paged_attention.decode_torch(
+                torch.cat(queries), cache.key(0), cache.value(0), block_tables, torch.tensor(context_lens), SCALE
+            )
             torch.testing.assert_close(decoded, out, **FP32_TOL)
     # Blocks interleave between the sequences, so the tables are not contiguous ranges.
     assert allocator.block_table(0) != tuple(range(len(allocator.block_table(0))))
@@ -240,11 +249,9 @@ def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass()
 def test_prefill_rejects_inconsistent_lengths() -> None:
     problem = make_problem([4], block_size=4, group=1)
     with pytest.raises(ValueError, match="query_lens"):
-        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                [3], [4], SCALE)
+        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables, [3], [4], SCALE)
     with pytest.raises(ValueError, match="new tokens but a context of 3"):
-        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                [4], [3], SCALE)
+        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables, [4], [3], SCALE)
 
 
 def run_triton_decode(problem: PagedProblem, lengths: list[int], **kwargs: int) -> None:
@@ -289,8 +296,12 @@ def test_triton_decode_16bit(device: torch.device, dtype: torch.dtype) -> None:
 def test_triton_decode_no_sequences(device: torch.device) -> None:
     problem = make_problem([4], block_size=4, group=2, device=device)
     empty = paged_attention_triton.decode(
-        torch.empty(0, 4, 16, device=device), problem.cache.key(1), problem.cache.value(1),
-        torch.empty(0, 1, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.int32, device=device), SCALE
+        torch.empty(0, 4, 16, device=device),
+        problem.cache.key(1),
+        problem.cache.value(1),
+        torch.empty(0, 1, dtype=torch.int32, device=device),
+        torch.empty(0, dtype=torch.int32, device=device),
+        SCALE,
     )
     assert empty.shape == (0, 4, 16)
 
@@ -301,14 +312,14 @@ def test_torch_paths_with_no_tokens() -> None:
     q = torch.empty(0, 4, 16)
     no_tables = torch.empty(0, 1, dtype=torch.int32)
     assert paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), no_tables, [], [], SCALE).shape == q.shape
-    decoded = paged_attention.decode_torch(q, problem.cache.key(1), problem.cache.value(1), no_tables,
-                                           torch.empty(0, dtype=torch.int32), SCALE)
+    decoded = paged_attention.decode_torch(
+        q, problem.cache.key(1), problem.cache.value(1), no_tables, torch.empty(0, dtype=torch.int32), SCALE
+    )
     assert decoded.shape == q.shape
 
 
 @pytest.mark.parametrize(("mode", "interpret", "expect_triton"), [(None, None, False), ("triton", "1", True)])
-def test_decode_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | None, interpret: str | None,
-                                expect_triton: bool) -> None:
+def test_decode_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | None, interpret: str | None, expect_triton: bool) -> None:
     for name, value in (("LORAFLEET_KERNELS", mode), ("TRITON_INTERPRET", interpret)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
@@ -325,8 +336,9 @@ def test_decode_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | Non
     lengths = [2, 9]
     problem = make_problem(lengths, block_size=4, group=2)
     q = torch.stack([qs[-1] for qs in problem.q])
-    out = paged_attention.decode(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                 torch.tensor(lengths, dtype=torch.int32), SCALE)
+    out = paged_attention.decode(
+        q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, torch.tensor(lengths, dtype=torch.int32), SCALE
+    )
     assert len(calls) == (1 if expect_triton else 0)
     for index in range(len(lengths)):
         torch.testing.assert_close(out[index].double(), problem.reference(index)[-1], **FP32_TOL)
@@ -346,8 +358,9 @@ def test_triton_decode_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(paged_attention_triton, "_jitted", lambda fn, interpret: Recorder())
     problem = make_problem([40], block_size=16, group=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     q = problem.q[0][-1:]
-    paged_attention_triton.decode(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables,
-                                  torch.tensor([40], dtype=torch.int32), SCALE)
+    paged_attention_triton.decode(
+        q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, torch.tensor([40], dtype=torch.int32), SCALE
+    )
     ((args, kwargs),) = launches
     ptx, shared = _compile_for_hopper(paged_attention_triton._paged_decode_kernel, args, kwargs)
     assert shared <= 227 * 1024

@@ -84,8 +84,9 @@ def test_draws_stay_in_the_filtered_set_with_its_probabilities(params: SamplingP
     for token, probability in expected.items():
         assert abs(counts[token] / DRAWS - probability) < 0.04, (token, counts[token] / DRAWS, probability)
     probs = filtered_probs(LOGITS[None, :], rows_of(params, 1))[0].double()
-    torch.testing.assert_close(probs, torch.tensor([expected.get(i, 0.0) for i in range(len(LOGITS))],
-                                                   dtype=torch.float64), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        probs, torch.tensor([expected.get(i, 0.0) for i in range(len(LOGITS))], dtype=torch.float64), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

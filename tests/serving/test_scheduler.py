@@ -57,8 +57,15 @@ def reference(request: SequenceRequest) -> tuple[tuple[int, ...], FinishReason]:
             return tuple(generated), reason
 
 
-def request(seq_id: int, prompt_len: int, max_tokens: int, adapter: str | None = None, *,
-            prompt: Sequence[int] | None = None, stop: tuple[int, ...] = ()) -> SequenceRequest:
+def request(
+    seq_id: int,
+    prompt_len: int,
+    max_tokens: int,
+    adapter: str | None = None,
+    *,
+    prompt: Sequence[int] | None = None,
+    stop: tuple[int, ...] = (),
+) -> SequenceRequest:
     tokens = tuple(prompt) if prompt is not None else tuple((seq_id * 7 + i * 3) % VOCAB for i in range(prompt_len))
     return SequenceRequest(seq_id, adapter, tokens, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop))
 
@@ -123,8 +130,9 @@ def check_step(scheduler: Scheduler, pinned: frozenset[str], step: ScheduledStep
             run.first_step.setdefault(entry.seq_id, step.index)
 
 
-def drive(scheduler: Scheduler, before: Callable[[int], bool] = lambda _: False, *,
-          pinned: frozenset[str] = frozenset(), steps: int | None = None) -> Run:
+def drive(
+    scheduler: Scheduler, before: Callable[[int], bool] = lambda _: False, *, pinned: frozenset[str] = frozenset(), steps: int | None = None
+) -> Run:
     """Step for `steps` steps, or until nothing is left and `before(index)`, called ahead of
     each step, says that nothing more will come."""
     scheduler.set_pinned(pinned)
@@ -251,8 +259,14 @@ def test_a_step_never_needs_more_adapters_than_slots_pinned_ones_included() -> N
     # Two slots, one held by the pinned adapter p: one slot is left for a, b and c in turn,
     # while p and the base model run beside any of them.
     scheduler = Scheduler(config(max_loras_per_batch=2, max_num_seqs=8))
-    requests = [request(0, 3, 4, "a"), request(1, 3, 3, "b"), request(2, 3, 6, "p"), request(3, 3, 6, None),
-                request(4, 2, 2, "a"), request(5, 3, 2, "c")]
+    requests = [
+        request(0, 3, 4, "a"),
+        request(1, 3, 3, "b"),
+        request(2, 3, 6, "p"),
+        request(3, 3, 6, None),
+        request(4, 2, 2, "a"),
+        request(5, 3, 2, "c"),
+    ]
     for req in requests:
         scheduler.submit(req)
     assert scheduler.adapters() == (frozenset(), frozenset({"a", "b", "p", "c"}))  # the base is no adapter
@@ -339,8 +353,7 @@ def test_a_sequence_scheduled_earlier_in_the_step_can_be_the_one_preempted() -> 
     # P (older) sits out step 2 while a new pin takes the only slot; D (base, younger) starts.
     # At step 3 D's decode takes the last block before P's prefill resumes: P preempts D, whose
     # chunk leaves the step and gives its token back to the budget.
-    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=4,
-                                 max_loras_per_batch=1))
+    scheduler = Scheduler(config(num_blocks=4, block_size=2, max_num_seqs=4, max_num_batched_tokens=4, max_loras_per_batch=1))
     p, d = request(0, 8, 1, "x"), request(1, 2, 6)
     ranks, run = FakeRanks(scheduler.config), Run()
     scheduler.submit(p)
@@ -468,8 +481,11 @@ def test_submissions_that_cannot_be_served_are_refused_with_the_reason() -> None
     scheduler.submit(request(0, 3, 2))
     with pytest.raises(SchedulerError, match="sequence 0 is already submitted"):
         scheduler.submit(request(0, 3, 2))
-    with pytest.raises(SchedulerError, match=r"may need 17 tokens of KV cache \(10 prompt \+ 8 max tokens - 1\) "
-                                             r"but a DP group holds 16 \(4 blocks of 4\)"):
+    with pytest.raises(
+        SchedulerError,
+        match=r"may need 17 tokens of KV cache \(10 prompt \+ 8 max tokens - 1\) "
+        r"but a DP group holds 16 \(4 blocks of 4\)",
+    ):
         scheduler.submit(request(1, 10, 8))
     scheduler.submit(request(1, 10, 7))  # exactly 16: fits alone
     with pytest.raises(SchedulerError, match="prompt of sequence 2 must hold at least one token"):
@@ -539,8 +555,17 @@ def random_workload(scheduler: Scheduler, rng: random.Random, count: int) -> tup
 
 
 def random_config() -> SchedulerConfig:
-    return config(dp_size=2, num_blocks=12, block_size=3, max_num_seqs=6, max_num_batched_tokens=12,
-                  max_loras_per_batch=3, max_waiting=20, max_slot_wait_steps=4, prefix_caching=True)
+    return config(
+        dp_size=2,
+        num_blocks=12,
+        block_size=3,
+        max_num_seqs=6,
+        max_num_batched_tokens=12,
+        max_loras_per_batch=3,
+        max_waiting=20,
+        max_slot_wait_steps=4,
+        prefix_caching=True,
+    )
 
 
 def test_a_random_workload_with_cancellations_leaves_every_block_free() -> None:

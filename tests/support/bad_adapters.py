@@ -304,8 +304,7 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     # size and shape of the document
     "config_over_cap": (_config(padding="x" * _CAP), ("over the 1048576-byte cap",)),
     "config_deeply_nested": (make_nested_config_adapter, ("nests more than 64 levels",)),
-    "config_not_json_huge_int": (lambda m, o: make_bad_config_adapter(m, o, text='{"r": ' + "9" * 5000 + "}"),
-                                 ("not valid json",)),
+    "config_not_json_huge_int": (lambda m, o: make_bad_config_adapter(m, o, text='{"r": ' + "9" * 5000 + "}"), ("not valid json",)),
     # types, every field naming itself
     "target_modules_int_entry": (_config(target_modules=["q_proj", 5, "v_proj", "down_proj"]), ("target_modules[1]:", "string")),
     "target_modules_number": (_config(target_modules=5), ("target_modules:",)),
@@ -327,8 +326,10 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     "lora_alpha_nan": (_config(lora_alpha=float("nan")), ("lora_alpha is nan", "finite")),
     "lora_alpha_inf": (_config(lora_alpha=float("inf")), ("lora_alpha is inf", "finite")),
     "lora_alpha_neg_inf": (_config(lora_alpha=float("-inf")), ("lora_alpha is -inf", "finite")),
-    "lora_alpha_1e999": (lambda m, o: make_bad_config_adapter(m, o, text='{"r": 4, "lora_alpha": 1e999, "target_modules": ["q_proj"]}'),
-                         ("lora_alpha is inf", "finite")),
+    "lora_alpha_1e999": (
+        lambda m, o: make_bad_config_adapter(m, o, text='{"r": 4, "lora_alpha": 1e999, "target_modules": ["q_proj"]}'),
+        ("lora_alpha is inf", "finite"),
+    ),
     "alpha_pattern_negative": (_config(alpha_pattern={"q_proj": -2}), ("alpha_pattern['q_proj']:",)),
     "alpha_pattern_nan": (_config(alpha_pattern={"q_proj": float("nan")}), ("alpha_pattern['q_proj'] is nan", "finite")),
     "alpha_pattern_inf": (_config(alpha_pattern={"q_proj": float("inf")}), ("alpha_pattern['q_proj'] is inf", "finite")),
@@ -340,8 +341,7 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     # patterns: refused by RE2 (linear time), by Python's re (PEFT's engine), or read differently by the two
     "rank_pattern_backreference": (_config(rank_pattern={r"(v)\1?_proj": 4}), ("rank_pattern", "re2", "(v)")),
     "alpha_pattern_lookahead": (_config(alpha_pattern={r"(?=q)q_proj": 2}), ("alpha_pattern", "re2", "(?=q)")),
-    "target_modules_lookbehind": (_config(target_modules=r".*(?<=self_attn\.)(q|v)_proj|.*down_proj"),
-                                  ("target_modules", "re2")),
+    "target_modules_lookbehind": (_config(target_modules=r".*(?<=self_attn\.)(q|v)_proj|.*down_proj"), ("target_modules", "re2")),
     "rank_pattern_not_a_regex": (_config(rank_pattern={"(v_proj": 4}), ("rank_pattern", "not a valid regular expression")),
     "rank_pattern_posix_class": (_config(rank_pattern={"[[:alpha:]]_proj": 4}), ("rank_pattern", "mean different things")),
     "rank_pattern_key_too_long": (_config(rank_pattern={"v_proj|" * 200 + "v_proj": 4}), ("rank_pattern:", "fails maxlength 1024")),
@@ -353,8 +353,10 @@ MALFORMED_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], tuple[str, ...
     "exclude_modules_selected": (_config(exclude_modules=["mlp.down_proj"]), ("does not select", "down_proj", "exclude_modules")),
     "layers_to_transform_unselected": (_config(layers_to_transform=[0]), ("does not select", "layers.1.", "layers_to_transform [0]")),
     # the same module twice, or a module the model does not have under an integer's other spelling
-    "duplicate_module_layer_01": (make_duplicate_module_adapter,
-                                  ("twice", "model.layers.01.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_a")),
+    "duplicate_module_layer_01": (
+        make_duplicate_module_adapter,
+        ("twice", "model.layers.01.self_attn.q_proj.lora_a", "model.layers.1.self_attn.q_proj.lora_a"),
+    ),
     "renumbered_module_layer_00": (make_renumbered_module_adapter, ("does not have module", "layers.00")),
     # non-float tensor dtypes
     "dtype_int8": (lambda m, o: make_int_dtype_adapter(m, o, dtype=torch.int8), ("has dtype 'i8'",)),

@@ -24,8 +24,9 @@ def mla_modules(model_dir: Path | str) -> list[str]:
     return [*query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 
 
-def make_per_expert_adapter(model_dir: Path | str, out_dir: Path | str, seed: int = 0, *, r: int = 4,
-                            lora_alpha: float = 8, std: float = 0.2) -> Path:
+def make_per_expert_adapter(
+    model_dir: Path | str, out_dir: Path | str, seed: int = 0, *, r: int = 4, lora_alpha: float = 8, std: float = 0.2
+) -> Path:
     """Expert LoRA in the per-expert-module form (`mlp.experts.N.gate_proj`, ...; transformers 4
     checkpoints), written directly in PEFT's key format, plus kv_b_proj on every layer. PEFT
     converts the expert form on load, so it is the reference for it too."""
@@ -44,9 +45,18 @@ def make_per_expert_adapter(model_dir: Path | str, out_dir: Path | str, seed: in
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_adapter_weights(out_dir, tensors)
-    write_adapter_config(out_dir, {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": lora_alpha, "use_rslora": False,
-        "target_modules": [*MLP_MODULES, "kv_b_proj"], "bias": "none", "lora_dropout": 0.0,
-        "base_model_name_or_path": str(model_dir),
-    })
+    write_adapter_config(
+        out_dir,
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": r,
+            "lora_alpha": lora_alpha,
+            "use_rslora": False,
+            "target_modules": [*MLP_MODULES, "kv_b_proj"],
+            "bias": "none",
+            "lora_dropout": 0.0,
+            "base_model_name_or_path": str(model_dir),
+        },
+    )
     return out_dir

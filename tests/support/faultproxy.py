@@ -85,8 +85,7 @@ class _Connection:
 class FaultProxy:
     """A TCP proxy from ``127.0.0.1:port`` (0: a free one) to ``upstream_host:upstream_port``."""
 
-    def __init__(self, upstream_port: int, *, upstream_host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(self, upstream_port: int, *, upstream_host: str = "127.0.0.1", port: int = 0) -> None:
         self.upstream = (upstream_host, upstream_port)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -105,8 +104,7 @@ class FaultProxy:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"faultproxy-{self.port}",
-                                          daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"faultproxy-{self.port}", daemon=True)
         self._acceptor.start()
         return self
 
@@ -161,8 +159,7 @@ class FaultProxy:
         with self._lock:
             leaving_blackhole = self._mode is Mode.BLACKHOLE and mode is not Mode.BLACKHOLE
             self._mode, self._delay_s = mode, delay_s
-            doomed = [c for c in self._connections
-                      if mode is Mode.RESET or (leaving_blackhole and c.lost)]
+            doomed = [c for c in self._connections if mode is Mode.RESET or (leaving_blackhole and c.lost)]
             self._connections = [c for c in self._connections if c not in doomed]
             self._lock.notify_all()
         for conn in doomed:
@@ -209,8 +206,7 @@ class FaultProxy:
                 self._connections.append(conn)
             pairs = [(client, upstream)] + ([(upstream, client)] if upstream else [])
             for src, dst in pairs:
-                thread = threading.Thread(target=self._pump, args=(conn, src, dst), daemon=True,
-                                          name=f"faultproxy-{self.port}-pump")
+                thread = threading.Thread(target=self._pump, args=(conn, src, dst), daemon=True, name=f"faultproxy-{self.port}-pump")
                 conn.threads.append(thread)
                 thread.start()
 

@@ -73,27 +73,59 @@ _BASE_DEFAULTS: dict[str, Any] = dict(
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen3": dict(head_dim=24),
-    "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen3_moe": dict(
+        head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]
+    ),
     # Qwen2-MoE: a shared expert with a sigmoid gate beside the routed ones; q/k/v biases.
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]
+    ),
     # DeepSeek-V2: MLA without q_lora_rank (v_head_dim 10 != qk_head_dim 12), YaRN with both
     # mscales (so cos/sin and the softmax scale are both rescaled); layer 0 dense, layer 1 four
     # routed experts (softmax top-2, scaled) beside one shared expert.
-    "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
-                        qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2,
-                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-                        routed_scaling_factor=1.5,
-                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                             original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.8,
-                                             beta_fast=32, beta_slow=1)),
+    "deepseek_v2": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=10,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
     # DeepSeek-V3: q_a_proj → q_a_layernorm → q_b_proj; sigmoid routing over 8 experts in 4
     # groups (2 chosen) with e_score_correction_bias, renormalised and scaled by 2.5.
-    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-                        qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
-                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
-                        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    ),
 }
 
 
@@ -207,9 +239,7 @@ def load_base_model(model_dir: Path | str):
     quiet_transformers()
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True)
     return model.eval()
 
 
@@ -271,12 +301,12 @@ def make_adapter(
     return out_dir
 
 
-def add_expert_loras(tensors: dict[str, torch.Tensor], gen: torch.Generator, layer: int, experts: int,
-                     hidden: int, inter: int, r: int, std: float) -> None:
+def add_expert_loras(
+    tensors: dict[str, torch.Tensor], gen: torch.Generator, layer: int, experts: int, hidden: int, inter: int, r: int, std: float
+) -> None:
     """Random per-expert PEFT LoRA (gate, up and down of every expert of `layer`) into `tensors`."""
     for expert in range(experts):
-        for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-                                 "down_proj": (hidden, inter)}.items():
+        for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
             key = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{name}"
             tensors[f"{key}.lora_A.weight"] = std * randn(gen, (r, inp))
             tensors[f"{key}.lora_B.weight"] = std * randn(gen, (out, r))
@@ -318,11 +348,20 @@ def make_per_expert_adapter(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_adapter_weights(out_dir, tensors)
-    write_adapter_config(out_dir, {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": lora_alpha, "use_rslora": use_rslora,
-        "target_modules": ["gate_proj", "up_proj", "down_proj", *attention], "bias": "none",
-        "lora_dropout": 0.0, "base_model_name_or_path": str(model_dir),
-    })
+    write_adapter_config(
+        out_dir,
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": r,
+            "lora_alpha": lora_alpha,
+            "use_rslora": use_rslora,
+            "target_modules": ["gate_proj", "up_proj", "down_proj", *attention],
+            "bias": "none",
+            "lora_dropout": 0.0,
+            "base_model_name_or_path": str(model_dir),
+        },
+    )
     return out_dir
 
 

@@ -20,9 +20,9 @@ _EVENT_HEADER = struct.Struct("iIII")
 class FileOpenWatcher:
     """Records every open() of the watched files, by any process on this machine.
 
-        with FileOpenWatcher([p1, p2]) as w:
-            ...
-        assert not w.opened   # set of watched paths that were opened or read
+    with FileOpenWatcher([p1, p2]) as w:
+        ...
+    assert not w.opened   # set of watched paths that were opened or read
     """
 
     def __init__(self, paths: Iterable[Path | str]) -> None:

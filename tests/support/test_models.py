@@ -68,8 +68,11 @@ def test_adapter_file_format(llama, work):
 def test_patterns_are_applied(llama, work):
     cfg = adapter_config(
         make_adapter(
-            llama, work / "pat", target_modules=r".*\.(k_proj|o_proj)$",
-            rank_pattern={"o_proj": 4, r"layers\.1\.self_attn\.k_proj": 12}, alpha_pattern={"k_proj": 3},
+            llama,
+            work / "pat",
+            target_modules=r".*\.(k_proj|o_proj)$",
+            rank_pattern={"o_proj": 4, r"layers\.1\.self_attn\.k_proj": 12},
+            alpha_pattern={"k_proj": 3},
         )
     )
     tensors = adapter_tensors(work / "pat")

@@ -48,8 +48,7 @@ class LoraBatch:
         Grouped in Python from one `tolist()` of the (host) segments: a compare and a `nonzero`
         per slot cost more, for a decode step's few rows, than the whole loop."""
         runs_of: dict[int, list[slice]] = {}
-        for start, length, slot in zip(self.seg_starts.tolist(), self.seg_lens.tolist(), self.seg_slots.tolist(),
-                                       strict=True):
+        for start, length, slot in zip(self.seg_starts.tolist(), self.seg_lens.tolist(), self.seg_slots.tolist(), strict=True):
             if slot >= 0:
                 runs_of.setdefault(slot, []).append(slice(start, start + length))
         found: list[tuple[int, Rows]] = []

@@ -76,20 +76,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
 
-def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x · weightᵀ + bias` for 1 to MAX_ROWS fp32 rows of `x` [rows, k], `packed` = `pack(weight)`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
     # The C code trusts its sizes: a mismatch here would read past a buffer, so it is an error.
-    if (packed.dim() != 3 or packed.shape[1:] != (k, BLOCK) or packed.shape[0] * BLOCK < n
-            or (bias is not None and bias.numel() < n)):
+    if packed.dim() != 3 or packed.shape[1:] != (k, BLOCK) or packed.shape[0] * BLOCK < n or (bias is not None and bias.numel() < n):
         raise ValueError(f"x [{rows}, {k}] and bias do not fit a packed weight {list(packed.shape)} of {n} columns")
     out = torch.empty(rows, n, dtype=torch.float32)
-    status = lib.lf_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                         None if bias is None else bias.contiguous().data_ptr(),
-                         out.data_ptr(), n, rows, n, k, torch.get_num_threads())
+    status = lib.lf_gemm(
+        x.data_ptr(),
+        x.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        n,
+        rows,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise ValueError(f"the compiled CPU kernel takes 1 to {MAX_ROWS} rows, not {rows}")
     return out
@@ -114,35 +121,66 @@ def lora_buffers(a_joined: torch.Tensor, b_stacks: Sequence[torch.Tensor], scale
     dtype or device, a B stack row-major, ranks unlike A's row blocks, a total rank over
     MAX_TOTAL_RANK)."""
     ranks = [b.shape[2] for b in b_stacks]
-    if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (a_joined, scales, *b_stacks))
-            or not a_joined.is_contiguous() or not scales.is_contiguous()
-            or sum(ranks) != a_joined.shape[1] or a_joined.shape[1] > MAX_TOTAL_RANK
-            or any(b.stride() != (b.shape[1] * b.shape[2], 1, b.shape[1]) for b in b_stacks)):
+    if (
+        any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (a_joined, scales, *b_stacks))
+        or not a_joined.is_contiguous()
+        or not scales.is_contiguous()
+        or sum(ranks) != a_joined.shape[1]
+        or a_joined.shape[1] > MAX_TOTAL_RANK
+        or any(b.stride() != (b.shape[1] * b.shape[2], 1, b.shape[1]) for b in b_stacks)
+    ):
         return None
     count, widths = len(b_stacks), [b.shape[1] for b in b_stacks]
-    return LoraBuffers(a_joined, tuple(b_stacks), scales, (ctypes.c_void_p * count)(*(b.data_ptr() for b in b_stacks)),
-                       (ctypes.c_int64 * count)(*widths), (ctypes.c_int64 * count)(*ranks), sum(widths))
+    return LoraBuffers(
+        a_joined,
+        tuple(b_stacks),
+        scales,
+        (ctypes.c_void_p * count)(*(b.data_ptr() for b in b_stacks)),
+        (ctypes.c_int64 * count)(*widths),
+        (ctypes.c_int64 * count)(*ranks),
+        sum(widths),
+    )
 
 
-def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, buffers: LoraBuffers,
-                  token_slots: torch.Tensor) -> bool:
+def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, buffers: LoraBuffers, token_slots: torch.Tensor) -> bool:
     """Add the LoRA delta of each row of `x` [rows, in] into `out` [rows, Σ widths]: row t with
     slot s = `token_slots[t]` (−1: none) gets Σ_i `scales[i, s]` · B_i[s] · (A_i[s] · x[t]) in
     slice i's columns. Returns False, having done nothing, for `x` or `out` in another form
     (not fp32 on the CPU with unit column stride) or of other sizes than the buffers'.
     """
     rows = x.shape[0]
-    if (x.dtype != torch.float32 or out.dtype != torch.float32 or x.device.type != "cpu" or out.device.type != "cpu"
-            or x.stride(1) != 1 or out.stride(1) != 1 or x.shape[1] != buffers.a_joined.shape[2]
-            or out.shape != (rows, buffers.total_width) or token_slots.shape != (rows,)):
+    if (
+        x.dtype != torch.float32
+        or out.dtype != torch.float32
+        or x.device.type != "cpu"
+        or out.device.type != "cpu"
+        or x.stride(1) != 1
+        or out.stride(1) != 1
+        or x.shape[1] != buffers.a_joined.shape[2]
+        or out.shape != (rows, buffers.total_width)
+        or token_slots.shape != (rows,)
+    ):
         return False
-    slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else (
-        token_slots.to(torch.int32).contiguous())
+    slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else (token_slots.to(torch.int32).contiguous())
     a = buffers.a_joined
-    status = lib.lf_lora_rows(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, slots.data_ptr(),
-                              a.data_ptr(), a.shape[1], a.shape[2], len(buffers.b_stacks), buffers.b_pointers,
-                              buffers.widths, buffers.ranks, buffers.scales.data_ptr(), buffers.scales.shape[1],
-                              torch.get_num_threads())
+    status = lib.lf_lora_rows(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        slots.data_ptr(),
+        a.data_ptr(),
+        a.shape[1],
+        a.shape[2],
+        len(buffers.b_stacks),
+        buffers.b_pointers,
+        buffers.widths,
+        buffers.ranks,
+        buffers.scales.data_ptr(),
+        buffers.scales.shape[1],
+        torch.get_num_threads(),
+    )
     return bool(status == 0)
 
 
@@ -194,8 +232,9 @@ def _compile(compiler: str, target: Path) -> None:
     fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", scratch], capture_output=True, text=True,
-                              timeout=_COMPILE_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [compiler, *_FLAGS, str(_SOURCE), "-o", scratch], capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
+        )
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise KernelUnavailable(f"{Path(compiler).name} failed on {_SOURCE.name}: {last}")

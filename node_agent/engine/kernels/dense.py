@@ -43,8 +43,7 @@ def pack(weight: torch.Tensor) -> Packed | None:
     return Packed(few_rows, onednn) if few_rows is not None or onednn is not None else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x · weightᵀ + bias` for 2-D `x`; `packed` is what `pack` returned for `weight`."""
     if packed is not None:
         lib = dispatch.compiled_cpu(x)

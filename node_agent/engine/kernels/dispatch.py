@@ -47,8 +47,13 @@ def compiled_cpu(x: torch.Tensor) -> ctypes.CDLL | None:
     few rows (1 to `cpu_kernels.MAX_ROWS`) of fp32 on the CPU, outside autograd, the mode `auto`,
     the kernels built (`cpu_kernels.library`). The one place of that rule, for the base layers'
     matmuls and the LoRA pass alike."""
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad
-            or not 0 < x.shape[0] <= cpu_kernels.MAX_ROWS or os.environ.get(MODE_ENV, "auto").lower() != "auto"):
+    if (
+        x.device.type != "cpu"
+        or x.dtype != torch.float32
+        or x.requires_grad
+        or not 0 < x.shape[0] <= cpu_kernels.MAX_ROWS
+        or os.environ.get(MODE_ENV, "auto").lower() != "auto"
+    ):
         return None
     return cpu_kernels.library()
 
@@ -74,8 +79,7 @@ def add_fp32(
     return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
 
 
-def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch,
-           joined: torch.Tensor | None = None) -> torch.Tensor:
+def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch, joined: torch.Tensor | None = None) -> torch.Tensor:
     """See `torch_ops.shrink`; `joined` serves the torch path only (the triton kernel covers
     every slice in one launch already)."""
     if use_triton(x):

@@ -29,8 +29,9 @@ def check_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
     if q.dim() != 3 or q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"q {tuple(q.shape)} must be [T, heads, {key_cache.shape[3]}] with heads a multiple of "
-                         f"the {key_cache.shape[2]} KV heads")
+        raise ValueError(
+            f"q {tuple(q.shape)} must be [T, heads, {key_cache.shape[3]}] with heads a multiple of the {key_cache.shape[2]} KV heads"
+        )
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
 
@@ -113,7 +114,11 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     positions = torch.arange(total - new, total, device=q.device)
     mask = torch.arange(total, device=q.device)[None, :] <= positions[:, None]
     attended = F.scaled_dot_product_attention(
-        _fp32(q.transpose(1, 2)), _fp32(k.transpose(1, 2)), _fp32(v.transpose(1, 2)), attn_mask=mask, scale=scale,
+        _fp32(q.transpose(1, 2)),
+        _fp32(k.transpose(1, 2)),
+        _fp32(v.transpose(1, 2)),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
     )
     out = attended.transpose(1, 2)
@@ -138,15 +143,18 @@ def prefill_gathered(
     cached latent into every head's K and V each step): `keys` `[sum(context_lens), heads, dk]`,
     `values` `[sum(context_lens), heads, dv]` (dv may differ from dk). Returns `[T, heads, dv]`."""
     if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0] or sum(context_lens) != keys.shape[0]:
-        raise ValueError(f"query_lens {list(query_lens)} / context_lens {list(context_lens)} must cover q's "
-                         f"{q.shape[0]} and the keys' {keys.shape[0]} rows")
+        raise ValueError(
+            f"query_lens {list(query_lens)} / context_lens {list(context_lens)} must cover q's "
+            f"{q.shape[0]} and the keys' {keys.shape[0]} rows"
+        )
     out = q.new_empty((q.shape[0], q.shape[1], values.shape[2]))
     start = first = 0
     for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
         if not 0 < new <= total:
             raise ValueError(f"sequence {index}: {new} new tokens but a context of {total}")
-        out[start : start + new] = _causal(q[None, start : start + new], keys[None, first : first + total],
-                                           values[None, first : first + total], scale)[0]
+        out[start : start + new] = _causal(
+            q[None, start : start + new], keys[None, first : first + total], values[None, first : first + total], scale
+        )[0]
         start, first = start + new, first + total
     return out
 

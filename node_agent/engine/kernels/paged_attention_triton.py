@@ -151,8 +151,10 @@ def decode(
     num_seqs, num_heads, head_dim = q.shape
     page_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
-                         f"must have one row per sequence ({num_seqs})")
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+            f"must have one row per sequence ({num_seqs})"
+        )
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two of at least 16, got {block_n}")
     # The kernel addresses head_dim (and a block table row) with unit stride.

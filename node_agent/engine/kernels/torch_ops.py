@@ -24,8 +24,7 @@ import torch
 from node_agent.engine.kernels.batch import LoraBatch, Rows
 
 
-def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch,
-           joined: torch.Tensor | None = None) -> torch.Tensor:
+def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch, joined: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] · A[slot]ᵀ for each slice: returns [n_slices, T, R] (zero where slot is −1).
 
     a_stacks: one [num_slots, R, in] tensor per output slice, all with the same R; `joined`,
@@ -135,7 +134,8 @@ def add_fp32(
     """
     runs = batch.slot_rows
     if any(not isinstance(rows, slice) for _, rows in runs) or not (
-            x.dtype == out.dtype == a_slots[0].dtype == b_slots[0][0].dtype == torch.float32):
+        x.dtype == out.dtype == a_slots[0].dtype == b_slots[0][0].dtype == torch.float32
+    ):
         return False
     factors = scales.tolist()  # one read of every slot's scales: factors[slice][slot]
     widths = [b.shape[0] for b in b_slots[0]]
@@ -155,12 +155,12 @@ def add_fp32(
         assert isinstance(rows, slice)  # checked above
         if rows.stop - rows.start == 1:
             y, target = torch.mv(a_slots[slot], x_rows[rows.start]), out_rows[rows.start]
-            parts.append(((target,), (y,), True) if whole else
-                         (target.split_with_sizes(widths), y.split_with_sizes(ranks), True))
+            parts.append(((target,), (y,), True) if whole else (target.split_with_sizes(widths), y.split_with_sizes(ranks), True))
         else:
             y, target = x[rows] @ a_slots[slot].t(), out[rows]
-            parts.append(((target,), (y,), False) if whole else
-                         (target.split_with_sizes(widths, dim=1), y.split_with_sizes(ranks, dim=1), False))
+            parts.append(
+                ((target,), (y,), False) if whole else (target.split_with_sizes(widths, dim=1), y.split_with_sizes(ranks, dim=1), False)
+            )
     for index in range(len(widths)):
         for (slot, _), (targets, ys, one_row) in zip(runs, parts, strict=True):
             b, factor = b_slots[slot][index], factors[index][slot]

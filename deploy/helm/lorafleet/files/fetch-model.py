@@ -155,8 +155,13 @@ def fetch(url: str, sha256: str, model_dir: Path, allow_http: bool, timeout_s: f
 def main() -> int:
     env = os.environ
     try:
-        message = fetch(env["MODEL_URL"], env["MODEL_SHA256"], Path(env["MODEL_DIR"]),
-                        env.get("MODEL_ALLOW_HTTP") == "1", float(env.get("MODEL_TIMEOUT_S", "3600")))
+        message = fetch(
+            env["MODEL_URL"],
+            env["MODEL_SHA256"],
+            Path(env["MODEL_DIR"]),
+            env.get("MODEL_ALLOW_HTTP") == "1",
+            float(env.get("MODEL_TIMEOUT_S", "3600")),
+        )
     except Refused as exc:
         print(f"fetch-model: {exc}", file=sys.stderr)
         return 1

@@ -31,7 +31,9 @@ def channel(address: str, tls_dir: str, server_name: str) -> grpc.Channel:
     d = Path(tls_dir)
     creds = grpc.ssl_channel_credentials(
         root_certificates=(d / "ca.crt").read_bytes(),
-        private_key=(d / "tls.key").read_bytes(), certificate_chain=(d / "tls.crt").read_bytes())
+        private_key=(d / "tls.key").read_bytes(),
+        certificate_chain=(d / "tls.crt").read_bytes(),
+    )
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     return grpc.secure_channel(address, creds, options=options)
 
@@ -49,8 +51,7 @@ def check(ip: str, env: dict[str, str], token: str) -> str:
         except grpc.RpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     if desc.base_model.name != env["BASE_MODEL"] or desc.topology.tp_size != int(env["TP_SIZE"]):
-        return (f"serves {desc.base_model.name!r} on tp={desc.topology.tp_size}, "
-                f"the chart says {env['BASE_MODEL']!r} on tp={env['TP_SIZE']}")
+        return f"serves {desc.base_model.name!r} on tp={desc.topology.tp_size}, the chart says {env['BASE_MODEL']!r} on tp={env['TP_SIZE']}"
     return ""
 
 

@@ -74,8 +74,7 @@ def main() -> int:
             except ApiException as exc:
                 if exc.status not in (404, 409):  # gone meanwhile, or changed: looked at again
                     raise
-            print(f"removed finalizer {finalizer} from {plural}/{meta['name']}: the operator "
-                  f"did not release it within {timeout_s:.0f} s")
+            print(f"removed finalizer {finalizer} from {plural}/{meta['name']}: the operator did not release it within {timeout_s:.0f} s")
 
     deadline = time.monotonic() + timeout_s
 
