@@ -42,11 +42,11 @@ from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, FileIdentity, SequenceInput, Topology, WrittenFiles
-from node_agent.engine.adapter_files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
+from node_agent.engine.adapters.files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
+from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, SpecMemo, plan_shard, read_planned_shard
+from node_agent.engine.driver.protocol import Load
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, SpecMemo, plan_shard, read_planned_shard
-from node_agent.engine.protocol import Load
-from node_agent.engine.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
+from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout
 
 SHAPE = BENCHMARK_MODEL
 RANK = 16

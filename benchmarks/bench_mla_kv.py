@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from node_agent.engine import Engine, EngineConfig, SamplingParams, Topology
-from node_agent.engine.kv_cache import KVCacheLayout, kv_cache_layout
 from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.serving.kv_cache import KVCacheLayout, kv_cache_layout
 
 BLOCK_SIZE = 16
 # The published configs' MLA and attention fields (no weights needed).

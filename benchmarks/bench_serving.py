@@ -37,7 +37,7 @@ import torch
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, Topology
-from node_agent.engine.sampler import SamplingParams
+from node_agent.engine.serving.sampler import SamplingParams
 
 SHAPE = BENCHMARK_MODEL
 RANK = 16

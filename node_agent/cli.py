@@ -20,6 +20,7 @@ from typing import Any
 from node_agent.agent import DEFAULT_ENGINE_HANG_TIMEOUT_S, Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
 from node_agent.engine import (
+    MAX_LOGPROBS,
     AdapterLoadError,
     Engine,
     EngineConfig,
@@ -31,7 +32,6 @@ from node_agent.engine import (
     TokenLogprobs,
     Topology,
 )
-from node_agent.engine.sampler import MAX_LOGPROBS
 from node_agent.errors import InvalidRequest
 from node_agent.http_api import HttpApiServer, HttpOptions, split_listen
 from node_agent.hub import DEFAULT_HUB_ENDPOINT

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Machine checks over the product and development code: lint (ruff), types (mypy) and the
-# import layers (import-linter, contracts in pyproject.toml). scripts/test.sh runs this first.
+# Machine checks over the product and development code: format and lint (ruff, with complexity
+# limits), types (mypy) and the import layers (import-linter, contracts in pyproject.toml). scripts/test.sh runs this first.
 #   bash scripts/check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/bootstrap.sh
+echo "check: ruff format" >&2
+ruff format --check .
 echo "check: ruff" >&2
 ruff check .
 echo "check: mypy" >&2

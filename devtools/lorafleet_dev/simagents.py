@@ -56,11 +56,11 @@ from node_agent.engine import (
     SliceShape,
     WrittenFiles,
 )
-from node_agent.engine.engine import R
+from node_agent.engine.driver.engine import R
+from node_agent.engine.driver.protocol import Command, Describe, Unload, merge_control
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.protocol import Command, Describe, Unload, merge_control
-from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
+from node_agent.engine.parallel.topology import Topology
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, resolve_source
 

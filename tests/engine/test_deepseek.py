@@ -30,11 +30,10 @@ import torch
 from safetensors.torch import load_file
 
 from node_agent.engine import Engine, EngineConfig, SamplingParams, SequenceInput, Topology
-from node_agent.engine.kv_cache import KVCacheError, KVCacheLayout, PagedKVCache, kv_cache_layout
-from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
+from node_agent.engine.adapters.peft import WEIGHTS_FILE, AdapterLoadError, read_adapter_spec
+from node_agent.engine.model.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig, ModelConfigError
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, AdapterLoadError, read_adapter_spec
-from node_agent.engine.sharding import (
+from node_agent.engine.parallel.sharding import (
     MLP_KINDS,
     MODULE_KINDS,
     ParallelStyle,
@@ -44,6 +43,7 @@ from node_agent.engine.sharding import (
     module_layout,
     unsharded_layout,
 )
+from node_agent.engine.serving.kv_cache import KVCacheError, KVCacheLayout, PagedKVCache, kv_cache_layout
 from tests import support as R
 from tests.engine.helpers import draw_tokens, read_shard
 from tests.support.deepseek import FUSED_EXPERTS, MLP_MODULES, make_per_expert_adapter, mla_modules

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file
 
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
+from node_agent.engine.adapters.peft import WEIGHTS_FILE, read_adapter_spec
 from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.lora_layers import LoraCapacity
+from node_agent.engine.model.lora_layers import LoraCapacity
+from node_agent.engine.model.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_spec
-from node_agent.engine.sharding import EXPERT_KINDS, local_experts, module_layout, unsharded_layout
+from node_agent.engine.parallel.sharding import EXPERT_KINDS, local_experts, module_layout, unsharded_layout
 from tests import support as R
 from tests.engine.helpers import read_shard
 

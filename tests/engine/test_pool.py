@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity
+from node_agent.engine.adapters.peft import WEIGHTS_FILE, read_adapter_spec
+from node_agent.engine.adapters.pool import LoraPool, PoolError
+from node_agent.engine.model.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import WEIGHTS_FILE, read_adapter_spec
-from node_agent.engine.pool import LoraPool, PoolError
-from node_agent.engine.sharding import DENSE_KINDS, MODULE_KINDS, lora_layout, module_layout
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.sharding import DENSE_KINDS, MODULE_KINDS, lora_layout, module_layout
+from node_agent.engine.parallel.topology import Topology
 from tests.engine.helpers import read_shard
 
 SHAPE = SyntheticModel(num_layers=1)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import (
+from node_agent.engine.adapters.peft import (
     WEIGHTS_FILE,
     ShardPlan,
     ShardPlanner,
@@ -26,8 +25,9 @@ from node_agent.engine.peft_adapter import (
     read_adapter_spec,
     read_planned_shard,
 )
-from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
-from node_agent.engine.topology import Topology
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
+from node_agent.engine.parallel.topology import Topology
 
 MAX_RANK = 8
 # Wide enough that a row-parallel A's column slice at tp=4 (128 floats) is read straight into its rows.

@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.engine import Engine, EngineConfig
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import (
+from node_agent.engine.adapters.peft import (
     WEIGHTS_FILE,
     plan_shard,
     read_adapter_spec,
     read_planned_shard,
     warm_up_shard_reads,
 )
-from node_agent.engine.sharding import lora_layout, model_kinds, module_layout
-from node_agent.engine.topology import Topology
+from node_agent.engine.driver.engine import Engine, EngineConfig
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
+from node_agent.engine.parallel.topology import Topology
 
 # A shard of about 2.6 MiB on rank 0 of tp=2 (the benchmark's is 2.4 MiB), on a model small
 # enough to write in a moment; tp=2 makes the row-parallel A reads column slices.

@@ -20,9 +20,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.adapter_files import verify_adapter
+from node_agent.engine.adapters.files import verify_adapter
+from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, SpecMemo, read_adapter_spec
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, SpecMemo, read_adapter_spec
 
 SHAPE = SyntheticModel()
 MAX_RANK = 8

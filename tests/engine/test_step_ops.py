@@ -19,16 +19,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lorafleet_dev.synthetic import SyntheticModel, write_model
-from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.distributed import ProcessGroups
 from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.kv_cache import PagedKVCache, kv_cache_layout
-from node_agent.engine.lora_layers import LoraCapacity, SliceWeights
-from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
+from node_agent.engine.model.checkpoint import Checkpoint
+from node_agent.engine.model.decoder import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
+from node_agent.engine.model.lora_layers import LoraCapacity, SliceWeights
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.sampler import SamplingParams, SequenceSampling, sample
-from node_agent.engine.sharding import ShardGroup
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.distributed import ProcessGroups
+from node_agent.engine.parallel.sharding import ShardGroup
+from node_agent.engine.parallel.topology import Topology
+from node_agent.engine.serving.kv_cache import PagedKVCache, kv_cache_layout
+from node_agent.engine.serving.sampler import SamplingParams, SequenceSampling, sample
 
 LAYERS = 2
 BLOCK = 4

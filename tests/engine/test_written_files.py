@@ -13,9 +13,9 @@ import pytest
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine import ContentChanged, FileDigests, FileIdentity, WrittenFiles
-from node_agent.engine.adapter_files import verify_adapter
+from node_agent.engine.adapters.files import verify_adapter
+from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, SpecMemo
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, SpecMemo
 
 SHAPE = SyntheticModel()
 RANK = 8

@@ -271,7 +271,7 @@ def test_dockerignore_keeps_out(path: str) -> None:
         "pyproject.toml",
         "README.md",
         "node_agent/cli.py",
-        "node_agent/engine/engine.py",
+        "node_agent/engine/driver/engine.py",
         "proto/lorafleet/v1/agent_pb2.py",
         "common/lorafleet_common/merge.py",
         "operator/lorafleet_operator/main.py",

@@ -15,7 +15,7 @@ from lorafleet_dev.simagents import SharedSources, SimulatedEngine
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.topology import Topology
 from node_agent.sources import SourcePolicy
 
 SHAPE = SyntheticModel()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node_agent.engine.kv_cache import (
+from node_agent.engine.serving.kv_cache import (
     AdapterKey,
     BlockAllocator,
     KVCacheError,
@@ -291,7 +291,7 @@ def test_the_same_calls_give_the_same_blocks_in_any_process() -> None:
     on hash randomisation either: an interpreter with another hash seed agrees with this one."""
     here = run_workload(BlockAllocator(num_blocks=12, block_size=4, prefix_caching=True), seed=3)
     script = (
-        "from node_agent.engine.kv_cache import BlockAllocator\n"
+        "from node_agent.engine.serving.kv_cache import BlockAllocator\n"
         "from tests.serving.test_kv_cache import run_workload\n"
         "print(run_workload(BlockAllocator(num_blocks=12, block_size=4, prefix_caching=True), seed=3))\n"
     )

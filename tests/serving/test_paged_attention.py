@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from node_agent.engine.kernels import paged_attention, paged_attention_triton
-from node_agent.engine.kv_cache import BlockAllocator, KVCacheLayout, PagedKVCache
+from node_agent.engine.serving.kv_cache import BlockAllocator, KVCacheLayout, PagedKVCache
 from tests.kernels.test_lora_kernels import _compile_for_hopper
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from node_agent.engine.sampler import (
+from node_agent.engine.serving.sampler import (
     FinishReason,
     SamplingParams,
     SequenceSampling,

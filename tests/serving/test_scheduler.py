@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.engine.sampler import FinishReason, SamplingParams, finish_reason
-from node_agent.engine.scheduler import (
+from node_agent.engine.serving.sampler import FinishReason, SamplingParams, finish_reason
+from node_agent.engine.serving.scheduler import (
     FinishedSequence,
     QueueFull,
     ScheduledStep,

@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from node_agent.engine import kernels
-from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.distributed import all_gather_last_dim, all_reduce
 from node_agent.engine.kernels import cpu_kernels, dense
-from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
+from node_agent.engine.model.checkpoint import Checkpoint
+from node_agent.engine.parallel.distributed import all_gather_last_dim, all_reduce
+from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, lora_fully_sharded, lora_layout
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The rank process: holds one shard of the model and the LoRA pool, obeys the driver's commands.
 
-A rank answers every command with that command's reply (`node_agent.engine.protocol`); it never
+A rank answers every command with that command's reply (`node_agent.engine.driver.protocol`); it never
 raises to the driver. Commands reach all ranks in the same order, which is what keeps the pools'
 decisions identical.
 """
@@ -20,17 +20,10 @@ from pathlib import Path
 
 import torch
 
-from node_agent.engine.adapter_files import ContentChanged, HeldFiles
-from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.distributed import init_process_groups
-from node_agent.engine.kernels import LoraBatch
-from node_agent.engine.kv_cache import PagedKVCache, budget_from_device_memory, kv_cache_layout
-from node_agent.engine.lora_layers import LoraCapacity
-from node_agent.engine.model import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError, read_planned_shard, warm_up_shard_reads
-from node_agent.engine.pool import LoraPool, PoolError
-from node_agent.engine.protocol import (
+from node_agent.engine.adapters.files import ContentChanged, HeldFiles
+from node_agent.engine.adapters.peft import AdapterLoadError, read_planned_shard, warm_up_shard_reads
+from node_agent.engine.adapters.pool import LoraPool, PoolError
+from node_agent.engine.driver.protocol import (
     Command,
     ControlReply,
     Describe,
@@ -45,9 +38,16 @@ from node_agent.engine.protocol import (
     StepReply,
     Unload,
 )
-from node_agent.engine.sampler import sample
-from node_agent.engine.scheduler import ScheduledSequence
-from node_agent.engine.topology import Topology
+from node_agent.engine.kernels import LoraBatch
+from node_agent.engine.model.checkpoint import Checkpoint
+from node_agent.engine.model.decoder import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
+from node_agent.engine.model.lora_layers import LoraCapacity
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.parallel.distributed import init_process_groups
+from node_agent.engine.parallel.topology import Topology
+from node_agent.engine.serving.kv_cache import PagedKVCache, budget_from_device_memory, kv_cache_layout
+from node_agent.engine.serving.sampler import sample
+from node_agent.engine.serving.scheduler import ScheduledSequence
 
 log = logging.getLogger(__name__)
 

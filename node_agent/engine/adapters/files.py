@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_agent.engine.peft_adapter import (
+from node_agent.engine.adapters.peft import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterLoadError,

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet_common.merge import merge_failure_first
-from node_agent.engine.adapter_files import FileDigests, VerifiedFiles
-from node_agent.engine.peft_adapter import ShardPlan
-from node_agent.engine.sampler import TokenLogprobs
-from node_agent.engine.scheduler import ScheduledSequence
-from node_agent.engine.sharding import LoraSliceLayout, ModuleKey
+from node_agent.engine.adapters.files import FileDigests, VerifiedFiles
+from node_agent.engine.adapters.peft import ShardPlan
+from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleKey
+from node_agent.engine.serving.sampler import TokenLogprobs
+from node_agent.engine.serving.scheduler import ScheduledSequence
 
 # -- commands ------------------------------------------------------------------------------------
 

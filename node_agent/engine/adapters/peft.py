@@ -29,9 +29,9 @@ import numpy.typing as npt
 import re2
 import torch
 
-from node_agent.engine.lora_layers import SliceWeights
+from node_agent.engine.model.lora_layers import SliceWeights
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.sharding import (
+from node_agent.engine.parallel.sharding import (
     EXPERT_KINDS,
     MODULE_KINDS,
     SPARSE_ONLY_KINDS,

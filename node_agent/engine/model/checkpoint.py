@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from node_agent.engine.sharding import Span
+from node_agent.engine.parallel.sharding import Span
 
 
 class CheckpointError(ValueError):

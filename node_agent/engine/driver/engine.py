@@ -33,11 +33,9 @@ import torch.multiprocessing as mp
 from torch.distributed import DistError, TCPStore
 
 from lorafleet_common.merge import merge_failure_first
-from node_agent.engine.adapter_files import FileDigests, WrittenFiles, verify_adapter
-from node_agent.engine.distributed import RENDEZVOUS_HOST, rendezvous_store
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.peft_adapter import AdapterLoadError, ShardPlanner, SpecMemo
-from node_agent.engine.protocol import (
+from node_agent.engine.adapters.files import FileDigests, WrittenFiles, verify_adapter
+from node_agent.engine.adapters.peft import AdapterLoadError, ShardPlanner, SpecMemo
+from node_agent.engine.driver.protocol import (
     Command,
     ControlReply,
     ControlResult,
@@ -53,11 +51,13 @@ from node_agent.engine.protocol import (
     merge_control,
     rolled_back,
 )
-from node_agent.engine.sampler import FinishReason, SamplingParams, TokenLogprobs
-from node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SequenceRequest
-from node_agent.engine.sharding import validate_topology
-from node_agent.engine.topology import Topology
-from node_agent.engine.worker import WorkerConfig, rank_main
+from node_agent.engine.driver.worker import WorkerConfig, rank_main
+from node_agent.engine.model_config import ModelConfig
+from node_agent.engine.parallel.distributed import RENDEZVOUS_HOST, rendezvous_store
+from node_agent.engine.parallel.sharding import validate_topology
+from node_agent.engine.parallel.topology import Topology
+from node_agent.engine.serving.sampler import FinishReason, SamplingParams, TokenLogprobs
+from node_agent.engine.serving.scheduler import ScheduledStep, Scheduler, SchedulerConfig, SchedulerError, SequenceRequest
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from node_agent.engine import kernels
-from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.lora_layers import LoraCapacity, SliceWeights, add_lora, fill_slot
+from node_agent.engine.model.checkpoint import Checkpoint
+from node_agent.engine.model.lora_layers import LoraCapacity, SliceWeights, add_lora, fill_slot
 from node_agent.engine.model_config import MoEConfig
-from node_agent.engine.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, Span, lora_fully_sharded, lora_layout
+from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, Span, lora_fully_sharded, lora_layout
 
 
 class ExpertLoraLinear(nn.Module):

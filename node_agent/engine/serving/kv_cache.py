@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.sharding import attention_heads
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.sharding import attention_heads
+from node_agent.engine.parallel.topology import Topology
 
 # Identity of the weights a sequence runs with, for prefix caching: None is the base model. It
 # must change whenever an adapter name is loaded again with other weights (name plus the

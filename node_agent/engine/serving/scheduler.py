@@ -35,8 +35,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from node_agent.engine.kv_cache import BlockAllocator
-from node_agent.engine.sampler import FinishReason, SamplingParams, SequenceSampling, finish_reason
+from node_agent.engine.serving.kv_cache import BlockAllocator
+from node_agent.engine.serving.sampler import FinishReason, SamplingParams, SequenceSampling, finish_reason
 
 
 class SchedulerError(Exception):

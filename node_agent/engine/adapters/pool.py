@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.engine.lora_layers import LoraSlots
-from node_agent.engine.peft_adapter import AdapterShard
-from node_agent.engine.sharding import ModuleKey
+from node_agent.engine.adapters.peft import AdapterShard
+from node_agent.engine.model.lora_layers import LoraSlots
+from node_agent.engine.parallel.sharding import ModuleKey
 
 
 class PoolError(RuntimeError):

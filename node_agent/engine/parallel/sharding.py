@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.topology import Topology, TopologyError
+from node_agent.engine.parallel.topology import Topology, TopologyError
 
 
 class ShardGroup(Enum):

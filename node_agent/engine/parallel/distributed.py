@@ -14,8 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from node_agent.engine.sharding import ShardGroup
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.sharding import ShardGroup
+from node_agent.engine.parallel.topology import Topology
 
 
 @dataclass

@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node_agent.engine.checkpoint import Checkpoint
-from node_agent.engine.distributed import ProcessGroups, all_gather_last_dim, all_reduce
 from node_agent.engine.kernels import LoraBatch, dense, paged_attention
-from node_agent.engine.kv_cache import PagedKVCache
-from node_agent.engine.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
+from node_agent.engine.model.checkpoint import Checkpoint
+from node_agent.engine.model.lora_layers import LAYER_CLASSES, LoraCapacity, LoraLinear, LoraSlots
+from node_agent.engine.model.moe import ExpertLoraLinear, ExpertSlotView, Routing, SparseMoeBlock
 from node_agent.engine.model_config import MLA_ARCHITECTURES, ModelConfig, yarn_mscale
-from node_agent.engine.moe import ExpertLoraLinear, ExpertSlotView, Routing, SparseMoeBlock
-from node_agent.engine.sharding import (
+from node_agent.engine.parallel.distributed import ProcessGroups, all_gather_last_dim, all_reduce
+from node_agent.engine.parallel.sharding import (
     EXPERT_KINDS,
     MODULE_KINDS,
     ModuleKey,
@@ -33,7 +32,8 @@ from node_agent.engine.sharding import (
     module_layout,
     vocab_span,
 )
-from node_agent.engine.topology import Topology
+from node_agent.engine.parallel.topology import Topology
+from node_agent.engine.serving.kv_cache import PagedKVCache
 
 # The MLP side of every layer (dense MLP, the expert block's one reduction, the DP-attention
 # gather before it) runs over the dense MLP's group.

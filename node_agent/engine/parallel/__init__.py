@@ -1,0 +1,1 @@
+"""Parallel layout: tp/dp/ep topology, the sharding rule, and torch.distributed set-up."""

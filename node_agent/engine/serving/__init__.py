@@ -1,0 +1,1 @@
+"""Serving: the scheduler, the paged KV cache, and the sampler."""
