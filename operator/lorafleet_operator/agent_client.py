@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -34,6 +32,7 @@ from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
+from lorafleet_operator.agent_values import AgentError, AgentInfo, ControlReply, Credentials, LoadAnswer, LoadRequest, UnloadAnswer
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.identity import (
@@ -45,6 +44,7 @@ from lorafleet_operator.identity import (
     new_nonce,
     refusal,
 )
+from lorafleet_operator.load_gate import LoadGate
 from lorafleet_operator.sources import is_remote
 from lorafleet_operator.work_queue import WorkQueue
 
@@ -61,21 +61,6 @@ CHANNEL_OPTIONS: tuple[tuple[str, int | str], ...] = (
 )
 
 
-class AgentError(Exception):
-    """A failed call to an agent: its gRPC status code and the agent's message.
-
-    ``reason`` is the agent's own mark (:data:`lorafleet_common.wire.REASON_METADATA_KEY`), "" when the call ended without
-    one. ``alone`` (loads only): no other load was in flight on that agent during this one.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "", alone: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.reason = reason
-        self.alone = alone
-
-
 def _reason(err: grpc.aio.AioRpcError) -> str:
     for key, value in err.trailing_metadata() or ():
         if key == REASON_METADATA_KEY:
@@ -87,123 +72,6 @@ def _reason(err: grpc.aio.AioRpcError) -> str:
 async def _nothing() -> AsyncIterator[set[str]]:
     """The gate of a call that is not a load: no overlap to learn."""
     yield set()
-
-
-class LoadGate:
-    """The loads in flight on one agent. A call of loads enters shared (any number at once)
-    or exclusive (alone: it waits until no load runs, and none starts while it runs or waits).
-    Each call learns which other loads overlapped it, so a death can be attributed."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._running: dict[int, tuple[tuple[str, ...], set[str]]] = {}
-        self._exclusive = False
-        self._exclusive_waiting = 0
-        self._tokens = itertools.count()
-
-    @contextlib.asynccontextmanager
-    async def enter(self, names: tuple[str, ...], *, exclusive: bool) -> AsyncIterator[set[str]]:
-        """Run one call loading ``names``; yields the names of the other calls' loads that
-        overlap it (filled in while it runs)."""
-        async with self._cond:
-            if exclusive:
-                self._exclusive_waiting += 1
-                try:
-                    await self._cond.wait_for(lambda: not self._running and not self._exclusive)
-                finally:
-                    self._exclusive_waiting -= 1
-                self._exclusive = True
-            else:
-                await self._cond.wait_for(lambda: not self._exclusive and not self._exclusive_waiting)
-            overlap = {other for others, _ in self._running.values() for other in others}
-            for _, overlapping in self._running.values():
-                overlapping.update(names)
-            token = next(self._tokens)
-            self._running[token] = (names, overlap)
-        try:
-            yield overlap
-        finally:
-            async with self._cond:
-                del self._running[token]
-                if exclusive:
-                    self._exclusive = False
-                self._cond.notify_all()
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """How to reach a fleet's agents (from its Secret refs); the default is plaintext, no token."""
-
-    token: str = ""
-    root_ca: bytes | None = None
-    client_cert: bytes | None = None
-    client_key: bytes | None = None
-    server_name: str = ""
-
-    @property
-    def tls(self) -> bool:
-        return self.root_ca is not None
-
-
-@dataclass(frozen=True)
-class SourceCredential:
-    """What an agent sends to a load's source (:mod:`credentials`): a bearer token, or with a
-    user name, basic authentication. Never in a repr: no log line or traceback shows it."""
-
-    token: str = field(default="", repr=False)
-    username: str = field(default="", repr=False)
-    password: str = field(default="", repr=False)
-
-
-@dataclass(frozen=True)
-class AgentInfo:
-    """Describe, reduced to what the operator uses."""
-
-    base_model: str
-    tp_size: int
-    dp_size: int
-    attn_tp_size: int
-    ep_size: int
-    #: The TP width of each expert, as the agent built it (the operator derives no group).
-    moe_tp_size: int
-    max_lora_rank: int
-    max_loras_per_batch: int
-    max_loaded_loras: int
-
-
-@dataclass(frozen=True)
-class ControlReply:
-    """LoadAdapter / UnloadAdapter reply: the agent's merge over its ranks, plus rank counts."""
-
-    success: bool
-    error_message: str
-    ranks_ok: int
-    ranks_reported: int
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """One load as the operator asks an agent for it (LoadAdapter, or one item of
-    LoadAdapters). ``credential`` goes with it (the agent sends it to the source)."""
-
-    name: str
-    source_uri: str
-    sha256: str
-    pinned: bool
-    replace: bool
-    credential: SourceCredential | None = None
-
-    def message(self) -> agent_pb2.LoadAdapterRequest:
-        """The request on the wire."""
-        request = agent_pb2.LoadAdapterRequest(
-            name=self.name, source_uri=self.source_uri, sha256=self.sha256, pinned=self.pinned, replace=self.replace
-        )
-        if self.credential is not None and self.credential.username:
-            request.source_basic.username = self.credential.username
-            request.source_basic.password = self.credential.password
-        elif self.credential is not None:
-            request.source_token = self.credential.token
-        return request
 
 
 #: gRPC status codes by their number (LoadAdapters answers each load's code as a number).
@@ -218,12 +86,6 @@ def _control_reply(reply: Any) -> ControlReply:
         ranks_ok=sum(1 for r in ranks if r.success),
         ranks_reported=len(ranks),
     )
-
-
-#: An unload's outcome as its callers get it: the agent's reply, or the call's error.
-UnloadAnswer = ControlReply | AgentError
-#: One load's outcome of a call of several: the agent's reply, or its error.
-LoadAnswer = ControlReply | AgentError
 
 
 def _load_answer(outcome: Any) -> LoadAnswer:
@@ -337,6 +199,7 @@ class AgentClients:
         method: str,
         invoke: Callable[[agent_pb2_grpc.NodeAgentStub, Any, float], Awaitable[T]],
         deadline_s: float,
+        *,
         remote_of: str = "",
         load: tuple[LoadGate, tuple[str, ...], bool] | None = None,
     ) -> T:

@@ -4,7 +4,7 @@
 (a Hub token for hf://, or an http(s) bearer token) reads ``secretRef.key`` (default
 ``token``); ``Basic`` reads the Secret's ``username`` and ``password`` keys (those of the
 ``kubernetes.io/basic-auth`` Secret type). The Secret is read only when it is opened to the
-adapter's fleet, through the one rule for Secrets (``reconcile.opened_secret``), which refuses
+adapter's fleet, through the one rule for Secrets (``fleet_secrets.opened_secret``), which refuses
 anything else with a message that says nothing about the Secret. Two more rules, here:
 
 * never the fleet's own agent Secrets (its token or TLS Secret): a tenant who may create
@@ -19,18 +19,17 @@ message, status or log line shows it (the dataclass's repr hides it).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
 
-from lorafleet_operator.agent_client import SourceCredential
+from lorafleet_operator.agent_values import SourceCredential
 from lorafleet_operator.failures import FleetProblem
+from lorafleet_operator.reasons import Reason
+from lorafleet_operator.resources import FleetSpec, Source
 
-#: The Ready condition's reason for a source credential the operator will not send.
-SOURCE_CREDENTIAL_REFUSED = "SourceCredentialRefused"
 BEARER, BASIC = "Bearer", "Basic"
 DEFAULT_TOKEN_KEY = "token"
 BASIC_KEYS = ("username", "password")
 
-#: Reads an opened Secret's data by name, requiring the keys (``reconcile.opened_secret``).
+#: Reads an opened Secret's data by name, requiring the keys (``fleet_secrets.opened_secret``).
 SecretReader = Callable[[str, Sequence[str]], Awaitable[Mapping[str, bytes]]]
 
 
@@ -42,48 +41,35 @@ def _header_safe(raw: bytes, what: str) -> str:
     if not value or bad:
         problem = "is empty" if not value else f"contains {bad} control or non-ASCII byte(s)"
         raise FleetProblem(
-            SOURCE_CREDENTIAL_REFUSED,
+            Reason.SOURCE_CREDENTIAL_REFUSED,
             f"the source credential's {what} {problem} after trimming surrounding whitespace; not loaded until the Secret is fixed",
         )
     return value.decode("ascii")
 
 
-def agent_secrets(fleet_spec: Mapping[str, Any]) -> set[str]:
-    """The Secrets the fleet itself uses towards its agents (token, TLS)."""
-    names = {
-        ((fleet_spec.get("auth") or {}).get("tokenSecretRef") or {}).get("name"),
-        ((fleet_spec.get("tls") or {}).get("secretRef") or {}).get("name"),
-    }
-    return {n for n in names if n}
-
-
-async def source_credential(
-    adapter_spec: Mapping[str, Any], fleet_name: str, fleet_spec: Mapping[str, Any], read: SecretReader
-) -> SourceCredential | None:
+async def source_credential(source: Source, fleet_name: str, fleet: FleetSpec, read: SecretReader) -> SourceCredential | None:
     """The adapter's source credential (None when its spec names none), read through ``read``;
     FleetProblem when the operator will not send it (see the module's rules)."""
-    spec = (adapter_spec.get("source") or {}).get("credentials")
-    if not spec:
+    ref = source.credentials
+    if ref is None:
         return None
-    ref = spec["secretRef"]
-    if ref["name"] in agent_secrets(fleet_spec):
+    if ref.secret in fleet.agent_secrets:
         raise FleetProblem(
-            SOURCE_CREDENTIAL_REFUSED,
-            f"Secret {ref['name']!r} holds LoraFleet {fleet_name!r}'s own agent credentials: it is never sent to a source; not loaded",
+            Reason.SOURCE_CREDENTIAL_REFUSED,
+            f"Secret {ref.secret!r} holds LoraFleet {fleet_name!r}'s own agent credentials: it is never sent to a source; not loaded",
         )
-    if not fleet_spec.get("auth") and not fleet_spec.get("tls"):
+    if fleet.token is None and fleet.tls is None:
         raise FleetProblem(
-            SOURCE_CREDENTIAL_REFUSED,
+            Reason.SOURCE_CREDENTIAL_REFUSED,
             f"LoraFleet {fleet_name!r} has neither "
             f"spec.auth nor spec.tls, so its agents "
             f"cannot prove who they are: source "
             f"credentials are sent only to agents "
             f"that can; not loaded",
         )
-    kind = spec.get("type") or BEARER
-    if kind == BASIC:
-        data = await read(ref["name"], BASIC_KEYS)
+    if (ref.type or BEARER) == BASIC:
+        data = await read(ref.secret, BASIC_KEYS)
         return SourceCredential(username=_header_safe(data["username"], "username"), password=_header_safe(data["password"], "password"))
-    key = ref.get("key") or DEFAULT_TOKEN_KEY
-    data = await read(ref["name"], (key,))
+    key = ref.key or DEFAULT_TOKEN_KEY
+    data = await read(ref.secret, (key,))
     return SourceCredential(token=_header_safe(data[key], "token"))

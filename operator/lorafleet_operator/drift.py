@@ -33,7 +33,8 @@ import kopf
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator import metrics, names
-from lorafleet_operator.agent_client import AgentError, AgentInfo
+from lorafleet_operator.admission import admission
+from lorafleet_operator.agent_values import AgentError, AgentInfo
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.failures import (
     KUBE_API_ERRORS,
@@ -44,86 +45,58 @@ from lorafleet_operator.failures import (
     retry_after,
     stalled_loops,
 )
+from lorafleet_operator.fanout import list_registries
 from lorafleet_operator.fleet import AgentPod, selector_matches
+from lorafleet_operator.loads import adapter_credential, backing_off, condemned, credential_refusal, load_each
+from lorafleet_operator.looks import fleet_view
 from lorafleet_operator.placement import Placement
+from lorafleet_operator.placing import place_fleet, placed_targets
 from lorafleet_operator.publish import publish_fleet_status, publish_status
-from lorafleet_operator.reconcile import (
-    FleetView,
-    Registry,
-    Target,
-    adapter_credential,
-    admission,
-    backing_off,
-    condemned,
-    credential_refusal,
-    error_result,
-    failure_key,
-    fleet_view,
-    list_registries,
-    load_each,
-    place_fleet,
-    placed_targets,
-)
+from lorafleet_operator.resources import AdapterObject, AdapterSpec, FleetObject, adapter_of, fleet_of
 from lorafleet_operator.routing import publish_slices
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.status import (
-    MAX_AGENT_MESSAGE,
-    MAX_LISTED_MEMBERS,
-    AgentResult,
-    AgentState,
-    build_status,
-    condition,
-    never_reconciled,
-    now_rfc3339,
-)
+from lorafleet_operator.sending import error_result
+from lorafleet_operator.status import AgentResult, AgentState, Pending, build_status, fleet_status, never_reconciled
+from lorafleet_operator.view import FleetView, Registry, Target
 
 log = logging.getLogger("lorafleet.operator.drift")
-
-
-def _live(adapter: Mapping[str, Any]) -> bool:
-    return not adapter["metadata"].get("deletionTimestamp")
 
 
 def wanted_on(
     agent: AgentPod,
     info: AgentInfo,
-    adapters: Sequence[Mapping[str, Any]],
-    fleets: Sequence[Mapping[str, Any]],
+    adapters: Sequence[AdapterObject],
+    fleets: Sequence[FleetObject],
     placements: Mapping[str, Placement] | None = None,
 ) -> set[str]:
     """Registry names any live LoraAdapter wants on this agent (through any fleet selecting it
-    that admits it: :func:`~lorafleet_operator.reconcile.admission`). An adapter that has a
+    that admits it: :func:`~lorafleet_operator.admission.admission`). An adapter that has a
     placement in ``placements`` (this fleet's) is wanted only where it is placed."""
-    selecting = {
-        f["metadata"]["name"]: f.get("spec") or {}
-        for f in fleets
-        if selector_matches((f.get("spec") or {}).get("selector") or {}, agent.labels)
-    }
+    selecting = {f.name: f.spec for f in fleets if selector_matches(f.spec.selector, agent.labels)}
     wanted = set()
     for a in adapters:
-        name = names.agent_name(a["metadata"]["namespace"], a["metadata"]["name"])
-        fleet = a["spec"]["fleetRef"]["name"]
+        fleet = a.spec.fleet
         if (
-            not _live(a)
+            a.deleting
             or fleet not in selecting
-            or a["spec"]["baseModel"] != info.base_model
-            or admission(fleet, selecting[fleet], a["spec"]) is not None
+            or a.spec.base_model != info.base_model
+            or admission(fleet, selecting[fleet], a.spec) is not None
         ):
             continue
-        placement = (placements or {}).get(name)
+        placement = (placements or {}).get(a.agent_name)
         if placement is None or agent.name in placement.placed:
-            wanted.add(name)
+            wanted.add(a.agent_name)
     return wanted
 
 
-def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bool:
+def holds(entry: RegistryEntry, spec: AdapterSpec, ranks_total: int) -> bool:
     """Whether a registry entry is this spec (source, sha256 when given, pinning), on every
     rank; anything else is loaded again (replace=True swaps it atomically)."""
-    sha = spec["source"].get("sha256", "")
+    sha = spec.source.sha256
     return (
-        entry.source_uri == spec["source"]["uri"]
+        entry.source_uri == spec.source.uri
         and (not sha or entry.sha256 == sha)
-        and entry.pinned == bool(spec.get("pinned", False))
+        and entry.pinned == spec.pinned
         and len(entry.ranks) >= ranks_total
     )
 
@@ -131,8 +104,8 @@ def holds(entry: RegistryEntry, spec: Mapping[str, Any], ranks_total: int) -> bo
 def unwanted(
     view: FleetView,
     registries: Mapping[str, Registry],
-    adapters: Sequence[Mapping[str, Any]],
-    fleets: Sequence[Mapping[str, Any]],
+    adapters: Sequence[AdapterObject],
+    fleets: Sequence[FleetObject],
     placements: Mapping[str, Placement] | None = None,
     busy: frozenset[str] = frozenset(),
 ) -> list[tuple[AgentPod, str]]:
@@ -157,15 +130,15 @@ async def remove_unwanted(
     rt: Runtime,
     view: FleetView,
     registries: Mapping[str, Registry],
-    adapters: Sequence[Mapping[str, Any]],
-    fleets: Sequence[Mapping[str, Any]],
+    adapters: Sequence[AdapterObject],
+    fleets: Sequence[FleetObject],
     placements: Mapping[str, Placement],
 ) -> int:
     """Unload managed adapters nobody wants (:func:`unwanted`); returns how many were unloaded."""
-    busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.items() if lock.locked())
+    busy = frozenset(names.agent_name(ns, name) for (ns, name), lock in rt.locks.adapters.items() if lock.locked())
     calls = unwanted(view, registries, adapters, fleets, placements, busy)
     for agent, registry_name in calls:
-        rt.reservations.finished(agent.endpoint, registry_name, time.monotonic(), loaded=False)
+        rt.books.reservations.finished(agent.endpoint, registry_name, time.monotonic(), loaded=False)
     answers = await rt.agents.unload_each([(a.endpoint, view.creds, n) for a, n in calls])
     unloaded = 0
     for (agent, registry_name), answer in zip(calls, answers, strict=True):
@@ -178,7 +151,7 @@ async def remove_unwanted(
     return unloaded
 
 
-def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None, body: Mapping[str, Any]) -> AgentResult | None:
+def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None, adapter: AdapterObject) -> AgentResult | None:
     """What this agent holds of the adapter when no load is to be sent there now (it holds
     the spec; its Describe or listing failed; the generation is condemned; the last load
     here is backing off); None when it needs a load."""
@@ -190,36 +163,34 @@ def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None, body
         return AgentResult(target.agent.name, AgentState.UNREACHABLE, 0, target.ranks_total, "registry not listed yet")
     if isinstance(registry, AgentError):
         return error_result(target, registry)
-    meta = body["metadata"]
-    entry = registry.get(names.agent_name(meta["namespace"], meta["name"]))
-    if entry is not None and holds(entry, body["spec"], target.ranks_total):
-        rt.failures.clear(failure_key(body, target.agent.name))
+    entry = registry.get(adapter.agent_name)
+    if entry is not None and holds(entry, adapter.spec, target.ranks_total):
+        rt.books.failures.clear(adapter.failure_key(target.agent.name))
         return AgentResult(target.agent.name, AgentState.LOADED, min(len(entry.ranks), target.ranks_total), target.ranks_total)
-    verdict = condemned(rt, body)
+    verdict = condemned(rt, adapter)
     if verdict:  # its loads crashed agents: sent to none until the spec changes
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
-    return backing_off(rt, body, target)  # the last load here failed, its back-off not passed
+    return backing_off(rt, adapter, target)  # the last load here failed, its back-off not passed
 
 
 async def repair(
-    rt: Runtime, view: FleetView, targets: Sequence[Target], registries: Mapping[str, Registry], body: Mapping[str, Any]
+    rt: Runtime, view: FleetView, targets: Sequence[Target], registries: Mapping[str, Registry], adapter: AdapterObject
 ) -> tuple[list[AgentResult], FleetProblem | None]:
     """Each target's result after loading the adapter where it is missing and a load is
     allowed: those loads together through the handlers' path
-    (:func:`~lorafleet_operator.reconcile.load_each`, with the download progress); and the
+    (:func:`~lorafleet_operator.loads.load_each`, with the download progress); and the
     credential refusal that is the adapter's status, if any (the Secret is read only when a
     load is due: so at each drift check while it is refused)."""
-    known = [held_or_waiting(rt, t, registries.get(t.agent.name), body) for t in targets]
+    known = [held_or_waiting(rt, t, registries.get(t.agent.name), adapter) for t in targets]
     missing = [t for t, result in zip(targets, known, strict=True) if result is None]
-    credential = await adapter_credential(rt, view, body) if missing else None
-    loaded = await load_each(rt, view, missing, body, credential) if missing else []
-    meta = body["metadata"]
+    credential = await adapter_credential(rt, view, adapter) if missing else None
+    loaded = await load_each(rt, view, missing, adapter, credential) if missing else []
     for result in loaded:
         metrics.DRIFT_REPAIRS.labels(action="load").inc()
         log.info(
             "drift: loaded %s/%s on %s: %s%s",
-            meta["namespace"],
-            meta["name"],
+            adapter.namespace,
+            adapter.name,
             result.pod,
             result.state,
             f" ({result.message})" if result.message else "",
@@ -229,145 +200,75 @@ async def repair(
     return results, credential_refusal(credential, results)
 
 
-def handled(rt: Runtime, body: Mapping[str, Any], listed_at: float) -> bool:
+def handled(rt: Runtime, adapter: AdapterObject, listed_at: float) -> bool:
     """Whether the adapter's handlers have it in hand, so that a check whose registries were
     listed at ``listed_at`` leaves it alone this round: a handler is reconciling it now, has
     not yet (no conditions: its create handler will load it), or finished after the listing
     (which then misses that handler's loads: repairing from it would load them all again)."""
-    meta = body["metadata"]
-    key = (meta["namespace"], meta["name"])
-    return rt.lock(*key).locked() or never_reconciled(body.get("status")) or rt.reconciled.get(key, -math.inf) >= listed_at
+    key = (adapter.namespace, adapter.name)
+    return rt.locks.adapter(*key).locked() or never_reconciled(adapter.status) or rt.books.reconciled.get(key, -math.inf) >= listed_at
+
+
+async def _converged_status(
+    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapter: AdapterObject, placements: Mapping[str, Placement]
+) -> tuple[dict[str, Any], list[AgentResult]]:
+    """The adapter's status after repairing it where it is placed, and the agents' results."""
+    refused = admission(view.name, view.spec, adapter.spec)
+    if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
+        pending = Pending(refused.reason, refused.message)
+        return build_status([], generation=adapter.generation, previous=adapter.status, pending=pending), []
+    placement = placements[adapter.agent_name]
+    results, refusal = await repair(rt, view, placed_targets(view, placement), registries, adapter)
+    if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
+        pending = Pending(refusal.reason, refusal.message)
+        return build_status([], generation=adapter.generation, previous=adapter.status, pending=pending), []
+    crashed = condemned(rt, adapter)
+    return build_status(results, generation=adapter.generation, previous=adapter.status, crashed=crashed, placement=placement), results
 
 
 async def converge_adapter(
     rt: Runtime,
     view: FleetView,
     registries: Mapping[str, Registry],
-    body: Mapping[str, Any],
+    adapter: AdapterObject,
     placements: Mapping[str, Placement],
     listed_at: float,
 ) -> str | None:
     """Repair one adapter where it is placed and write its status and EndpointSlices, unless
     its handlers have it in hand (:func:`handled`; the next check looks again); returns its
     phase (None if skipped). ``listed_at``: when the check's registry listing began."""
-    meta = body["metadata"]
-    if handled(rt, body, listed_at):
+    if handled(rt, adapter, listed_at):
         return None
-    async with rt.lock(meta["namespace"], meta["name"]):
-        stored = dict(body.get("status") or {})
-        generation = int(meta.get("generation", 0))
-        refused = admission(view.name, view.spec, body["spec"])
-        if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
-            results: list[AgentResult] = []
-            status = build_status(
-                [], generation=generation, previous=stored, pending_reason=refused.reason, pending_message=refused.message
-            )
-        else:
-            placement = placements[names.agent_name(meta["namespace"], meta["name"])]
-            results, refusal = await repair(rt, view, placed_targets(view, placement), registries, body)
-            if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
-                results = []
-                status = build_status(
-                    [], generation=generation, previous=stored, pending_reason=refusal.reason, pending_message=refusal.message
-                )
-            else:
-                status = build_status(results, generation=generation, previous=stored, crashed=condemned(rt, body), placement=placement)
-        await publish_status(rt, body, status)
+    async with rt.locks.adapter(adapter.namespace, adapter.name):
+        status, results = await _converged_status(rt, view, registries, adapter, placements)
+        await publish_status(rt, adapter, status)
         # Not new: an adapter without a status is left to its handler (handled).
-        await publish_slices(rt, body, view.spec, view.agents, results)
+        await publish_slices(rt, adapter.ref, view.spec, view.agents, results)
     return str(status["phase"])
 
 
-def member(
-    agent: AgentPod, info: AgentInfo | AgentError | None, registry: Registry | None, own: set[str] | frozenset[str] = frozenset()
-) -> dict[str, Any]:
-    """One LoraFleet status.members entry. ``capacity.loadedLoras`` counts only ``own``, the
-    registry names of this fleet's adapters: agents may be shared by fleets of several
-    namespaces, and a fleet's status must not tell its readers how busy the others are."""
-    entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint, "ready": agent.dialable and isinstance(info, AgentInfo)}
-    if isinstance(info, AgentInfo):
-        entry["baseModel"] = info.base_model
-        entry["topology"] = {
-            "tpSize": info.tp_size,
-            "dpSize": info.dp_size,
-            "attnTpSize": info.attn_tp_size,
-            "epSize": info.ep_size,
-            "moeTpSize": info.moe_tp_size,
-        }
-        entry["capacity"] = {
-            "maxLoadedLoras": info.max_loaded_loras,
-            "maxLorasPerBatch": info.max_loras_per_batch,
-            "maxLoraRank": info.max_lora_rank,
-        }
-        if isinstance(registry, Mapping):
-            entry["capacity"]["loadedLoras"] = sum(1 for n in registry if n in own)
-        entry["message"] = ""
-    elif isinstance(info, AgentError):
-        entry["message"] = info.message[:MAX_AGENT_MESSAGE]
-    else:
-        entry["message"] = "pod not ready" if not agent.ready else "pod has no IP or gRPC port"
-    return entry
-
-
-def fleet_status(
-    fleet: Mapping[str, Any],
-    view: FleetView | None,
-    registries: Mapping[str, Registry],
-    problem: FleetProblem | None,
-    own: set[str] | frozenset[str] = frozenset(),
-) -> dict[str, Any]:
-    """LoraFleet status: agents found, how many answer, each member's topology and capacity
-    (``own``: the registry names of this fleet's adapters, the only ones counted)."""
-    previous = list((fleet.get("status") or {}).get("conditions") or [])
-    generation = int(fleet["metadata"].get("generation", 0))
-    now = now_rfc3339()
-    if view is None:
-        assert problem is not None
-        unusable = condition("Ready", "False", problem.reason, problem.message, generation, previous, now)
-        return {"observedGeneration": generation, "conditions": [unusable]}
-    members = [member(a, view.infos.get(a.name), registries.get(a.name), own) for a in view.agents]
-    ready_agents = sum(1 for m in members if m["ready"])
-    answering = f"{ready_agents}/{len(members)} agents answer"
-    if not members:
-        ready = ("False", "NoAgents", "the selector matches no pod")
-    elif ready_agents == len(members):
-        ready = ("True", "AllAgentsReady", answering)
-    else:
-        ready = ("False", "AgentsNotReady", answering)
-    # At most MAX_LISTED_MEMBERS, those not ready chosen first; the rest only counted.
-    shown = sorted(sorted(members, key=lambda m: (m["ready"], m["pod"]))[:MAX_LISTED_MEMBERS], key=lambda m: m["pod"])
-    return {
-        "observedGeneration": generation,
-        "agents": len(members),
-        "readyAgents": ready_agents,
-        "members": shown,
-        "membersNotListed": len(members) - len(shown),
-        "conditions": [condition("Ready", *ready, generation, previous, now)],
-    }
-
-
-async def check_fleet(rt: Runtime, namespace: str, fleet: Mapping[str, Any]) -> None:
+async def check_fleet(rt: Runtime, fleet: FleetObject) -> None:
     """One registry-consistency check of one fleet (see the module docstring)."""
     started = time.monotonic()
-    name = fleet["metadata"]["name"]
+    namespace, name = fleet.namespace, fleet.name
     try:
         view = await fleet_view(rt, namespace, name, fresh=True)
     except FleetProblem as problem:
-        await publish_fleet_status(rt, fleet, fleet_status(fleet, None, {}, problem))
+        await publish_fleet_status(rt, fleet, fleet_status(fleet, None, {}, Pending(problem.reason, problem.message)))
         metrics.DRIFT_CHECKS.inc()
         log.info("drift check of lorafleet %s/%s: %s", namespace, name, problem.message)
         return
     listed_at = time.monotonic()
     registries = await list_registries(rt, view)
-    adapters = await rt.kube.list_adapters(namespace)  # after the registries: see module doc
-    fleets = await rt.kube.list_fleets(namespace)
-    mine = [a for a in adapters if _live(a) and a["spec"]["fleetRef"]["name"] == name]
-    admitted = [a for a in mine if admission(name, view.spec, a["spec"]) is None]
+    adapters = [adapter_of(a) for a in await rt.kube.list_adapters(namespace)]  # after the registries: see module doc
+    fleets = [fleet_of(f) for f in await rt.kube.list_fleets(namespace)]
+    mine = [a for a in adapters if not a.deleting and a.spec.fleet == name]
+    admitted = [a for a in mine if admission(name, view.spec, a.spec) is None]
     placements = place_fleet(rt, view, registries, admitted, complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
     phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a, placements, listed_at) for a in mine))
-    current = next((f for f in fleets if f["metadata"]["name"] == name), fleet)
-    own = {names.agent_name(namespace, a["metadata"]["name"]) for a in mine}
+    current = next((f for f in fleets if f.name == name), fleet)
+    own = {a.agent_name for a in mine}
     await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))
     metrics.DRIFT_CHECKS.inc()
     counts = {p: phases.count(p) for p in sorted({p for p in phases if p})}
@@ -401,10 +302,10 @@ def drift_loops_alive(memo: kopf.Memo, **_: Any) -> int:
     loop has not finished a round for :func:`~lorafleet_operator.failures.loop_stall_s` (a
     wedged reconcile loop), so the kubelet restarts the process; else the number of loops."""
     rt: Runtime = memo["runtime"]
-    stalled = stalled_loops(rt.heartbeats, time.monotonic(), rt.settings)
+    stalled = stalled_loops(rt.watch.heartbeats, time.monotonic(), rt.settings)
     if stalled:
         raise kopf.PermanentError(f"drift loops stalled for over {loop_stall_s(rt.settings):.0f}s: {', '.join(stalled)}")
-    return len(rt.heartbeats)
+    return len(rt.watch.heartbeats)
 
 
 @kopf.daemon(GROUP, VERSION, FLEETS, cancellation_timeout=10.0)
@@ -412,25 +313,27 @@ async def fleet_drift(body: kopf.Body, name: str, memo: kopf.Memo, stopped: kopf
     """The drift check of one fleet, for as long as the fleet exists."""
     rt: Runtime = memo["runtime"]
     namespace: str = body["metadata"]["namespace"]  # LoraFleet is a namespaced kind
-    poke = rt.poke(namespace, name)
-    rt.heartbeats[(namespace, name)] = time.monotonic()
+    poke = rt.watch.poke(namespace, name)
+    rt.watch.heartbeats[(namespace, name)] = time.monotonic()
     try:
-        await _drift_loop(rt, namespace, name, body, poke, stopped)
+        await _drift_loop(rt, body, poke, stopped)
     finally:
-        rt.heartbeats.pop((namespace, name), None)
+        rt.watch.heartbeats.pop((namespace, name), None)
 
 
-async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body, poke: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
-    """Drift checks of one fleet until its daemon stops; each finished round is a heartbeat."""
+async def _drift_loop(rt: Runtime, body: kopf.Body, poke: asyncio.Event, stopped: kopf.DaemonStopped) -> None:
+    """Drift checks of one fleet until its daemon stops; each finished round is a heartbeat.
+    ``body`` is kopf's live view of the fleet: parsed again at each round."""
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     api_failures = 0  # consecutive checks that failed on the Kubernetes API
     while not stopped:
         poke.clear()
         wait_at_least = 0.0
         try:
-            async with rt.fleet_lock(namespace, name):  # never beside the fleet's deletion
+            async with rt.locks.fleet(namespace, name):  # never beside the fleet's deletion
                 if stopped:
                     break
-                await check_fleet(rt, namespace, body)
+                await check_fleet(rt, fleet_of(body))
             api_failures = 0
         except KUBE_API_ERRORS as err:  # the API server is down or busy: back off (policy)
             api_failures += 1
@@ -444,7 +347,7 @@ async def _drift_loop(rt: Runtime, namespace: str, name: str, body: kopf.Body, p
             )
         except Exception:
             log.exception("drift check of lorafleet %s/%s failed; next in %.0fs", namespace, name, rt.settings.drift_interval_s)
-        rt.heartbeats[(namespace, name)] = time.monotonic()
+        rt.watch.heartbeats[(namespace, name)] = time.monotonic()
         delay = drift_delay(rt.settings, api_failures, wait_at_least)
         # While the API fails, a poke (a pod event) does not cut the back-off short.
         await _sleep(stopped, poke if not api_failures else asyncio.Event(), delay)

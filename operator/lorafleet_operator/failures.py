@@ -14,9 +14,9 @@ Every decision about what failed how, and whether and when to try again, is made
   own API requests retry endlessly with a capped doubling (:func:`kopf_api_backoffs`);
 * **deletion** — how long an unreachable agent may hold up a finalizer;
 * **crashes during loads** — a load that was in flight when its agent died or hung counts
-  against that adapter generation (:class:`CrashBook`); after ``load_crash_budget`` such agent
-  deaths the generation is condemned: Failed (``LoadCrashedAgent``), sent to no agent until the
-  spec changes;
+  against that adapter generation (:class:`~lorafleet_operator.crashes.CrashBook`, in a module
+  of its own); after ``load_crash_budget`` such agent deaths the generation is condemned:
+  Failed (``LoadCrashedAgent``), sent to no agent until the spec changes;
 * **an unusable fleet** — a missing or deleted LoraFleet, a Secret not opened to lorafleet, a
   token that is no valid header value (:func:`bearer_token`) are :class:`FleetProblem`: permanent,
   never retried by kopf (the adapter is Pending with the reason; the drift check and a
@@ -43,10 +43,13 @@ import kopf
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from lorafleet_operator.agent_client import AgentError, ControlReply
+from lorafleet_operator.agent_values import AgentError, ControlReply
+from lorafleet_operator.conditions import rfc3339
 from lorafleet_operator.config import Settings
-from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, rfc3339
+from lorafleet_operator.crashes import Incarnation
+from lorafleet_operator.reasons import Reason
+from lorafleet_operator.resources import FailureKey
+from lorafleet_operator.status import AgentResult, AgentState, Phase
 
 #: gRPC codes that say "try again later": the agent or one of its ranks is down or busy.
 TRANSIENT_CODES = frozenset(
@@ -164,9 +167,6 @@ def delete_waits(settings: Settings, retry: int, failures: Iterable[AgentFailure
     return retry < settings.delete_retries and any(is_transient(f) for f in failures)
 
 
-#: (adapter uid, generation, agent pod): one adapter generation on one agent.
-FailureKey = tuple[str, int, str]
-
 #: A retry waits between ``1 - JITTER`` and 1 times its back-off (chosen at random), so agents
 #: (and adapters) that failed together do not all ask again at the same instant.
 JITTER = 0.5
@@ -257,147 +257,6 @@ class LoadRetries:
         return min(waits) if waits else None
 
 
-#: Codes with which a load can end without the agent having answered it: its process died
-#: (connection reset or closed: UNAVAILABLE) or hung (the operator's deadline fired).
-UNANSWERED_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-#: Reasons an agent gives (trailing metadata ``lorafleet-reason``) when its engine stopped
-#: serving under the call: the agent is about to exit, as if it had died during the load.
-ENGINE_DIED_REASONS = frozenset({"engine_unavailable"})
-
-
-def died_under(err: AgentError) -> bool:
-    """Whether a failed load may be the agent dying or hanging under it (a crash candidate):
-    the call ended without an answer of the agent's own (no ``lorafleet-reason``; a transport
-    error or the operator's deadline), or the agent said its engine stopped serving. An error
-    the agent answered with its own reason (a download timeout, too many downloads) is not."""
-    if err.reason:
-        return err.reason in ENGINE_DIED_REASONS
-    return err.code in UNANSWERED_CODES
-
-
-def answered(failure: AgentFailure) -> bool:
-    """Whether the agent itself answered a failed load (a refusal, or an error of its own):
-    it is alive, and its registry says what it still serves."""
-    return isinstance(failure, ControlReply) or not died_under(failure)
-
-
-#: (adapter uid, generation): what a crash counts against.
-AdapterGeneration = tuple[str, int]
-#: (pod uid, container restarts): one life of an agent process; a restart starts a new one.
-Incarnation = tuple[str, int]
-
-
-def incarnation(pod: AgentPod) -> Incarnation:
-    return (pod.uid, pod.restarts)
-
-
-@dataclass(frozen=True)
-class Suspect:
-    """A load of one generation on one agent life that ended without the agent's answer."""
-
-    incarnation: Incarnation
-    #: No other load was in flight on that agent during this one: a death is this load's.
-    alone: bool
-    message: str
-
-
-@dataclass
-class CrashBook:
-    """Which adapter generations were being loaded when their agent died or hung.
-
-    A load that ended without the agent's answer (:func:`died_under`) makes that (generation,
-    agent) a *suspect*. The next look at the fleet (:meth:`observe`) settles it: the same pod
-    not Ready (its container exited or its probe failed: dead or hung; a network fault between
-    the operator and the agent leaves the kubelet's probe alone) or with more container
-    restarts means the agent died or hung during the load — a **crash**; a re-created pod
-    (new uid) drops the suspect; a later answered load on the same agent life clears it (the
-    failure was the network: a stall or a partition). A crash counts
-    against the generation only when that load was alone on the agent; one with company is
-    *ambiguous* and makes the generation's next loads run alone on their agent (exclusive), so
-    the next death is attributed exactly. ``budget`` counted crashes (distinct agent lives)
-    condemn the generation (:meth:`verdict`). A success on an agent clears the suspicion
-    there. A new generation is a new key: a spec change is tried again.
-    """
-
-    budget: int
-    suspects: dict[AdapterGeneration, dict[str, Suspect]] = field(default_factory=dict)
-    crashes: dict[AdapterGeneration, dict[tuple[str, Incarnation], str]] = field(default_factory=dict)
-    ambiguous: set[AdapterGeneration] = field(default_factory=set)
-
-    def suspect(self, key: AdapterGeneration, pod: str, life: Incarnation, *, alone: bool, message: str) -> None:
-        self._forget_older(key)
-        self.suspects.setdefault(key, {})[pod] = Suspect(life, alone, message)
-
-    def answered(self, key: AdapterGeneration, pod: str, *, loaded: bool) -> None:
-        """The agent answered a load of this generation (success, refusal or its own error):
-        whatever was suspected of it there was not a death; a success also lifts isolation."""
-        self.suspects.get(key, {}).pop(pod, None)
-        if loaded:
-            self.ambiguous.discard(key)
-
-    def observe(self, pods: Iterable[AgentPod]) -> None:
-        """Settle suspects against the fleet's pods as they are now (:class:`CrashBook`)."""
-        now = {p.name: p for p in pods}
-        for key, by_pod in self.suspects.items():
-            for name, suspect in list(by_pod.items()):
-                pod = now.get(name)
-                if pod is None:
-                    continue  # not in this look (another fleet, or gone): settled elsewhere
-                uid, restarts = suspect.incarnation
-                if pod.uid != uid:
-                    del by_pod[name]  # a new pod, not a restart: nothing to count
-                elif pod.restarts > restarts or not pod.ready:
-                    del by_pod[name]
-                    if suspect.alone:
-                        self.crashes.setdefault(key, {})[(name, suspect.incarnation)] = suspect.message
-                    else:
-                        self.ambiguous.add(key)
-
-    def isolate(self, key: AdapterGeneration) -> bool:
-        """Whether this generation's loads must run with no other load on their agent."""
-        return key in self.ambiguous or bool(self.suspects.get(key)) or bool(self.crashes.get(key))
-
-    def verdict(self, key: AdapterGeneration) -> str:
-        """Why this generation is sent to no agent any more ("" while it may be)."""
-        crashes = self.crashes.get(key, {})
-        if len(crashes) < self.budget:
-            return ""
-        agents = sorted({pod for pod, _ in crashes})
-        what = "; ".join(f"{pod} (restart {life[1]}): {message}" for (pod, life), message in sorted(crashes.items()))
-        return (
-            f"generation {key[1]} was being loaded when {len(crashes)} agent processes "
-            f"died or hung ({', '.join(agents)}; the crash budget is {self.budget}): "
-            f"{what}; not sent to any agent until the spec changes"
-        )
-
-    def forget(self, uid: str) -> None:
-        """Forget a deleted adapter."""
-        for book in (self.suspects, self.crashes):
-            for key in [k for k in book if k[0] == uid]:
-                del book[key]
-        self.ambiguous = {k for k in self.ambiguous if k[0] != uid}
-
-    def _forget_older(self, key: AdapterGeneration) -> None:
-        """A newer generation replaces what was known of older ones."""
-        for book in (self.suspects, self.crashes):
-            for old in [k for k in book if k[0] == key[0] and k[1] < key[1]]:
-                del book[old]
-        self.ambiguous = {k for k in self.ambiguous if not (k[0] == key[0] and k[1] < key[1])}
-
-
-def crash_verdict(book: CrashBook, key: AdapterGeneration, status: Mapping[str, Any] | None) -> str:
-    """Why this generation is condemned: this process's own count, or — across operator
-    restarts — a stored Ready condition of this generation with reason ``LoadCrashedAgent``
-    (the status is the durable record). "" when it may be loaded."""
-    verdict = book.verdict(key)
-    if verdict:
-        return verdict
-    for cond in (status or {}).get("conditions") or []:
-        if cond.get("type") == "Ready" and cond.get("reason") == LOAD_CRASHED_AGENT and int(cond.get("observedGeneration", -1)) == key[1]:
-            return str(cond.get("message") or "its loads crashed agents")
-    return ""
-
-
 class Transient(Exception):
     """A handler's work is incomplete for a reason that may pass: retry with back-off —
     after ``delay_s`` when the load back-off book says when (:meth:`LoadRetries.due_in`),
@@ -424,10 +283,6 @@ class FleetProblem(Permanent):
         self.message = message
 
 
-#: The Ready condition's reason for a token that cannot be sent as a header value.
-INVALID_TOKEN = "InvalidToken"
-
-
 def bearer_token(raw: bytes) -> str:
     """A token Secret's value as the bearer token to send: surrounding whitespace (a trailing
     newline from ``echo`` or a file) is trimmed; anything left that is not printable ASCII (a
@@ -435,11 +290,11 @@ def bearer_token(raw: bytes) -> str:
     refuse every call with "Illegal header value". The message never shows the value."""
     token = raw.strip(b" \t\r\n\f\v")
     if not token:
-        raise FleetProblem(INVALID_TOKEN, "the fleet's bearer token is empty (after trimming surrounding whitespace)")
+        raise FleetProblem(Reason.INVALID_TOKEN, "the fleet's bearer token is empty (after trimming surrounding whitespace)")
     bad = sum(1 for b in token if not 0x20 <= b <= 0x7E)
     if bad:
         raise FleetProblem(
-            INVALID_TOKEN,
+            Reason.INVALID_TOKEN,
             f"the fleet's bearer token cannot be sent as a header "
             f"value: it contains {bad} control or non-ASCII "
             f"byte(s) after trimming surrounding whitespace; "

@@ -8,10 +8,11 @@ pod that is not Ready, and a pod that is gone no longer counts.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from lorafleet_operator.resources import FleetSpec
 
 #: The LoraFleet CRD's default of ``spec.grpcPortName`` (its source; tests/operator/test_routing.py
 #: compares), for fleet specs that did not come through the API server.
@@ -114,18 +115,6 @@ def pod_summary(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def fleet_summary(fleet: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts of a LoraFleet object that a look at the fleet reads (its name, uid,
-    generation, ``deletionTimestamp`` and spec; its status dropped): what the operator keeps
-    of every fleet it watches (its fleet index), instead of reading the fleet at each
-    reconcile. The spec is copied: the index must not share a body kopf may replace."""
-    meta = fleet.get("metadata") or {}
-    return {
-        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation", "deletionTimestamp") if k in meta},
-        "spec": copy.deepcopy(dict(fleet.get("spec") or {})),
-    }
-
-
 def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -> AgentPod:
     """An AgentPod from a Pod object (as a dict, the API server's JSON)."""
     meta = pod.get("metadata") or {}
@@ -143,9 +132,9 @@ def agent_from_pod(pod: Mapping[str, Any], port_name: str = DEFAULT_PORT_NAME) -
     )
 
 
-def agents_of(fleet_spec: Mapping[str, Any], pods: Sequence[Mapping[str, Any]]) -> list[AgentPod]:
+def agents_of(fleet_spec: FleetSpec, pods: Sequence[Mapping[str, Any]]) -> list[AgentPod]:
     """The fleet's agents among ``pods`` (already filtered by namespace), sorted by name."""
-    selector = fleet_spec.get("selector") or {}
-    port_name = fleet_spec.get("grpcPortName") or DEFAULT_PORT_NAME
+    selector = fleet_spec.selector
+    port_name = fleet_spec.grpc_port_name or DEFAULT_PORT_NAME
     chosen = [agent_from_pod(p, port_name) for p in pods if selector_matches(selector, (p.get("metadata") or {}).get("labels") or {})]
     return sorted(chosen, key=lambda a: a.name)

@@ -34,6 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_common.identity import NONCE_BYTES, proof_matches
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.kube import Kube
+from lorafleet_operator.reasons import EventReason
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 #: could not be delivered: not the agent's answer, but no crash of a load either).
 NOT_AN_AGENT = "not_an_agent"
 IDENTITY_UNCHECKED = "identity_unchecked"
-#: The Event's reason on such a pod.
-EVENT_REASON = "NotAnAgent"
 #: Codes with which a challenge never reached an answer: asking again may help.
 UNDELIVERED = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -133,8 +132,8 @@ async def report_impostors(kube: Kube, identities: Identities, agents: Sequence[
                 pod.namespace,
                 {"apiVersion": "v1", "kind": "Pod", "name": pod.name, "uid": pod.uid},
                 "Warning",
-                EVENT_REASON,
+                EventReason.NOT_AN_AGENT,
                 str(getattr(answer, "message", "")),
             )
         except (ApiException, urllib3.exceptions.HTTPError) as err:
-            log.warning("could not post the %s Event on pod %s/%s: %s", EVENT_REASON, pod.namespace, pod.name, err)
+            log.warning("could not post the %s Event on pod %s/%s: %s", EventReason.NOT_AN_AGENT, pod.namespace, pod.name, err)

@@ -29,6 +29,7 @@ from lorafleet_operator.config import Settings
 from lorafleet_operator.failures import KUBE_API_ERRORS, kube_reason
 from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.leader import LeaderElector
+from lorafleet_operator.reasons import EventReason
 from lorafleet_operator.runtime import Runtime
 
 log = logging.getLogger("lorafleet.operator")
@@ -79,7 +80,7 @@ async def usable_namespaces(kube: Kube, settings: Settings) -> list[str]:
                     settings.lease_namespace,
                     lease,
                     "Warning",
-                    "WatchedNamespaceUnusable",
+                    EventReason.WATCHED_NAMESPACE_UNUSABLE,
                     f"watched namespace {namespace} is {problem}: {what}",
                 )
             except KUBE_API_ERRORS as err:

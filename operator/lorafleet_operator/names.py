@@ -10,10 +10,12 @@ hand without that prefix (e.g. ``support``) are never touched.
 
 from __future__ import annotations
 
+from lorafleet_common.adapter_names import MAX_NAME_LENGTH
+
 #: Between the namespace and the name in a registry name.
 SEPARATOR = "."
-#: The longest registry name an agent holds (``node_agent/validation.py`` ``ADAPTER_NAME``).
-MAX_AGENT_NAME = 253
+#: The longest registry name an agent holds: the shared rule (``lorafleet_common.adapter_names``).
+MAX_AGENT_NAME = MAX_NAME_LENGTH
 #: The longest namespace Kubernetes allows (a DNS label).
 MAX_NAMESPACE = 63
 #: The longest LoraAdapter name whose registry name fits every namespace: 253 - 63 - 1 = 189.

@@ -1,4 +1,4 @@
-"""A long load's progress in the adapter's Ready condition (issue 13).
+"""A long load's progress in the adapter's Ready condition.
 
 While a handler's loads of a remote source (http(s), hf://) run, a side task asks each target
 agent every :data:`INTERVAL_S` which downloads it is running (``ListAdapters.downloading``: the
@@ -15,17 +15,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from lorafleet_operator import names, sources
-from lorafleet_operator.agent_client import AgentError
-
-if TYPE_CHECKING:  # reconcile calls this module: no import cycle at run time
-    from lorafleet_operator.reconcile import FleetView, Target
-    from lorafleet_operator.runtime import Runtime
+from lorafleet_operator import sources
+from lorafleet_operator.agent_values import AgentError
+from lorafleet_operator.resources import AdapterObject
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.view import FleetView, Target
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +52,21 @@ def with_ready_message(conditions: Sequence[Mapping[str, Any]], message: str) ->
     return [{**c, "message": message} if c.get("type") == "Ready" else dict(c) for c in conditions]
 
 
-async def _patch_conditions(rt: Runtime, meta: Mapping[str, Any], conditions: Sequence[Mapping[str, Any]]) -> bool:
+async def _patch_conditions(rt: Runtime, adapter: AdapterObject, conditions: Sequence[Mapping[str, Any]]) -> bool:
     """Write the conditions; False (logged) when the API refused or failed: best effort."""
     try:
-        await rt.kube.patch_adapter_status(meta["namespace"], meta["name"], {"conditions": list(conditions)})
+        await rt.kube.patch_adapter_status(adapter.namespace, adapter.name, {"conditions": list(conditions)})
     except (ApiException, urllib3.exceptions.HTTPError) as err:
-        log.warning("could not write the load progress of %s/%s: %s", meta["namespace"], meta["name"], err)
+        log.warning("could not write the load progress of %s/%s: %s", adapter.namespace, adapter.name, err)
         return False
     return True
 
 
-async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], body: Mapping[str, Any], written: list[str]) -> None:
+async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject, written: list[str]) -> None:
     """Every INTERVAL_S, the targets' downloads of this adapter into its Ready message; each
     message written is appended to ``written``."""
-    meta = body["metadata"]
-    name = names.agent_name(meta["namespace"], meta["name"])
-    conditions = (body.get("status") or {}).get("conditions") or []
+    name = adapter.agent_name
+    conditions = adapter.status.get("conditions") or []
     while True:
         await asyncio.sleep(INTERVAL_S)
         per_agent: dict[str, tuple[int, int]] = {}
@@ -83,21 +81,21 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], body:
         if (
             message
             and message != (written[-1] if written else "")
-            and await _patch_conditions(rt, meta, with_ready_message(conditions, message))
+            and await _patch_conditions(rt, adapter, with_ready_message(conditions, message))
         ):
             written.append(message)
 
 
 @contextlib.asynccontextmanager
-async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], body: Mapping[str, Any]) -> AsyncIterator[None]:
+async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject) -> AsyncIterator[None]:
     """Report the loads' download progress while the block runs (remote sources only); then put
     the Ready condition back as it was if a progress message was written."""
-    conditions = (body.get("status") or {}).get("conditions") or []
-    if not targets or not conditions or not sources.is_remote(str(body["spec"]["source"]["uri"])):
+    conditions = adapter.status.get("conditions") or []
+    if not targets or not conditions or not sources.is_remote(adapter.spec.source.uri):
         yield
         return
     written: list[str] = []
-    task = asyncio.create_task(_report(rt, view, targets, body, written))
+    task = asyncio.create_task(_report(rt, view, targets, adapter, written))
     try:
         yield
     finally:
@@ -105,4 +103,4 @@ async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], bod
         with contextlib.suppress(asyncio.CancelledError):
             await task
         if written:
-            await _patch_conditions(rt, body["metadata"], conditions)
+            await _patch_conditions(rt, adapter, conditions)

@@ -18,6 +18,8 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator import metrics
+from lorafleet_operator.reasons import EventReason
+from lorafleet_operator.resources import AdapterObject, FleetObject, ObjectRef
 from lorafleet_operator.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ def unchanged(previous: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
     return all(previous.get(k) == v for k, v in status.items())
 
 
-def post_phase_event(body: Mapping[str, Any], old_phase: str | None, status: Mapping[str, Any]) -> None:
+def post_phase_event(ref: ObjectRef, old_phase: str | None, status: Mapping[str, Any]) -> None:
     """A Kubernetes Event when the phase moved (kopf posts it asynchronously)."""
     phase = status.get("phase")
     if not phase or phase == old_phase:
@@ -41,21 +43,16 @@ def post_phase_event(body: Mapping[str, Any], old_phase: str | None, status: Map
     message = f"{old_phase or 'new'} -> {phase}: {ready['message'] if ready else ''}"
     if status.get("message"):
         message += f"; {status['message']}"
-    post_event(body, "Warning" if phase in WARNING_PHASES else "Normal", str(phase), message)
+    post_event(ref, "Warning" if phase in WARNING_PHASES else "Normal", str(phase), message)
 
 
-def post_event(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+def post_event(ref: ObjectRef, type_: str, reason: str, message: str) -> None:
     """A Kubernetes Event about this object (kopf posts it asynchronously)."""
     try:
-        kopf.event(kopf.Body(_reference(body)), type=type_, reason=reason, message=message[:MAX_EVENT_MESSAGE])
+        kopf.event(kopf.Body(ref.to_reference()), type=type_, reason=reason, message=message[:MAX_EVENT_MESSAGE])
     except LookupError:
         # Outside a running operator (no kopf context: unit use of this module) nothing posts.
         log.debug("no kopf context; event %s not posted", reason)
-
-
-def _reference(body: Mapping[str, Any]) -> kopf.RawBody:
-    """What an Event needs of its object: kind, apiVersion and metadata (name, uid, ...)."""
-    return {"apiVersion": body.get("apiVersion", ""), "kind": body.get("kind", ""), "metadata": body.get("metadata", {})}
 
 
 #: API answers that refuse a patch for what it is (schema or size), not for the moment:
@@ -65,7 +62,7 @@ REFUSED_CODES = frozenset({400, 413, 422})
 
 async def _patch_once(
     rt: Runtime,
-    body: Mapping[str, Any],
+    ref: ObjectRef,
     status: Mapping[str, Any],
     patch: Callable[[str, str, Mapping[str, Any]], Awaitable[dict[str, Any] | None]],
 ) -> bool:
@@ -73,68 +70,61 @@ async def _patch_once(
     is reported (log line, Warning Event, ``lorafleet_status_refused_total``) and
     remembered, so the same patch is never sent again (a different status is). Returns
     whether the status was written."""
-    meta = body["metadata"]
-    kind = str(body.get("kind", ""))
-    key = (kind, meta["namespace"], meta["name"])
+    key = (ref.kind, ref.namespace, ref.name)
     digest = hashlib.sha256(json.dumps(status, sort_keys=True, default=str).encode()).hexdigest()
-    if rt.refused_status.get(key) == digest:
+    refused = rt.caches.refused_status
+    if refused.get(key) == digest:
         return False
     try:
-        written = await patch(meta["namespace"], meta["name"], status)
+        written = await patch(ref.namespace, ref.name, status)
     except ApiException as err:
         if err.status not in REFUSED_CODES:
             raise
-        rt.refused_status[key] = digest
-        metrics.STATUS_REFUSED.labels(kind=kind).inc()
+        refused[key] = digest
+        metrics.STATUS_REFUSED.labels(kind=ref.kind).inc()
         reason = f"{err.status} {err.reason}: {(err.body or '')[: MAX_EVENT_MESSAGE // 2]}"
         log.error(
             "status of %s %s/%s refused by the API server (%s); this status is not sent again",
-            kind,
-            meta["namespace"],
-            meta["name"],
+            ref.kind,
+            ref.namespace,
+            ref.name,
             reason,
         )
-        await _report_refusal(rt, body, reason)
+        await _report_refusal(rt, ref, reason)
         return False
-    rt.refused_status.pop(key, None)
+    refused.pop(key, None)
     return written is not None
 
 
-async def _report_refusal(rt: Runtime, body: Mapping[str, Any], reason: str) -> None:
+async def _report_refusal(rt: Runtime, ref: ObjectRef, reason: str) -> None:
     """A Warning Event ``StatusRefused`` on the object (best effort: the log line stays)."""
-    meta = body["metadata"]
-    involved = {
-        "apiVersion": str(body.get("apiVersion", "")),
-        "kind": str(body.get("kind", "")),
-        "name": meta["name"],
-        "uid": meta.get("uid", ""),
-    }
+    reference = ref.to_reference()
+    involved = {"apiVersion": reference["apiVersion"], "kind": ref.kind, "name": ref.name, "uid": ref.uid}
     try:
         await rt.kube.post_event(
-            meta["namespace"],
+            ref.namespace,
             involved,
             "Warning",
-            "StatusRefused",
+            EventReason.STATUS_REFUSED,
             f"the API server refused the status update: {reason}"[:MAX_EVENT_MESSAGE],
         )
     except ApiException as err:
         log.warning("event StatusRefused not posted: %s %s", err.status, err.reason)
 
 
-async def publish_status(rt: Runtime, body: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+async def publish_status(rt: Runtime, adapter: AdapterObject, status: Mapping[str, Any]) -> bool:
     """Write a LoraAdapter's ``status`` unless it is already stored (or this very patch was
     refused before); post an Event on a phase change. Returns whether anything was written."""
-    previous = dict(body.get("status") or {})
-    if unchanged(previous, status):
+    if unchanged(adapter.status, status):
         return False
-    written = await _patch_once(rt, {"kind": "LoraAdapter", **body}, status, rt.kube.patch_adapter_status)
+    written = await _patch_once(rt, adapter.ref, status, rt.kube.patch_adapter_status)
     if written:
-        post_phase_event(body, previous.get("phase"), status)
+        post_phase_event(adapter.ref, adapter.status.get("phase"), status)
     return written
 
 
-async def publish_fleet_status(rt: Runtime, fleet: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+async def publish_fleet_status(rt: Runtime, fleet: FleetObject, status: Mapping[str, Any]) -> bool:
     """Write a LoraFleet's ``status`` unless it is already stored, or refused before."""
-    if unchanged(fleet.get("status") or {}, status):
+    if unchanged(fleet.status, status):
         return False
-    return await _patch_once(rt, {"kind": "LoraFleet", **fleet}, status, rt.kube.patch_fleet_status)
+    return await _patch_once(rt, fleet.ref, status, rt.kube.patch_fleet_status)

@@ -24,8 +24,9 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator.config import GROUP, VERSION
 from lorafleet_operator.failures import KUBE_API_ERRORS, kube_reason
-from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.fleet import DEFAULT_PORT_NAME, AgentPod
 from lorafleet_operator.publish import REFUSED_CODES
+from lorafleet_operator.resources import FleetSpec, ObjectRef
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult
 
@@ -80,11 +81,11 @@ def _routable(ip: str) -> bool:
         return False
 
 
-def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> list[RoutedPod]:
+def routed_pods(fleet_spec: FleetSpec, agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> list[RoutedPod]:
     """The Ready agent pods that hold the adapter on every rank, with their ports."""
     holding = {r.pod for r in results if r.ok}
-    grpc_name = fleet_spec.get("grpcPortName") or "grpc"
-    http_name = (fleet_spec.get("routing") or {}).get("httpPortName") or DEFAULT_HTTP_PORT_NAME
+    grpc_name = fleet_spec.grpc_port_name or DEFAULT_PORT_NAME
+    http_name = fleet_spec.http_port_name or DEFAULT_HTTP_PORT_NAME
     chosen = []
     for agent in agents:
         ports = dict(agent.ports)
@@ -97,10 +98,9 @@ def routed_pods(fleet_spec: Mapping[str, Any], agents: Sequence[AgentPod], resul
     return sorted(chosen, key=lambda p: p.pod)
 
 
-def desired_slices(adapter: Mapping[str, Any], service: str, pods: Sequence[RoutedPod]) -> list[dict[str, Any]]:
+def desired_slices(adapter: ObjectRef, service: str, pods: Sequence[RoutedPod]) -> list[dict[str, Any]]:
     """The EndpointSlices of one adapter: one per (address family, port set), each at most
     :data:`MAX_ENDPOINTS` endpoints; one empty slice when no pod holds it."""
-    meta = adapter["metadata"]
     groups: dict[tuple[str, tuple[tuple[str, int], ...]], list[RoutedPod]] = {}
     for pod in pods:
         groups.setdefault(("IPv6" if ":" in pod.ip else "IPv4", pod.ports), []).append(pod)
@@ -110,24 +110,24 @@ def desired_slices(adapter: Mapping[str, Any], service: str, pods: Sequence[Rout
     for (family, ports), members in sorted(groups.items()):
         chunks = [members[i : i + MAX_ENDPOINTS] for i in range(0, len(members), MAX_ENDPOINTS)]
         for index, chunk in enumerate(chunks or [[]]):
-            slices.append(_slice(meta, service, family, ports, chunk, index))
+            slices.append(_slice(adapter, service, family, ports, chunk, index))
     return slices
 
 
 def _slice(
-    meta: Mapping[str, Any], service: str, family: str, ports: tuple[tuple[str, int], ...], pods: Sequence[RoutedPod], index: int
+    adapter: ObjectRef, service: str, family: str, ports: tuple[tuple[str, int], ...], pods: Sequence[RoutedPod], index: int
 ) -> dict[str, Any]:
-    name = f"{meta['name']}-{_digest([family, ports, index], 8)}"
+    name = f"{adapter.name}-{_digest([family, ports, index], 8)}"
     return {
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
         "metadata": {
             "name": name,
-            "namespace": meta["namespace"],
-            "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY, ADAPTER_LABEL: adapter_label(meta["name"])},
-            "annotations": {ADAPTER_ANNOTATION: meta["name"]},
+            "namespace": adapter.namespace,
+            "labels": {SERVICE_NAME_LABEL: service, MANAGED_BY_LABEL: MANAGED_BY, ADAPTER_LABEL: adapter_label(adapter.name)},
+            "annotations": {ADAPTER_ANNOTATION: adapter.name},
             "ownerReferences": [
-                {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoraAdapter", "name": meta["name"], "uid": meta["uid"], "controller": True}
+                {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoraAdapter", "name": adapter.name, "uid": adapter.uid, "controller": True}
             ],
         },
         "addressType": family,
@@ -135,7 +135,7 @@ def _slice(
             {
                 "addresses": [p.ip],
                 "conditions": {"ready": True, "serving": True, "terminating": False},
-                "targetRef": {"kind": "Pod", "namespace": meta["namespace"], "name": p.pod, "uid": p.uid},
+                "targetRef": {"kind": "Pod", "namespace": adapter.namespace, "name": p.pod, "uid": p.uid},
             }
             for p in pods
         ],
@@ -153,8 +153,8 @@ def _owned(slices: Sequence[Mapping[str, Any]], uid: str) -> list[Mapping[str, A
 
 async def publish_slices(
     rt: Runtime,
-    adapter: Mapping[str, Any],
-    fleet_spec: Mapping[str, Any],
+    adapter: ObjectRef,
+    fleet_spec: FleetSpec,
     agents: Sequence[AgentPod],
     results: Sequence[AgentResult],
     *,
@@ -167,83 +167,79 @@ async def publish_slices(
     adapter had no status when its reconcile began, so no process has written slices for it
     (every reconcile writes the status before its slices): they are created without a list
     first (:func:`_write`)."""
-    meta = adapter["metadata"]
-    service = (fleet_spec.get("routing") or {}).get("serviceName") or DEFAULT_SERVICE
+    service = fleet_spec.service_name or DEFAULT_SERVICE
     wanted = desired_slices(adapter, service, routed_pods(fleet_spec, agents, results))
-    key, digest = (meta["namespace"], meta["name"]), _digest([meta["uid"], wanted])
-    if rt.slices.get(key) == digest:
+    key, digest = (adapter.namespace, adapter.name), _digest([adapter.uid, wanted])
+    if rt.caches.slices.get(key) == digest:
         return False
     try:
-        await _write(rt, meta, wanted, new=new)
+        await _write(rt, adapter, wanted, new=new)
     except ApiException as err:
         if err.status not in REFUSED_CODES:
-            return _not_written(meta, err)
+            return _not_written(adapter, err)
         # Refused for what it is: the same slices are not sent again (a change is).
-        rt.slices[key] = digest
+        rt.caches.slices[key] = digest
         log.error(
             "endpointslices of loraadapter %s/%s refused by the API server: %s %s: %s",
-            meta["namespace"],
-            meta["name"],
+            adapter.namespace,
+            adapter.name,
             err.status,
             err.reason,
             (err.body or "")[:512],
         )
         return False
     except KUBE_API_ERRORS as err:
-        return _not_written(meta, err)
-    rt.slices[key] = digest
-    rt.slice_names[key] = (meta["uid"], tuple(s["metadata"]["name"] for s in wanted))
+        return _not_written(adapter, err)
+    rt.caches.slices[key] = digest
+    rt.caches.slice_names[key] = (adapter.uid, tuple(s["metadata"]["name"] for s in wanted))
     log.info(
         "endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)",
-        meta["namespace"],
-        meta["name"],
+        adapter.namespace,
+        adapter.name,
         sum(len(s["endpoints"]) for s in wanted),
         len(wanted),
     )
     return True
 
 
-def _not_written(meta: Mapping[str, Any], err: BaseException) -> bool:
+def _not_written(ref: ObjectRef, err: BaseException) -> bool:
     log.warning(
         "endpointslices of loraadapter %s/%s not written: Kubernetes API: %s; again at the next reconcile",
-        meta["namespace"],
-        meta["name"],
+        ref.namespace,
+        ref.name,
         kube_reason(err),
     )
     return False
 
 
-async def _write(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]], *, new: bool = False) -> None:
+async def _write(rt: Runtime, ref: ObjectRef, wanted: Sequence[Mapping[str, Any]], *, new: bool = False) -> None:
     """Create or replace the wanted slices, and delete the adapter's others. A ``new``
     adapter's are created straight away: a thousand adapters created at once were a LIST
     each, filtered by label over every slice of the namespace; one that exists after all
     (409 Conflict) sends the write down the listing path."""
     # Until this write completes the adapter's slices are not known by name.
-    known = rt.slice_names.pop((meta["namespace"], meta["name"]), None)
-    if new and known is None and await _created(rt, meta, wanted):
+    known = rt.caches.slice_names.pop((ref.namespace, ref.name), None)
+    if new and known is None and await _created(rt, ref, wanted):
         return
-    existing = {
-        s["metadata"]["name"]: s
-        for s in _owned(await rt.kube.list_endpoint_slices(meta["namespace"], _selector(meta["name"])), meta["uid"])
-    }
+    existing = {s["metadata"]["name"]: s for s in _owned(await rt.kube.list_endpoint_slices(ref.namespace, _selector(ref.name)), ref.uid)}
     for slice_ in wanted:
         name = slice_["metadata"]["name"]
         old = existing.pop(name, None)
         if old is None:
-            await rt.kube.create_endpoint_slice(meta["namespace"], slice_)
+            await rt.kube.create_endpoint_slice(ref.namespace, slice_)
         else:
             current = {**slice_, "metadata": {**slice_["metadata"], "resourceVersion": old["metadata"]["resourceVersion"]}}
-            await rt.kube.replace_endpoint_slice(meta["namespace"], name, current)
+            await rt.kube.replace_endpoint_slice(ref.namespace, name, current)
     for name in existing:
-        await rt.kube.delete_endpoint_slice(meta["namespace"], name)
+        await rt.kube.delete_endpoint_slice(ref.namespace, name)
 
 
-async def _created(rt: Runtime, meta: Mapping[str, Any], wanted: Sequence[Mapping[str, Any]]) -> bool:
+async def _created(rt: Runtime, ref: ObjectRef, wanted: Sequence[Mapping[str, Any]]) -> bool:
     """Create every wanted slice; False at the first that already exists (409), which leaves
     the rest to the listing write."""
     for slice_ in wanted:
         try:
-            await rt.kube.create_endpoint_slice(meta["namespace"], slice_)
+            await rt.kube.create_endpoint_slice(ref.namespace, slice_)
         except ApiException as err:
             if err.status != 409:
                 raise
@@ -257,8 +253,8 @@ async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int
     last are deleted by name (one request each, none to list them: a thousand deletions at once
     were a LIST each more on the API server); otherwise (written by an earlier process, or a
     write that did not complete) they are listed first."""
-    rt.slices.pop((namespace, name), None)
-    known = rt.slice_names.pop((namespace, name), None)
+    rt.caches.slices.pop((namespace, name), None)
+    known = rt.caches.slice_names.pop((namespace, name), None)
     if known is not None and known[0] == uid:
         names = list(known[1])
     else:

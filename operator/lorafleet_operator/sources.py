@@ -3,45 +3,64 @@
 Remote sources (http(s) and hf://) are off for a fleet until its owner names prefixes; file://
 sources are bounded by the agents' adapter roots instead. Two kinds of prefix:
 
-* ``http(s)://host[:port]/path``: a source is under it when it starts with it (the CRD makes
-  the path start with "/", so a prefix cannot match a longer host name);
+* ``http(s)://host[:port]/path``: covers a source by the rule the agents apply to their own
+  ``--allow-source`` (`lorafleet_common.sources`): same scheme, host and port, the path equal or
+  continued after a ``/``, and the source a directory URL without userinfo, query, fragment or
+  dot segments whose two files lie under the fleet's prefixes; an entry that is no valid prefix
+  covers nothing;
 * ``hf://ORG/`` (every repository of the organisation) or ``hf://ORG/REPO`` (that repository,
-  at any revision and in any folder): compared by name, so ``hf://org/lora`` does not cover
-  ``hf://org/lora2`` and ``hf://org/`` does not cover ``hf://organisation/x``.
+  at any revision and in any folder): compared by name, on the URI as the agents read it
+  (`lorafleet_common.hub`), so ``hf://org/lora`` does not cover ``hf://org/lora2``,
+  ``hf://org/`` does not cover ``hf://organisation/x``, and a URI the agents refuse is admitted
+  under no prefix.
 
 The agents check again (their own ``--allow-source``; for hf:// the endpoint they fetch from).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
-HTTP_SCHEMES = ("http://", "https://")
-HUB_SCHEME = "hf://"
+from lorafleet_common.hub import PREFIX as HUB_PREFIX
+from lorafleet_common.hub import HubSource, InvalidHubUri, parse_hub_uri
+from lorafleet_common.sources import HUB_SCHEME, SourcePrefix, check_http_source, is_remote, scheme_of
+
+# is_remote is the shared rule, re-exported for the operator's readers.
+__all__ = ["admitted", "is_remote"]
 
 
-def is_remote(uri: str) -> bool:
-    """Whether the agents download this source (http(s) or hf://)."""
-    return uri.startswith((*HTTP_SCHEMES, HUB_SCHEME))
+@functools.lru_cache(maxsize=256)
+def _http_prefix(entry: str) -> SourcePrefix | None:
+    try:
+        return SourcePrefix.parse(entry)
+    except ValueError:
+        return None
 
 
-def _hub_names(uri: str) -> list[str]:
-    """An hf:// URI's organisation and repository (``@REVISION`` and folders dropped)."""
-    org, _, rest = uri[len(HUB_SCHEME) :].partition("/")
-    repo = rest.split("/", 1)[0].partition("@")[0]
-    return [org, repo]
+def _under_hub_prefix(source: HubSource, prefix: str) -> bool:
+    wanted = [name for name in prefix[len(HUB_PREFIX) :].split("/") if name]
+    return bool(wanted) and len(wanted) <= 2 and [source.organisation, source.repository][: len(wanted)] == wanted
 
 
-def under_prefix(uri: str, prefix: str) -> bool:
-    """Whether the source ``uri`` lies under one ``spec.sources.allow`` prefix."""
-    if prefix.startswith(HUB_SCHEME):
-        if not uri.startswith(HUB_SCHEME):
-            return False
-        wanted = [name for name in prefix[len(HUB_SCHEME) :].split("/") if name]
-        return bool(wanted) and _hub_names(uri)[: len(wanted)] == wanted
-    return uri.startswith(prefix)
+def _hub_admitted(uri: str, allow: Sequence[str]) -> bool:
+    try:
+        source = parse_hub_uri(uri)
+    except InvalidHubUri:
+        return False  # the agents refuse it
+    return any(_under_hub_prefix(source, prefix) for prefix in allow if prefix.startswith(HUB_PREFIX))
+
+
+def _http_admitted(uri: str, allow: Sequence[str]) -> bool:
+    # All prefixes together, as an agent holds its --allow-source: each file may lie under any.
+    prefixes = [prefix for entry in allow if not entry.startswith(HUB_PREFIX) if (prefix := _http_prefix(entry)) is not None]
+    return check_http_source(uri, prefixes) is None
 
 
 def admitted(uri: str, allow: Sequence[str]) -> bool:
-    """Whether the fleet admits this source: not remote, or under one of its prefixes."""
-    return not is_remote(uri) or any(under_prefix(uri, prefix) for prefix in allow)
+    """Whether the fleet admits this source: not remote, or under its ``spec.sources.allow``."""
+    if not is_remote(uri):
+        return True
+    if scheme_of(uri) == HUB_SCHEME:
+        return _hub_admitted(uri, allow)
+    return _http_admitted(uri, allow)

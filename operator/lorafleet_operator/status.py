@@ -1,4 +1,5 @@
-"""LoraAdapter status from per-agent results (docs/operator.md, "Status semantics").
+"""LoraAdapter status from per-agent results (docs/operator.md, "Status semantics"), and
+LoraFleet status from a look at the fleet.
 
 Each agent's reply is already merged over its ranks by the agent; here the agents' results are
 merged failure-first with the one rule, :func:`lorafleet_common.merge.merge_failure_first`, into
@@ -8,21 +9,25 @@ convenience for ``kubectl get``; the conditions (``Ready`` first) are the truth.
 
 from __future__ import annotations
 
-import datetime as dt
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lorafleet_common.merge import merge_failure_first
-from lorafleet_operator.placement import Placement
+from lorafleet_operator.agent_values import AgentError, AgentInfo
+from lorafleet_operator.conditions import MAX_MESSAGE, condition, now_rfc3339
+from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.placement import Placement, SkipReason
+from lorafleet_operator.reasons import Reason
+from lorafleet_operator.resources import FleetObject
+from lorafleet_operator.view import FleetView, Registry
 
 # The caps that keep a LoraAdapter's and a LoraFleet's status bounded however big the fleet
 # (the one place for them; tests/operator/test_placement.py checks that the CRDs' maxItems
 # and maxLength say the same, and that the largest status they allow stays under
 # STATUS_BUDGET). Longer messages are cut and longer lists shortened, never refused.
-#: status.message and every condition message.
-MAX_MESSAGE = 8192
+#: status.message and every condition message: :data:`~lorafleet_operator.conditions.MAX_MESSAGE`.
 #: One agent's message (LoraAdapter agents[].message, LoraFleet members[].message).
 MAX_AGENT_MESSAGE = 1024
 #: Agents listed in a LoraAdapter's agents[] (failing ones first); the rest are counted.
@@ -35,17 +40,17 @@ MAX_SKIP_MESSAGE = 256
 MAX_LISTED_MEMBERS = 64
 #: The largest status the caps allow stays under this (the whole object: at most 256 KiB).
 STATUS_BUDGET = 160 * 1024
-#: The Ready condition's reason for a generation whose loads crashed agents (failures.CrashBook).
-LOAD_CRASHED_AGENT = "LoadCrashedAgent"
-#: The Ready condition's reason when no agent holds the adapter as specified but some still
-#: serve a previous version of it (a failed replace: the agents keep the old weights).
-PREVIOUS_VERSION_SERVED = "PreviousVersionServed"
-#: The Ready condition's reasons when placement found no agent with room (Pending), or fewer
-#: than ``spec.replicas`` (Degraded).
-NO_ROOM = "NoRoom"
-NOT_ENOUGH_ROOM = "NotEnoughRoom"
 #: Listing order of agents[]: failing first, so a capped list never hides a failure.
 _LISTING_ORDER = {"Failed": 0, "Unreachable": 1, "Loaded": 2}
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Why an adapter is on no agent (the Ready condition's reason and message), or why a
+    fleet cannot be used."""
+
+    reason: str = Reason.NO_TARGET_AGENTS
+    message: str = "no ready agent of the fleet serves this base model"
 
 
 class Phase(enum.StrEnum):
@@ -144,72 +149,43 @@ def merged_message(results: Sequence[AgentResult]) -> str:
     return merged.error[:MAX_MESSAGE]
 
 
-def _ready_condition(
-    phase: Phase, results: Sequence[AgentResult], pending_reason: str, pending_message: str, crashed: str
-) -> tuple[str, str, str]:
+def _ready_condition(phase: Phase, results: Sequence[AgentResult], pending: Pending, crashed: str) -> tuple[str, str, str]:
     """(status, reason, message) of the Ready condition."""
     loaded = sum(r.ok for r in results)
     failing = [r.pod for r in results if not r.ok]
     if crashed and phase in (Phase.FAILED, Phase.DEGRADED):
-        return "False", LOAD_CRASHED_AGENT, crashed
+        return "False", Reason.LOAD_CRASHED_AGENT, crashed
     if phase is Phase.READY:
-        return "True", "AllAgentsLoaded", f"{loaded}/{len(results)} agents hold the adapter on every rank"
+        return "True", Reason.ALL_AGENTS_LOADED, f"{loaded}/{len(results)} agents hold the adapter on every rank"
     if phase is Phase.PENDING:
-        return "False", pending_reason, pending_message
+        return "False", pending.reason, pending.message
     if phase is Phase.TERMINATING:
-        return "False", "Terminating", "unloading from every agent"
+        return "False", Reason.TERMINATING, "unloading from every agent"
     not_ok = f"{loaded}/{len(results)} agents hold the adapter; not on {', '.join(failing)}"
     if phase is Phase.LOADING:
-        return "Unknown", "Loading", not_ok
+        return "Unknown", Reason.LOADING, not_ok
     if phase is Phase.DEGRADED and not loaded:
         old = [r for r in results if r.served is not None]
         sources = sorted({r.served.uri for r in old if r.served is not None})
         return (
             "False",
-            PREVIOUS_VERSION_SERVED,
+            Reason.PREVIOUS_VERSION_SERVED,
             (
                 f"no agent holds the adapter as specified; {', '.join(r.pod for r in old)} still "
                 f"serve(s) a previous version ({', '.join(sources)}); {not_ok}"
             ),
         )
     if phase is Phase.DEGRADED:
-        return "False", "PartiallyLoaded", not_ok
-    return "False", "LoadFailed", not_ok
+        return "False", Reason.PARTIALLY_LOADED, not_ok
+    return "False", Reason.LOAD_FAILED, not_ok
 
 
 def _degraded_condition(results: Sequence[AgentResult]) -> tuple[str, str, str]:
     failed = [r for r in results if r.state in (AgentState.FAILED, AgentState.UNREACHABLE)]
     if not failed:
-        return "False", "NoAgentFailing", "no target agent reports an error"
+        return "False", Reason.NO_AGENT_FAILING, "no target agent reports an error"
     names = ", ".join(f"{r.pod} ({r.state})" for r in failed)
-    return "True", "AgentsFailing", f"failing on {names}: {merged_message(results)}"[:MAX_MESSAGE]
-
-
-def condition(
-    type_: str, status: str, reason: str, message: str, generation: int, previous: Sequence[Mapping[str, Any]], now: str
-) -> dict[str, Any]:
-    """One metav1.Condition; lastTransitionTime moves only when the status changes."""
-    old = next((c for c in previous if c.get("type") == type_), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == status else now
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message[:MAX_MESSAGE],
-        "lastTransitionTime": since,
-        "observedGeneration": generation,
-    }
-
-
-def now_rfc3339() -> str:
-    """The current time the way Kubernetes writes it (seconds, UTC, Z)."""
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def rfc3339(timestamp: float) -> str:
-    """A Unix time the way Kubernetes writes it, rounded up to the second (a retry is never
-    shown earlier than it is due)."""
-    return dt.datetime.fromtimestamp(-(-timestamp // 1), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return "True", Reason.AGENTS_FAILING, f"failing on {names}: {merged_message(results)}"[:MAX_MESSAGE]
 
 
 def listed(results: Sequence[AgentResult]) -> list[AgentResult]:
@@ -224,7 +200,7 @@ def placement_status(placement: Placement, previous: Mapping[str, Any]) -> dict[
     (both lists capped; the counts are whole). ``replicas`` is left out when unset, and
     written as None (a merge patch removes it) only when the stored one (``previous``) has it:
     a nested None that is never stored would make every status look changed."""
-    skips = sorted(placement.skipped, key=lambda s: (s.reason == "ReplicasReached", s.pod))
+    skips = sorted(placement.skipped, key=lambda s: (s.reason is SkipReason.NOT_NEEDED, s.pod))
     replicas = {"replicas": placement.replicas} if placement.replicas is not None or "replicas" in previous else {}
     return {
         **replicas,
@@ -242,7 +218,7 @@ def _placement_outcome(phase: Phase, placement: Placement | None, ready: tuple[s
         return phase, ready
     if len(placement.placed) >= placement.replicas:
         return phase, ready
-    return Phase.DEGRADED, ("False", NOT_ENOUGH_ROOM, placement.why_not())
+    return Phase.DEGRADED, ("False", Reason.NOT_ENOUGH_ROOM, placement.why_not())
 
 
 def build_status(
@@ -251,8 +227,7 @@ def build_status(
     generation: int,
     previous: Mapping[str, Any] | None = None,
     deleting: bool = False,
-    pending_reason: str = "NoTargetAgents",
-    pending_message: str = "no ready agent of the fleet serves this base model",
+    pending: Pending = Pending(),
     crashed: str = "",
     placement: Placement | None = None,
     now: str | None = None,
@@ -262,7 +237,7 @@ def build_status(
     ``previous`` is the status as stored (for lastTransitionTime). ``crashed``: why this
     generation is sent to no agent (its loads crashed agents); the Ready condition then says
     ``LoadCrashedAgent`` with it. ``placement``: where it was placed (the results are those
-    agents'); placed nowhere, it is Pending with the reason. The result is a complete status,
+    agents'); placed nowhere, it is Pending with the reason (else ``pending``'s). The result is a complete status,
     written with a merge patch; list fields are replaced whole. Every list and message in it
     is capped (the caps above), so its size is bounded whatever the fleet's.
     """
@@ -270,17 +245,16 @@ def build_status(
     old_conditions = list((previous or {}).get("conditions") or [])
     ordered = sorted(results, key=lambda r: r.pod)
     if placement is not None and not placement.placed and not deleting:
-        full = any(s.reason in ("Full", "Refused") for s in placement.skipped)
-        pending_reason = NO_ROOM if full else pending_reason
-        pending_message = placement.why_not() or pending_message
+        full = any(s.reason in (SkipReason.FULL, SkipReason.REFUSED) for s in placement.skipped)
+        pending = Pending(Reason.NO_ROOM if full else pending.reason, placement.why_not() or pending.message)
     phase = phase_of(ordered, deleting=deleting)
-    ready = _ready_condition(phase, ordered, pending_reason, pending_message, crashed)
+    ready = _ready_condition(phase, ordered, pending, crashed)
     phase, ready = _placement_outcome(phase, placement, ready)
     degraded = _degraded_condition(ordered)
     agents_ready = sum(r.ok for r in ordered)
     ranks_loaded = sum(r.ranks_loaded for r in ordered)
     ranks_total = sum(r.ranks_total for r in ordered)
-    message = merged_message(ordered) or (pending_message if phase is Phase.PENDING else "")
+    message = merged_message(ordered) or (pending.message if phase is Phase.PENDING else "")
     retries = sorted(r.next_retry for r in ordered if r.next_retry)
     shown = listed(ordered)
     return {
@@ -302,8 +276,8 @@ def build_status(
         # None removes a stored placement (a merge patch) when there was none to make.
         "placement": (placement_status(placement, (previous or {}).get("placement") or {}) if placement is not None else None),
         "conditions": [
-            condition("Ready", *ready, generation, old_conditions, now),
-            condition("Degraded", *degraded, generation, old_conditions, now),
+            condition("Ready", *ready, generation=generation, previous=old_conditions, now=now),
+            condition("Degraded", *degraded, generation=generation, previous=old_conditions, now=now),
         ],
     }
 
@@ -322,7 +296,75 @@ def initial_status(generation: int) -> dict[str, Any]:
         "phase": str(Phase.LOADING),
         "observedGeneration": generation,
         "conditions": [
-            condition("Ready", "Unknown", "Reconciling", "asking the fleet's agents", generation, [], now),
-            condition("Degraded", "Unknown", "Reconciling", "asking the fleet's agents", generation, [], now),
+            condition("Ready", "Unknown", Reason.RECONCILING, "asking the fleet's agents", generation=generation, previous=[], now=now),
+            condition("Degraded", "Unknown", Reason.RECONCILING, "asking the fleet's agents", generation=generation, previous=[], now=now),
         ],
+    }
+
+
+def member(
+    agent: AgentPod, info: AgentInfo | AgentError | None, registry: Registry | None, own: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """One LoraFleet status.members entry. ``capacity.loadedLoras`` counts only ``own``, the
+    registry names of this fleet's adapters: agents may be shared by fleets of several
+    namespaces, and a fleet's status must not tell its readers how busy the others are."""
+    entry: dict[str, Any] = {"pod": agent.name, "endpoint": agent.endpoint, "ready": agent.dialable and isinstance(info, AgentInfo)}
+    if isinstance(info, AgentInfo):
+        entry["baseModel"] = info.base_model
+        entry["topology"] = {
+            "tpSize": info.tp_size,
+            "dpSize": info.dp_size,
+            "attnTpSize": info.attn_tp_size,
+            "epSize": info.ep_size,
+            "moeTpSize": info.moe_tp_size,
+        }
+        entry["capacity"] = {
+            "maxLoadedLoras": info.max_loaded_loras,
+            "maxLorasPerBatch": info.max_loras_per_batch,
+            "maxLoraRank": info.max_lora_rank,
+        }
+        if isinstance(registry, Mapping):
+            entry["capacity"]["loadedLoras"] = sum(1 for n in registry if n in own)
+        entry["message"] = ""
+    elif isinstance(info, AgentError):
+        entry["message"] = info.message[:MAX_AGENT_MESSAGE]
+    else:
+        entry["message"] = "pod not ready" if not agent.ready else "pod has no IP or gRPC port"
+    return entry
+
+
+def fleet_status(
+    fleet: FleetObject,
+    view: FleetView | None,
+    registries: Mapping[str, Registry],
+    unusable: Pending | None,
+    own: set[str] | frozenset[str] = frozenset(),
+) -> dict[str, Any]:
+    """LoraFleet status: agents found, how many answer, each member's topology and capacity
+    (``own``: the registry names of this fleet's adapters, the only ones counted); without a
+    view, the Ready condition says why the fleet is ``unusable``."""
+    previous = list(fleet.status.get("conditions") or [])
+    generation, now = fleet.generation, now_rfc3339()
+    if view is None:
+        assert unusable is not None
+        ready = condition("Ready", "False", unusable.reason, unusable.message, generation=generation, previous=previous, now=now)
+        return {"observedGeneration": generation, "conditions": [ready]}
+    members = [member(a, view.infos.get(a.name), registries.get(a.name), own) for a in view.agents]
+    ready_agents = sum(1 for m in members if m["ready"])
+    answering = f"{ready_agents}/{len(members)} agents answer"
+    if not members:
+        state = ("False", Reason.NO_AGENTS, "the selector matches no pod")
+    elif ready_agents == len(members):
+        state = ("True", Reason.ALL_AGENTS_READY, answering)
+    else:
+        state = ("False", Reason.AGENTS_NOT_READY, answering)
+    # At most MAX_LISTED_MEMBERS, those not ready chosen first; the rest only counted.
+    shown = sorted(sorted(members, key=lambda m: (m["ready"], m["pod"]))[:MAX_LISTED_MEMBERS], key=lambda m: m["pod"])
+    return {
+        "observedGeneration": generation,
+        "agents": len(members),
+        "readyAgents": ready_agents,
+        "members": shown,
+        "membersNotListed": len(members) - len(shown),
+        "conditions": [condition("Ready", *state, generation=generation, previous=previous, now=now)],
     }

@@ -113,19 +113,25 @@ class BatchQueue(Generic[T, V]):
             for job in batch:
                 job.future.cancel()
             raise
-        if task.cancelled():
-            for job in batch:
-                job.future.cancel()
-            return
-        error = task.exception()
-        if error is not None:
-            for job in batch:
-                if not job.future.done():
-                    job.future.set_exception(error)
-            return
-        for job, outcome in zip(batch, task.result(), strict=True):
-            if not job.future.done():  # a caller that gave up reads nothing
-                job.future.set_result(outcome)
+        _settle(batch, task)
+
+
+def _settle(batch: Sequence[_Job[T, V]], task: asyncio.Future[Sequence[V]]) -> None:
+    """Hand a sent batch's outcome to the callers still waiting: cancelled, the send's
+    error, or each job's own result."""
+    if task.cancelled():
+        for job in batch:
+            job.future.cancel()
+        return
+    error = task.exception()
+    if error is not None:
+        for job in batch:
+            if not job.future.done():
+                job.future.set_exception(error)
+        return
+    for job, outcome in zip(batch, task.result(), strict=True):
+        if not job.future.done():  # a caller that gave up reads nothing
+            job.future.set_result(outcome)
 
 
 class WorkQueue:

@@ -33,12 +33,16 @@ from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_model
-from lorafleet_operator.agent_client import AgentClients, Credentials
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.agent_values import Credentials
+from lorafleet_operator.books import Listing
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.progress import describe
-from lorafleet_operator.reconcile import FleetView, unload_departed
-from lorafleet_operator.runtime import Listing, Runtime
+from lorafleet_operator.resources import FleetSpec
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.unloads import unload_departed
+from lorafleet_operator.view import FleetView
 from tests.agent import test_source_credentials as http_sources
 from tests.agent import test_source_hub as hub_sources
 from tests.agent.helpers import running
@@ -321,7 +325,7 @@ def test_the_token_goes_only_to_pods_that_prove_they_are_agents(
 def test_an_unload_at_a_departed_pods_address_sends_the_token_only_after_a_new_proof(
     workload: Workload,
 ) -> None:
-    """A deletion unloads also where an agent pod went away (``reconcile.unload_departed``).
+    """A deletion unloads also where an agent pod went away (``unloads.unload_departed``).
     Its address may be another pod's by now: here a plain gRPC server that records every call,
     at an endpoint where an agent had proved it holds the token. The unload first challenges
     it again (no token in the challenge); it fails, and the token is never sent. Before, the
@@ -332,8 +336,8 @@ def test_an_unload_at_a_departed_pods_address_sends_the_token_only_after_a_new_p
     gone = AgentPod(name="agent-1", namespace="team", uid="u1", labels={}, ready=True, endpoint=endpoint, restarts=0)
     rt.agents.observe([gone])
     rt.agents.identities.prove(endpoint, token)  # the agent that was there proved it
-    rt.registries[endpoint] = Listing(1.0, ("u1", 0), {name: RegistryEntry(name, "file:///a", "ab", False, (0,))})
-    view = FleetView("team", (), {}, Credentials(token=token), "default", {})
+    rt.books.registries[endpoint] = Listing(1.0, ("u1", 0), {name: RegistryEntry(name, "file:///a", "ab", False, (0,))})
+    view = FleetView("team", (), {}, Credentials(token=token), "default", FleetSpec())
 
     asyncio.run(unload_departed(rt, view, name))
 

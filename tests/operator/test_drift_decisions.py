@@ -14,15 +14,26 @@ from typing import Any
 import grpc
 
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_operator.agent_client import AgentClients, AgentError, AgentInfo, Credentials
+from lorafleet_operator.admission import admission
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.agent_values import AgentError, AgentInfo, Credentials
+from lorafleet_operator.books import Listing
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import Registry, handled, holds, unwanted, wanted_on
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, admission, departed_holders, may_hold, pin_cap
-from lorafleet_operator.runtime import Listing, Runtime
+from lorafleet_operator.pinning import pin_cap
+from lorafleet_operator.resources import AdapterObject, FleetObject, FleetSpec, adapter_of, adapter_spec_of, fleet_of, fleet_spec_of
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.unloads import departed_holders, may_hold
+from lorafleet_operator.view import FleetView
 
 NS = "team"
 SPEC: dict[str, Any] = {"baseModel": "tiny", "source": {"uri": "file:///a/one", "sha256": "ab"}, "fleetRef": {"name": "default"}}
+
+
+def parsed(adapters: list[dict[str, Any]], fleets: list[dict[str, Any]]) -> tuple[list[AdapterObject], list[FleetObject]]:
+    """The bodies as the drift check parses what it lists."""
+    return [adapter_of(a) for a in adapters], [fleet_of(f) for f in fleets]
 
 
 def entry(
@@ -32,15 +43,15 @@ def entry(
 
 
 def test_holds_only_the_same_source_sha_and_pinning_on_every_rank() -> None:
-    assert holds(entry(), SPEC, ranks_total=2)
-    assert not holds(entry(ranks=(0,)), SPEC, ranks_total=2)  # a rank lost it
-    assert not holds(entry(uri="file:///a/two"), SPEC, ranks_total=2)  # the spec moved on
-    assert not holds(entry(sha256="cd"), SPEC, ranks_total=2)
-    assert not holds(entry(pinned=True), SPEC, ranks_total=2)
-    assert holds(entry(pinned=True), {**SPEC, "pinned": True}, ranks_total=2)
+    assert holds(entry(), adapter_spec_of(SPEC), ranks_total=2)
+    assert not holds(entry(ranks=(0,)), adapter_spec_of(SPEC), ranks_total=2)  # a rank lost it
+    assert not holds(entry(uri="file:///a/two"), adapter_spec_of(SPEC), ranks_total=2)  # the spec moved on
+    assert not holds(entry(sha256="cd"), adapter_spec_of(SPEC), ranks_total=2)
+    assert not holds(entry(pinned=True), adapter_spec_of(SPEC), ranks_total=2)
+    assert holds(entry(pinned=True), adapter_spec_of({**SPEC, "pinned": True}), ranks_total=2)
     # Without a sha256 in the spec, any digest the agent computed will do.
     without_sha = {**SPEC, "source": {"uri": "file:///a/one"}}
-    assert holds(entry(sha256="whatever"), without_sha, ranks_total=2)
+    assert holds(entry(sha256="whatever"), adapter_spec_of(without_sha), ranks_total=2)
 
 
 def pod(name: str, labels: dict[str, str] | None = None, ready: bool = True) -> AgentPod:
@@ -92,12 +103,12 @@ def test_wanted_on_an_agent_live_resources_of_fleets_selecting_it_and_its_model(
         adapter("bigger", base_model="big"),  # another base model
         adapter("stray", fleet_name="missing"),
     ]  # no such fleet
-    assert wanted_on(pod("agent-0"), info(), adapters, FLEETS) == {"team.one", "team.two"}
+    assert wanted_on(pod("agent-0"), info(), *parsed(adapters, FLEETS)) == {"team.one", "team.two"}
     # A pod both fleets select serves both fleets' adapters.
     both = pod("agent-0", {"fleet": "default", "also": "x"})
     fleets = [*FLEETS, fleet("also", {"matchLabels": {"also": "x"}})]
-    assert "team.also-one" in wanted_on(both, info(), [*adapters, adapter("also-one", "also")], fleets)
-    assert wanted_on(pod("agent-0"), info("big"), adapters, FLEETS) == {"team.bigger"}
+    assert "team.also-one" in wanted_on(both, info(), *parsed([*adapters, adapter("also-one", "also")], fleets))
+    assert wanted_on(pod("agent-0"), info("big"), *parsed(adapters, FLEETS)) == {"team.bigger"}
 
 
 def view(*agents: AgentPod, infos: dict[str, AgentInfo | AgentError] | None = None) -> FleetView:
@@ -112,7 +123,7 @@ def test_unwanted_is_every_managed_name_no_live_resource_wants() -> None:
         "agent-1": {n: entry(n) for n in ("team.one", "team.gone")},
     }
     adapters = [adapter("one"), adapter("gone", deleting=True)]
-    decided = unwanted(view(a0, a1), registries, adapters, FLEETS)
+    decided = unwanted(view(a0, a1), registries, *parsed(adapters, FLEETS))
     # Hand-loaded names ("support") and other namespaces' names are never touched.
     assert [(a.name, n) for a, n in decided] == [("agent-0", "team.old"), ("agent-1", "team.gone")]
 
@@ -127,31 +138,31 @@ def test_unwanted_leaves_agents_alone_whose_state_is_unknown() -> None:
         "agent-3": {"team.old": entry("team.old")},  # not Ready: not dialled at all
     }
     fleet_view = view(a0, a1, a2, a3, infos={"agent-0": info(), "agent-1": down, "agent-2": info()})
-    assert unwanted(fleet_view, registries, [], FLEETS) == []
+    assert unwanted(fleet_view, registries, *parsed([], FLEETS)) == []
 
 
 def test_the_fleet_admits_pins_and_http_sources_only_as_its_owner_allows() -> None:
     pinned = {**SPEC, "pinned": True}
     remote = {**SPEC, "source": {"uri": "https://models.example/team/a"}}
-    refused = admission("default", {}, pinned)
+    refused = admission("default", fleet_spec_of({}), adapter_spec_of(pinned))
     assert refused is not None and refused.reason == "PinningNotAllowed"
-    assert admission("default", {"pinning": {"allowed": True}}, pinned) is None
-    assert admission("default", {}, SPEC) is None  # file:// is the agents' adapter roots' job
-    refused = admission("default", {}, remote)
+    assert admission("default", fleet_spec_of({"pinning": {"allowed": True}}), adapter_spec_of(pinned)) is None
+    assert admission("default", fleet_spec_of({}), adapter_spec_of(SPEC)) is None  # file:// is the agents' adapter roots' job
+    refused = admission("default", fleet_spec_of({}), adapter_spec_of(remote))
     assert refused is not None and refused.reason == "SourceNotAllowed"
     allow = {"sources": {"allow": ["https://models.example/team/"]}}
-    assert admission("default", allow, remote) is None
+    assert admission("default", fleet_spec_of(allow), adapter_spec_of(remote)) is None
     # A prefix is a plain prefix: another path, or a longer host name, is not under it.
     other = {**SPEC, "source": {"uri": "https://models.example/other/a"}}
     longer = {**SPEC, "source": {"uri": "https://models.example.evil/team/a"}}
-    assert admission("default", allow, other) is not None
-    assert admission("default", allow, longer) is not None
+    assert admission("default", fleet_spec_of(allow), adapter_spec_of(other)) is not None
+    assert admission("default", fleet_spec_of(allow), adapter_spec_of(longer)) is not None
     # An adapter the fleet does not admit is not wanted: the drift check unloads it.
     fleets = [{**FLEETS[0], "spec": {**FLEETS[0]["spec"]}}, FLEETS[1]]
     one_pinned = {**adapter("one"), "spec": {**adapter("one")["spec"], "pinned": True}}
-    assert wanted_on(pod("agent-0"), info(), [one_pinned, adapter("two")], fleets) == {"team.two"}
+    assert wanted_on(pod("agent-0"), info(), *parsed([one_pinned, adapter("two")], fleets)) == {"team.two"}
     fleets[0]["spec"]["pinning"] = {"allowed": True}
-    assert wanted_on(pod("agent-0"), info(), [one_pinned], fleets) == {"team.one"}
+    assert wanted_on(pod("agent-0"), info(), *parsed([one_pinned], fleets)) == {"team.one"}
 
 
 def test_pinning_leaves_one_device_slot_for_unpinned_traffic() -> None:
@@ -169,7 +180,7 @@ def test_a_deletion_skips_only_agents_known_not_to_hold_the_adapter() -> None:
     assert may_hold(rt, a0, name)  # never listed
 
     def listed(at: float, *held: str, restarts: int = 0) -> None:
-        rt.registries[ep] = Listing(at, (a0.uid, restarts), {n: entry(n) for n in held})
+        rt.books.registries[ep] = Listing(at, (a0.uid, restarts), {n: entry(n) for n in held})
 
     listed(10.0, "team.other")
     assert not may_hold(rt, a0, name)  # listed without it, nothing sent: skipped
@@ -178,20 +189,20 @@ def test_a_deletion_skips_only_agents_known_not_to_hold_the_adapter() -> None:
     listed(10.0, restarts=1)  # another life of the pod listed: not this one
     assert may_hold(rt, a0, name)
     listed(10.0)
-    rt.sent.sending(ep, name)
+    rt.books.sent.sending(ep, name)
     assert may_hold(rt, a0, name)  # in flight
-    rt.sent.ended(ep, name, 12.0, answered=True)
+    rt.books.sent.ended(ep, name, 12.0, answered=True)
     assert may_hold(rt, a0, name)  # ended after the listing was requested
     listed(13.0)
     assert not may_hold(rt, a0, name)  # a later listing shows the (refused) load's outcome
-    rt.sent.listed(ep, 13.0)  # ... so the book forgets it
-    assert rt.sent.ends[ep] == {}
-    rt.sent.sending(ep, name)
-    rt.sent.ended(ep, name, 14.0, answered=False)  # cut off: it may still complete there
+    rt.books.sent.listed(ep, 13.0)  # ... so the book forgets it
+    assert rt.books.sent.ends[ep] == {}
+    rt.books.sent.sending(ep, name)
+    rt.books.sent.ended(ep, name, 14.0, answered=False)  # cut off: it may still complete there
     listed(20.0)
-    rt.sent.listed(ep, 20.0)  # no listing settles it
+    rt.books.sent.listed(ep, 20.0)  # no listing settles it
     assert may_hold(rt, a0, name)
-    rt.sent.forget(name)  # the adapter's deletion is done
+    rt.books.sent.forget(name)  # the adapter's deletion is done
     assert not may_hold(rt, a0, name)
     assert may_hold(rt, pod("agent-10"), name)  # another endpoint: never listed
 
@@ -203,16 +214,16 @@ def test_a_deletion_also_unloads_where_an_agent_outside_the_fleet_may_hold_it() 
     settings = Settings()
     rt = Runtime(settings, None, AgentClients(settings))
     here = AgentPod(name="agent-0", namespace=NS, uid="u0", labels={}, ready=True, endpoint="10.0.0.1:50051", restarts=0)
-    view = FleetView(NS, (here,), {}, Credentials(), "default", {})
+    view = FleetView(NS, (here,), {}, Credentials(), "default", FleetSpec())
     name = "team.one"
     assert departed_holders(rt, view, name) == []
-    rt.registries[here.endpoint] = Listing(1.0, ("u0", 0), {name: entry(name)})
-    rt.registries["10.0.0.2:50051"] = Listing(1.0, ("u1", 0), {name: entry(name)})
-    rt.registries["10.0.0.3:50051"] = Listing(1.0, ("u2", 0), {"team.other": entry("team.other")})
-    rt.sent.sending("10.0.0.4:50051", name)
+    rt.books.registries[here.endpoint] = Listing(1.0, ("u0", 0), {name: entry(name)})
+    rt.books.registries["10.0.0.2:50051"] = Listing(1.0, ("u1", 0), {name: entry(name)})
+    rt.books.registries["10.0.0.3:50051"] = Listing(1.0, ("u2", 0), {"team.other": entry("team.other")})
+    rt.books.sent.sending("10.0.0.4:50051", name)
     assert departed_holders(rt, view, name) == ["10.0.0.2:50051", "10.0.0.4:50051"]
     assert departed_holders(rt, view, "team.other") == ["10.0.0.3:50051"]
-    not_ready = FleetView(NS, (dataclasses.replace(here, ready=False),), {}, Credentials(), "default", {})
+    not_ready = FleetView(NS, (dataclasses.replace(here, ready=False),), {}, Credentials(), "default", FleetSpec())
     assert departed_holders(rt, not_ready, name) == ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.4:50051"]
 
 
@@ -224,16 +235,16 @@ def test_the_check_leaves_an_adapter_to_its_handlers_while_they_have_it_in_hand(
     settings = Settings()
     rt = Runtime(settings, None, AgentClients(settings))
     seen = {**adapter("one"), "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
-    assert not handled(rt, seen, listed_at=10.0)  # no handler of this process touched it
-    assert handled(rt, adapter("one"), listed_at=10.0)  # never reconciled: its handler loads it
-    rt.reconciled[(NS, "one")] = 9.5
-    assert not handled(rt, seen, listed_at=10.0)  # done before the listing: the listing shows it
-    rt.reconciled[(NS, "one")] = 10.5
-    assert handled(rt, seen, listed_at=10.0)  # done after it: left to the next check
-    assert not handled(rt, seen, listed_at=11.0)
+    assert not handled(rt, adapter_of(seen), listed_at=10.0)  # no handler of this process touched it
+    assert handled(rt, adapter_of(adapter("one")), listed_at=10.0)  # never reconciled: its handler loads it
+    rt.books.reconciled[(NS, "one")] = 9.5
+    assert not handled(rt, adapter_of(seen), listed_at=10.0)  # done before the listing: the listing shows it
+    rt.books.reconciled[(NS, "one")] = 10.5
+    assert handled(rt, adapter_of(seen), listed_at=10.0)  # done after it: left to the next check
+    assert not handled(rt, adapter_of(seen), listed_at=11.0)
 
     async def while_locked() -> bool:
-        async with rt.lock(NS, "one"):
-            return handled(rt, seen, listed_at=11.0)
+        async with rt.locks.adapter(NS, "one"):
+            return handled(rt, adapter_of(seen), listed_at=11.0)
 
     assert asyncio.run(while_locked())  # a handler is reconciling it now

@@ -12,12 +12,11 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from lorafleet_operator.agent_client import AgentError, ControlReply, LoadGate
+from lorafleet_operator.agent_values import AgentError, ControlReply
 from lorafleet_operator.config import ENV_VARS, Settings
+from lorafleet_operator.crashes import CrashBook, crash_verdict, died_under
 from lorafleet_operator.failures import (
-    INVALID_TOKEN,
     KUBE_API_ERRORS,
-    CrashBook,
     FleetProblem,
     LoadRetries,
     Permanent,
@@ -26,9 +25,7 @@ from lorafleet_operator.failures import (
     backoff,
     bearer_token,
     check_load,
-    crash_verdict,
     delete_waits,
-    died_under,
     drift_delay,
     failed_delay,
     is_transient,
@@ -40,9 +37,11 @@ from lorafleet_operator.failures import (
     transient_delay,
 )
 from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.fleet_secrets import ALLOW_ANNOTATION, ALLOW_LABEL, opened_to
 from lorafleet_operator.kube import SecretData
-from lorafleet_operator.reconcile import ALLOW_ANNOTATION, ALLOW_LABEL, opened_to
-from lorafleet_operator.status import LOAD_CRASHED_AGENT, AgentResult, AgentState, Phase, build_status
+from lorafleet_operator.load_gate import LoadGate
+from lorafleet_operator.reasons import Reason
+from lorafleet_operator.status import AgentResult, AgentState, Phase, build_status
 
 REFUSED = ControlReply(success=False, error_message="sha256 mismatch", ranks_ok=0, ranks_reported=2)
 DOWN = AgentError(grpc.StatusCode.UNAVAILABLE, "connection refused")
@@ -318,7 +317,7 @@ def test_the_verdict_survives_an_operator_restart_in_the_status() -> None:
     results = [AgentResult("agent-0", AgentState.FAILED, 0, 2, "crashed")]
     stored = build_status(results, generation=1, crashed="generation 1 crashed agent-0")
     ready = stored["conditions"][0]
-    assert (stored["phase"], ready["reason"]) == ("Failed", LOAD_CRASHED_AGENT)
+    assert (stored["phase"], ready["reason"]) == ("Failed", Reason.LOAD_CRASHED_AGENT)
     assert crash_verdict(book, GEN1, stored) == "generation 1 crashed agent-0"
     assert crash_verdict(book, GEN2, stored) == ""  # written for generation 1 only
     assert crash_verdict(book, GEN1, build_status(results, generation=1)) == ""
@@ -400,7 +399,7 @@ def test_a_token_that_is_no_header_value_is_refused_permanently(raw: bytes) -> N
     with pytest.raises(FleetProblem) as err:
         bearer_token(raw)
     assert isinstance(err.value, Permanent)
-    assert err.value.reason == INVALID_TOKEN
+    assert err.value.reason == Reason.INVALID_TOKEN
     assert "ab" not in err.value.message  # never the value
 
 

@@ -46,12 +46,16 @@ from prometheus_client import REGISTRY
 
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
-from lorafleet_operator.agent_client import AgentClients, AgentError, Credentials
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.agent_values import AgentError, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.reconcile import FleetView, Target, UnloadOutcome, load_each, unload_from_holders
+from lorafleet_operator.loads import load_each
+from lorafleet_operator.resources import AdapterObject, AdapterSpec, FleetSpec, Source
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult
+from lorafleet_operator.unloads import UnloadOutcome, unload_from_holders
+from lorafleet_operator.view import FleetView, Target
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,
@@ -495,7 +499,7 @@ def test_many_deletions_wait_in_each_agents_queue_not_as_suspended_calls(
         # Unloads need no Kubernetes API. No registry listed yet: every agent may hold each.
         rt = Runtime(settings, None, AgentClients(settings))
         pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0) for a in fault_env.agents)
-        view = FleetView("t", pods, {}, Credentials(), "default", {})
+        view = FleetView("t", pods, {}, Credentials(), "default", FleetSpec())
         started = [asyncio.ensure_future(unload_from_holders(rt, view, f"t.a{i:04d}")) for i in range(deletions)]
         for _ in range(3):  # every deletion runs up to its first wait (FIFO scheduling)
             await asyncio.sleep(0)
@@ -571,17 +575,14 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
     settings = Settings()
     path = make_adapter(fault_env.adapters, "queued")
 
-    def body(i: int) -> dict[str, Any]:
-        return {
-            "metadata": {"namespace": "t", "name": f"q{i:03d}", "uid": f"u{i}", "generation": 1},
-            "spec": {"source": {"uri": f"file://{path}"}},
-        }
+    def body(i: int) -> AdapterObject:
+        return AdapterObject("t", f"q{i:03d}", AdapterSpec("default", "", Source(f"file://{path}")), uid=f"u{i}", generation=1)
 
     async def run() -> tuple[int, list[list[AgentResult]], int, set[str]]:
         rt = Runtime(settings, None, AgentClients(settings))
         pods = tuple(AgentPod(a.name, "t", f"uid-{a.name}", {}, True, a.endpoint, 0) for a in fault_env.agents)
         infos = {p.name: await rt.agents.describe(p.endpoint, Credentials()) for p in pods}
-        view = FleetView("t", pods, infos, Credentials(), "default", {})
+        view = FleetView("t", pods, infos, Credentials(), "default", FleetSpec())
         targets = [Target(p, infos[p.name]) for p in pods]
         started = [asyncio.ensure_future(load_each(rt, view, targets, body(i), None)) for i in range(adapters)]
         for _ in range(3):  # every reconcile runs up to its first wait (FIFO scheduling)
@@ -592,7 +593,7 @@ def test_many_loads_wait_in_each_agents_queue_not_as_suspended_calls(
         cancelled.cancel()
         try:
             results = list(await asyncio.gather(*started))
-            held = {name for p in pods for name in rt.reservations.held(p.endpoint, set())}
+            held = {name for p in pods for name in rt.books.reservations.held(p.endpoint, set())}
             unloads = await rt.agents.unload_each([(p.endpoint, Credentials(), f"t.q{i:03d}") for p in pods for i in range(adapters)])
             return tasks, results, sum(1 for u in unloads if isinstance(u, AgentError)), held
         finally:
@@ -624,19 +625,16 @@ def agent_calls_sent(method: str, code: str | None = None) -> float:
     )
 
 
-def queued_body(name: str, path: Path) -> dict[str, Any]:
-    """A LoraAdapter body of namespace "t" as load_each reads it."""
-    return {
-        "metadata": {"namespace": "t", "name": name, "uid": f"uid-{name}", "generation": 1},
-        "spec": {"source": {"uri": f"file://{path}"}},
-    }
+def queued_body(name: str, path: Path) -> AdapterObject:
+    """A LoraAdapter of namespace "t" as load_each reads it."""
+    return AdapterObject("t", name, AdapterSpec("default", "", Source(f"file://{path}")), uid=f"uid-{name}", generation=1)
 
 
-async def load_at_once(rt: Runtime, agent: AgentPod, bodies: list[dict[str, Any]]) -> list[AgentResult]:
+async def load_at_once(rt: Runtime, agent: AgentPod, bodies: list[AdapterObject]) -> list[AgentResult]:
     """``load_each`` of every body on one agent, started together as concurrent reconciles
     are: their loads wait in the agent's queue together."""
     info = await rt.agents.describe(agent.endpoint, Credentials())
-    view = FleetView("t", (agent,), {agent.name: info}, Credentials(), "default", {})
+    view = FleetView("t", (agent,), {agent.name: info}, Credentials(), "default", FleetSpec())
     started = [asyncio.ensure_future(load_each(rt, view, [Target(agent, info)], b, None)) for b in bodies]
     return [per[0] for per in await asyncio.gather(*started)]
 
@@ -660,13 +658,13 @@ def test_loads_waiting_together_go_in_one_call_and_a_bad_one_fails_alone(
         batches, singles = agent_calls_sent("LoadAdapters"), agent_calls_sent("LoadAdapter")
         try:
             results = await load_at_once(rt, pod, bodies)
-            held = set(rt.reservations.held(agent.endpoint, set()))
+            held = set(rt.books.reservations.held(agent.endpoint, set()))
             return (
                 results,
                 agent_calls_sent("LoadAdapters") - batches,
                 agent_calls_sent("LoadAdapter") - singles,
                 held,
-                len(rt.failures.entries),
+                len(rt.books.failures.entries),
             )
         finally:
             await rt.agents.unload_each([(agent.endpoint, Credentials(), f"t.b{i}") for i in range(10)])

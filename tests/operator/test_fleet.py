@@ -18,12 +18,12 @@ from lorafleet_operator.failures import FleetProblem
 from lorafleet_operator.fleet import (
     agent_from_pod,
     agents_of,
-    fleet_summary,
     pod_summary,
     selector_matches,
 )
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.reconcile import fleet_agents, fleet_view
+from lorafleet_operator.looks import fleet_agents, fleet_view
+from lorafleet_operator.resources import fleet_of, fleet_spec_of
 from lorafleet_operator.runtime import Runtime
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import apply, fleet_manifest
@@ -87,7 +87,7 @@ def test_endpoint_and_readiness_from_the_pod(kube_cluster: ControlPlane, kube_na
     assert not agent.ready and not agent.dialable
     restarted = kube_cluster.write_pod_status(kube_namespace, "agent-1", restart_count=2)
     assert agent_from_pod(restarted).restarts == 2 and agent_from_pod(restarted).ready
-    agents = agents_of({"selector": {"matchLabels": {"fleet": "a"}}}, [ready, restarted])
+    agents = agents_of(fleet_spec_of({"selector": {"matchLabels": {"fleet": "a"}}}), [ready, restarted])
     assert [a.name for a in agents] == ["agent-0", "agent-1"]
     # What the operator's pod index keeps of each pod describes the same agent.
     deleting = kube_cluster.kubectl_json("get", "pod", "agent-0", "-n", kube_namespace)
@@ -116,13 +116,13 @@ def test_a_look_at_a_fleet_reads_the_fleet_index_without_a_request() -> None:
     rt = runtime(None)
     fleet = fleet_manifest("f")
     fleet["metadata"].update(namespace="ns", uid="u-1", generation=3)
-    rt.fleets = {("ns", "f"): [fleet_summary({**fleet, "status": {"agents": 9}})]}
-    rt.pods = {"ns": [{"metadata": {"name": "p", "namespace": "ns", "uid": "p-1", "labels": {"lorafleet.dev/fleet": "f"}}}]}
+    rt.watch.fleets = {("ns", "f"): [fleet_of({**fleet, "status": {"agents": 9}})]}
+    rt.watch.pods = {"ns": [{"metadata": {"name": "p", "namespace": "ns", "uid": "p-1", "labels": {"lorafleet.dev/fleet": "f"}}}]}
     view = asyncio.run(fleet_view(rt, "ns", "f"))
     assert (view.name, [a.name for a in view.agents]) == ("f", ["p"])
-    assert view.spec == fleet["spec"]
+    assert view.spec == fleet_spec_of(fleet["spec"])
     deleting = {**fleet, "metadata": {**fleet["metadata"], "deletionTimestamp": "2026-12-02T00:00:00Z"}}
-    rt.fleets = {("ns", "f"): [fleet_summary(deleting)]}
+    rt.watch.fleets = {("ns", "f"): [fleet_of(deleting)]}
     with pytest.raises(FleetProblem) as refused:
         asyncio.run(fleet_view(rt, "ns", "f"))
     assert refused.value.reason == "FleetDeleted"
@@ -134,7 +134,7 @@ def test_a_fleets_agents_are_made_again_only_when_its_spec_or_a_pod_changed() ->
     while the fleet's spec and the namespace's pod summaries are the same objects, and made
     again when one is replaced (a pod turned ready, one more pod, another selector)."""
     rt = runtime(None)
-    spec = fleet_manifest("f")["spec"]
+    spec = fleet_spec_of(fleet_manifest("f")["spec"])
 
     def pod(name: str, ready: bool) -> dict[str, Any]:
         return pod_summary(
@@ -144,15 +144,15 @@ def test_a_fleets_agents_are_made_again_only_when_its_spec_or_a_pod_changed() ->
             }
         )
 
-    rt.pods = {"ns": [pod("a", False), pod("b", True)]}
+    rt.watch.pods = {"ns": [pod("a", False), pod("b", True)]}
     first = fleet_agents(rt, "ns", "f", spec)
     assert fleet_agents(rt, "ns", "f", spec) is first
     assert [a.ready for a in first] == [False, True]
-    rt.pods = {"ns": [pod("a", True), rt.pods["ns"][1]]}
+    rt.watch.pods = {"ns": [pod("a", True), list(rt.watch.pods["ns"])[1]]}
     assert [a.ready for a in fleet_agents(rt, "ns", "f", spec)] == [True, True]
-    rt.pods = {"ns": [*rt.pods["ns"], pod("c", True)]}
+    rt.watch.pods = {"ns": [*rt.watch.pods["ns"], pod("c", True)]}
     assert [a.name for a in fleet_agents(rt, "ns", "f", spec)] == ["a", "b", "c"]
-    other = {**spec, "selector": {"matchLabels": {"lorafleet.dev/fleet": "g"}}}
+    other = fleet_spec_of({**fleet_manifest("f")["spec"], "selector": {"matchLabels": {"lorafleet.dev/fleet": "g"}}})
     assert fleet_agents(rt, "ns", "f", other) == ()
 
 

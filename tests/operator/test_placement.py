@@ -25,15 +25,17 @@ from prometheus_client import REGISTRY
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.node import machine_ip
-from lorafleet_operator.agent_client import AgentClients, AgentInfo, Credentials
+from lorafleet_operator.agent_client import AgentClients
+from lorafleet_operator.agent_values import AgentInfo, Credentials
+from lorafleet_operator.conditions import MAX_MESSAGE
 from lorafleet_operator.config import Settings
-from lorafleet_operator.drift import Registry, fleet_status, handled, unwanted
+from lorafleet_operator.drift import handled, unwanted
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.handlers import reconcile_adapter
 from lorafleet_operator.kube import Kube, make_api_client
 from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
 from lorafleet_operator.publish import publish_status
-from lorafleet_operator.reconcile import FleetView
+from lorafleet_operator.resources import adapter_of, fleet_of
 from lorafleet_operator.routing import ADAPTER_LABEL
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import (
@@ -42,14 +44,15 @@ from lorafleet_operator.status import (
     MAX_LISTED_MEMBERS,
     MAX_LISTED_PLACED,
     MAX_LISTED_SKIPS,
-    MAX_MESSAGE,
     MAX_SKIP_MESSAGE,
     STATUS_BUDGET,
     AgentResult,
     AgentState,
     ServedVersion,
     build_status,
+    fleet_status,
 )
+from lorafleet_operator.view import FleetView, Registry
 from tests.kube.harness import CHECKOUT, ControlPlane
 from tests.operator.agents import (
     FLEET_LABEL,
@@ -286,7 +289,7 @@ def test_a_big_fleets_status_lists_its_members_capped_not_ready_first() -> None:
     info = AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32)
     pods = [AgentPod(f"p{i:03d}", "ns", f"u{i}", {}, i % 10 != 0, f"10.0.0.1:{i + 1}", 0) for i in range(200)]
     view = FleetView("ns", tuple(pods), {p.name: info for p in pods if p.dialable}, Credentials(), "f")
-    fleet = {"metadata": {"name": "f", "generation": 1}}
+    fleet = fleet_of({"metadata": {"name": "f", "generation": 1}})
     got = fleet_status(fleet, view, {p.name: {} for p in pods}, None)
     assert (got["agents"], got["readyAgents"]) == (200, 180)
     assert len(got["members"]) == MAX_LISTED_MEMBERS
@@ -303,9 +306,10 @@ def test_the_drift_check_unloads_an_adapter_only_where_placement_dropped_it() ->
     view = FleetView("ns", tuple(pods), {p.name: info for p in pods}, Credentials(), "f")
     spec = {"baseModel": "m", "source": {"uri": "file:///a"}}
     adapters = [
-        {"metadata": {"namespace": "ns", "name": n}, "spec": {**spec, "fleetRef": {"name": f}}} for n, f in (("mine", "f"), ("theirs", "g"))
+        adapter_of({"metadata": {"namespace": "ns", "name": n}, "spec": {**spec, "fleetRef": {"name": f}}})
+        for n, f in (("mine", "f"), ("theirs", "g"))
     ]
-    fleets = [{"metadata": {"name": f}, "spec": {"selector": {"matchLabels": {"f": "1"}}}} for f in ("f", "g")]
+    fleets = [fleet_of({"metadata": {"name": f}, "spec": {"selector": {"matchLabels": {"f": "1"}}}}) for f in ("f", "g")]
     registries: dict[str, Registry] = {
         p.name: {n: RegistryEntry(n, "file:///a", "", False, (0, 1)) for n in ("ns.mine", "ns.theirs")} for p in pods
     }
@@ -368,14 +372,14 @@ def test_a_refused_status_patch_is_reported_and_never_sent_again(
         return value or 0.0
 
     before = refusals()
-    assert asyncio.run(publish_status(rt, body, bad)) is False
+    assert asyncio.run(publish_status(rt, adapter_of(body), bad)) is False
     assert refusals() == before + 1
-    assert asyncio.run(publish_status(rt, body, bad)) is False
+    assert asyncio.run(publish_status(rt, adapter_of(body), bad)) is False
     assert refusals() == before + 1  # not sent again
     events = kube_cluster.kubectl_json("get", "events", "-n", kube_namespace)["items"]
     assert [e["reason"] for e in events] == ["StatusRefused"]
     assert "agentsSummary must equal" in events[0]["message"]
-    assert asyncio.run(publish_status(rt, body, build_status([], generation=1))) is True
+    assert asyncio.run(publish_status(rt, adapter_of(body), build_status([], generation=1))) is True
 
 
 def test_a_placed_status_read_back_is_not_written_again(
@@ -394,7 +398,7 @@ def test_a_placed_status_read_back_is_not_written_again(
             body = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
             stored = body.get("status") or {}
             new = build_status(results, generation=1, previous=stored, placement=placement, now="2026-01-01T00:00:00Z")
-            assert asyncio.run(publish_status(rt, body, new)) is written, (replicas, written)
+            assert asyncio.run(publish_status(rt, adapter_of(body), new)) is written, (replicas, written)
         stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)["status"]
         assert stored["placement"].get("replicas") == replicas
 
@@ -416,8 +420,8 @@ def test_a_reconcile_marks_the_adapter_for_drift_checks_listed_before_it_ended(
     listed_after = time.monotonic()
     stored = kube_cluster.kubectl_json("get", "la", "a", "-n", kube_namespace)
     assert stored["status"]["phase"] == "Pending"
-    assert handled(rt, stored, listed_at=listed_before)
-    assert not handled(rt, stored, listed_at=listed_after)
+    assert handled(rt, adapter_of(stored), listed_at=listed_before)
+    assert not handled(rt, adapter_of(stored), listed_at=listed_after)
 
 
 # ---- end to end -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import DEFAULT_PORT_NAME, AgentPod
 from lorafleet_operator.kube import Kube, make_api_client
+from lorafleet_operator.resources import FleetSpec, ObjectRef, adapter_of
 from lorafleet_operator.routing import (
     ADAPTER_LABEL,
     DEFAULT_HTTP_PORT_NAME,
@@ -50,7 +51,7 @@ from tests.operator.agents import (
 )
 from tests.operator.conftest import OperatorProcess, wait_for
 
-ADAPTER = {"metadata": {"name": "a", "namespace": "ns", "uid": "u-1"}}
+ADAPTER = ObjectRef("LoraAdapter", "ns", "a", "u-1")
 HTTP_PORT = 8000
 
 
@@ -85,12 +86,12 @@ def test_only_pods_that_hold_the_adapter_on_every_rank_are_listed() -> None:
         pod("p4", "10.0.0.5", 50051),
     ]
     results = [loaded("p0"), loaded("p1", ranks=1), loaded("p2"), loaded("p3"), AgentResult("p4", AgentState.FAILED, 0, 2, "no")]
-    assert [p.pod for p in routed_pods({}, agents, results)] == ["p0"]
+    assert [p.pod for p in routed_pods(FleetSpec(), agents, results)] == ["p0"]
 
 
 def test_one_slice_per_port_set_with_the_labels_and_owner() -> None:
     agents = [pod("p0", "10.0.0.1", 50051), pod("p1", "10.0.0.2", 50051), pod("p2", "10.0.0.3", 50052, http=False)]
-    slices = desired_slices(ADAPTER, "svc", routed_pods({}, agents, [loaded(a.name) for a in agents]))
+    slices = desired_slices(ADAPTER, "svc", routed_pods(FleetSpec(), agents, [loaded(a.name) for a in agents]))
     assert len(slices) == 2
     by_ports = {tuple((p["name"], p["port"]) for p in s["ports"]): s for s in slices}
     both = by_ports[(("grpc", 50051), ("http", HTTP_PORT))]
@@ -239,7 +240,7 @@ def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
     apply(kube_cluster, ns, adapter_manifest("fresh", Path("/nowhere")))
     adapter = kube_cluster.kubectl_json("get", "la", "fresh", "-n", ns)
     # The slice it would create, with an endpoint that is not there.
-    stale = desired_slices(adapter, DEFAULT_SERVICE, [])[0]
+    stale = desired_slices(adapter_of(adapter).ref, DEFAULT_SERVICE, [])[0]
     stale["endpoints"] = [{"addresses": ["10.0.0.9"], "conditions": {"ready": True}}]
     kube_cluster.kubectl("create", "-f", "-", input=json.dumps(stale))
     api = make_api_client(str(kube_cluster.kubeconfig))
@@ -248,7 +249,9 @@ def test_a_new_adapters_slice_that_exists_after_all_is_replaced(
         settings = Settings.from_env()
         agents = AgentClients(settings)
         try:
-            return await publish_slices(Runtime(settings=settings, kube=Kube(api), agents=agents), adapter, {}, (), [], new=True)
+            return await publish_slices(
+                Runtime(settings=settings, kube=Kube(api), agents=agents), adapter_of(adapter).ref, FleetSpec(), (), [], new=True
+            )
         finally:
             await agents.close()
 

@@ -1,4 +1,4 @@
-"""The operator's single flight (runtime.SharedCalls): callers that need the same answer while
+"""The operator's single flight (shared_calls.SharedCalls): callers that need the same answer while
 it is being fetched share one call; an error reaches them all; one caller giving up does not
 cancel the call for the others; a call made after the last one finished is a new call."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from lorafleet_operator.runtime import SharedCalls
+from lorafleet_operator.shared_calls import SharedCalls
 
 
 class Counted:

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet_dev.simagents import SharedSources, SimulatedEngine
+from lorafleet_dev.simagents import SharedSources, SimulatedBackend
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import EngineConfig
-from node_agent.engine.parallel.topology import Topology
+from node_agent.engine import EngineConfig, Topology
 from node_agent.sources import SourcePolicy
 
 SHAPE = SyntheticModel()
@@ -32,18 +31,21 @@ def fleet_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def shared(fleet_dir: Path) -> Iterator[SharedSources]:
     sources = SharedSources()
-    sources.install()
     try:
         yield sources
     finally:
         sources.close()
 
 
-def _agent(root: Path, *, failing: bool = False) -> Agent:
+def _agent(root: Path, shared: SharedSources, *, failing: bool = False) -> Agent:
     """The real agent over simulated ranks, as the simulator serves it."""
     config = EngineConfig(model_dir=root / "model", topology=Topology(8, 2), max_lora_rank=16, max_loaded_loras=64)
     policy = SourcePolicy(adapter_roots=(root / "adapters",))
-    return Agent(SimulatedEngine(config, fails_loads=failing), AgentConfig(base_model_name="tiny", agent_id="sim", sources=policy))
+    return Agent(
+        SimulatedBackend(config, fails_loads=failing),
+        AgentConfig(base_model_name="tiny", agent_id="sim", sources=policy),
+        resolve=shared.resolve,
+    )
 
 
 def _uri(root: Path, i: int) -> str:
@@ -51,7 +53,7 @@ def _uri(root: Path, i: int) -> str:
 
 
 def test_replies_list_every_ranks_holdings_in_public_names(fleet_dir: Path, shared: SharedSources) -> None:
-    agent = _agent(fleet_dir)
+    agent = _agent(fleet_dir, shared)
     try:
         assert agent.load("ns.a0", _uri(fleet_dir, 0)).ok and agent.load("ns.a1", _uri(fleet_dir, 1)).ok
         replaced = agent.load("ns.a0", _uri(fleet_dir, 2), replace_existing=True)
@@ -66,7 +68,7 @@ def test_replies_list_every_ranks_holdings_in_public_names(fleet_dir: Path, shar
 
 
 def test_a_failing_agent_refuses_on_one_rank_and_rolls_the_others_back(fleet_dir: Path, shared: SharedSources) -> None:
-    agent = _agent(fleet_dir, failing=True)
+    agent = _agent(fleet_dir, shared, failing=True)
     try:
         result = agent.load("ns.a0", _uri(fleet_dir, 0))
         assert not result.ok and "simulated load failure on rank 3" in result.error
@@ -77,7 +79,7 @@ def test_a_failing_agent_refuses_on_one_rank_and_rolls_the_others_back(fleet_dir
 
 
 def test_a_source_is_checked_and_copied_once_for_every_agent(fleet_dir: Path, shared: SharedSources) -> None:
-    agents = [_agent(fleet_dir) for _ in range(4)]
+    agents = [_agent(fleet_dir, shared) for _ in range(4)]
     try:
         for agent in agents:
             assert agent.load("ns.a0", _uri(fleet_dir, 0)).ok

@@ -9,10 +9,11 @@ import json
 import pytest
 
 from lorafleet_operator.kube import Kube, make_api_client
+from lorafleet_operator.reasons import Reason
 from lorafleet_operator.status import (
-    PREVIOUS_VERSION_SERVED,
     AgentResult,
     AgentState,
+    Pending,
     Phase,
     ServedVersion,
     build_status,
@@ -84,7 +85,7 @@ def test_a_failed_replace_says_what_the_agents_still_serve() -> None:
     status = build_status([STALE_1, STALE_0], generation=2, now="2026-01-01T00:00:00Z")
     assert status["phase"] == "Degraded"
     ready = status["conditions"][0]
-    assert (ready["status"], ready["reason"]) == ("False", PREVIOUS_VERSION_SERVED)
+    assert (ready["status"], ready["reason"]) == ("False", Reason.PREVIOUS_VERSION_SERVED)
     assert "agent-0, agent-1 still serve(s) a previous version (file:///adapters/old)" in ready["message"]
     assert status["agents"][0]["served"] == {"uri": "file:///adapters/old", "sha256": "a" * 64}
     assert [a["nextRetryTime"] for a in status["agents"]] == ["2026-01-01T00:05:00Z", "2026-01-01T00:00:04Z"]
@@ -104,7 +105,7 @@ def test_last_transition_time_kept_while_status_unchanged() -> None:
 
 
 def test_pending_explains_why() -> None:
-    status = build_status([], generation=1, pending_reason="FleetNotFound", pending_message="LoraFleet 'x' not found in ns")
+    status = build_status([], generation=1, pending=Pending("FleetNotFound", "LoraFleet 'x' not found in ns"))
     assert status["phase"] == "Pending"
     assert status["message"] == "LoraFleet 'x' not found in ns"
     assert status["conditions"][0]["reason"] == "FleetNotFound"

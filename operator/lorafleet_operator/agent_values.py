@@ -1,0 +1,107 @@
+"""What the operator and the node agents say to each other, as values: the calls' errors,
+the credentials to reach an agent and a source, Describe, control replies and load requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from lorafleet.v1 import agent_pb2
+
+
+class AgentError(Exception):
+    """A failed call to an agent: its gRPC status code and the agent's message.
+
+    ``reason`` is the agent's own mark (:data:`lorafleet_common.wire.REASON_METADATA_KEY`), "" when the call ended without
+    one. ``alone`` (loads only): no other load was in flight on that agent during this one.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, reason: str = "", alone: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.alone = alone
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach a fleet's agents (from its Secret refs); the default is plaintext, no token."""
+
+    token: str = ""
+    root_ca: bytes | None = None
+    client_cert: bytes | None = None
+    client_key: bytes | None = None
+    server_name: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return self.root_ca is not None
+
+
+@dataclass(frozen=True)
+class SourceCredential:
+    """What an agent sends to a load's source (:mod:`credentials`): a bearer token, or with a
+    user name, basic authentication. Never in a repr: no log line or traceback shows it."""
+
+    token: str = field(default="", repr=False)
+    username: str = field(default="", repr=False)
+    password: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """Describe, reduced to what the operator uses."""
+
+    base_model: str
+    tp_size: int
+    dp_size: int
+    attn_tp_size: int
+    ep_size: int
+    #: The TP width of each expert, as the agent built it (the operator derives no group).
+    moe_tp_size: int
+    max_lora_rank: int
+    max_loras_per_batch: int
+    max_loaded_loras: int
+
+
+@dataclass(frozen=True)
+class ControlReply:
+    """LoadAdapter / UnloadAdapter reply: the agent's merge over its ranks, plus rank counts."""
+
+    success: bool
+    error_message: str
+    ranks_ok: int
+    ranks_reported: int
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load as the operator asks an agent for it (LoadAdapter, or one item of
+    LoadAdapters). ``credential`` goes with it (the agent sends it to the source)."""
+
+    name: str
+    source_uri: str
+    sha256: str
+    pinned: bool
+    replace: bool
+    credential: SourceCredential | None = None
+
+    def message(self) -> agent_pb2.LoadAdapterRequest:
+        """The request on the wire."""
+        request = agent_pb2.LoadAdapterRequest(
+            name=self.name, source_uri=self.source_uri, sha256=self.sha256, pinned=self.pinned, replace=self.replace
+        )
+        if self.credential is not None and self.credential.username:
+            request.source_basic.username = self.credential.username
+            request.source_basic.password = self.credential.password
+        elif self.credential is not None:
+            request.source_token = self.credential.token
+        return request
+
+
+#: An unload's outcome as its callers get it: the agent's reply, or the call's error.
+UnloadAnswer = ControlReply | AgentError
+#: One load's outcome of a call of several: the agent's reply, or its error.
+LoadAnswer = ControlReply | AgentError

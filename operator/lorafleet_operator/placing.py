@@ -1,0 +1,98 @@
+"""Placement as the reconciles use it: the fleet's agents as candidates, each adapter's demand,
+the fleet's adapters placed together (oldest first), and the placed agents as load targets.
+The rule itself is :mod:`~lorafleet_operator.placement`'s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from lorafleet_operator.agent_values import AgentError, AgentInfo
+from lorafleet_operator.placement import Candidate, Demand, Placement, place
+from lorafleet_operator.resources import AdapterObject
+from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.status import AgentState
+from lorafleet_operator.view import FleetView, Registry, Target
+
+
+def candidates(rt: Runtime, view: FleetView, registries: Mapping[str, Registry]) -> list[Candidate]:
+    """The fleet's agents as placement sees them (what each holds: its registry, every
+    namespace's names, plus the loads sent there and not yet listed)."""
+    chosen = []
+    failing = rt.books.failures.failing_pods()
+    for agent in view.agents:
+        info, registry = view.infos.get(agent.name), registries.get(agent.name)
+        if not agent.dialable or not isinstance(info, AgentInfo) or not isinstance(registry, Mapping):
+            chosen.append(Candidate(agent.name, agent.endpoint, agent.dialable, known=False))
+            continue
+        chosen.append(
+            Candidate(
+                agent.name,
+                agent.endpoint,
+                True,
+                base_model=info.base_model,
+                max_lora_rank=info.max_lora_rank,
+                max_loaded_loras=info.max_loaded_loras,
+                held=rt.books.reservations.held(agent.endpoint, registry),
+                failing=agent.name in failing,
+            )
+        )
+    return chosen
+
+
+def demand(rt: Runtime, adapter: AdapterObject) -> Demand:
+    """What placement needs of one LoraAdapter: its spec's wants, its last placement (the
+    status) and the agents that refused this generation (the back-off book)."""
+    uid, generation = adapter.generation_key
+    refused = frozenset(
+        pod
+        for (key_uid, key_gen, pod), entry in rt.books.failures.entries.items()
+        if key_uid == uid and key_gen == generation and entry.result.state is AgentState.FAILED
+    )
+    return Demand(
+        adapter.agent_name,
+        adapter.spec.base_model,
+        adapter.spec.replicas,
+        adapter.spec.rank,
+        (adapter.created, adapter.name),
+        adapter.placed,
+        refused,
+    )
+
+
+def place_fleet(
+    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapters: Sequence[AdapterObject], *, complete: bool
+) -> dict[str, Placement]:
+    """Place these adapters of the fleet in creation order (older adapters take room first).
+
+    ``complete``: ``adapters`` are all of the fleet's live adapters (the drift check).
+    Otherwise (a handler) they are placed after the fleet's adapters still waiting for room
+    (the book the last drift check and handlers left), so a new adapter cannot take room an
+    older one waits for; adapters that have their places need no new room and are not placed
+    again. Synchronous: decisions of concurrent reconciles never interleave, and each sees
+    the others' loads as reservations."""
+    fresh = {d.name: d for d in (demand(rt, a) for a in adapters)}
+    book = rt.books.demands.setdefault((view.namespace, view.name), {})
+    placements = place(candidates(rt, view, registries), fresh.values() if complete else {**book, **fresh}.values())
+    if complete:
+        book.clear()
+    for name, placement in placements.items():
+        if placement.waiting:
+            book[name] = fresh.get(name) or book[name]
+        else:
+            book.pop(name, None)
+    return placements
+
+
+def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
+    """The placed agents as load targets (a Ready pod whose Describe failed stays a target
+    that does not hold the adapter)."""
+    chosen = []
+    for agent in view.dialable:
+        if agent.name not in placement.placed:
+            continue
+        info = view.infos.get(agent.name)
+        if isinstance(info, AgentInfo):
+            chosen.append(Target(agent, info))
+        elif isinstance(info, AgentError):
+            chosen.append(Target(agent, None, info))
+    return chosen
