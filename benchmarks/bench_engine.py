@@ -1,8 +1,8 @@
-"""Engine benchmarks (issue 2), each printed side by side from one run:
+"""Engine benchmarks, each printed side by side from one run:
 
 (a) loading one adapter on a tp=4 engine (`Engine.load_adapter`, all ranks): one whose config
     and header bytes the engine validated before (every adapter of one training recipe after the
-    first: the driver's spec memo, `peft_adapter.SpecMemo`), one with a config new to it beside a
+    first: the driver's spec memo, `adapters.memo.SpecMemo`), one with a config new to it beside a
     header it has seen (the same recipe, other metadata in the config: the memo's second level),
     and one whose config and header are both new to it (the first adapter of a recipe); the
     validation the driver does once for it, and what one rank does (read its shard of the verified files; one
@@ -42,8 +42,11 @@ from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.engine import Engine, EngineConfig, FileIdentity, SequenceInput, Topology, WrittenFiles
+from node_agent.engine.adapters.errors import CONFIG_FILE, WEIGHTS_FILE
 from node_agent.engine.adapters.files import FileDigests, HeldFiles, VerifiedAdapter, verify_adapter
-from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, SpecMemo, plan_shard, read_planned_shard
+from node_agent.engine.adapters.memo import SpecMemo
+from node_agent.engine.adapters.plan import plan_shard
+from node_agent.engine.adapters.reads import read_planned_shard
 from node_agent.engine.driver.protocol import Load
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleKey, lora_layout, model_kinds, module_layout

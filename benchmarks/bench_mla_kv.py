@@ -1,4 +1,4 @@
-"""MLA's KV cache under DP attention (issue 14), printed side by side from one run:
+"""MLA's KV cache under DP attention, printed side by side from one run:
 
 (1) KV bytes per token on one rank, and the largest batch an engine fits in a fixed per-rank KV
     budget, for DeepSeek-V2-Lite and DeepSeek-V3 shapes at tp=8: MLA's latent cache under

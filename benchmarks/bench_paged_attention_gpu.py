@@ -60,12 +60,13 @@ def run_case(seqs: int, context: int, args: argparse.Namespace, flush: torch.Ten
     lengths = torch.full((seqs,), context, dtype=torch.int32, device=device)
     q = torch.randn(seqs, args.heads, args.head_dim, device=device, generator=gen).to(dtype)
     scale = args.head_dim**-0.5
+    cache = paged_attention.PagedLayer(key, value, tables)
 
     def triton_fn() -> object:
-        return paged_attention_triton.decode(q, key, value, tables, lengths, scale)
+        return paged_attention_triton.decode(q, cache, lengths, scale)
 
     def torch_fn() -> object:
-        return paged_attention.decode_torch(q, key, value, tables, lengths, scale)
+        return paged_attention.decode_torch(q, cache, lengths, scale)
 
     error = (triton_fn().float() - torch_fn().float()).abs().max().item()
     element = key.element_size()

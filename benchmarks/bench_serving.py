@@ -1,4 +1,4 @@
-"""Serving benchmarks (issue 9), printed side by side from one run on the benchmark model (hidden
+"""Serving benchmarks, printed side by side from one run on the benchmark model (hidden
 1024, 4 layers, GQA 16/4, rank-16 adapters on all seven modules; fp32 on the CPU, bf16 on CUDA):
 
 (1) one 48-token greedy Generate with an adapter (`Engine.submit`, tp=1) vs `transformers` +

@@ -119,7 +119,8 @@ class Artifacts:
 
 def read_shard(spec: Any, layouts: Any, dtype: torch.dtype = torch.float32) -> Any:
     """One rank's loader on `spec`'s weights file, opened here as a rank opens it."""
-    from node_agent.engine.adapters.peft import WEIGHTS_FILE, read_adapter_shard
+    from node_agent.engine.adapters.errors import WEIGHTS_FILE
+    from node_agent.engine.adapters.reads import read_adapter_shard
 
     with (spec.path / WEIGHTS_FILE).open("rb") as weights:
         return read_adapter_shard(spec, weights.fileno(), layouts, dtype)

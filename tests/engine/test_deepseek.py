@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 (MLA + MoE) against transformers + PEFT (issue 14).
+"""DeepSeek-V2/V3 (MLA + MoE) against transformers + PEFT.
 
 Tiny random models made with transformers: V2 without q_lora_rank (q_proj), YaRN, softmax
 routing (greedy, and group-limited in a second model); V3 with q_a_proj → q_a_layernorm →
@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file
 
 from node_agent.engine import Engine, EngineConfig, SamplingParams, SequenceInput, Topology
-from node_agent.engine.adapters.peft import WEIGHTS_FILE, AdapterLoadError, read_adapter_spec
+from node_agent.engine.adapters.errors import WEIGHTS_FILE, AdapterLoadError
+from node_agent.engine.adapters.spec import read_adapter_spec
 from node_agent.engine.model.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig, ModelConfigError
 from node_agent.engine.parallel.sharding import (

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, SequenceInput, Topology, TopologyError
+from node_agent.engine import AdapterLoadError, Engine, EngineConfig, EngineError, FaultPlan, SequenceInput, Topology, TopologyError
 
 SHAPE = SyntheticModel()
 
@@ -145,8 +145,8 @@ def test_every_rank_makes_the_same_slot_decisions(model_dir, tmp_path):
 
 def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(model_dir, tmp_path):
     adapter = write_adapter(tmp_path / "a", SHAPE, rank=4)
-    config = EngineConfig(model_dir=model_dir, topology=Topology(2, 2), fault_fail_load_on_rank=1)
-    with Engine(config) as engine:
+    config = EngineConfig(model_dir=model_dir, topology=Topology(2, 2))
+    with Engine(config, FaultPlan(fail_load_on_rank=1)) as engine:
         with pytest.raises(AdapterLoadError, match="injected load failure on rank 1") as refused:
             engine.load_adapter("a", adapter)
         assert all(reply.holds == () for reply in engine.describe()), "rank 0 rolled back"

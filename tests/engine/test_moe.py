@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from node_agent.engine import Engine, EngineConfig, SequenceInput, Topology
-from node_agent.engine.adapters.peft import WEIGHTS_FILE, read_adapter_spec
+from node_agent.engine.adapters.errors import WEIGHTS_FILE
+from node_agent.engine.adapters.spec import read_adapter_spec
 from node_agent.engine.kernels import LoraBatch
 from node_agent.engine.model.lora_layers import LoraCapacity
-from node_agent.engine.model.moe import ExpertLoraLinear, ExpertSlotView, SparseMoeBlock
+from node_agent.engine.model.moe import ExpertLoraLinear, ExpertSlotView, Routing, SparseMoeBlock
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.sharding import EXPERT_KINDS, local_experts, module_layout, unsharded_layout
 from tests import support as R
@@ -232,7 +233,7 @@ def test_tokens_of_other_experts_and_id_minus_one_contribute_nothing(moe):
         for stack in (*module.a_stacks, *module.b_stacks):
             stack.normal_()
         module.scales.fill_(1.0)
-    block = SparseMoeBlock(cfg.moe.num_experts, 2, True, cfg.hidden_size, *projections, torch.float32, torch.device("cpu"))
+    block = SparseMoeBlock(Routing(cfg.moe.num_experts, 2, True), cfg.hidden_size, *projections, torch.float32, torch.device("cpu"))
     x = torch.randn(4, cfg.hidden_size)
     ids = torch.tensor([[0, 1], [2, 3], [-1, -1], [1, -1]])
     weights = torch.full((4, 2), 0.5)

@@ -16,7 +16,8 @@ import pytest
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 
-from node_agent.engine.adapters.peft import CONFIG_FILE, AdapterLoadError, read_adapter_config
+from node_agent.engine.adapters.config import read_adapter_config
+from node_agent.engine.adapters.errors import CONFIG_FILE, AdapterLoadError
 
 MODULE_NAMES = [
     f"model.layers.{layer}.{module}"

@@ -1,4 +1,4 @@
-"""Adapters the engine must refuse (issue 2, docs/design.md §6), on one tp=2 engine.
+"""Adapters the engine must refuse (docs/engine.md, "Adapter refusals"), on one tp=2 engine.
 
 Each refusal raises AdapterLoadError with one line naming the problem (a key phrase per case,
 tests/reference.py BAD_ADAPTERS). Afterwards the engine is unchanged and still serving: the
@@ -149,7 +149,7 @@ def test_good_adapter_unaffected_by_all_refusals(served: Served):
     compare(got, want, seqs).fail_if_any("'good' after all refusals")
 
 
-# --- issue 11: adapter_config.json validated against a schema, numbers, patterns, duplicates, dtypes
+# --- adapter_config.json validated against a schema, numbers, patterns, duplicates, dtypes
 
 
 @pytest.mark.parametrize("case", sorted(B.MALFORMED_ADAPTERS))

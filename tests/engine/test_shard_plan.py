@@ -17,14 +17,10 @@ import pytest
 import torch
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.adapters.peft import (
-    WEIGHTS_FILE,
-    ShardPlan,
-    ShardPlanner,
-    plan_shard,
-    read_adapter_spec,
-    read_planned_shard,
-)
+from node_agent.engine.adapters.errors import WEIGHTS_FILE
+from node_agent.engine.adapters.plan import ShardPlan, ShardPlanner, plan_shard
+from node_agent.engine.adapters.reads import read_planned_shard
+from node_agent.engine.adapters.spec import read_adapter_spec
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
 from node_agent.engine.parallel.topology import Topology

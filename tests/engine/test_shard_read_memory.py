@@ -17,14 +17,12 @@ import pytest
 import torch
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.adapters.peft import (
-    WEIGHTS_FILE,
-    plan_shard,
-    read_adapter_spec,
-    read_planned_shard,
-    warm_up_shard_reads,
-)
-from node_agent.engine.driver.engine import Engine, EngineConfig
+from node_agent.engine.adapters.errors import WEIGHTS_FILE
+from node_agent.engine.adapters.plan import plan_shard
+from node_agent.engine.adapters.reads import read_planned_shard, warm_up_shard_reads
+from node_agent.engine.adapters.spec import read_adapter_spec
+from node_agent.engine.driver.config import EngineConfig
+from node_agent.engine.driver.engine import Engine
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
 from node_agent.engine.parallel.topology import Topology
@@ -97,7 +95,7 @@ def test_after_the_warm_up_a_first_read_grows_memory_by_about_its_shard(files):
 
 
 def test_without_the_warm_up_a_first_read_maps_kernel_code_beyond_the_target(files):
-    """What the warm-up takes out of the first load (issue 8: the first load grew 1.4-1.5x its shard)."""
+    """What the warm-up takes out of the first load: without it, the first read grows by more than its shard."""
     read = in_fresh_process(*files, warm_up=False)
     assert read.peak_growth_bytes > 1.2 * read.shard_bytes, read
     assert read.file_backed_growth_bytes > 0.2 * read.shard_bytes, f"the excess is code pages mapped by the read: {read}"

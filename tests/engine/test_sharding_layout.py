@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
-from node_agent.engine.adapters.peft import WEIGHTS_FILE, read_adapter_spec
+from node_agent.engine.adapters.errors import WEIGHTS_FILE
+from node_agent.engine.adapters.spec import read_adapter_spec
 from node_agent.engine.model.lora_layers import LAYER_CLASSES, LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.sharding import DENSE_KINDS, MODULE_KINDS, ParallelStyle, module_layout

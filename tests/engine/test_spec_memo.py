@@ -1,4 +1,4 @@
-"""The driver's spec memo (`peft_adapter.SpecMemo`, used by `adapter_files.verify_adapter`): bytes
+"""The driver's spec memo (`memo.SpecMemo`, used by `files.verify_adapter`): bytes
 validated once are not parsed again, whichever adapter they come from; a config new to it is
 validated, and beside a header it has seen, with the fields matching reads equal, reuses that
 spec; other bytes are parsed anew; a refusal is made, with its message, every time.
@@ -20,8 +20,10 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
+from node_agent.engine.adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError
 from node_agent.engine.adapters.files import verify_adapter
-from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError, SpecMemo, read_adapter_spec
+from node_agent.engine.adapters.memo import SpecMemo
+from node_agent.engine.adapters.spec import read_adapter_spec
 from node_agent.engine.model_config import ModelConfig
 
 SHAPE = SyntheticModel()

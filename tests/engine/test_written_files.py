@@ -1,4 +1,4 @@
-"""The driver's digest check of an agent's snapshot (`adapter_files.verify_adapter`): files still
+"""The driver's digest check of an agent's snapshot (`files.verify_adapter`): files still
 of the identities their writer recorded once it had hashed every byte (`WrittenFiles`) are taken
 at their writer's digests; any other version is hashed, and refused unless its digests are the
 expected ones."""
@@ -13,8 +13,9 @@ import pytest
 
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
 from node_agent.engine import ContentChanged, FileDigests, FileIdentity, WrittenFiles
+from node_agent.engine.adapters.errors import CONFIG_FILE, WEIGHTS_FILE
 from node_agent.engine.adapters.files import verify_adapter
-from node_agent.engine.adapters.peft import CONFIG_FILE, WEIGHTS_FILE, SpecMemo
+from node_agent.engine.adapters.memo import SpecMemo
 from node_agent.engine.model_config import ModelConfig
 
 SHAPE = SyntheticModel()

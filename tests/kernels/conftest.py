@@ -2,7 +2,8 @@
 
 On the CPU the kernels run in triton's interpreter. `TRITON_INTERPRET` is set per test with
 monkeypatch rather than at import time, so nothing outside tests/kernels ever sees it; that works
-because `triton_ops` wraps its kernels with `triton.jit` lazily, once per interpreter mode.
+because the kernel modules wrap their kernels with `triton.jit` lazily, once per interpreter
+mode (`triton_launch.jitted`).
 """
 
 from __future__ import annotations

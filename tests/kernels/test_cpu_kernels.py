@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from node_agent.engine.kernels import cpu_kernels, dense, dispatch, torch_ops
-from tests.kernels.test_lora_kernels import decode_slots, make_problem
+from tests.kernels.test_lora_kernels import LayerShape, decode_slots, make_problem
 from tests.kernels.test_torch_paths import per_token
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -155,7 +155,7 @@ def column_major(b_stacks: list[torch.Tensor]) -> list[torch.Tensor]:
 def test_the_lora_rows_equal_the_float64_reference(
     kernel: ctypes.CDLL, token_slots: list[int], widths: tuple[int, ...], in_features: int
 ) -> None:
-    problem = make_problem(token_slots, num_slots=8, widths=widths, in_features=in_features, slot_ranks={5: 4})
+    problem = make_problem(token_slots, shape=LayerShape(num_slots=8, widths=widths, in_features=in_features, slot_ranks={5: 4}))
     a_joined = torch.cat(problem.a_stacks, dim=1)
     shrunk = torch_ops.shrink(problem.x.double(), [a.double() for a in problem.a_stacks], problem.batch)
     _, want = per_token(problem, shrunk.float(), torch.float64)
@@ -171,7 +171,7 @@ def test_the_lora_rows_equal_the_float64_reference(
 @pytest.mark.parametrize("form", ["row-major-b", "bf16", "ranks-unlike-a"])
 def test_buffers_in_another_form_are_not_taken(form: str) -> None:
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
-    problem = make_problem([0, 1, -1], num_slots=4, dtype=dtype, out_dtype=dtype)
+    problem = make_problem([0, 1, -1], shape=LayerShape(num_slots=4), dtype=dtype, out_dtype=dtype)
     a_joined = torch.cat(problem.a_stacks, dim=1)
     b_stacks = problem.b_stacks if form == "row-major-b" else column_major(problem.b_stacks)
     if form == "ranks-unlike-a":
@@ -180,7 +180,7 @@ def test_buffers_in_another_form_are_not_taken(form: str) -> None:
 
 
 def test_rows_in_another_form_are_declined(kernel: ctypes.CDLL) -> None:
-    problem = make_problem([0, 1, -1], num_slots=4)
+    problem = make_problem([0, 1, -1], shape=LayerShape(num_slots=4))
     buffers = cpu_kernels.lora_buffers(torch.cat(problem.a_stacks, dim=1), column_major(problem.b_stacks), problem.scales)
     assert buffers is not None
     wrong = (
@@ -204,20 +204,13 @@ def test_a_decode_steps_rows_take_the_compiled_lora_pass(
     # torch pass reads: the result shows which pass ran. Up to MAX_ROWS rows in the default mode
     # take the compiled one; more rows, or LORAFLEET_KERNELS=torch, the torch one.
     monkeypatch.setenv(dispatch.MODE_ENV, mode)
-    problem = make_problem(decode_slots(rows, 4), num_slots=4)
-    other = make_problem(decode_slots(rows, 4), num_slots=4, seed=1)
+    problem = make_problem(decode_slots(rows, 4), shape=LayerShape(num_slots=4))
+    other = make_problem(decode_slots(rows, 4), shape=LayerShape(num_slots=4), seed=1)
     views_joined = torch.cat(problem.a_stacks, dim=1)
     a_slots, b_slots = tuple(views_joined.unbind(0)), tuple(zip(*(b.unbind(0) for b in problem.b_stacks), strict=True))
     got = problem.out.clone()
-    assert dispatch.add_fp32(
-        problem.x,
-        got,
-        a_slots,
-        b_slots,
-        problem.scales,
-        problem.batch,
-        cpu_kernels.lora_buffers(torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks), problem.scales),
-    )
+    buffers = cpu_kernels.lora_buffers(torch.cat(other.a_stacks, dim=1), column_major(other.b_stacks), problem.scales)
+    assert dispatch.add_fp32(problem.x, got, dispatch.SlotViews(a_slots, b_slots, buffers), problem.scales, problem.batch)
     source = other if compiled else problem
     shrunk = torch_ops.shrink(problem.x, source.a_stacks, problem.batch)
     want = problem.out.clone()

@@ -21,7 +21,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
-from node_agent.engine.kernels import dispatch, torch_ops, triton_ops
+from node_agent.engine.kernels import dispatch, torch_ops, triton_launch, triton_ops
 from node_agent.engine.kernels.batch import LoraBatch
 
 # Tolerance of an fp32 result, and of a result rounded into a 16-bit `out` (half an ulp).
@@ -36,7 +36,7 @@ def out_rtol(dtype: torch.dtype) -> float:
     The interpreter truncates fp32 -> bf16 (compiled kernels round to nearest even), so there a
     bf16 result may be off by up to a whole ulp instead of half.
     """
-    if dtype == torch.bfloat16 and triton_ops.interpreting():
+    if dtype == torch.bfloat16 and triton_launch.interpreting():
         return 2**-7
     return OUT_RTOL[dtype]
 
@@ -53,20 +53,29 @@ class Problem:
     out: torch.Tensor  # [T, Σ width], the base output the deltas are added to
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """The layer a problem's LoRA buffers belong to: input width, one output width per slice,
+    max rank and slots; `slot_ranks` gives adapters a rank below `rank`, zero-padded as the pool does."""
+
+    in_features: int = 64
+    widths: tuple[int, ...] = (40, 8, 8)
+    rank: int = 16
+    num_slots: int = 4
+    slot_ranks: dict[int, int] | None = None
+
+
 def make_problem(
     token_slots: list[int],
     *,
-    in_features: int = 64,
-    widths: tuple[int, ...] = (40, 8, 8),
-    rank: int = 16,
-    num_slots: int = 4,
+    shape: LayerShape = LayerShape(),
     dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype = torch.float32,
-    slot_ranks: dict[int, int] | None = None,
     device: torch.device = CPU,
     seed: int = 0,
 ) -> Problem:
-    """Random problem; `slot_ranks` gives adapters a rank below `rank`, zero-padded as the pool does."""
+    """Random problem for a layer of `shape`."""
+    in_features, widths, rank, num_slots, slot_ranks = shape.in_features, shape.widths, shape.rank, shape.num_slots, shape.slot_ranks
     gen = torch.Generator().manual_seed(seed)
     tokens = len(token_slots)
     # Scaled so y and the deltas are O(1): tolerances then read as relative errors.
@@ -141,14 +150,14 @@ def test_prefill_long_segments_several_row_and_column_blocks(device: torch.devic
     # 70- and 37-token segments span two 64-row blocks and one; 160-wide q spans two column
     # blocks while k/v stop in the first; one segment has no adapter.
     slots = [2] * 37 + [-1] * 3 + [0] * 70 + [2] * 5 + [1]
-    problem = make_problem(slots, widths=(160, 32, 32), in_features=96, device=device)
+    problem = make_problem(slots, shape=LayerShape(widths=(160, 32, 32), in_features=96), device=device)
     assert problem.batch.max_seg_len == 70
     check_expand(problem, check_shrink(problem))
 
 
 def test_ranks_below_max_are_zero_padded(device: torch.device) -> None:
     slot_ranks = {0: 4, 1: 8, 3: 1}  # slot 2 uses the full rank 16
-    problem = make_problem(decode_slots(10, 4) + [1] * 20 + [3] * 3, slot_ranks=slot_ranks, device=device)
+    problem = make_problem(decode_slots(10, 4) + [1] * 20 + [3] * 3, shape=LayerShape(slot_ranks=slot_ranks), device=device)
     base = problem.out.clone()
     out = check_expand(problem, check_shrink(problem))
     # The padded result equals the unpadded PEFT math, x Aᵀ Bᵀ scale with A [r, K], B [out, r].
@@ -202,7 +211,7 @@ def test_empty_segments_are_skipped(device: torch.device) -> None:
 
 
 def test_single_slice(device: torch.device) -> None:
-    problem = make_problem([1] * 5 + [0] * 2 + [-1], widths=(48,), device=device)
+    problem = make_problem([1] * 5 + [0] * 2 + [-1], shape=LayerShape(widths=(48,)), device=device)
     check_expand(problem, check_shrink(problem))
 
 
@@ -210,7 +219,7 @@ def test_single_slice(device: torch.device) -> None:
 def test_shrink_split_k_rank_64(device: torch.device, split_k: int) -> None:
     # K = 300 is 4.7 fp32 K tiles of 64 at rank 64: the last split of 1, 2 or 3 ends in a partial
     # tile, and more than one split accumulates through atomics into the zeroed output.
-    problem = make_problem([0] * 3 + [2] * 20 + [-1], in_features=300, rank=64, device=device)
+    problem = make_problem([0] * 3 + [2] * 20 + [-1], shape=LayerShape(in_features=300, rank=64), device=device)
     check_shrink(problem, split_k=split_k)
 
 
@@ -220,14 +229,14 @@ def test_shrink_split_k_rank_64(device: torch.device, split_k: int) -> None:
 )
 def test_16bit_weights_and_outputs(device: torch.device, dtype: torch.dtype, out_dtype: torch.dtype) -> None:
     slots = decode_slots(6, 3) + [2] * 21
-    problem = make_problem(slots, widths=(32, 16, 16), dtype=dtype, out_dtype=out_dtype, device=device)
+    problem = make_problem(slots, shape=LayerShape(widths=(32, 16, 16)), dtype=dtype, out_dtype=out_dtype, device=device)
     check_expand(problem, check_shrink(problem))
 
 
 def test_strided_views_and_unaligned_column_block(device: torch.device) -> None:
     # The engine passes views: x may be a column slice, and a fully-sharded row-parallel layer
     # expands into `partial[:, start:stop]`, here starting at an odd column.
-    problem = make_problem(decode_slots(7, 4) + [3] * 18, widths=(24, 8, 8), device=device)
+    problem = make_problem(decode_slots(7, 4) + [3] * 18, shape=LayerShape(widths=(24, 8, 8)), device=device)
     wide_x = torch.zeros(problem.x.shape[0], problem.x.shape[1] + 5, device=device)
     wide_x[:, 3 : 3 + problem.x.shape[1]] = problem.x
     problem.x = wide_x[:, 3 : 3 + problem.x.shape[1]]
@@ -299,7 +308,7 @@ def test_dispatch_rejects_triton_on_cpu_without_interpreter(monkeypatch: pytest.
 
 
 class _Launches:
-    """Stands in for `triton_ops._jitted`: `kernel[grid](...)` records the launch, runs nothing."""
+    """Stands in for `triton_launch.jitted`: `kernel[grid](...)` records the launch, runs nothing."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Callable[..., None], tuple[Any, ...], dict[str, Any]]] = []
@@ -353,9 +362,9 @@ def test_kernels_compile_for_hopper_with_16_byte_accesses(
     16-byte accesses."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     launches = _Launches()
-    monkeypatch.setattr(triton_ops, "_jitted", launches.jitted)
+    monkeypatch.setattr(triton_launch, "jitted", launches.jitted)
     # An 8B-like qkv slice set at a small K: hidden 512, q 512, k/v 128 under GQA, rank 64.
-    problem = make_problem(slots, in_features=512, widths=(512, 128, 128), rank=64, dtype=dtype, out_dtype=dtype)
+    problem = make_problem(slots, shape=LayerShape(in_features=512, widths=(512, 128, 128), rank=64), dtype=dtype, out_dtype=dtype)
     y = triton_ops.shrink(problem.x, problem.a_stacks, problem.batch, split_k=split_k)
     triton_ops.expand(y, problem.b_stacks, problem.scales, problem.batch, problem.out)
     assert [fn.__name__ for fn, _, _ in launches.calls] == ["_shrink_kernel", "_expand_kernel"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from node_agent.engine.kernels import LoraBatch, cpu_kernels, dense, torch_ops
-from tests.kernels.test_lora_kernels import Problem, decode_slots, make_problem, random_y
+from tests.kernels.test_lora_kernels import LayerShape, Problem, decode_slots, make_problem, random_y
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -48,7 +48,9 @@ def per_token(
 def test_shrink_and_expand_equal_a_per_token_reference(
     token_slots: list[int], dtype: torch.dtype, slot_ranks: dict[int, int] | None, joined: bool
 ) -> None:
-    problem = make_problem(token_slots, num_slots=max(token_slots) + 1, dtype=dtype, out_dtype=dtype, slot_ranks=slot_ranks)
+    problem = make_problem(
+        token_slots, shape=LayerShape(num_slots=max(token_slots) + 1, slot_ranks=slot_ranks), dtype=dtype, out_dtype=dtype
+    )
     stacks = torch.cat(problem.a_stacks, dim=1) if joined else None
     a_stacks = [stacks[:, i * 16 : (i + 1) * 16] for i in range(3)] if stacks is not None else problem.a_stacks
     got_y = torch_ops.shrink(problem.x, a_stacks, problem.batch, stacks)
@@ -135,7 +137,7 @@ def joined_views(a_stacks: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch
 )
 @pytest.mark.parametrize("joined", [True, False], ids=["joined", "separate"])
 def test_every_cpu_path_equals_the_float64_reference(token_slots: list[int], joined: bool) -> None:
-    problem = make_problem(token_slots, num_slots=8)
+    problem = make_problem(token_slots, shape=LayerShape(num_slots=8))
     a_joined, a_stacks = joined_views(problem.a_stacks) if joined else (None, problem.a_stacks)
     y = random_y(problem)
     want_y, want = per_token(problem, y, torch.float64)
@@ -150,7 +152,7 @@ def test_every_cpu_path_equals_the_float64_reference(token_slots: list[int], joi
 
 def test_scattered_rows_into_a_16_bit_output() -> None:
     # The rows of a slot that are not one run take the gather path, into bf16 as in fp32.
-    problem = make_problem([0, 1, 0, -1], num_slots=4, dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    problem = make_problem([0, 1, 0, -1], shape=LayerShape(num_slots=4), dtype=torch.bfloat16, out_dtype=torch.bfloat16)
     y = random_y(problem)
     _, want = per_token(problem, y, torch.float64)
     got = problem.out.clone()
@@ -179,7 +181,7 @@ def slot_views(
 @pytest.mark.parametrize("widths", [(40, 8, 8), (24,)], ids=["three-slices", "one-slice"])
 def test_add_fp32_equals_shrink_then_expand_to_the_bit(token_slots: list[int], widths: tuple[int, ...]) -> None:
     # The fused pass runs the very products of the two calls, so greedy tokens cannot move.
-    problem = make_problem(token_slots, num_slots=8, widths=widths)
+    problem = make_problem(token_slots, shape=LayerShape(num_slots=8, widths=widths))
     a_joined, a_stacks = joined_views(problem.a_stacks)
     want = problem.out.clone()
     torch_ops.expand(torch_ops.shrink(problem.x, a_stacks, problem.batch, a_joined), problem.b_stacks, problem.scales, problem.batch, want)
@@ -200,7 +202,7 @@ def test_add_fp32_equals_shrink_then_expand_to_the_bit(token_slots: list[int], w
     ids=["index-rows", "bf16"],
 )
 def test_add_fp32_leaves_other_batches_to_shrink_and_expand(token_slots: list[int], dtype: torch.dtype) -> None:
-    problem = make_problem(token_slots, num_slots=4, dtype=dtype, out_dtype=dtype)
+    problem = make_problem(token_slots, shape=LayerShape(num_slots=4), dtype=dtype, out_dtype=dtype)
     a_joined, _ = joined_views(problem.a_stacks)
     got = problem.out.clone()
     assert not torch_ops.add_fp32(problem.x, got, *slot_views(a_joined, problem.b_stacks), problem.scales, problem.batch)

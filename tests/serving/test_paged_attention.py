@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from node_agent.engine.kernels import paged_attention, paged_attention_triton
+from node_agent.engine.kernels import dispatch, paged_attention, paged_attention_triton, triton_launch
+from node_agent.engine.kernels.paged_attention import PagedLayer
 from node_agent.engine.serving.kv_cache import BlockAllocator, KVCacheLayout, PagedKVCache
 from tests.kernels.test_lora_kernels import _compile_for_hopper
 
@@ -52,6 +53,10 @@ class PagedProblem:
 
     def reference(self, index: int) -> torch.Tensor:
         return dense_attention(self.q[index], self.k[index], self.v[index], SCALE)
+
+    def layer(self, tables: torch.Tensor | None = None) -> PagedLayer:
+        """Layer 1 of the cache, read through `tables` (default: the problem's block tables)."""
+        return PagedLayer(self.cache.key(1), self.cache.value(1), self.block_tables if tables is None else tables)
 
 
 def make_problem(
@@ -108,7 +113,7 @@ def test_prefill_matches_dense_causal(block_size: int, group: int) -> None:
     query_lens = [5, 1, block_size + 3, block_size + 2]
     problem = make_problem(lengths, block_size=block_size, group=group)
     q = torch.cat([qs[-n:] for qs, n in zip(problem.q, query_lens, strict=True)])
-    out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, query_lens, lengths, SCALE)
+    out = paged_attention.prefill(q, problem.layer(), query_lens, lengths, SCALE)
     rows = out.split(query_lens)
     for index, n in enumerate(query_lens):
         torch.testing.assert_close(rows[index].double(), problem.reference(index)[-n:], **FP32_TOL)
@@ -123,14 +128,12 @@ def test_prefill_of_equal_lengths_is_one_attention_call_with_the_same_result() -
     q = torch.cat([qs[-n:] for qs, n in zip(problem.q, query_lens, strict=True)])
     counter = OpCounter()
     with counter:
-        out = paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, query_lens, lengths, SCALE)
+        out = paged_attention.prefill(q, problem.layer(), query_lens, lengths, SCALE)
     assert counter.ops["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 3  # runs of 3, 1 and 2
     for index, (rows, n) in enumerate(zip(out.split(query_lens), query_lens, strict=True)):
         alone = paged_attention.prefill(
             problem.q[index][-n:],
-            problem.cache.key(1),
-            problem.cache.value(1),
-            problem.block_tables[index : index + 1],
+            problem.layer(problem.block_tables[index : index + 1]),
             [n],
             [lengths[index]],
             SCALE,
@@ -158,7 +161,7 @@ def test_decode_torch_matches_dense(block_size: int, group: int) -> None:
     problem = make_problem(lengths, block_size=block_size, group=group)
     q = torch.stack([qs[-1] for qs in problem.q])
     context_lens = torch.tensor(lengths, dtype=torch.int32)
-    out = paged_attention.decode_torch(q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, context_lens, SCALE)
+    out = paged_attention.decode_torch(q, problem.layer(), context_lens, SCALE)
     for index in range(len(lengths)):
         torch.testing.assert_close(out[index].double(), problem.reference(index)[-1], **FP32_TOL)
 
@@ -177,8 +180,8 @@ def test_a_lone_sequence_on_consecutive_blocks_reads_them_as_a_view(length: int)
     assert paged_attention.consecutive_blocks(table, [length], block_size) == first
     q = torch.randn(1, 4, 16, generator=gen)
     lens = torch.tensor([length], dtype=torch.int32)
-    gathered = paged_attention.decode_torch(q, cache.key(0), cache.value(0), table, lens, SCALE)
-    viewed = paged_attention.decode_torch(q, cache.key(0), cache.value(0), table, lens, SCALE, first)
+    gathered = paged_attention.decode_torch(q, PagedLayer(cache.key(0), cache.value(0), table), lens, SCALE)
+    viewed = paged_attention.decode_torch(q, PagedLayer(cache.key(0), cache.value(0), table), lens, SCALE, first)
     assert torch.equal(viewed, gathered)
     k = cache.key(0)[first : first + used].flatten(0, 1)[:length]
     v = cache.value(0)[first : first + used].flatten(0, 1)[:length]
@@ -232,12 +235,14 @@ def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass()
             tables.append(list(allocator.block_table(seq)))
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        out = paged_attention.prefill(torch.cat(queries), cache.key(0), cache.value(0), block_tables, query_lens, context_lens, SCALE)
+        out = paged_attention.prefill(
+            torch.cat(queries), PagedLayer(cache.key(0), cache.value(0), block_tables), query_lens, context_lens, SCALE
+        )
         for (seq, _), rows in zip(step, out.split(query_lens), strict=True):
             outputs[seq].append(rows)
         if all(new == 1 for _, new in step):
             decoded = paged_attention.decode_torch(
-                torch.cat(queries), cache.key(0), cache.value(0), block_tables, torch.tensor(context_lens), SCALE
+                torch.cat(queries), PagedLayer(cache.key(0), cache.value(0), block_tables), torch.tensor(context_lens), SCALE
             )
             torch.testing.assert_close(decoded, out, **FP32_TOL)
     # Blocks interleave between the sequences, so the tables are not contiguous ranges.
@@ -249,16 +254,16 @@ def test_chunked_prefill_and_decode_through_the_allocator_equal_one_dense_pass()
 def test_prefill_rejects_inconsistent_lengths() -> None:
     problem = make_problem([4], block_size=4, group=1)
     with pytest.raises(ValueError, match="query_lens"):
-        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables, [3], [4], SCALE)
+        paged_attention.prefill(problem.q[0], problem.layer(), [3], [4], SCALE)
     with pytest.raises(ValueError, match="new tokens but a context of 3"):
-        paged_attention.prefill(problem.q[0], problem.cache.key(1), problem.cache.value(1), problem.block_tables, [4], [3], SCALE)
+        paged_attention.prefill(problem.q[0], problem.layer(), [4], [3], SCALE)
 
 
 def run_triton_decode(problem: PagedProblem, lengths: list[int], **kwargs: int) -> None:
     """Triton decode equals the torch decode (itself checked against dense attention above)."""
     q = torch.stack([qs[-1] for qs in problem.q])
     context_lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
-    args = (q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, context_lens, SCALE)
+    args = (q, problem.layer(), context_lens, SCALE)
     got = paged_attention_triton.decode(*args, **kwargs)
     want = paged_attention.decode_torch(*args)
     assert got.dtype == q.dtype and got.shape == q.shape
@@ -297,9 +302,7 @@ def test_triton_decode_no_sequences(device: torch.device) -> None:
     problem = make_problem([4], block_size=4, group=2, device=device)
     empty = paged_attention_triton.decode(
         torch.empty(0, 4, 16, device=device),
-        problem.cache.key(1),
-        problem.cache.value(1),
-        torch.empty(0, 1, dtype=torch.int32, device=device),
+        problem.layer(torch.empty(0, 1, dtype=torch.int32, device=device)),
         torch.empty(0, dtype=torch.int32, device=device),
         SCALE,
     )
@@ -311,10 +314,8 @@ def test_torch_paths_with_no_tokens() -> None:
     problem = make_problem([4], block_size=4, group=2)
     q = torch.empty(0, 4, 16)
     no_tables = torch.empty(0, 1, dtype=torch.int32)
-    assert paged_attention.prefill(q, problem.cache.key(1), problem.cache.value(1), no_tables, [], [], SCALE).shape == q.shape
-    decoded = paged_attention.decode_torch(
-        q, problem.cache.key(1), problem.cache.value(1), no_tables, torch.empty(0, dtype=torch.int32), SCALE
-    )
+    assert paged_attention.prefill(q, problem.layer(no_tables), [], [], SCALE).shape == q.shape
+    decoded = paged_attention.decode_torch(q, problem.layer(no_tables), torch.empty(0, dtype=torch.int32), SCALE)
     assert decoded.shape == q.shape
 
 
@@ -336,9 +337,7 @@ def test_decode_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch, mode: str | Non
     lengths = [2, 9]
     problem = make_problem(lengths, block_size=4, group=2)
     q = torch.stack([qs[-1] for qs in problem.q])
-    out = paged_attention.decode(
-        q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, torch.tensor(lengths, dtype=torch.int32), SCALE
-    )
+    out = dispatch.paged_decode(q, problem.layer(), torch.tensor(lengths, dtype=torch.int32), SCALE)
     assert len(calls) == (1 if expect_triton else 0)
     for index in range(len(lengths)):
         torch.testing.assert_close(out[index].double(), problem.reference(index)[-1], **FP32_TOL)
@@ -355,12 +354,10 @@ def test_triton_decode_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch) -> N
         def __getitem__(self, grid: tuple[int, ...]) -> object:
             return lambda *args, **kwargs: launches.append((args, kwargs))
 
-    monkeypatch.setattr(paged_attention_triton, "_jitted", lambda fn, interpret: Recorder())
+    monkeypatch.setattr(triton_launch, "jitted", lambda fn, interpret: Recorder())
     problem = make_problem([40], block_size=16, group=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     q = problem.q[0][-1:]
-    paged_attention_triton.decode(
-        q, problem.cache.key(1), problem.cache.value(1), problem.block_tables, torch.tensor([40], dtype=torch.int32), SCALE
-    )
+    paged_attention_triton.decode(q, problem.layer(), torch.tensor([40], dtype=torch.int32), SCALE)
     ((args, kwargs),) = launches
     ptx, shared = _compile_for_hopper(paged_attention_triton._paged_decode_kernel, args, kwargs)
     assert shared <= 227 * 1024

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from node_agent.engine.serving.sampler import FinishReason, SamplingParams, finish_reason
-from node_agent.engine.serving.scheduler import (
+from node_agent.engine.serving.scheduler import Scheduler
+from node_agent.engine.serving.scheduling import (
     FinishedSequence,
     QueueFull,
     ScheduledStep,
-    Scheduler,
     SchedulerConfig,
     SchedulerError,
     SequenceRequest,

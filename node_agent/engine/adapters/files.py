@@ -5,7 +5,7 @@ are opened without following a symlink, hashed when the caller verified digests 
 source check), and parsed and matched against the base model (config, patterns, safetensors
 header; the bytes read through the held files, `SpecMemo` skipping the parse of bytes it has
 validated before). The result, a `VerifiedAdapter`, carries the spec the driver plans
-each rank's read by (`peft_adapter.plan_shard`) and each file's identity (device, inode, size,
+each rank's read by (`plan.plan_shard`) and each file's identity (device, inode, size,
 mtime, ctime: `VerifiedFiles`). A rank parses nothing: it opens the files the same way, refuses
 them unless their identity is the verified one, reads its shard through that open descriptor by
 its plan and checks the identity unchanged afterwards.
@@ -23,15 +23,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_agent.engine.adapters.peft import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterLoadError,
-    AdapterSpec,
-    SpecMemo,
-    read_adapter_bytes,
-    read_adapter_spec,
-)
+from node_agent.backend import FileDigests, FileIdentity, WrittenFiles
+from node_agent.engine.adapters.errors import CONFIG_FILE, WEIGHTS_FILE, AdapterLoadError
+from node_agent.engine.adapters.header import read_adapter_bytes
+from node_agent.engine.adapters.memo import SpecMemo
+from node_agent.engine.adapters.spec import AdapterSpec, read_adapter_spec
 
 _READ_BYTES = 1 << 20
 
@@ -43,41 +39,6 @@ class ContentChanged(AdapterLoadError):
 
 class CannotOpen(AdapterLoadError):
     """A file of the adapter cannot be opened (missing, a symlink, unreadable)."""
-
-
-@dataclass(frozen=True)
-class FileDigests:
-    """The sha256 (hex) of an adapter's two files: what a rank read, or what the agent verified."""
-
-    weights_sha256: str
-    config_sha256: str
-
-
-@dataclass(frozen=True)
-class FileIdentity:
-    """What tells one version of a file from any other on the same machine."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        """The identity of a stat result."""
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-@dataclass(frozen=True)
-class WrittenFiles:
-    """The identities an adapter's two files had once their writer had written and hashed every
-    byte of them (the agent's private snapshot, whose `FileDigests` are of those bytes). Files
-    still of these identities hold those bytes, by the argument a rank's read rests on (module
-    docstring), so the driver takes the digests as read instead of hashing the files again."""
-
-    weights: FileIdentity
-    config: FileIdentity
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.engine.adapters.peft import AdapterShard
+from node_agent.engine.adapters.reads import AdapterShard
 from node_agent.engine.model.lora_layers import LoraSlots
 from node_agent.engine.parallel.sharding import ModuleKey
 

@@ -7,6 +7,6 @@ fp32. The torch path serves the CPU; triton kernels serve CUDA.
 """
 
 from node_agent.engine.kernels.batch import LoraBatch
-from node_agent.engine.kernels.dispatch import add_fp32, expand, shrink
+from node_agent.engine.kernels.dispatch import SlotViews, add_fp32, expand, shrink
 
-__all__ = ["LoraBatch", "add_fp32", "expand", "shrink"]
+__all__ = ["LoraBatch", "SlotViews", "add_fp32", "expand", "shrink"]

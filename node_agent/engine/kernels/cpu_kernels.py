@@ -5,7 +5,7 @@ Why kernels of our own: a CPU decode step multiplies one row per running sequenc
 weight, so its time is the weight's stream from memory. MKL's matrix-vector product streams a
 weight at that speed for one row; for several rows neither MKL (which packs the weight on
 every call) nor oneDNN (which runs the arithmetic after the stream instead of under it) does,
-so a step of 8 sequences cost 1.5x a step of one (docs/kernels.md, "The CPU path"). `gemm`
+so a step of 8 sequences costs well over a step of one (docs/kernels.md, "The CPU path"). `gemm`
 runs 1 to 8 rows in about the time of one. The LoRA delta of 8 rows over 8 adapters in torch
 is about 350 small ops a step (a matrix-vector product per row and slice); `add_lora_rows` is
 one call per layer, which reads each row's A and B once.

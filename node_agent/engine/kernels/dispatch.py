@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from node_agent.engine.kernels import cpu_kernels, torch_ops
+from node_agent.engine.kernels import cpu_kernels, paged_attention, torch_ops
 from node_agent.engine.kernels.batch import LoraBatch
 
 MODE_ENV = "LORAFLEET_KERNELS"
@@ -58,25 +58,28 @@ def compiled_cpu(x: torch.Tensor) -> ctypes.CDLL | None:
     return cpu_kernels.library()
 
 
-def add_fp32(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    a_slots: Sequence[torch.Tensor],
-    b_slots: Sequence[Sequence[torch.Tensor]],
-    scales: torch.Tensor,
-    batch: LoraBatch,
-    compiled: cpu_kernels.LoraBuffers | None = None,
-) -> bool:
+@dataclass(frozen=True)
+class SlotViews:
+    """A layer's LoRA buffers as views per slot, made once: `a[s]` slot `s`'s joined A
+    `[Σ rank widths, in]`, `b[s][i]` its B of slice `i`; `compiled` the same buffers as the
+    compiled CPU kernel reads them, None where it cannot (`add_fp32`)."""
+
+    a: tuple[torch.Tensor, ...]
+    b: tuple[tuple[torch.Tensor, ...], ...]
+    compiled: cpu_kernels.LoraBuffers | None
+
+
+def add_fp32(x: torch.Tensor, out: torch.Tensor, views: SlotViews, scales: torch.Tensor, batch: LoraBatch) -> bool:
     """Shrink and expand in one pass where the CPU serves `x`: up to `cpu_kernels.MAX_ROWS` rows
-    through the compiled kernel (given `compiled`, the layer's buffers behind the same per-slot
-    views), else `torch_ops.add_fp32`; False, having done nothing, where neither serves (then
-    call `shrink` and `expand`)."""
+    through the compiled kernel (given `views.compiled`, the layer's buffers behind the same
+    per-slot views), else `torch_ops.add_fp32`; False, having done nothing, where neither serves
+    (then call `shrink` and `expand`)."""
     if use_triton(x):
         return False
     lib = compiled_cpu(x)
-    if lib is not None and compiled is not None and cpu_kernels.add_lora_rows(lib, x, out, compiled, batch.token_slots):
+    if lib is not None and views.compiled is not None and cpu_kernels.add_lora_rows(lib, x, out, views.compiled, batch.token_slots):
         return True
-    return torch_ops.add_fp32(x, out, a_slots, b_slots, scales, batch)
+    return torch_ops.add_fp32(x, out, views.a, views.b, scales, batch)
 
 
 def shrink(x: torch.Tensor, a_stacks: list[torch.Tensor], batch: LoraBatch, joined: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,3 +106,15 @@ def expand(
         triton_ops.expand(y, b_stacks, scales, batch, out)
         return
     torch_ops.expand(y, b_stacks, scales, batch, out)
+
+
+def paged_decode(
+    q: torch.Tensor, cache: paged_attention.PagedLayer, context_lens: torch.Tensor, scale: float, first_block: int | None = None
+) -> torch.Tensor:
+    """`paged_attention.decode_torch`'s result: the triton kernel on CUDA, the torch path
+    elsewhere (which takes `first_block`, see there)."""
+    if use_triton(q):
+        from node_agent.engine.kernels import paged_attention_triton
+
+        return paged_attention_triton.decode(q, cache, context_lens, scale)
+    return paged_attention.decode_torch(q, cache, context_lens, scale, first_block)

@@ -11,21 +11,31 @@ Shapes, for one attention group's step on one rank:
 
 GQA: query head `h` reads KV head `h // (num_heads // num_kv_heads)`, as transformers'
 `repeat_kv` does. Prefill runs on the torch path everywhere for now; decode goes to the triton
-kernel on CUDA (`dispatch.use_triton`, the same rule as shrink/expand).
+kernel on CUDA (`dispatch.paged_decode`, the same rule as shrink/expand).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from node_agent.engine.kernels import dispatch
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer of the paged KV cache (`key_cache`, `value_cache`) and the `block_tables` a
+    batch reads it through (the shapes above)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
 
 
-def check_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> None:
+def check_inputs(q: torch.Tensor, cache: PagedLayer) -> None:
     """The shapes above, for every path (torch prefill and decode, the triton decode)."""
+    key_cache, value_cache, block_tables = cache.key_cache, cache.value_cache, cache.block_tables
     if key_cache.shape != value_cache.shape or key_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, head_dim], got {tuple(key_cache.shape)}")
     if q.dim() != 3 or q.shape[2] != key_cache.shape[3] or q.shape[1] % key_cache.shape[2]:
@@ -43,15 +53,7 @@ def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.T
     return cache[used].flatten(0, 1)[:length]
 
 
-def prefill(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_lens: Sequence[int],
-    context_lens: Sequence[int],
-    scale: float,
-) -> torch.Tensor:
+def prefill(q: torch.Tensor, cache: PagedLayer, query_lens: Sequence[int], context_lens: Sequence[int], scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and themselves.
 
     Sequence `i` owns the next `query_lens[i]` rows of `q`; they are its last tokens, at
@@ -63,7 +65,7 @@ def prefill(
     batch entry: SDPA computes every (sequence, head) on its own, so the result is the same as
     one call per sequence, for fewer ops (a 256-row prefill of 8 prompts: 4 calls, not 32).
     """
-    check_inputs(q, key_cache, value_cache, block_tables)
+    check_inputs(q, cache)
     if len(query_lens) != len(context_lens) or sum(query_lens) != q.shape[0]:
         raise ValueError(f"query_lens {list(query_lens)} must cover q's {q.shape[0]} rows, one per context length")
     for index, (new, total) in enumerate(zip(query_lens, context_lens, strict=True)):
@@ -75,8 +77,8 @@ def prefill(
         new, total = query_lens[first], context_lens[first]
         rows = new * count
         if new:
-            k = gather_many(key_cache, block_tables[first : first + count], total)
-            v = gather_many(value_cache, block_tables[first : first + count], total)
+            tables = cache.block_tables[first : first + count]
+            k, v = gather_many(cache.key_cache, tables, total), gather_many(cache.value_cache, tables, total)
             out[start : start + rows] = _causal(q[start : start + rows].view(count, new, *q.shape[1:]), k, v, scale).flatten(0, 1)
         start += rows
     return out
@@ -160,13 +162,7 @@ def prefill_gathered(
 
 
 def decode_torch(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    first_block: int | None = None,
+    q: torch.Tensor, cache: PagedLayer, context_lens: torch.Tensor, scale: float, first_block: int | None = None
 ) -> torch.Tensor:
     """One query token per sequence (`q` `[num_seqs, heads, head_dim]`) over its whole context.
 
@@ -179,7 +175,8 @@ def decode_torch(
     (`consecutive_blocks`), whose context is then read as a view of the cache instead of a
     gathered copy: the same values in the same order, so the same result.
     """
-    check_inputs(q, key_cache, value_cache, block_tables)
+    check_inputs(q, cache)
+    key_cache, value_cache = cache.key_cache, cache.value_cache
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return torch.empty_like(q)
@@ -195,7 +192,7 @@ def decode_torch(
     else:
         # `index_select` over the flat table, not `cache[tables]`: the same copy in a quarter of
         # the time (advanced indexing of a 4-d tensor takes its general path; docs/kernels.md).
-        blocks = block_tables[:, :used].reshape(-1)
+        blocks = cache.block_tables[:, :used].reshape(-1)
         k = _fp32_heads(key_cache.index_select(0, blocks), num_seqs, longest)
         v = _fp32_heads(value_cache.index_select(0, blocks), num_seqs, longest)
     mask = None
@@ -230,21 +227,3 @@ def _fp32_heads(rows: torch.Tensor, num_seqs: int, longest: int) -> torch.Tensor
     order) as `[num_seqs, kv_heads, longest, head_dim]` fp32 (a view where the cache is fp32)."""
     per_seq = rows.view(num_seqs, -1, *rows.shape[2:])
     return _fp32(per_seq[:, :longest].transpose(1, 2))
-
-
-def decode(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    first_block: int | None = None,
-) -> torch.Tensor:
-    """`decode_torch`'s result: the triton kernel on CUDA, the torch path elsewhere (which
-    takes `first_block`, see there)."""
-    if dispatch.use_triton(q):
-        from node_agent.engine.kernels import paged_attention_triton
-
-        return paged_attention_triton.decode(q, key_cache, value_cache, block_tables, context_lens, scale)
-    return decode_torch(q, key_cache, value_cache, block_tables, context_lens, scale, first_block)

@@ -11,23 +11,18 @@ No split of the context over programs yet (flash-decoding): with few sequences a
 a GPU would be under-occupied; that comes with GPU measurements.
 
 As in `triton_ops`, the kernel is plain Python wrapped by `triton.jit` lazily, once per
-interpreter mode, so the CPU tests can switch `TRITON_INTERPRET` per test. Its runtime arguments
-are annotated `tl.tensor` (what they are inside the kernel; triton's specialisation ignores the
-annotation, and the compiler can resolve it), which keeps the module under mypy's strict rules.
+interpreter mode (`triton_launch.jitted`), so the CPU tests can switch `TRITON_INTERPRET` per
+test. Its runtime arguments are annotated `tl.tensor` (what they are inside the kernel; triton's
+specialisation ignores the annotation, and the compiler can resolve it), which keeps the module
+under mypy's strict rules.
 """
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 import torch
-import triton
 import triton.language as tl
 
-from node_agent.engine.kernels import paged_attention
+from node_agent.engine.kernels import paged_attention, triton_launch
 
 _LOG2E = 1.4426950408889634
-_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 # Row max and sum through `tl.reduce` with triton's own combine functions, not `tl.max` /
 # `tl.sum`: those are @jit helpers, fixed to compiled mode when triton was imported without the
 # interpreter (like `tl.zeros`), while the interpreter's `tl.reduce` recognises these two.
@@ -119,35 +114,13 @@ def _paged_decode_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def interpreting() -> bool:
-    """Whether triton runs kernels in its CPU interpreter (`TRITON_INTERPRET`), read per call."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-@functools.cache
-def _jitted(fn: Callable[..., None], interpret: bool) -> Any:
-    """`triton.jit(fn)` for one interpreter mode (the mode is only part of the cache key)."""
-    del interpret
-    return triton.jit(fn)
-
-
-def _next_pow2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
-
-
 def decode(
-    q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    block_n: int = 64,
+    q: torch.Tensor, cache: paged_attention.PagedLayer, context_lens: torch.Tensor, scale: float, *, block_n: int = 64
 ) -> torch.Tensor:
     """See `paged_attention.decode_torch`. `block_n` (tests, tuning): context tokens per tile, a
     power of two ≥ 16. Accumulates in fp32 and rounds once into `q`'s dtype."""
-    paged_attention.check_inputs(q, key_cache, value_cache, block_tables)
+    paged_attention.check_inputs(q, cache)
+    key_cache, value_cache, block_tables = cache.key_cache, cache.value_cache, cache.block_tables
     num_seqs, num_heads, head_dim = q.shape
     page_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
@@ -164,8 +137,8 @@ def decode(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    same16 = q.dtype == key_cache.dtype == value_cache.dtype and q.dtype in _SIXTEEN_BIT
-    kernel = _jitted(_paged_decode_kernel, interpreting())
+    same16 = q.dtype == key_cache.dtype == value_cache.dtype and q.dtype in triton_launch.SIXTEEN_BIT
+    kernel = triton_launch.jitted(_paged_decode_kernel, triton_launch.interpreting())
     kernel[(num_seqs, kv_heads)](
         q,
         key_cache,
@@ -188,11 +161,11 @@ def decode(
         GROUP=num_heads // kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        BLOCK_G=max(16, _next_pow2(num_heads // kv_heads)),
+        BLOCK_G=max(16, triton_launch.next_pow2(num_heads // kv_heads)),
         BLOCK_N=block_n,
-        BLOCK_D=max(16, _next_pow2(head_dim)),
+        BLOCK_D=max(16, triton_launch.next_pow2(head_dim)),
         # The interpreter's 16-bit dot is wrong (bf16 is held as raw uint16 there); fp32 operands
         # must not take triton's default tf32.
-        DOT_F32=interpreting() or not same16,
+        DOT_F32=triton_launch.interpreting() or not same16,
     )
     return out

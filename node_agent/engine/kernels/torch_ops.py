@@ -9,10 +9,10 @@ single row takes a matrix-vector product, written straight into its row of the r
 fp32 expand adds its scaled product in place (`addmm_` / `addmv_`).
 
 A decode step of a few sequences over many adapters reads each slot's A and B once this way.
-An all-slots product (every token times every slot's A, then B, keeping each token's own slot:
-fewer ops, up to `slots` times the arithmetic) was faster only while the adapters stayed in
-cache; between two steps the base weights evict them, and then the loop was faster for 8–64
-tokens over 8 adapters (docs/kernels.md, "The CPU path"), so it was removed.
+Why no all-slots product (every token times every slot's A, then B, keeping each token's own
+slot: fewer ops, up to `slots` times the arithmetic): it wins only while the adapters stay in
+cache, and between two steps the base weights evict them; then the loop is faster for a decode
+step's few tokens over many adapters (docs/kernels.md, "The CPU path").
 """
 
 from __future__ import annotations

@@ -57,17 +57,6 @@ class LoraSlots(Protocol):
         """Per slice: the (A, B) shape of one slot's buffers."""
 
 
-@dataclass(frozen=True)
-class SlotViews:
-    """A layer's LoRA buffers as views per slot, made once: `a[s]` slot `s`'s joined A
-    `[Σ rank widths, in]`, `b[s][i]` its B of slice `i`; `compiled` the same buffers as the
-    compiled CPU kernel reads them, None where it cannot (`kernels.add_fp32`)."""
-
-    a: tuple[torch.Tensor, ...]
-    b: tuple[tuple[torch.Tensor, ...], ...]
-    compiled: cpu_kernels.LoraBuffers | None
-
-
 def fill_slot(a: list[torch.Tensor], b: list[torch.Tensor], scales: torch.Tensor, weights: list[SliceWeights | None]) -> None:
     """Copy one adapter's slices into one slot's A/B views and scale entries; untargeted ones become zero."""
     for index, part in enumerate(weights):
@@ -81,58 +70,58 @@ def fill_slot(a: list[torch.Tensor], b: list[torch.Tensor], scales: torch.Tensor
             scales[index] = part.scale
 
 
-def add_lora(
-    x: torch.Tensor,
-    out: torch.Tensor,
-    a_stacks: list[torch.Tensor],
-    b_stacks: list[torch.Tensor],
-    scales: torch.Tensor,
-    batch: kernels.LoraBatch,
-    style: ParallelStyle,
-    lora: tuple[LoraSliceLayout, ...],
-    fully_sharded: bool,
-    group: dist.ProcessGroup | None,
-    a_joined: torch.Tensor | None = None,
-    slot_views: SlotViews | None = None,
-) -> None:
+@dataclass(frozen=True)
+class LoraPass:
+    """What one layer's LoRA pass reads besides its input: every slice's A and B stacks and
+    scales, the layer's parallel style, LoRA layout and group; `fully_sharded` is
+    `sharding.lora_fully_sharded` of the layer; `a_joined` is `a_stacks` as one tensor when they
+    are its row blocks (`kernels.shrink`); `slot_views` the same buffers per slot, for
+    `kernels.add_fp32`."""
+
+    a_stacks: list[torch.Tensor]
+    b_stacks: list[torch.Tensor]
+    scales: torch.Tensor
+    style: ParallelStyle
+    lora: tuple[LoraSliceLayout, ...]
+    fully_sharded: bool
+    group: dist.ProcessGroup | None
+    a_joined: torch.Tensor | None = None
+    slot_views: kernels.SlotViews | None = None
+
+
+def add_lora(x: torch.Tensor, out: torch.Tensor, layer: LoraPass, batch: kernels.LoraBatch) -> None:
     """Add the LoRA delta of `x` into this rank's (unreduced) base output `out`, in place.
 
     The one place for the collectives of both LoRA modes (docs/design.md §3), used by dense and
-    expert layers alike. `fully_sharded` is `sharding.lora_fully_sharded` of the layer;
-    `a_joined` is `a_stacks` as one tensor when they are its row blocks (`kernels.shrink`);
-    `slot_views` the same buffers per slot, for `kernels.add_fp32`.
+    expert layers alike.
     """
     if not batch.active_slots:
         return  # no token uses an adapter: the delta is zero, and so would every collective's be
-    if (
-        not fully_sharded
-        and slot_views is not None
-        and kernels.add_fp32(x, out, slot_views.a, slot_views.b, scales, batch, slot_views.compiled)
-    ):
+    views = layer.slot_views
+    if not layer.fully_sharded and views is not None and kernels.add_fp32(x, out, views, layer.scales, batch):
         return  # no collective of its own: the default mode's delta is added before the layer's reduction
-    shrunk = kernels.shrink(x, a_stacks, batch, a_joined)
-    if fully_sharded and style is ParallelStyle.ROW:
+    shrunk = kernels.shrink(x, layer.a_stacks, batch, layer.a_joined)
+    if layer.fully_sharded and layer.style is ParallelStyle.ROW:
         # Complete the shrink first, then this rank adds only its own block of output columns;
         # the base reduction afterwards assembles the LoRA output with the base.
-        all_reduce(shrunk, group)
-        block = lora[0].b_out
-        kernels.expand(shrunk, b_stacks, scales, batch, out[:, block.start : block.stop])
+        all_reduce(shrunk, layer.group)
+        block = layer.lora[0].b_out
+        kernels.expand(shrunk, layer.b_stacks, layer.scales, batch, out[:, block.start : block.stop])
         return
-    if fully_sharded:
+    if layer.fully_sharded:
         # Column layer: every rank computed r/size rows of the rank dim; assemble the full rank.
-        shrunk = all_gather_last_dim(shrunk, group)
+        shrunk = all_gather_last_dim(shrunk, layer.group)
     # Row layer, default mode: the delta of a partial input is partial too, added before the
     # layer's one reduction.
-    kernels.expand(shrunk, b_stacks, scales, batch, out)
+    kernels.expand(shrunk, layer.b_stacks, layer.scales, batch, out)
 
 
 def _b_stack(slots: int, width: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One slice's zeroed B stack, `[slots, width, rank]`. On the CPU it is a view of `[slots,
     rank, width]` memory: each slot's B column-major, so the one-row expand (`addmv_`) streams B
-    as `rank` runs of `width` floats instead of `width` dot products of `rank` (16) floats; a
-    decode step of 8 sequences over 8 adapters spent 15% less in its LoRA pass, one sequence
-    with one adapter 7% (docs/kernels.md, "The CPU path"). CUDA keeps the row-major layout the
-    triton kernels read."""
+    as `rank` runs of `width` floats instead of `width` dot products of `rank` (16) floats,
+    which shortens a decode step's LoRA pass (docs/kernels.md, "The CPU path"). CUDA keeps the
+    row-major layout the triton kernels read."""
     if device.type == "cpu":
         return torch.zeros(slots, rank, width, dtype=dtype, device=device).transpose(1, 2)
     return torch.zeros(slots, width, rank, dtype=dtype, device=device)
@@ -169,10 +158,21 @@ class LoraLinear(nn.Module):
         self.b_stacks = [_b_stack(capacity.slots, s.b_out.width, s.b_rank.width, dtype, device) for s in self.lora]
         self.scales = torch.zeros(len(self.lora), capacity.slots, dtype=torch.float32, device=device)
         # Views of the same memory: what `set_slot` writes, they show.
-        self.slot_views = SlotViews(
+        self.slot_views = kernels.SlotViews(
             tuple(self.a_joined.unbind(0)),
             tuple(zip(*(b.unbind(0) for b in self.b_stacks), strict=True)),
             cpu_kernels.lora_buffers(self.a_joined, self.b_stacks, self.scales),
+        )
+        self.lora_pass = LoraPass(
+            self.a_stacks,
+            self.b_stacks,
+            self.scales,
+            self.style,
+            self.lora,
+            self.gathers_shrink,
+            self.group,
+            self.a_joined,
+            self.slot_views,
         )
 
     def _joined_a_stacks(self, slots: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -207,20 +207,7 @@ class LoraLinear(nn.Module):
 
     def add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: kernels.LoraBatch) -> None:
         """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
-        add_lora(
-            x,
-            out,
-            self.a_stacks,
-            self.b_stacks,
-            self.scales,
-            batch,
-            self.style,
-            self.lora,
-            self.gathers_shrink,
-            self.group,
-            self.a_joined,
-            self.slot_views,
-        )
+        add_lora(x, out, self.lora_pass, batch)
 
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""

@@ -17,7 +17,7 @@ from torch import nn
 
 from node_agent.engine import kernels
 from node_agent.engine.model.checkpoint import Checkpoint
-from node_agent.engine.model.lora_layers import LoraCapacity, SliceWeights, add_lora, fill_slot
+from node_agent.engine.model.lora_layers import LoraCapacity, LoraPass, SliceWeights, add_lora, fill_slot
 from node_agent.engine.model_config import MoEConfig
 from node_agent.engine.parallel.sharding import LoraSliceLayout, ModuleLayout, ParallelStyle, Span, lora_fully_sharded, lora_layout
 
@@ -64,18 +64,16 @@ class ExpertLoraLinear(nn.Module):
     def forward(self, x: torch.Tensor, local: int, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output of local expert `local` for its routed tokens `x` (unreduced)."""
         out = F.linear(x, self.weight[local])
-        add_lora(
-            x,
-            out,
+        expert = LoraPass(
             [a[:, local] for a in self.a_stacks],
             [b[:, local] for b in self.b_stacks],
             self.scales[:, :, local],
-            batch,
             self.style,
             self.lora,
             self.gathers_shrink,
             self.group,
         )
+        add_lora(x, out, expert, batch)
         return out
 
 
@@ -105,7 +103,8 @@ class ExpertSlotView:
 
 @dataclass(frozen=True)
 class Routing:
-    """How the router picks experts (`model_config.ROUTINGS`), as each family's transformers router does.
+    """How the router picks `top_k` of `num_experts` experts per token (`model_config.ROUTINGS`),
+    as each family's transformers router does; `norm_topk_prob`: the chosen weights sum to one.
 
     * "softmax": top-k of the softmax (Qwen-MoE; DeepSeek-V2 "greedy");
     * "softmax_group_limited": DeepSeek-V2: only experts of the `topk_groups` groups with the
@@ -115,6 +114,9 @@ class Routing:
     DeepSeek computes the router logits in fp32 (`fp32_logits`) and scales the weights last.
     """
 
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
     kind: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
@@ -124,28 +126,27 @@ class Routing:
     @classmethod
     def of(cls, moe: MoEConfig, deepseek: bool) -> Routing:
         """The routing of a model's expert config."""
-        return cls(moe.routing, moe.num_groups, moe.topk_groups, moe.routed_scaling_factor, deepseek)
+        return cls(
+            moe.num_experts,
+            moe.top_k,
+            moe.norm_topk_prob,
+            moe.routing,
+            moe.num_groups,
+            moe.topk_groups,
+            moe.routed_scaling_factor,
+            deepseek,
+        )
 
 
 class SparseMoeBlock(nn.Module):
     """Router (replicated) + this rank's experts; returns the partial output to be reduced."""
 
     def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        norm_topk_prob: bool,
-        hidden: int,
-        gate_up: ExpertLoraLinear,
-        down: ExpertLoraLinear,
-        dtype: torch.dtype,
-        device: torch.device,
-        routing: Routing | None = None,
+        self, routing: Routing, hidden: int, gate_up: ExpertLoraLinear, down: ExpertLoraLinear, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.routing = routing or Routing()
+        self.routing = routing
+        num_experts = routing.num_experts
         self.router = nn.Parameter(torch.zeros(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
         # DeepSeek-V3's e_score_correction_bias (zero, and unused, for the other routings).
         self.score_bias = nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device), requires_grad=False)
@@ -166,8 +167,8 @@ class SparseMoeBlock(nn.Module):
             if routing.kind == "softmax_group_limited":
                 best = probs.view(-1, routing.num_groups, probs.shape[-1] // routing.num_groups).amax(dim=-1)
                 probs = probs.masked_fill(~self._group_mask(best), 0.0)
-            weights, ids = torch.topk(probs, self.top_k, dim=-1)
-            if self.norm_topk_prob:
+            weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+            if routing.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         if routing.scaling != 1.0:
             weights = weights * routing.scaling
@@ -179,9 +180,9 @@ class SparseMoeBlock(nn.Module):
         choice = scores + self.score_bias.float()
         group_scores = choice.view(-1, groups, choice.shape[-1] // groups).topk(2, dim=-1)[0].sum(dim=-1)
         choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
-        ids = torch.topk(choice, self.top_k, dim=-1)[1]
+        ids = torch.topk(choice, self.routing.top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
+        if self.routing.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights, ids
 

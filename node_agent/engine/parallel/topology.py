@@ -71,18 +71,3 @@ class RankCoords:
     attn_tp_rank: int
     ep_rank: int
     moe_tp_rank: int
-
-
-def assign_sequences(lengths: list[int], dp_size: int) -> list[int]:
-    """DP group of each sequence: greedy by token count, longest first, ties to the lower group.
-
-    Deterministic (every rank computes the same answer from the same lengths) and keeps the
-    groups' token counts close, which is what DP attention is for.
-    """
-    load = [0] * dp_size
-    group = [0] * len(lengths)
-    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        target = min(range(dp_size), key=lambda g: (load[g], g))
-        group[index] = target
-        load[target] += lengths[index]
-    return group
