@@ -29,7 +29,7 @@ from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import EngineConfig, Topology
+from node_agent.engine import Engine, EngineBackend, EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
 from node_agent.sources import SourcePolicy
 
@@ -56,19 +56,19 @@ def time_once(function: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_load(agent: Agent, stub: agent_pb2_grpc.NodeAgentStub, adapter: Path, repeats: int) -> None:
+def bench_load(agent: Agent, engine: Engine, stub: agent_pb2_grpc.NodeAgentStub, adapter: Path, repeats: int) -> None:
     samples: dict[str, list[float]] = {"engine": [], "agent": [], "grpc": [], "describe": []}
     uri = adapter.as_uri()
     for _ in range(repeats):  # interleaved, so that machine noise hits all of them alike
         engine_name, agent_name, grpc_name = fresh("e"), fresh("a"), fresh("g")
-        samples["engine"].append(time_once(functools.partial(agent.engine.load_adapter, engine_name, adapter)))
-        agent.engine.unload_adapter(engine_name)
+        samples["engine"].append(time_once(functools.partial(engine.load_adapter, engine_name, adapter)))
+        engine.unload_adapter(engine_name)
         samples["agent"].append(time_once(functools.partial(agent.load, agent_name, uri)))
         agent.unload(agent_name)
         request = pb.LoadAdapterRequest(name=grpc_name, source_uri=uri)
         samples["grpc"].append(time_once(functools.partial(stub.LoadAdapter, request, timeout=300)))
         stub.UnloadAdapter(pb.UnloadAdapterRequest(name=grpc_name), timeout=300)
-        samples["describe"].append(time_once(agent.engine.describe))
+        samples["describe"].append(time_once(engine.describe))
     size = (adapter / "adapter_model.safetensors").stat().st_size / 2**20
     engine = statistics.median(samples["engine"])
     print(
@@ -121,12 +121,13 @@ def main() -> None:
         adapters = [write_adapter(root / "adapters" / f"a{i}", SHAPE, rank=RANK, seed=i) for i in range(8)]
         engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2), max_lora_rank=RANK, max_loras_per_batch=8)
         config = AgentConfig(sources=SourcePolicy(adapter_roots=(root / "adapters",)))
-        with Agent.start(engine_config, config) as agent:
+        backend = EngineBackend.start(engine_config)
+        with Agent(backend, config) as agent:
             server = create_server(agent, ServerOptions())
             server.start()
             with grpc.insecure_channel(f"127.0.0.1:{server.port}", options=CHANNEL_OPTIONS) as channel:
                 stub = agent_pb2_grpc.NodeAgentStub(channel)
-                bench_load(agent, stub, adapters[0], args.repeats)
+                bench_load(agent, backend.engine, stub, adapters[0], args.repeats)
                 bench_forward(agent, stub, adapters, args.repeats)
             server.stop(grace=0)
 

@@ -1,10 +1,11 @@
-"""Fleet-scale benchmark (issue 13): 1,000 LoraAdapters on 64 agents, the real control plane and
+"""Fleet-scale benchmark: 1,000 LoraAdapters on 64 agents, the real control plane and
 the real operator against SIMULATED agents, printed side by side from one run.
 
 The agents are simulated (lorafleet_dev.simagents): one load-generator process serving 64 gRPC
-endpoints, each the real ``lorafleet.v1.NodeAgent`` server over the real agent, registry and
-engine driver (validation, command lock, failure-first merge of 8 ranks' replies, rollback), with
-in-process ranks that hold no weights. Only this benchmark uses them. The control plane
+endpoints, each the real ``lorafleet.v1.NodeAgent`` server over the real agent and registry
+(validation, per-name locks), over a simulated backend behind the agent's seam: in-process ranks
+that hold no weights, one command at a time, their replies merged failure-first and a partial
+load rolled back by the functions the engine's driver uses. Only this benchmark uses them. The control plane
 (lorafleet_dev.controlplane) and the ``lorafleet-operator`` process are real; the agents' Pods
 are stand-ins (lorafleet_dev.kubelet) pointing at the simulated endpoints on 127.0.0.1, an
 address the API server refuses in EndpointSlices: each adapter's slice lists no pod here, where a
@@ -38,7 +39,7 @@ The apply is ``kubectl apply`` (client-side: a GET and a POST per object, one ob
 unless ``--server-side`` (one PATCH per object); ``--go-gc`` sets GOGC for etcd and
 kube-apiserver. Both change only the benchmark's own environment, not the operator: with two
 cores, kubectl's request-by-request apply and the API server's garbage collection take time and
-CPU from what is measured (docs/operator.md, "2026-12-05, later").
+CPU from what is measured (the operator fleet-scale runs in benchmarks/results/).
 
 Run: `. scripts/bootstrap.sh && python benchmarks/bench_fleet_scale.py [--adapters N] [--agents N] [--placed-only]
 [--server-side] [--go-gc PERCENT]`. On a shared, noisy 2-core machine the simulator, etcd, the API
@@ -198,10 +199,9 @@ def peak_rss_mib(pid: int) -> float:
 class PhaseWatch:
     """Every LoraAdapter's phase in one namespace, as one watch of the API server reports it
     (a thread; a list first, then the watch from that list's resourceVersion, listed again
-    when the watch is too old). A poll of 1,000 adapters each second cost the API server about
-    0.1 s of CPU per poll (96 ms as a table, 118 ms as JSON, measured 2026-12-02 04:04 UTC at
-    load 28): a third of its CPU in the replicas-unset case. ``requests`` counts the lists and
-    watches it made."""
+    when the watch is too old). A watch, not a poll: listing 1,000 adapters each second costs
+    the API server about 0.1 s of CPU per list, which would be a large share of what the
+    benchmark measures. ``requests`` counts the lists and watches it made."""
 
     def __init__(self, kubeconfig: Path, namespace: str) -> None:
         self.api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(kubeconfig)))
@@ -383,12 +383,11 @@ class Bench:
 
     def delete_all(self, timeout_s: float) -> None:
         """Delete every adapter with one request (DELETE of the collection), then wait until
-        none is left. ``kubectl delete la --all`` deletes one object per request at about 5
-        per second (300 adapters took 59-60 s with no operator and no finalizer, 2026-12-02),
-        which is what the earlier deletion times (217-242 s for 1,000) measured. The API server
-        may end the request at its 60-s request timeout while it goes on marking the objects
-        (it did at load 10-30, 2026-12-02 04:30 UTC): the DELETE is then sent again, as often
-        as it takes (objects already being deleted are passed over)."""
+        none is left. ``kubectl delete la --all`` deletes one object per request, a few per
+        second, so the deletion time would measure kubectl rather than the operator. The API
+        server may end the request at its 60-s request timeout while it goes on marking the
+        objects (on a loaded machine): the DELETE is then sent again, as often as it takes
+        (objects already being deleted are passed over)."""
         deadline = time.perf_counter() + timeout_s
         while True:
             try:

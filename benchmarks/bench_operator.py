@@ -1,4 +1,4 @@
-"""Operator benchmark (issue 4): time from `kubectl apply` to Ready for 1 and for 100
+"""Operator benchmark: time from `kubectl apply` to Ready for 1 and for 100
 LoraAdapters on a fleet of 4 node agents (tp=2, dp=2 on the CPU, tiny generated model), printed
 side by side from one run.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of issue 9 (docs/serving.md "GPU figures"), in one call:
+# The one prepared GPU check (docs/serving.md "GPU figures"), in one call:
 #   1. the compiled triton cases of the kernel and paged-attention tests;
 #   2. paged-decode attention: triton vs torch, achieved GB/s vs the device's peak;
 #   3. multi-LoRA shrink/expand: triton vs torch, achieved GB/s vs the peak;

@@ -2,10 +2,13 @@
 
 Each class is one kind of refusal with a stable `reason` (the `reason` label of the failure
 metric). The gRPC layer maps classes to status codes in one table (`server.STATUS_CODES`);
-nothing below the servicer knows about gRPC.
+nothing below the servicer knows about gRPC. A backend's refusals become these in one place
+(`backend_refusal`).
 """
 
 from __future__ import annotations
+
+from node_agent.backend import AdapterRefused, BackendError, Overloaded, RequestRefused, SnapshotChanged, Unsupported
 
 
 class AgentError(Exception):
@@ -95,3 +98,27 @@ class EngineUnavailable(AgentError):
     """The engine is not serving (a rank died or a call timed out); the agent will exit."""
 
     reason = "engine_unavailable"
+
+
+class NotSupported(AgentError):
+    """The agent's backend has no such capability (Forward or Generate on a backend without it)."""
+
+    reason = "unsupported"
+
+
+def backend_refusal(error: BackendError | AdapterRefused | RequestRefused, alive: bool) -> AgentError:
+    """The domain error a backend's refusal becomes (`alive`: whether the backend still serves;
+    a failure of one that does not is the agent's end)."""
+    match error:
+        case SnapshotChanged():  # the snapshot changed before the backend read it: fetch again
+            return SourceUnavailable(str(error), "digest_mismatch")
+        case AdapterRefused() | RequestRefused():
+            return InvalidRequest(str(error))
+        case Overloaded():
+            return TooManyCalls(f"the engine's waiting queue is full: {error}", reason="queue_full")
+        case Unsupported():
+            return NotSupported(str(error))
+        case _ if not alive:
+            return EngineUnavailable(f"engine is not serving: {error}; the agent exits so its pod restarts")
+        case _:
+            return AgentError(f"engine error: {error}", "engine_error")

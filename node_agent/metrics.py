@@ -5,7 +5,7 @@ share or collide; `serve --metrics-port` exposes it over HTTP (and `--http-liste
 
 Beside lorafleet's own metrics, `ServingCollector` exports what inference gateways read (the
 Gateway API Inference Extension's model-server protocol, in vLLM's names) and the scheduler's
-counters, from `Engine.serving_stats()` at scrape time: no thread polls the engine.
+counters, from the backend's `serving_stats()` at scrape time: no thread polls the engine.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from node_agent.engine import ServingStats
+from node_agent.backend import ServingStats
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from node_agent.backend import ControlResult
 from node_agent.errors import AdapterNotFound
 from node_agent.sources import ResolvedSource
 
@@ -35,6 +36,19 @@ class AdapterEntry:
     engine_name: str
     source: ResolvedSource
     pinned: bool
+
+    def is_exactly(self, uri: str, sha256: str | None, pinned: bool) -> bool:
+        """A load names exactly this version (same URI, promised digest and pinning): no fetch."""
+        return sha256 is not None and self.source.uri == uri and self.source.content.weights_sha256 == sha256 and self.pinned == pinned
+
+    def conflict(self, new_sha256: str, pinned: bool) -> str:
+        """Why a load of other content or pinning under this name needs `replace`."""
+        if self.source.content.weights_sha256 == new_sha256 and self.pinned != pinned:
+            return f"adapter {self.name!r} is loaded with pinned={self.pinned}; set replace to change it"
+        return (
+            f"adapter {self.name!r} is loaded with other content (sha256 {self.source.content.weights_sha256}, "
+            f"new {new_sha256}); set replace to swap it"
+        )
 
 
 @dataclass
@@ -121,6 +135,27 @@ class Registry:
         with self._lock:
             return tuple(dict.fromkeys(map(self._public_of.get, names, names)))
 
+    def adapter_name(self, engine_name: str) -> str:
+        """The public name of an engine name, also of a version already forgotten."""
+        name = self.public_name(engine_name)
+        return public_of(engine_name) if name == engine_name else name
+
+    def public_result(self, result: ControlResult) -> ControlResult:
+        """`result` with public adapter names instead of engine names (versions of one name once)."""
+        # Every reply lists all a rank holds, and the ranks mostly hold the same: each distinct
+        # holding is mapped once (compared, not hashed), not ranks x held lookups per reply.
+        mapped: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
+
+        def public(names: tuple[str, ...]) -> tuple[str, ...]:
+            for engine_names, public_names in mapped:
+                if engine_names == names:
+                    return public_names
+            mapped.append((names, self.public_names(names)))
+            return mapped[-1][1]
+
+        ranks = tuple(replace(reply, holds=public(reply.holds)) for reply in result.ranks)
+        return replace(result, holds=public(result.holds), ranks=ranks)
+
     def publish(self, entry: AdapterEntry) -> AdapterEntry | None:
         """Route `entry.name` to `entry` from now on; returns the version it replaces, if any."""
         with self._lock:
@@ -204,3 +239,8 @@ class Registry:
                     return False
                 self._idle.wait(remaining)
             return True
+
+
+def public_of(engine_name: str) -> str:
+    """The public name inside an engine name (`<name>.<generation>`, `Registry.new_engine_name`)."""
+    return engine_name.rsplit(".", 1)[0]

@@ -1,7 +1,7 @@
 """The agent's domain values: what its calls take and return, without gRPC.
 
 `node_agent.convert` maps them to and from `lorafleet.v1` messages. A LoadAdapter/UnloadAdapter
-answers with the engine's `ControlResult` itself (every rank's reply, merged once), its adapter
+answers with the backend's `ControlResult` itself (every rank's reply, merged once), its adapter
 names turned into public ones by the agent.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from node_agent.engine import ModuleShape, Topology
+from node_agent.backend import ModuleShape, RankLayout
 
 DEFAULT_NEW_TOKENS = 16  # what a Generate without max_new_tokens produces
 
@@ -31,7 +31,7 @@ class Description:
     agent_id: str
     base_model_name: str
     config_sha256: str
-    topology: Topology
+    topology: RankLayout
     max_lora_rank: int
     max_loras_per_batch: int
     max_loaded_loras: int

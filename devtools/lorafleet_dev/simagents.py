@@ -5,23 +5,26 @@ What this is, and is not: one process serving many gRPC endpoints. Each endpoint
 registry, sources, validation, locks and metrics), so every call is checked, serialised per name,
 recorded in the registry and answered exactly as by a real agent. What is simulated or cut:
 
-* No engine. No rank processes, no model weights, no LoRA buffers. A simulated rank answers each
-  command in-process the way a real rank's pool does (capacity, duplicates, unknown names) and
-  reports the buffer shapes the sharding rule gives it. A failing agent refuses every load on one
-  rank, so the operator sees a per-rank failure exactly as from a real engine: the ranks' replies
-  are merged failure-first by the real ``merge_control`` and a partial load is rolled back by the
-  real driver's rollback. The adapter's files are not parsed or verified by an engine driver
-  (no rank reads them). Every reply lists all its rank holds, as a real rank's does; ranks that
-  held the same before a load share one tuple after it, made once per load instead of once per
-  rank (eight tuples of up to a thousand names; about 1.5 of 26 CPU-seconds for 64,000 loads).
-* Sources are read once per process, not once per agent (:class:`SharedSources`): the first
-  load of a (URI, sha256) runs the real source check (roots, size caps, no pickle, the private
-  copy and its digests) and every simulated agent then loads that one checked copy, which none
-  of them removes (it goes when the fleet stops). A real agent copies and hashes every source it
-  loads and removes the copy on unload: on this machine's disk about 2 ms of CPU per copy and
-  its removal, 64,000 of them at 1,000 adapters x 64 agents. A source that changes after its first
-  load is not seen (the benchmark's never change).
-* Generate and Forward are not simulated.
+* The backend. The agent drives a :class:`SimulatedBackend` through the seam every backend
+  implements (``node_agent.backend.Backend``): no engine, no rank processes, no model weights,
+  no LoRA buffers. A simulated rank answers loads and unloads the way a real rank's pool does
+  (capacity, duplicates, unknown names) and reports the buffer shapes the sharding rule gives it
+  (``dense_module_shapes``). A failing agent refuses every load on one rank, so the operator sees
+  a per-rank failure exactly as from a real engine: the ranks' replies are merged failure-first
+  and a partial load is rolled back by the seam's ``all_or_nothing``, the function the engine's
+  driver uses, under one lock per agent as the driver's. The adapter's files are not parsed or
+  verified (no rank reads them). Every reply lists all its rank holds, as a real rank's does;
+  ranks that held the same before a load share one tuple after it, made once per load instead
+  of once per rank (each up to a thousand names): the simulator shares the machine with the
+  operator it measures, so its own CPU per load stays small.
+* Sources are read once per process, not once per agent (:class:`SharedSources`, each agent's
+  source resolver): the first load of a (URI, sha256) runs the real source check (roots, size
+  caps, no pickle, the private copy and its digests) and every simulated agent then loads that
+  one checked copy, which none of them removes (it goes when the fleet stops). A real agent
+  copies and hashes every source it loads and removes the copy on unload: 64,000 copies at
+  1,000 adapters x 64 agents, CPU the simulator would take from the operator it measures. A
+  source that changes after its first load is not seen (the benchmark's never change).
+* Generate and Forward are refused (``Unsupported``), as is any serving: no scheduler runs.
 
 Nothing else uses it: tests and the demo run real agents (``lorafleet_dev.agents``).
 """
@@ -29,7 +32,6 @@ Nothing else uses it: tests and the demo run real agents (``lorafleet_dev.agents
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -40,27 +42,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import node_agent.agent
+import numpy as np
+
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import (
-    AdapterLoadError,
+from node_agent.backend import (
+    AdapterRefused,
+    BackendDescription,
+    BackendError,
+    Capabilities,
     ControlReply,
     ControlResult,
-    DescribeReply,
-    Engine,
-    EngineConfig,
     FileDigests,
-    ModuleShape,
-    RankLoadError,
-    RankReply,
-    SliceShape,
-    WrittenFiles,
+    Health,
+    LoadFailed,
+    LoadRequest,
+    RankHoldings,
+    RankPlace,
+    Sampling,
+    SequenceInput,
+    ServingStats,
+    TokenStream,
+    UnloadFailed,
+    Unsupported,
+    all_or_nothing,
+    already_loaded,
+    merge_control,
 )
-from node_agent.engine.driver.engine import R
-from node_agent.engine.driver.protocol import Command, Describe, Unload, merge_control
-from node_agent.engine.model_config import ModelConfig
-from node_agent.engine.parallel.sharding import lora_layout, model_kinds, module_layout
-from node_agent.engine.parallel.topology import Topology
+from node_agent.engine import EngineConfig, Topology, dense_module_shapes, engine_description, rank_places
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, resolve_source
 
@@ -68,10 +76,7 @@ log = logging.getLogger(__name__)
 
 #: The rank of a failing agent that refuses every load.
 FAILING_RANK = 3
-#: The name under which ``node_agent.agent`` calls its source check (``Agent.load``), replaced
-#: in this process only by :class:`SharedSources`.
-_SOURCE_CHECK = "resolve_source"
-
+KIND = "lorafleet-simulated"
 
 #: One load's holdings after it, by the tuple held before it: id -> (before, after). Keeping
 #: `before` keeps its id unique for the load; ranks that held the same share one `after`, made
@@ -83,10 +88,7 @@ Grown = dict[int, tuple[tuple[str, ...], tuple[str, ...]]]
 class SimulatedRank:
     """One rank's pool as far as loads go: the adapters it holds, in load order."""
 
-    rank: int
-    attn_dp_rank: int
-    attn_tp_rank: int
-    modules: tuple[ModuleShape, ...]
+    place: RankPlace
     max_loaded: int
     fails_loads: bool
     #: Held names in load order (a dict: membership in O(1) with a thousand held).
@@ -94,35 +96,10 @@ class SimulatedRank:
     #: `held` as every reply reports it, made again only when it changes.
     holds: tuple[str, ...] = ()
 
-    def answer(self, command: Command) -> RankReply:
-        """The reply a real rank gives to a command of the real driver (Describe, Unload, the
-        rollback's Unload); loads come through :meth:`load`."""
-        head = (self.rank, self.attn_dp_rank, self.attn_tp_rank)
-        match command:
-            case Describe():
-                return DescribeReply(
-                    *head,
-                    True,
-                    modules=self.modules,
-                    holds=self.holds,
-                    kv_blocks=1024,
-                    kv_block_bytes=4096,
-                    kv_cache_bytes=1024 * 4096,
-                    slot_digest=hashlib.sha256().hexdigest(),
-                )
-            case Unload():
-                if command.name not in self.held:
-                    return ControlReply(*head, False, f"adapter {command.name!r} is not loaded", holds=self.holds)
-                del self.held[command.name]
-                self.holds = tuple(self.held)
-                return ControlReply(*head, True, holds=self.holds)
-            case _:
-                return RankReply(*head, True)
-
     def load(self, name: str, digests: FileDigests | None, grown: Grown) -> ControlReply:
         """A real rank's reply to a load of `name` whose files the caller verified as `digests`
-        (a real rank reports the digests the driver confirmed). `grown`: this load's holdings
-        made so far, shared by the ranks that held the same tuple before it."""
+        (a real rank reports the digests it read). `grown`: this load's holdings made so far,
+        shared by the ranks that held the same tuple before it."""
         error = self._load_error(name)
         if not error:
             self.held[name] = None
@@ -130,13 +107,23 @@ class SimulatedRank:
             if made is None or made[0] is not self.holds:
                 made = grown[id(self.holds)] = (self.holds, (*self.holds, name))
             self.holds = made[1]
-        return ControlReply(
-            self.rank, self.attn_dp_rank, self.attn_tp_rank, not error, error, holds=self.holds, digests=None if error else digests
-        )
+        return self._reply(error, digests=None if error else digests)
+
+    def unload(self, name: str) -> ControlReply:
+        """A real rank's reply to an unload (the driver's, or its rollback's)."""
+        if name not in self.held:
+            return self._reply(f"adapter {name!r} is not loaded")
+        del self.held[name]
+        self.holds = tuple(self.held)
+        return self._reply("")
+
+    def _reply(self, error: str, digests: FileDigests | None = None) -> ControlReply:
+        place = self.place
+        return ControlReply(place.rank, place.attn_dp_rank, place.attn_tp_rank, not error, error, holds=self.holds, digests=digests)
 
     def _load_error(self, name: str) -> str:
-        if self.fails_loads and self.rank == FAILING_RANK:
-            return f"simulated load failure on rank {self.rank}"
+        if self.fails_loads and self.place.rank == FAILING_RANK:
+            return f"simulated load failure on rank {self.place.rank}"
         if name in self.held:
             return f"adapter {name!r} is already loaded"
         if len(self.held) >= self.max_loaded:
@@ -144,76 +131,83 @@ class SimulatedRank:
         return ""
 
 
-class SimulatedEngine(Engine):
-    """The real driver over in-process simulated ranks (see the module docstring)."""
+class SimulatedBackend:
+    """Ranks in this process behind the agent's seam (see the module docstring): loads, unloads
+    and listings with every rank's reply; no serving."""
 
     def __init__(self, config: EngineConfig, fails_loads: bool = False) -> None:
-        self._fails_loads = fails_loads
-        super().__init__(config)
+        places = rank_places(config.topology)
+        self._ranks = [SimulatedRank(place, config.max_loaded_loras, fails_loads) for place in places]
+        self._loaded: set[str] = set()
+        self._lock = threading.Lock()  # one command at a time, as the driver's command lock
+        self._closed = False
+        shapes = (dense_module_shapes(config.model_dir, config.topology, config.max_lora_rank, place.rank) for place in places)
+        # What the engine would describe itself as, as a backend that serves nothing.
+        description = engine_description(config, tuple(module for rank in shapes for module in rank))
+        self._description = replace(description, kind=KIND, capabilities=Capabilities(forward=False, generate=False))
 
-    def _start(self) -> None:
-        cfg, topology = self.model_config, self.config.topology
-        self._ranks = [self._rank(cfg, topology, rank) for rank in range(topology.tp_size)]
+    def describe(self) -> BackendDescription:
+        return self._description
 
-    def _rank(self, cfg: ModelConfig, topology: Topology, rank: int) -> SimulatedRank:
-        coords = topology.coords(rank)
-        modules = []
-        for layer in range(cfg.num_layers):
-            for kind in model_kinds(cfg):
-                slices = lora_layout(module_layout(cfg, topology, rank, kind), self.config.max_lora_rank, topology.fully_sharded_loras)
-                shapes = tuple(SliceShape((s.a_rank.width, s.a_in.width), (s.b_out.width, s.b_rank.width)) for s in slices)
-                modules.append(ModuleShape(f"layers.{layer}.{kind}", rank, shapes))
-        return SimulatedRank(
-            rank, coords.attn_dp_rank, coords.attn_tp_rank, tuple(modules), self.config.max_loaded_loras, self._fails_loads
-        )
-
-    def load_adapter(
-        self, name: str, path: Path, pinned: bool = False, expected: FileDigests | None = None, written: WrittenFiles | None = None
-    ) -> ControlResult:
-        """The driver's load without its file checks (no rank reads the files): under the
-        command lock, every rank's reply merged failure-first, a partial load rolled back by
-        the real driver's rollback (``RankLoadError`` carries every rank's answer)."""
+    def load(self, request: LoadRequest) -> ControlResult:
+        """Every rank's reply merged failure-first; a partial load rolled back (``all_or_nothing``)."""
+        name = request.name
         with self._lock:
-            if name in self.adapters:
-                raise AdapterLoadError(f"adapter {name!r} is already loaded")
+            if name in self._loaded:
+                raise AdapterRefused(f"adapter {name!r} is already loaded")
             grown: Grown = {}
-            replies = [rank.load(name, expected, grown) for rank in self._ranks]
-            self._record(replies)
-            result = merge_control(replies)
+            result = all_or_nothing(
+                lambda: [rank.load(name, request.expected, grown) for rank in self._ranks],
+                lambda: [rank.unload(name) for rank in self._ranks],
+            )
             if not result.ok:
-                if any(reply.ok for reply in result.ranks):
-                    result = self._roll_back(name, result)
-                raise RankLoadError(result)
-            self.adapters.add(name)
-            if pinned:
-                self._pinned.add(name)
-                with self._work:
-                    self._scheduler.set_pinned(self._pinned)
+                raise LoadFailed(result)
+            self._loaded.add(name)
             return result
 
-    def _broadcast(self, command: Command | Sequence[Command], kind: type[R]) -> list[R]:
-        # One command for every rank, or one per rank (the driver's per-rank commands).
-        commands = list(command) if isinstance(command, Sequence) else [command] * len(self._ranks)
+    def unload(self, name: str) -> ControlResult:
         with self._lock:
-            replies = [rank.answer(each) for rank, each in zip(self._ranks, commands, strict=True)]
-        return [reply for reply in replies if isinstance(reply, kind)]
+            if name not in self._loaded:
+                raise BackendError(f"adapter {name!r} is not loaded")
+            result = merge_control([rank.unload(name) for rank in self._ranks])
+            self._loaded.discard(name)
+        if not result.ok:
+            raise UnloadFailed(result)
+        return result
+
+    def holding(self, name: str) -> ControlResult:
+        with self._lock:
+            return already_loaded(name, [(rank.place, rank.holds) for rank in self._ranks])
+
+    def holdings(self) -> list[RankHoldings]:
+        with self._lock:
+            return [RankHoldings(rank.place.rank, rank.holds) for rank in self._ranks]
+
+    def forward(self, sequences: Sequence[SequenceInput]) -> list[np.ndarray]:
+        raise Unsupported("the simulated agents serve no Forward")
+
+    def generate(self, tokens: Sequence[int], adapter: str | None, sampling: Sampling) -> TokenStream:
+        raise Unsupported("the simulated agents serve no Generate")
 
     @property
     def alive(self) -> bool:
-        return self.failure is None
+        return not self._closed
 
-    @property
-    def pids(self) -> list[int]:
-        return []
+    def health(self) -> Health:
+        alive = not self._closed
+        return Health(alive, "" if alive else "closed", None, (alive,) * len(self._ranks))
+
+    def serving_stats(self) -> ServingStats:
+        return ServingStats(0, 0, 0, (), 0, 0, frozenset(), frozenset())
 
     def close(self) -> None:
-        self._stop_step_loop()
+        self._closed = True
 
 
 class SharedSources:
-    """Every simulated agent's source check, made once per (URI, sha256) for the whole process
-    (the module docstring says why and what that leaves out). ``install`` makes it the agents'
-    source check; ``close`` puts the real one back and removes the checked copies."""
+    """Every simulated agent's source resolver (``Agent(resolve=...)``), made once per (URI,
+    sha256) for the whole process (the module docstring says why and what that leaves out);
+    ``close`` removes the checked copies."""
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="lorafleet-simagents-"))
@@ -221,11 +215,7 @@ class SharedSources:
         self._locks: dict[tuple[str, str | None], threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def install(self) -> None:
-        setattr(node_agent.agent, _SOURCE_CHECK, self.resolve)
-
     def close(self) -> None:
-        setattr(node_agent.agent, _SOURCE_CHECK, resolve_source)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def resolve(
@@ -233,8 +223,8 @@ class SharedSources:
         uri: str,
         expected_sha256: str | None,
         policy: SourcePolicy,
-        credential: SourceCredential | None = None,
-        progress: DownloadProgress | None = None,
+        credential: SourceCredential | None,
+        progress: DownloadProgress | None,
     ) -> ResolvedSource:
         """The agent's ``resolve_source``: the real check on the first load of (``uri``,
         ``expected_sha256``), which the agents then share (a copy none of them owns). A load
@@ -271,7 +261,6 @@ class SimulatedFleet:
     def __init__(self, spec: SimulatedFleetSpec, count: int, failing: int = 0) -> None:
         self.servers: list[AgentServer] = []
         self.sources = SharedSources()
-        self.sources.install()
         engine_config = EngineConfig(
             model_dir=spec.model_dir,
             topology=Topology(spec.tp, spec.dp),
@@ -281,12 +270,13 @@ class SimulatedFleet:
         try:
             for index in range(count):
                 agent = Agent(
-                    SimulatedEngine(engine_config, fails_loads=index < failing),
+                    SimulatedBackend(engine_config, fails_loads=index < failing),
                     AgentConfig(
                         base_model_name=spec.base_model_name,
                         agent_id=f"sim-{index}",
                         sources=SourcePolicy(adapter_roots=(spec.adapter_root,)),
                     ),
+                    resolve=self.sources.resolve,
                 )
                 server = create_server(agent, ServerOptions(listen="127.0.0.1:0"))
                 server.start()

@@ -16,10 +16,10 @@ import pytest
 
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import EngineConfig, Topology
+from node_agent.engine import Engine, EngineConfig, Topology
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, make_model
+from tests.agent.helpers import LOOPBACK_SOURCES, make_adapter, make_model, start_agent
 
 SLOTS = 4
 
@@ -34,6 +34,7 @@ class Shared:
     root: Path  # the adapter root
     cache: Path
     adapters: dict[str, Path]  # prepared adapters under `root`, by name
+    engine: Engine  # the agent's engine, behind its backend
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +46,12 @@ def shared(tmp_path_factory) -> Iterator[Shared]:
     cache = base / "cache"
     engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2), max_loras_per_batch=SLOTS, max_loaded_loras=16)
     config = AgentConfig(agent_id="agent-under-test", sources=SourcePolicy(adapter_roots=(root,), cache_dir=cache, **LOOPBACK_SOURCES))
-    agent = Agent.start(engine_config, config)
+    agent, engine = start_agent(engine_config, config)
     server = create_server(agent, ServerOptions(listen="127.0.0.1:0", metrics_port=0))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
-        yield Shared(agent, server, channel, agent_pb2_grpc.NodeAgentStub(channel), model, root, cache, adapters)
+        yield Shared(agent, server, channel, agent_pb2_grpc.NodeAgentStub(channel), model, root, cache, adapters, engine)
     finally:
         channel.close()
         server.stop(grace=0)

@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from lorafleet_dev.synthetic import SyntheticModel, write_adapter, write_model
+from node_agent.agent import Agent, AgentConfig
+from node_agent.engine import Engine, EngineBackend, EngineConfig, FaultPlan
 
 SHAPE = SyntheticModel()  # hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 256
 ADAPTER_RANK = 8
@@ -37,6 +39,16 @@ def write_tokenizer(model_dir: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(model_dir / "tokenizer.json"))
+
+
+def start_agent(engine_config: EngineConfig, config: AgentConfig, faults: FaultPlan | None = None) -> tuple[Agent, Engine]:
+    """An agent over the builtin engine (with the tests' fault plan, if any), and that engine."""
+    backend = EngineBackend.start(engine_config, faults)
+    try:
+        return Agent(backend, config), backend.engine
+    except BaseException:
+        backend.close()
+        raise
 
 
 def make_model(directory: Path, tokenizer: bool = True) -> Path:

@@ -13,10 +13,10 @@ import pytest
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import EngineConfig, Topology
+from node_agent.engine import EngineConfig, FaultPlan, Topology
 from node_agent.server import ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from tests.agent.helpers import forward, generate, make_adapter, make_model, rpc_error
+from tests.agent.helpers import forward, generate, make_adapter, make_model, rpc_error, start_agent
 
 FAILING_RANK = 2
 
@@ -26,8 +26,10 @@ def faulty(tmp_path_factory) -> Iterator[tuple[Agent, agent_pb2_grpc.NodeAgentSt
     base = tmp_path_factory.mktemp("faulty")
     model = make_model(base / "model", tokenizer=False)
     adapter = make_adapter(base / "adapters" / "ad", seed=5)
-    engine_config = EngineConfig(model_dir=model, topology=Topology(4, 2), fault_fail_load_on_rank=FAILING_RANK)
-    agent = Agent.start(engine_config, AgentConfig(sources=SourcePolicy(adapter_roots=(base / "adapters",))))
+    engine_config = EngineConfig(model_dir=model, topology=Topology(4, 2))
+    agent, _ = start_agent(
+        engine_config, AgentConfig(sources=SourcePolicy(adapter_roots=(base / "adapters",))), FaultPlan(fail_load_on_rank=FAILING_RANK)
+    )
     server = create_server(agent, ServerOptions())
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -51,7 +53,7 @@ def test_a_load_failing_on_one_rank_leaves_no_rank_holding_it(faulty):
         expected = "injected load failure" if result.rank == FAILING_RANK else "rolled back because the load failed on rank 2"
         assert expected in result.error_message
     # Ask the ranks themselves, not the registry: none holds anything.
-    assert [r.holds for r in agent.engine.describe()] == [(), (), (), ()]
+    assert [r.holds for r in agent.engine.holdings()] == [(), (), (), ()]
     assert not stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     for call in (lambda: forward(stub, ([1, 2, 3], "atomic")), lambda: generate(stub, [1, 2, 3], "atomic")):
         assert rpc_error(call).code() == grpc.StatusCode.NOT_FOUND

@@ -25,10 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import Agent, AgentConfig
-from node_agent.engine import EngineConfig, Topology
+from node_agent.engine import EngineConfig, FaultPlan, Topology
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import ADAPTER_WEIGHTS, SourcePolicy
-from tests.agent.helpers import LOOPBACK_SOURCES, forward, http_server, make_adapter, make_model, rpc_error, wait_until
+from tests.agent.helpers import LOOPBACK_SOURCES, forward, http_server, make_adapter, make_model, rpc_error, start_agent, wait_until
 
 STALLING_RANK = 1
 STALL_S = 4.0
@@ -52,12 +52,10 @@ def stalling(tmp_path_factory) -> Iterator[Stalling]:
     base = tmp_path_factory.mktemp("stalling")
     model = make_model(base / "model", tokenizer=False)
     adapters = {name: make_adapter(base / "adapters" / name, seed=seed) for name, seed in (("one", 11), ("two", 12))}
-    engine_config = EngineConfig(
-        model_dir=model, topology=Topology(2, 2), fault_stall_load_on_rank=STALLING_RANK, fault_stall_load_s=STALL_S
-    )
+    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 2))
     cache = base / "cache"
     config = AgentConfig(sources=SourcePolicy(adapter_roots=(base / "adapters",), cache_dir=cache), engine_hang_timeout_s=HANG_S)
-    agent = Agent.start(engine_config, config)
+    agent, _ = start_agent(engine_config, config, FaultPlan(stall_load_on_rank=STALLING_RANK, stall_load_s=STALL_S))
     server = create_server(agent, ServerOptions())
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
@@ -130,7 +128,7 @@ def test_bytes_changed_between_verification_and_a_ranks_read_refuse_the_load(sta
     assert "rolled back because the load failed on rank 1" in reply.rank_results[0].error_message
     assert list(reply.loaded_adapters) == []
     # Ask the ranks themselves: none holds it; the name does not route; the snapshot is gone.
-    assert [r.holds for r in stalling.agent.engine.describe()] == [(), ()]
+    assert [r.holds for r in stalling.agent.engine.holdings()] == [(), ()]
     assert not stalling.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
     assert rpc_error(lambda: forward(stalling.stub, ([1, 2], "swapped"))).code() == grpc.StatusCode.NOT_FOUND
     assert not snapshot.exists()

@@ -117,7 +117,7 @@ def test_replace_swaps_at_once_while_a_running_request_finishes_on_the_old_weigh
     assert len(tokens) == n
     assert tokens == generate(stub, PROMPT, "old-copy", n), "the running request finished on the old weights"
     assert tokens != generate(stub, PROMPT, "new-copy", n), "premise: old and new weights generate differently"
-    assert old_engine_name not in shared.agent.engine.adapters, "the old version was unloaded after the drain"
+    assert old_engine_name not in shared.engine.adapters, "the old version was unloaded after the drain"
 
 
 def test_unload_refuses_new_requests_at_once_and_waits_for_running_ones(shared, stub):
@@ -138,7 +138,7 @@ def test_unload_refuses_new_requests_at_once_and_waits_for_running_ones(shared, 
         reply = unloading.result(timeout=120)
     assert len(replies) == n and replies[-1].finish_reason == "length", "the running request completed"
     assert reply.success and "leaving" not in reply.loaded_adapters
-    assert engine_name not in shared.agent.engine.adapters
+    assert engine_name not in shared.engine.adapters
     error = rpc_error(lambda: forward(stub, (PROMPT, "leaving")))
     assert error.code() == grpc.StatusCode.NOT_FOUND and "is not loaded" in error.details()
 

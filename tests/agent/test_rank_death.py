@@ -16,10 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
-from node_agent.agent import Agent, AgentConfig
+from node_agent.agent import AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
-from tests.agent.helpers import make_adapter, make_model, rpc_error, wait_until
+from tests.agent.helpers import make_adapter, make_model, rpc_error, start_agent, wait_until
 
 
 def health_status(channel: grpc.Channel) -> int:
@@ -28,14 +28,14 @@ def health_status(channel: grpc.Channel) -> int:
 
 def test_a_killed_rank_turns_health_not_serving_and_calls_fail_fast(tmp_path):
     model = make_model(tmp_path / "model", tokenizer=False)
-    agent = Agent.start(EngineConfig(model_dir=model, topology=Topology(2, 2)), AgentConfig())
+    agent, engine = start_agent(EngineConfig(model_dir=model, topology=Topology(2, 2)), AgentConfig())
     server = create_server(agent, ServerOptions())
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     stub = agent_pb2_grpc.NodeAgentStub(channel)
     try:
         assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
-        os.kill(agent.engine.pids[1], signal.SIGKILL)
+        os.kill(engine.pids[1], signal.SIGKILL)
         wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
         assert server.wait() is True, "wait() ends with the engine's death"
         calls = {
@@ -61,11 +61,11 @@ def test_a_killed_rank_turns_health_not_serving_and_calls_fail_fast(tmp_path):
 
 def test_a_stop_requested_before_the_watcher_saw_a_rank_die_still_reports_the_death(tmp_path):
     model = make_model(tmp_path / "model", tokenizer=False)
-    agent = Agent.start(EngineConfig(model_dir=model, topology=Topology(1, 1)), AgentConfig())
+    agent, engine = start_agent(EngineConfig(model_dir=model, topology=Topology(1, 1)), AgentConfig())
     server = create_server(agent, ServerOptions(health_poll_s=3600))  # the health watcher never looks
     server.start()
     try:
-        os.kill(agent.engine.pids[0], signal.SIGKILL)
+        os.kill(engine.pids[0], signal.SIGKILL)
         wait_until(lambda: not agent.alive, 30, "the rank's death")
         server.request_stop()  # what SIGTERM does in `serve`
         assert server.wait() is True, "serve must exit non-zero so the pod restarts"

@@ -6,8 +6,7 @@ result reports, that every rank's reply is kept, and how a rollback is reported.
 
 from __future__ import annotations
 
-from node_agent.engine import ControlReply
-from node_agent.engine.driver.protocol import merge_control, rolled_back
+from node_agent.backend import ControlReply, merge_control, rolled_back
 
 
 def reply(rank: int, ok: bool, error: str = "", holds: tuple[str, ...] = ()) -> ControlReply:

@@ -12,84 +12,50 @@ import hashlib
 import logging
 import os
 import pickle
-import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 
 import torch
 
+from node_agent.backend import ControlReply, ModuleShape, RankReply, SliceShape
+from node_agent.engine.adapters.errors import AdapterLoadError
 from node_agent.engine.adapters.files import ContentChanged, HeldFiles
-from node_agent.engine.adapters.peft import AdapterLoadError, read_planned_shard, warm_up_shard_reads
 from node_agent.engine.adapters.pool import LoraPool, PoolError
-from node_agent.engine.driver.protocol import (
-    Command,
-    ControlReply,
-    Describe,
-    DescribeReply,
-    Load,
-    ModuleShape,
-    RankReply,
-    ReadyReply,
-    Shutdown,
-    SliceShape,
-    Step,
-    StepReply,
-    Unload,
-)
+from node_agent.engine.adapters.reads import read_planned_shard, warm_up_shard_reads
+from node_agent.engine.driver.config import RankConfig
+from node_agent.engine.driver.faults import FaultPlan, InjectedFault
+from node_agent.engine.driver.protocol import Command, Describe, DescribeReply, Load, ReadyReply, Shutdown, Step, StepReply, Unload
 from node_agent.engine.kernels import LoraBatch
 from node_agent.engine.model.checkpoint import Checkpoint
-from node_agent.engine.model.decoder import AttentionBatch, CausalLM, ForwardContext, block_table_tensor
+from node_agent.engine.model.context import AttentionBatch, ForwardContext, RankSetup, block_table_tensor
+from node_agent.engine.model.decoder import CausalLM
 from node_agent.engine.model.lora_layers import LoraCapacity
 from node_agent.engine.model_config import ModelConfig
 from node_agent.engine.parallel.distributed import init_process_groups
-from node_agent.engine.parallel.topology import Topology
 from node_agent.engine.serving.kv_cache import PagedKVCache, budget_from_device_memory, kv_cache_layout
 from node_agent.engine.serving.sampler import sample
-from node_agent.engine.serving.scheduler import ScheduledSequence
+from node_agent.engine.serving.scheduling import ScheduledSequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What a rank needs to start; plain data so it pickles into a spawned process."""
-
-    model_dir: Path
-    topology: Topology
-    max_lora_rank: int
-    max_loras_per_batch: int
-    max_loaded_loras: int
-    device: str
-    dtype: str
-    store_port: int  # the driver's rendezvous store (distributed.rendezvous_store)
-    timeout_s: float
-    kv_cache_bytes: int = 64 << 20  # this rank's KV cache budget
-    block_size: int = 16  # tokens per KV block
-    cpu_threads: int | None = None  # torch threads of a CPU rank (None: the machine's cores / tp)
-    gpu_memory_utilization: float | None = None  # on CUDA: the KV budget from device memory instead
-    fault_fail_load_on_rank: int | None = None  # test-only: this rank refuses every load
-    fault_stall_load_on_rank: int | None = None  # test-only: this rank sleeps at the start of every load
-    fault_stall_load_s: float = 0.0
 
 
 class RankWorker:
     """The state of one rank and one method per command, each returning that command's reply."""
 
-    def __init__(self, config: WorkerConfig, rank: int) -> None:
-        self.config = config
+    def __init__(self, rank_config: RankConfig, rank: int, faults: FaultPlan | None = None) -> None:
+        config = self.config = rank_config.engine
         self.rank = rank
+        self.faults = faults
         self.coords = config.topology.coords(rank)
         self.device = torch.device(config.device if config.device == "cpu" else f"cuda:{rank}")
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.torch_dtype_name)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.groups = init_process_groups(config.topology, rank, config.store_port, backend, config.timeout_s)
+        self.groups = init_process_groups(config.topology, rank, rank_config.store_port, backend, config.startup_timeout_s)
         self.cfg = ModelConfig.from_dir(config.model_dir)
         capacity = LoraCapacity(config.max_lora_rank, config.max_loras_per_batch, config.topology.fully_sharded_loras)
-        self.model = CausalLM(self.cfg, config.topology, rank, self.groups, capacity, self.dtype, self.device)
+        self.model = CausalLM(RankSetup(self.cfg, config.topology, rank, self.groups, capacity, self.dtype, self.device))
         self.model.load_base(Checkpoint(config.model_dir))
         self.modules = self.model.lora_modules()
         self.layouts = {key: module.lora_slices() for key, module in self.modules.items()}
@@ -120,7 +86,7 @@ class RankWorker:
             return ControlReply(
                 self.rank, self.coords.attn_dp_rank, self.coords.attn_tp_rank, False, str(error), holds=self.holds(), read_other_bytes=True
             )
-        except (AdapterLoadError, PoolError) as error:
+        except (AdapterLoadError, PoolError, InjectedFault) as error:
             return self.failed(command, str(error))
         except Exception as error:  # report, keep serving: one bad request must not kill the rank
             log.error("command %s failed: %s", type(command).__name__, traceback.format_exc())
@@ -186,10 +152,8 @@ class RankWorker:
         )
 
     def load(self, command: Load) -> ControlReply:
-        if self.config.fault_fail_load_on_rank == self.rank:
-            raise AdapterLoadError(f"injected load failure on rank {self.rank}")
-        if self.config.fault_stall_load_on_rank == self.rank:
-            time.sleep(self.config.fault_stall_load_s)  # test-only: before any adapter byte is read
+        if self.faults is not None:
+            self.faults.before_load(self.rank)  # tests only: before any adapter byte is read
         baseline = _reset_peak_rss()
         verified = command.adapter
         # The driver parsed and matched the adapter once and planned this rank's read; the rank
@@ -340,7 +304,7 @@ def _reset_peak_rss() -> int:
     """Reset the kernel's peak-RSS mark so a load's own peak can be measured; returns RSS now.
 
     Plain system calls, not pathlib, and statm, not status, for the RSS: this runs in every
-    rank on every load, and the pathlib version cost about 0.05 ms of each.
+    rank on every load, so it does the least work that gives the figure.
     """
     with contextlib.suppress(OSError):  # not Linux: the growth figure reads 0
         fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
@@ -352,15 +316,16 @@ def _reset_peak_rss() -> int:
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE") if len(fields) > 1 else 0
 
 
-def rank_main(config: WorkerConfig, rank: int, conn: Connection) -> None:
+def rank_main(rank_config: RankConfig, rank: int, conn: Connection, faults: FaultPlan | None = None) -> None:
     """Entry point of a spawned rank process: start, report readiness, then serve commands."""
     logging.basicConfig(level=os.environ.get("LORAFLEET_LOG_LEVEL", "WARNING"), format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
+    config = rank_config.engine
     if config.device == "cpu":
         # Ranks share the machine's cores; oversubscription makes every collective wait (and on a
         # machine shared with other work, every OpenMP barrier of every small op: cpu_threads).
         torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 1) // config.topology.tp_size))
     try:
-        worker = RankWorker(config, rank)
+        worker = RankWorker(rank_config, rank, faults)
     except Exception as error:  # any startup failure is reported, then the rank exits
         log.debug("startup failed: %s", traceback.format_exc())
         coords = config.topology.coords(rank)

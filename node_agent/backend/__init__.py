@@ -1,0 +1,88 @@
+"""The seam under the agent (docs/architecture.md): the interface a backend implements, its
+typed per-rank replies and their failure-first merge, and the refusals it answers with.
+
+It sits below every other part of `node_agent` and imports none of them, so the builtin engine,
+the simulated agents and other backends implement it alike.
+"""
+
+from node_agent.backend.errors import (
+    AdapterRefused,
+    BackendError,
+    LoadFailed,
+    Overloaded,
+    RequestRefused,
+    SequenceAborted,
+    SnapshotChanged,
+    UnloadFailed,
+    Unsupported,
+)
+from node_agent.backend.files import FileDigests, FileIdentity, WrittenFiles
+from node_agent.backend.interface import (
+    Backend,
+    BackendDescription,
+    Capabilities,
+    Capacity,
+    Health,
+    LoadRequest,
+    RankHoldings,
+    RankLayout,
+    RunningCommand,
+    Sampling,
+    SequenceInput,
+    ServingStats,
+    StepLogprobs,
+    StreamedStep,
+    TokenStream,
+)
+from node_agent.backend.replies import (
+    ControlReply,
+    ControlResult,
+    ModuleShape,
+    RankPlace,
+    RankReply,
+    SliceShape,
+    all_or_nothing,
+    already_loaded,
+    merge_control,
+    rolled_back,
+)
+
+__all__ = [
+    "AdapterRefused",
+    "Backend",
+    "BackendDescription",
+    "BackendError",
+    "Capabilities",
+    "Capacity",
+    "ControlReply",
+    "ControlResult",
+    "FileDigests",
+    "FileIdentity",
+    "Health",
+    "LoadFailed",
+    "LoadRequest",
+    "ModuleShape",
+    "Overloaded",
+    "RankHoldings",
+    "RankLayout",
+    "RankPlace",
+    "RankReply",
+    "RequestRefused",
+    "RunningCommand",
+    "Sampling",
+    "SequenceAborted",
+    "SequenceInput",
+    "ServingStats",
+    "SliceShape",
+    "SnapshotChanged",
+    "StepLogprobs",
+    "StreamedStep",
+    "TokenStream",
+    "UnloadFailed",
+    "Unsupported",
+    "WrittenFiles",
+    "all_or_nothing",
+    "already_loaded",
+    "merge_control",
+    "rolled_back",
+]
