@@ -8,19 +8,19 @@ RPC, `lorafleet-agent forward` for its command line and input file.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
+from lorafleet_common.adapter_names import ADAPTER_NAME, MAX_NAME_LENGTH, is_adapter_name
 from node_agent.errors import InvalidRequest
 
-# Adapter names: letters, digits, '.', '_', '-', not starting with a punctuation mark; at most 253.
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+# ADAPTER_NAME is the shared rule (lorafleet_common.adapter_names), re-exported for the agent's readers.
+__all__ = ["ADAPTER_NAME", "check_adapter_name", "check_forward", "check_generate"]
 
 
 def check_adapter_name(name: str) -> None:
-    """Refuse a name outside `ADAPTER_NAME` with `InvalidRequest`."""
-    if not ADAPTER_NAME.match(name or ""):
-        raise InvalidRequest(f"invalid adapter name {name!r} (letters, digits, '.', '_', '-'; at most 253 characters)")
+    """Refuse a name outside the shared adapter-name rule (`ADAPTER_NAME`) with `InvalidRequest`."""
+    if not is_adapter_name(name or ""):
+        raise InvalidRequest(f"invalid adapter name {name!r} (letters, digits, '.', '_', '-'; at most {MAX_NAME_LENGTH} characters)")
 
 
 def check_forward(sequences: Sequence[Sequence[object]], vocab_size: int, max_tokens: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Download progress (issue 13): while a load's source downloads, ListAdapters shows how many bytes
+"""Download progress: while a load's source downloads, ListAdapters shows how many bytes
 arrived of the sizes the server declared; the entry goes when the download ends.
 
 A real HTTP server on loopback serves the config whole, then the weights' headers (with their

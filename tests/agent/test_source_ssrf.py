@@ -1,4 +1,4 @@
-"""Server-side request forgery through http(s) sources (issue 15): the allowlist, the address
+"""Server-side request forgery through http(s) sources: the allowlist, the address
 checks on every DNS answer and redirect hop, and messages that never repeat fetched content.
 
 Real HTTP servers on loopback (127.0.0.1 and 127.0.0.2, both on `lo`); only addresses of this
@@ -24,9 +24,9 @@ import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
-from node_agent import sources
 from node_agent.errors import SourceRefused, SourceUnavailable
 from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePolicy, SourcePrefix, resolve_source
+from node_agent.sources.connections import address_class
 from tests.agent.helpers import make_adapter, running
 
 SECRET = "SECRET-4f1d-from-the-metadata-service"
@@ -198,7 +198,7 @@ def test_local_addresses_are_never_connected_to(tmp_path, address, kind):
 
 
 # Addresses off this machine: the classification alone (the test must send nothing there, even
-# against code without the check); `_connect_checked` refuses every address it classifies.
+# against code without the check); `connect_checked` refuses every address it classifies.
 @pytest.mark.parametrize(
     "address, kind",
     [
@@ -219,7 +219,7 @@ def test_local_addresses_are_never_connected_to(tmp_path, address, kind):
     ],
 )
 def test_non_public_addresses_are_classified(address, kind):
-    found = sources._address_class(ipaddress.ip_address(address))
+    found = address_class(ipaddress.ip_address(address))
     assert (found is None) if kind is None else (found is not None and found.startswith(kind)), found
 
 

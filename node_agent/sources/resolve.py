@@ -1,0 +1,57 @@
+"""From a LoadAdapter URI to a checked private copy of its adapter: the scheme decides which
+source reads it, and every source's copy is held to the request's sha256."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from lorafleet_common.sources import ADAPTER_WEIGHTS, HTTP_SCHEMES, HUB_SCHEME, redact_uri, userinfo_span
+from node_agent.errors import SourceRefused
+from node_agent.sources.copies import ResolvedSource
+from node_agent.sources.credentials import SourceCredential
+from node_agent.sources.downloads import Download, DownloadProgress, download_http
+from node_agent.sources.files import resolve_file
+from node_agent.sources.hub import download_hub
+from node_agent.sources.policy import SourcePolicy
+
+
+def resolve_source(
+    uri: str,
+    expected_sha256: str | None,
+    policy: SourcePolicy,
+    credential: SourceCredential | None = None,
+    progress: DownloadProgress | None = None,
+) -> ResolvedSource:
+    """Check `uri` against the policy and make a private copy of its adapter. A `credential`
+    (http(s) and hf:// sources) is sent to the source's own URLs only: never on a redirect, never
+    logged or repeated in a message; a file:// source with one is refused. A download counts its
+    bytes into `progress`."""
+    shown = redact_uri(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as error:
+        raise SourceRefused(f"source URI {shown!r} is not a valid URI: {error}", "bad_uri") from None
+    scheme = parts.scheme.lower()
+    if "@" in parts.netloc or userinfo_span(uri) is not None:
+        raise SourceRefused(
+            f"credentials in source URIs are refused ({shown!r}): the agent never sends or logs "
+            "URL userinfo; serve the adapter without them",
+            "credentials",
+        )
+    if scheme == "file":
+        if credential is not None:
+            raise SourceRefused(f"file:// sources take no credential ({shown!r})", "credentials")
+        source = resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
+    elif scheme in HTTP_SCHEMES:
+        source = download_http(uri, Download(shown, policy, credential, progress))
+    elif scheme == HUB_SCHEME:
+        source = download_hub(uri, Download(shown, policy, credential, progress))
+    else:
+        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://", "scheme")
+    if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
+        source.discard()
+        raise SourceRefused(
+            f"sha256 mismatch for {shown}: {ADAPTER_WEIGHTS} has {source.content.weights_sha256}, expected {expected_sha256}",
+            "sha256_mismatch",
+        )
+    return source
