@@ -27,7 +27,7 @@ set -euo pipefail
 k8s_version=${LORAFLEET_K8S_VERSION:-v1.35.4}
 # containerd 2.2 is the release line supported with Kubernetes 1.34-1.35.
 containerd_version=${LORAFLEET_CONTAINERD_VERSION:-v2.2.9}
-# The newest CoreDNS the Go module proxy served on 2026-12-01 (its go.mod needs Go 1.26).
+# This CoreDNS release's go.mod needs Go 1.26 (the `go` check below asks for it).
 coredns_version=${LORAFLEET_COREDNS_VERSION:-v1.15.0}
 cache_root=${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}
 node_prefix="$cache_root/node-$k8s_version-containerd-$containerd_version"

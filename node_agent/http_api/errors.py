@@ -21,6 +21,7 @@ from node_agent.errors import (
     CapacityExceeded,
     EngineUnavailable,
     InvalidRequest,
+    NotSupported,
     RequestAborted,
     ShuttingDown,
     TooManyCalls,
@@ -34,6 +35,7 @@ HTTP_STATUSES: dict[type[AgentError], int] = {
     ShuttingDown: 503,
     EngineUnavailable: 503,
     RequestAborted: 503,
+    NotSupported: 501,
 }
 
 # OpenAI's error types by status.

@@ -128,7 +128,7 @@ def test_stop_strings_end_the_text_before_them_and_cancel_the_sequence(served, c
         emitted += chunk.choices[0].text
         assert expected.startswith(emitted), f"emitted {emitted!r}: not a prefix of {expected!r}"
     assert emitted == expected
-    # gRPC Generate: the same matcher (issue 9).
+    # gRPC Generate: the same matcher.
     grpc = grpc_generate(served, prompt=PROMPT, adapter="ad-a", max_new_tokens=1000, stop=[stop])
     assert "".join(r.text for r in grpc) == expected and len(grpc) == 5
     assert grpc[-1].finish == pb.FINISH_REASON_STOP and grpc[-1].finish_reason == "stop"

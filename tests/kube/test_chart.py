@@ -266,7 +266,7 @@ def test_watch_namespaces_get_their_own_roles(kube_cluster: ControlPlane) -> Non
 @pytest.mark.parametrize("sets", VARIANTS[:2])
 def test_agent_args_parse_with_the_agents_own_parser(kube_cluster: ControlPlane, sets: tuple[str, ...]) -> None:
     """The StatefulSet's command line is one `lorafleet-agent serve` accepts, meaning what the
-    values say (the chart follows node_agent/cli.py, not guesses)."""
+    values say (the chart follows node_agent/cli/, not guesses)."""
     from node_agent.cli import build_parser
 
     docs = render_docs(kube_cluster, *sets)

@@ -351,17 +351,19 @@ def install_args(real: RealCluster, claim: str) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
 
 
-# pytest-timeout counts the module fixture's set-up and tear-down too: on a cold cache that builds
-# both images (about 10 minutes on 2 cores: pip downloads and installs 3.4 GB of torch and CUDA
-# wheels), imports them (about a minute) and deletes the node's 6 GB of snapshots. The bound
-# only catches a hang; every wait inside has its own deadline.
-@pytest.mark.timeout(3600)
-def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster) -> None:
-    cluster, node = real_cluster.cluster, real_cluster.node
-    ns = cluster.create_namespace(prefix="real")
-    lap = Laps()
+class Release:
+    """The chart installed as ``RELEASE`` in namespace ``ns`` of the real cluster: what every
+    step of the test reads, and what a failed wait prints."""
 
-    def diagnose() -> str:
+    def __init__(self, real: RealCluster, ns: str) -> None:
+        self.real, self.ns = real, ns
+        self.cluster, self.node = real.cluster, real.node
+        self.lap = Laps()
+        #: The adapter's name in each agent's registry.
+        self.held = f"{ns}.support"
+
+    def diagnose(self) -> str:
+        cluster, node, ns = self.cluster, self.node, self.ns
         listing = cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
         events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
         logs = ""
@@ -374,300 +376,358 @@ def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster
             f"pods:\n{listing}\nevents:\n{events[-4000:]}\n{logs}kubelet:\n{node.logs('kubelet', 20)}\ncoredns:\n{node.logs('coredns', 20)}"
         )
 
+    def wait(self, what: str, probe: Callable[[], Any], timeout_s: float) -> Any:
+        return wait_for(what, probe, timeout_s, self.diagnose)
+
+    def agent_pods(self) -> list[dict[str, Any]]:
+        return pods(self.cluster, self.ns, "lorafleet-agent")
+
+    def adapter_status(self) -> dict[str, Any]:
+        obj = self.cluster.kubectl_json("get", "la", "support", "-n", self.ns)
+        return dict(obj.get("status") or {})
+
+    def loaded_everywhere(self) -> dict[str, Any]:
+        """The adapter's status once it is Ready on both Ready agent pods (else empty)."""
+        st = self.adapter_status()
+        pods_now = {p["metadata"]["name"]: p for p in self.agent_pods() if ready(p)}
+        entries = {a["pod"]: a for a in st.get("agents", [])}
+        if st.get("phase") != "Ready" or set(entries) != set(pods_now) or len(pods_now) != 2:
+            return {}
+        return st
+
+
+# pytest-timeout counts the module fixture's set-up and tear-down too: on a cold cache that builds
+# both images (about 10 minutes on 2 cores: pip downloads and installs 3.4 GB of torch and CUDA
+# wheels), imports them (about a minute) and deletes the node's 6 GB of snapshots. The bound
+# only catches a hang; every wait inside has its own deadline.
+@pytest.mark.timeout(3600)
+def test_helm_install_upgrade_uninstall_on_a_real_node(real_cluster: RealCluster) -> None:
+    cluster = real_cluster.cluster
+    ns = cluster.create_namespace(prefix="real")
+    release = Release(real_cluster, ns)
     try:
-        claim = model_claim(cluster, ns, real_cluster.data / "model")
-        install = cluster.helm(
-            "install",
+        claim = install(release)
+        operator, agents = check_every_pod_is_real(release)
+        token = check_token_and_identity(release, agents)
+        check_adapter_ready_on_both_agents(release, agents, token)
+        check_replaced_agent_loads_the_adapter_again(release, agents[0], token)
+        check_generate_through_the_service(release, token)
+        new_agents, ca, server_name = upgrade_to_tls_and_model_download(release)
+        check_agents_speak_tls_only(release, new_agents, ClientTls(ca.pem, ca.issue("real-node-test", server=False), server_name), token)
+        check_operator_replaced(release, operator["metadata"]["name"])
+        check_helm_test(release, new_agents)
+        check_uninstall_leaves_nothing(release, claim)
+    finally:
+        cluster.delete_namespace(ns)
+        cluster.kubectl("delete", "pv", f"{ns}-model", "--ignore-not-found", check=False)
+
+
+def install(release: Release) -> str:
+    """``helm install --wait`` with the model from a claim; returns the claim's name."""
+    cluster, ns = release.cluster, release.ns
+    claim = model_claim(cluster, ns, release.real.data / "model")
+    install = cluster.helm(
+        "install",
+        RELEASE,
+        str(CHECKOUT.chart),
+        "--namespace",
+        ns,
+        *install_args(release.real, claim),
+        "--wait",
+        "--timeout=400s",
+        check=False,
+        timeout_s=460,
+    )
+    assert install.returncode == 0, f"{install.stderr}\n{release.diagnose()}"
+    release.lap("helm install --wait")
+    # The model came from the claim: bound to its volume, mounted by the agents.
+    bound = cluster.kubectl_json("get", "pvc", claim, "-n", ns)
+    assert bound["status"]["phase"] == "Bound" and bound["spec"]["volumeName"] == f"{ns}-model", bound
+    return claim
+
+
+def check_every_pod_is_real(release: Release) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every pod is real: scheduled onto the node, its containers run by containerd, Ready
+    through the kubelet's own probes (the agents' gRPC health probes, counted in its metrics).
+    Returns the operator pod and the agent pods, by name."""
+    cluster, node, ns = release.cluster, release.node, release.ns
+    (operator,) = pods(cluster, ns, "lorafleet-operator")
+    agents = sorted(release.agent_pods(), key=lambda p: p["metadata"]["name"])
+    assert [p["metadata"]["name"] for p in agents] == [f"{FULLNAME}-agent-0", f"{FULLNAME}-agent-1"]
+    for pod in [operator, *agents]:
+        assert pod["spec"]["nodeName"] == node.name
+        assert pod["status"]["podIP"].startswith("10.89."), pod["status"]
+        assert ready(pod), pod["status"]
+        for container in pod["status"]["containerStatuses"]:
+            assert container["containerID"].removeprefix("containerd://") in node.running_containers()
+    for probe in ("Startup", "Readiness"):
+        assert probe_results(node, ns, "agent", probe).get("successful", 0) >= 2, probe
+    return operator, agents
+
+
+def check_token_and_identity(release: Release, agents: list[dict[str, Any]]) -> str:
+    """The token is required, and each agent proves only its own pod; returns the token."""
+    cluster, ns = release.cluster, release.ns
+    token = base64.b64decode(cluster.kubectl_json("get", "secret", f"{FULLNAME}-agent-token", "-n", ns)["data"]["token"]).decode()
+    # The token is required (auth on by default): a call without it is refused.
+    channel, anonymous = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        anonymous.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    # Each agent knows its own pod (the chart's --pod-name from the downward API): an
+    # identity challenge for its own pod is answered with the token's proof, one for the
+    # other agent's pod is not (a pod relaying challenges to a real agent gets nothing).
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    own, other = (f"{ns}/{p['metadata']['name']}" for p in agents)
+    channel, first = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
+    with channel:
+        proofs = {pod: first.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=10).proof for pod in (own, other)}
+    assert proof_matches(token, own, nonce, proofs[own]), proofs
+    assert proofs[other] == b"", proofs
+    release.lap("pods, probes, token, identity")
+    return token
+
+
+def check_adapter_ready_on_both_agents(release: Release, agents: list[dict[str, Any]], token: str) -> None:
+    """A LoraAdapter applied with kubectl: Ready, and its per-agent, per-rank status equals
+    what each agent pod's registry holds."""
+    release.cluster.apply(
+        json.dumps(
+            {
+                "apiVersion": "lorafleet.dev/v1alpha1",
+                "kind": "LoraAdapter",
+                "metadata": {"name": "support"},
+                "spec": {"baseModel": BASE_MODEL, "source": {"uri": f"file://{ADAPTER_ROOT}/support"}, "fleetRef": {"name": "default"}},
+            }
+        ),
+        release.ns,
+    )
+    st = release.wait("LoraAdapter support Ready on both agents", release.loaded_everywhere, 180)
+    assert st["agentsSummary"] == "2/2" and st["ranksSummary"] == "2/2", st
+    for pod in agents:
+        entry = next(a for a in st["agents"] if a["pod"] == pod["metadata"]["name"])
+        assert (entry["state"], entry["ranksLoaded"], entry["ranksTotal"]) == ("Loaded", 1, 1), entry
+        assert registry(f"{pod['status']['podIP']}:{GRPC_PORT}", token) == {release.held: [0]}
+    release.lap("adapter Ready on both agents")
+
+
+def check_replaced_agent_loads_the_adapter_again(release: Release, victim: dict[str, Any], token: str) -> None:
+    """An agent pod deleted: the StatefulSet makes a new one (same name, new uid), which
+    starts empty; the operator's drift check loads the adapter onto it again."""
+    release.cluster.kubectl("delete", "pod", victim["metadata"]["name"], "-n", release.ns, "--wait=true")
+    release.lap("agent pod deleted")
+
+    def replacement() -> dict[str, Any]:
+        for pod in release.agent_pods():
+            if pod["metadata"]["name"] == victim["metadata"]["name"] and ready(pod) and pod["metadata"]["uid"] != victim["metadata"]["uid"]:
+                return pod
+        return {}
+
+    new_agent = release.wait("the StatefulSet's new agent pod Ready", replacement, 300)
+    release.lap("replacement agent Ready")
+    new_address = f"{new_agent['status']['podIP']}:{GRPC_PORT}"
+    release.wait("the adapter back on the new agent pod", lambda: registry(new_address, token) == {release.held: [0]}, 180)
+    st = release.wait("LoraAdapter support Ready on both agents again", release.loaded_everywhere, 120)
+    assert st["ranksSummary"] == "2/2", st
+    release.lap("adapter reloaded onto the replacement")
+
+
+def check_generate_through_the_service(release: Release, token: str) -> None:
+    """Generate through the agents' client Service, its ClusterIP reached from this machine
+    through kube-proxy's rules (no kubectl exec, no port-forward): the same greedy tokens as
+    each agent pod gives when asked directly."""
+    service = release.cluster.kubectl_json("get", "service", f"{FULLNAME}-agent-api", "-n", release.ns)
+    cluster_ip = service["spec"]["clusterIP"]
+    assert cluster_ip.startswith("10.96."), service["spec"]
+    addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in release.agent_pods()]
+    for adapter in (release.held, ""):
+        direct = [generate(address, token, adapter) for address in addresses]
+        assert direct[0] and direct[0] == direct[1], direct
+        assert generate(f"{cluster_ip}:{GRPC_PORT}", token, adapter) == direct[0]
+    release.lap("Generate through the Service")
+
+
+def upgrade_to_tls_and_model_download(release: Release) -> tuple[list[dict[str, Any]], Authority, str]:
+    """helm upgrade: the operator's log level, mutual TLS on (a throwaway CA; one certificate
+    for the agents' server side and the operator's client side, verified under tls.serverName
+    since the operator dials pod IPs), and the model from the download init container instead
+    of the hostPath (an archive served over http from this machine). The Deployment rolls out
+    a new operator pod, the StatefulSet new agents. Returns the new agent pods, the CA and the
+    server name."""
+    cluster, ns, data = release.cluster, release.ns, release.real.data
+    old_agents = {p["metadata"]["uid"] for p in release.agent_pods()}
+    ca = Authority("lorafleet-real-node-ca")
+    server_name = f"{FULLNAME}-agent.{ns}.svc"
+    cluster.apply(tls_secret("agent-tls", ca, ca.issue(server_name, server=True, dns_names=(server_name,), client_too=True)), ns)
+    archive, sha = model_archive(data / "model", data)
+    with serving(archive, cluster.advertise_ip) as (model_url, requested):
+        upgrade = cluster.helm(
+            "upgrade",
             RELEASE,
             str(CHECKOUT.chart),
             "--namespace",
             ns,
-            *install_args(real_cluster, claim),
+            "--reuse-values",
+            "--set",
+            "operator.logLevel=DEBUG",
+            "--set",
+            "tls.enabled=true",
+            "--set",
+            "tls.secretName=agent-tls",
+            "--set",
+            f"tls.serverName={server_name}",
+            "--set",
+            "agent.model.pvc.claimName=",
+            "--set",
+            f"agent.model.download.url={model_url}",
+            "--set",
+            f"agent.model.download.sha256={sha}",
+            "--set",
+            "agent.model.download.allowHttp=true",
             "--wait",
-            "--timeout=400s",
+            "--timeout=480s",
             check=False,
-            timeout_s=460,
+            timeout_s=540,
         )
-        assert install.returncode == 0, f"{install.stderr}\n{diagnose()}"
-        lap("helm install --wait")
-        # The model came from the claim: bound to its volume, mounted by the agents.
-        bound = cluster.kubectl_json("get", "pvc", claim, "-n", ns)
-        assert bound["status"]["phase"] == "Bound" and bound["spec"]["volumeName"] == f"{ns}-model", bound
+        assert upgrade.returncode == 0, f"{upgrade.stderr}\n{release.diagnose()}"
+        release.lap("helm upgrade --wait (TLS, download)")
 
-        # Every pod is real: scheduled onto the node, its containers run by containerd, Ready
-        # through the kubelet's own probes (the agents' gRPC health probes, counted in its metrics).
-        (operator,) = pods(cluster, ns, "lorafleet-operator")
-        agents = sorted(pods(cluster, ns, "lorafleet-agent"), key=lambda p: p["metadata"]["name"])
-        assert [p["metadata"]["name"] for p in agents] == [f"{FULLNAME}-agent-0", f"{FULLNAME}-agent-1"]
-        for pod in [operator, *agents]:
-            assert pod["spec"]["nodeName"] == node.name
-            assert pod["status"]["podIP"].startswith("10.89."), pod["status"]
-            assert ready(pod), pod["status"]
-            for container in pod["status"]["containerStatuses"]:
-                assert container["containerID"].removeprefix("containerd://") in node.running_containers()
-        for probe in ("Startup", "Readiness"):
-            assert probe_results(node, ns, "agent", probe).get("successful", 0) >= 2, probe
+        def upgraded() -> list[dict[str, Any]]:
+            found = release.agent_pods()
+            fresh = [p for p in found if ready(p) and p["metadata"]["uid"] not in old_agents]
+            return fresh if len(found) == len(fresh) == 2 else []
 
-        token = base64.b64decode(cluster.kubectl_json("get", "secret", f"{FULLNAME}-agent-token", "-n", ns)["data"]["token"]).decode()
-        # The token is required (auth on by default): a call without it is refused.
-        channel, anonymous = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
-        with channel, pytest.raises(grpc.RpcError) as refused:
-            anonymous.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-        # Each agent knows its own pod (the chart's --pod-name from the downward API): an
-        # identity challenge for its own pod is answered with the token's proof, one for the
-        # other agent's pod is not (a pod relaying challenges to a real agent gets nothing).
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        own, other = (f"{ns}/{p['metadata']['name']}" for p in agents)
-        channel, first = stub(f"{agents[0]['status']['podIP']}:{GRPC_PORT}")
-        with channel:
-            proofs = {
-                pod: first.ProveIdentity(agent_pb2.ProveIdentityRequest(nonce=nonce, pod=pod), timeout=10).proof for pod in (own, other)
-            }
-        assert proof_matches(token, own, nonce, proofs[own]), proofs
-        assert proofs[other] == b"", proofs
-        lap("pods, probes, token, identity")
-
-        # A LoraAdapter applied with kubectl: Ready, and its per-agent, per-rank status equals
-        # what each agent pod's registry holds.
-        cluster.apply(
-            json.dumps(
-                {
-                    "apiVersion": "lorafleet.dev/v1alpha1",
-                    "kind": "LoraAdapter",
-                    "metadata": {"name": "support"},
-                    "spec": {"baseModel": BASE_MODEL, "source": {"uri": f"file://{ADAPTER_ROOT}/support"}, "fleetRef": {"name": "default"}},
-                }
-            ),
-            ns,
-        )
-        held = f"{ns}.support"
-
-        def adapter_status() -> dict[str, Any]:
-            obj = cluster.kubectl_json("get", "la", "support", "-n", ns)
-            return dict(obj.get("status") or {})
-
-        def loaded_everywhere() -> dict[str, Any]:
-            st = adapter_status()
-            pods_now = {p["metadata"]["name"]: p for p in pods(cluster, ns, "lorafleet-agent") if ready(p)}
-            entries = {a["pod"]: a for a in st.get("agents", [])}
-            if st.get("phase") != "Ready" or set(entries) != set(pods_now) or len(pods_now) != 2:
-                return {}
-            return st
-
-        st = wait_for("LoraAdapter support Ready on both agents", loaded_everywhere, 180, diagnose)
-        assert st["agentsSummary"] == "2/2" and st["ranksSummary"] == "2/2", st
-        for pod in agents:
-            entry = next(a for a in st["agents"] if a["pod"] == pod["metadata"]["name"])
-            assert (entry["state"], entry["ranksLoaded"], entry["ranksTotal"]) == ("Loaded", 1, 1), entry
-            assert registry(f"{pod['status']['podIP']}:{GRPC_PORT}", token) == {held: [0]}
-        lap("adapter Ready on both agents")
-
-        # An agent pod deleted: the StatefulSet makes a new one (same name, new uid), which
-        # starts empty; the operator's drift check loads the adapter onto it again.
-        victim = agents[0]
-        cluster.kubectl("delete", "pod", victim["metadata"]["name"], "-n", ns, "--wait=true")
-        lap("agent pod deleted")
-
-        def replacement() -> dict[str, Any]:
-            for pod in pods(cluster, ns, "lorafleet-agent"):
-                if (
-                    pod["metadata"]["name"] == victim["metadata"]["name"]
-                    and ready(pod)
-                    and pod["metadata"]["uid"] != victim["metadata"]["uid"]
-                ):
-                    return pod
-            return {}
-
-        new_agent = wait_for("the StatefulSet's new agent pod Ready", replacement, 300, diagnose)
-        lap("replacement agent Ready")
-        new_address = f"{new_agent['status']['podIP']}:{GRPC_PORT}"
-        wait_for("the adapter back on the new agent pod", lambda: registry(new_address, token) == {held: [0]}, 180, diagnose)
-        st = wait_for("LoraAdapter support Ready on both agents again", loaded_everywhere, 120, diagnose)
-        assert st["ranksSummary"] == "2/2", st
-        lap("adapter reloaded onto the replacement")
-
-        # Generate through the agents' client Service, its ClusterIP reached from this machine
-        # through kube-proxy's rules (no kubectl exec, no port-forward): the same greedy tokens
-        # as each agent pod gives when asked directly.
-        service = cluster.kubectl_json("get", "service", f"{FULLNAME}-agent-api", "-n", ns)
-        cluster_ip = service["spec"]["clusterIP"]
-        assert cluster_ip.startswith("10.96."), service["spec"]
-        addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in pods(cluster, ns, "lorafleet-agent")]
-        for adapter in (held, ""):
-            direct = [generate(address, token, adapter) for address in addresses]
-            assert direct[0] and direct[0] == direct[1], direct
-            assert generate(f"{cluster_ip}:{GRPC_PORT}", token, adapter) == direct[0]
-        lap("Generate through the Service")
-
-        # helm upgrade: the operator's log level, mutual TLS on (a throwaway CA; one certificate
-        # for the agents' server side and the operator's client side, verified under
-        # tls.serverName since the operator dials pod IPs), and the model from the download
-        # init container instead of the hostPath (an archive served over http from this
-        # machine). The Deployment rolls out a new operator pod, the StatefulSet new agents.
-        old_pod = operator["metadata"]["name"]
-        old_agents = {p["metadata"]["uid"] for p in pods(cluster, ns, "lorafleet-agent")}
-        ca = Authority("lorafleet-real-node-ca")
-        server_name = f"{FULLNAME}-agent.{ns}.svc"
-        cluster.apply(tls_secret("agent-tls", ca, ca.issue(server_name, server=True, dns_names=(server_name,), client_too=True)), ns)
-        archive, sha = model_archive(real_cluster.data / "model", real_cluster.data)
-        with serving(archive, cluster.advertise_ip) as (model_url, requested):
-            upgrade = cluster.helm(
-                "upgrade",
-                RELEASE,
-                str(CHECKOUT.chart),
-                "--namespace",
-                ns,
-                "--reuse-values",
-                "--set",
-                "operator.logLevel=DEBUG",
-                "--set",
-                "tls.enabled=true",
-                "--set",
-                "tls.secretName=agent-tls",
-                "--set",
-                f"tls.serverName={server_name}",
-                "--set",
-                "agent.model.pvc.claimName=",
-                "--set",
-                f"agent.model.download.url={model_url}",
-                "--set",
-                f"agent.model.download.sha256={sha}",
-                "--set",
-                "agent.model.download.allowHttp=true",
-                "--wait",
-                "--timeout=480s",
-                check=False,
-                timeout_s=540,
-            )
-            assert upgrade.returncode == 0, f"{upgrade.stderr}\n{diagnose()}"
-            lap("helm upgrade --wait (TLS, download)")
-
-            def upgraded() -> list[dict[str, Any]]:
-                found = pods(cluster, ns, "lorafleet-agent")
-                fresh = [p for p in found if ready(p) and p["metadata"]["uid"] not in old_agents]
-                return fresh if len(found) == len(fresh) == 2 else []
-
-            new_agents = wait_for("both agents replaced by the upgrade and Ready", upgraded, 300, diagnose)
-            # Each new pod's model came through its init container: downloaded from here,
-            # sha256-checked and unpacked into the emptyDir the agent serves from.
-            for pod in new_agents:
-                (init,) = pod["status"]["initContainerStatuses"]
-                assert (init["name"], init["state"]["terminated"]["exitCode"]) == ("fetch-model", 0), init
-                model_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
-                assert "emptyDir" in model_volume and "hostPath" not in model_volume, model_volume
-            assert requested.count(f"/{archive.name}") >= 2, requested
-
-        # The agents now speak TLS only and require a client certificate from the CA: the
-        # operator reloaded the adapter onto the new pods over it (each registry, read with
-        # such a certificate, holds it on its rank; the status says Ready on both). A client
-        # without TLS, or with the CA but no certificate or another CA's, is refused.
-        client = ClientTls(ca.pem, ca.issue("real-node-test", server=False), server_name)
-        tls_addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in new_agents]
-        for address in tls_addresses:
-            wait_for(
-                f"the adapter on the upgraded agent {address}",
-                lambda address=address: registry(address, token, client) == {held: [0]},
-                180,
-                diagnose,
-            )
-        st = wait_for("LoraAdapter support Ready on both upgraded agents", loaded_everywhere, 120, diagnose)
-        assert st["ranksSummary"] == "2/2", st
-        stranger = Authority("someone else").issue("real-node-test", server=False)
-        for who, tls in (
-            ("a plaintext client", None),
-            ("a client without a certificate", ClientTls(ca.pem, None, server_name)),
-            ("a client with another CA's certificate", ClientTls(ca.pem, stranger, server_name)),
-        ):
-            with pytest.raises(grpc.RpcError) as refused:
-                registry(tls_addresses[0], token, tls)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (who, refused.value)
-        lap("adapter reloaded over TLS, refusals")
-        cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns, "--timeout=120s")
-
-        def replaced() -> list[dict[str, Any]]:
-            found = pods(cluster, ns, "lorafleet-operator")
-            return found if len(found) == 1 and found[0]["metadata"]["name"] != old_pod else []
-
-        (new_pod,) = wait_for("one operator pod, not the old one", replaced, 120, diagnose)
-        env = {e["name"]: e.get("value") for e in new_pod["spec"]["containers"][0]["env"]}
-        assert env["LORAFLEET_LOG_LEVEL"] == "DEBUG"
-        assert new_pod["status"]["containerStatuses"][0]["ready"], new_pod["status"]
-        assert adapter_status()["phase"] == "Ready"
-        # The chart's liveness probe, run by the kubelet itself, passes (successes counted in
-        # its probe metrics) and never restarted the operator. A failure or two while it starts
-        # on a loaded machine is tolerated, as by the probe's own failureThreshold.
-        wait_for(
-            "a successful liveness probe of the operator",
-            lambda: probe_results(node, ns, "operator", "Liveness").get("successful", 0) >= 1,
-            90,
-            diagnose,
-        )
-        (restarted,) = pods(cluster, ns, "lorafleet-operator")
-        assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
-        lap("new operator pod, liveness")
-
-        # helm test: the chart's test pod resolves the agents by the headless Service's cluster
-        # DNS name (CoreDNS on the node, from the resolv.conf the kubelet wrote) and checks each
-        # one (health SERVING, Describe over mutual TLS with the token); it needs REPLICAS (2)
-        # addresses. helm deletes the pod once it has succeeded.
-        tested = cluster.helm("test", RELEASE, "--namespace", ns, "--timeout=300s", check=False, timeout_s=360)
-        assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), (
-            f"{tested.stdout}\n{tested.stderr}\n{diagnose()}"
-        )
-        lap("helm test")
-        # The same pod with a wrong token fails, naming each agent it resolved as refusing it.
-        cluster.kubectl("create", "secret", "generic", "wrong-token", "-n", ns, "--from-literal=token=not-the-token")
-        wrong = wrong_token_test_pod(cluster, ns, "wrong-token")
-        cluster.apply(json.dumps(wrong), ns)
-        wrong_name = wrong["metadata"]["name"]
-
-        def finished() -> str:
-            phase = cluster.kubectl_json("get", "pod", wrong_name, "-n", ns).get("status", {}).get("phase", "")
-            return str(phase) if phase in ("Succeeded", "Failed") else ""
-
-        assert wait_for("the wrong-token test pod to finish", finished, 180, diagnose) == "Failed"
-        refusals = cluster.kubectl("logs", wrong_name, "-n", ns).stdout
+        new_agents = release.wait("both agents replaced by the upgrade and Ready", upgraded, 300)
+        # Each new pod's model came through its init container: downloaded from here,
+        # sha256-checked and unpacked into the emptyDir the agent serves from.
         for pod in new_agents:
-            assert re.search(rf"^agent {re.escape(pod['status']['podIP'])}: UNAUTHENTICATED", refusals, re.M), refusals
-        cluster.kubectl("delete", "pod", wrong_name, "-n", ns, "--wait=true")
-        cluster.kubectl("delete", "secret", "wrong-token", "-n", ns)
-        lap("wrong-token test pod")
+            (init,) = pod["status"]["initContainerStatuses"]
+            assert (init["name"], init["state"]["terminated"]["exitCode"]) == ("fetch-model", 0), init
+            model_volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+            assert "emptyDir" in model_volume and "hostPath" not in model_volume, model_volume
+        assert requested.count(f"/{archive.name}") >= 2, requested
+    return new_agents, ca, server_name
 
-        # helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
-        # Service) has the operator unload everything (over TLS now); nothing of the release is
-        # left, nothing is stuck. The TLS Secret is the user's, not the chart's: it stays.
-        uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait", "--timeout=240s", check=False, timeout_s=300)
-        assert uninstall.returncode == 0, f"{uninstall.stderr}\n{diagnose()}"
-        lap("helm uninstall --wait")
-        users = {"secrets": ["agent-tls"], "persistentvolumeclaims": [claim]}
-        for kind in (
-            "loraadapters",
-            "lorafleets",
-            "deployments",
-            "statefulsets",
-            "services",
-            "jobs",
-            "secrets",
-            "persistentvolumeclaims",
-            "poddisruptionbudgets",
-            "roles",
-            "rolebindings",
-        ):
-            left = [i["metadata"]["name"] for i in cluster.kubectl_json("get", kind, "-n", ns)["items"]]
-            assert left == users.get(kind, []), f"{kind} left: {left}"
-        left_sas = {i["metadata"]["name"] for i in cluster.kubectl_json("get", "serviceaccounts", "-n", ns)["items"]}
-        assert left_sas == {"default"}
-        wait_for("every pod of the release gone", lambda: not cluster.kubectl_json("get", "pods", "-n", ns)["items"], 180, diagnose)
-        # The hook ran as a real pod on the node (helm deleted its Job once it succeeded).
-        started = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector=involvedObject.kind=Pod,reason=Started")
-        hook_pods = {
-            e["involvedObject"]["name"] for e in started["items"] if e["involvedObject"]["name"].startswith(f"{FULLNAME}-uninstall-")
-        }
-        assert len(hook_pods) == 1, started["items"]
-        wait_for("containerd to run no container", lambda: node.running_containers() == [], 60, diagnose)
-        lap("nothing of the release left")
-    finally:
-        cluster.delete_namespace(ns)
-        cluster.kubectl("delete", "pv", f"{ns}-model", "--ignore-not-found", check=False)
+
+def check_agents_speak_tls_only(release: Release, new_agents: list[dict[str, Any]], client: ClientTls, token: str) -> None:
+    """The agents now speak TLS only and require a client certificate from the CA: the
+    operator reloaded the adapter onto the new pods over it (each registry, read with such a
+    certificate (`client`), holds it on its rank; the status says Ready on both). A client
+    without TLS, or with the CA but no certificate or another CA's, is refused."""
+    tls_addresses = [f"{p['status']['podIP']}:{GRPC_PORT}" for p in new_agents]
+    for address in tls_addresses:
+        release.wait(
+            f"the adapter on the upgraded agent {address}",
+            lambda address=address: registry(address, token, client) == {release.held: [0]},
+            180,
+        )
+    st = release.wait("LoraAdapter support Ready on both upgraded agents", release.loaded_everywhere, 120)
+    assert st["ranksSummary"] == "2/2", st
+    stranger = Authority("someone else").issue("real-node-test", server=False)
+    for who, tls in (
+        ("a plaintext client", None),
+        ("a client without a certificate", ClientTls(client.ca, None, client.server_name)),
+        ("a client with another CA's certificate", ClientTls(client.ca, stranger, client.server_name)),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            registry(tls_addresses[0], token, tls)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (who, refused.value)
+    release.lap("adapter reloaded over TLS, refusals")
+
+
+def check_operator_replaced(release: Release, old_pod: str) -> None:
+    """The upgrade rolled out one new operator pod (not `old_pod`) with the new log level, and
+    the kubelet's own liveness probe of it passes without a restart."""
+    cluster, ns = release.cluster, release.ns
+    cluster.kubectl("rollout", "status", f"deployment/{FULLNAME}-operator", "-n", ns, "--timeout=120s")
+
+    def replaced() -> list[dict[str, Any]]:
+        found = pods(cluster, ns, "lorafleet-operator")
+        return found if len(found) == 1 and found[0]["metadata"]["name"] != old_pod else []
+
+    (new_pod,) = release.wait("one operator pod, not the old one", replaced, 120)
+    env = {e["name"]: e.get("value") for e in new_pod["spec"]["containers"][0]["env"]}
+    assert env["LORAFLEET_LOG_LEVEL"] == "DEBUG"
+    assert new_pod["status"]["containerStatuses"][0]["ready"], new_pod["status"]
+    assert release.adapter_status()["phase"] == "Ready"
+    # The chart's liveness probe, run by the kubelet itself, passes (successes counted in
+    # its probe metrics) and never restarted the operator. A failure or two while it starts
+    # on a loaded machine is tolerated, as by the probe's own failureThreshold.
+    release.wait(
+        "a successful liveness probe of the operator",
+        lambda: probe_results(release.node, ns, "operator", "Liveness").get("successful", 0) >= 1,
+        90,
+    )
+    (restarted,) = pods(cluster, ns, "lorafleet-operator")
+    assert restarted["status"]["containerStatuses"][0]["restartCount"] == 0
+    release.lap("new operator pod, liveness")
+
+
+def check_helm_test(release: Release, new_agents: list[dict[str, Any]]) -> None:
+    """helm test: the chart's test pod resolves the agents by the headless Service's cluster
+    DNS name (CoreDNS on the node, from the resolv.conf the kubelet wrote) and checks each one
+    (health SERVING, Describe over mutual TLS with the token); it needs REPLICAS (2)
+    addresses. helm deletes the pod once it has succeeded."""
+    cluster, ns = release.cluster, release.ns
+    tested = cluster.helm("test", RELEASE, "--namespace", ns, "--timeout=300s", check=False, timeout_s=360)
+    assert tested.returncode == 0 and re.search(r"^Phase:\s+Succeeded$", tested.stdout, re.M), (
+        f"{tested.stdout}\n{tested.stderr}\n{release.diagnose()}"
+    )
+    release.lap("helm test")
+    # The same pod with a wrong token fails, naming each agent it resolved as refusing it.
+    cluster.kubectl("create", "secret", "generic", "wrong-token", "-n", ns, "--from-literal=token=not-the-token")
+    wrong = wrong_token_test_pod(cluster, ns, "wrong-token")
+    cluster.apply(json.dumps(wrong), ns)
+    wrong_name = wrong["metadata"]["name"]
+
+    def finished() -> str:
+        phase = cluster.kubectl_json("get", "pod", wrong_name, "-n", ns).get("status", {}).get("phase", "")
+        return str(phase) if phase in ("Succeeded", "Failed") else ""
+
+    assert release.wait("the wrong-token test pod to finish", finished, 180) == "Failed"
+    refusals = cluster.kubectl("logs", wrong_name, "-n", ns).stdout
+    for pod in new_agents:
+        assert re.search(rf"^agent {re.escape(pod['status']['podIP'])}: UNAUTHENTICATED", refusals, re.M), refusals
+    cluster.kubectl("delete", "pod", wrong_name, "-n", ns, "--wait=true")
+    cluster.kubectl("delete", "secret", "wrong-token", "-n", ns)
+    release.lap("wrong-token test pod")
+
+
+#: What ``helm uninstall`` must leave of each kind: the user's own objects only.
+UNINSTALLED_KINDS = (
+    "loraadapters",
+    "lorafleets",
+    "deployments",
+    "statefulsets",
+    "services",
+    "jobs",
+    "secrets",
+    "persistentvolumeclaims",
+    "poddisruptionbudgets",
+    "roles",
+    "rolebindings",
+)
+
+
+def check_uninstall_leaves_nothing(release: Release, claim: str) -> None:
+    """helm uninstall: the pre-delete hook Job (a real pod, in-cluster through the kubernetes
+    Service) has the operator unload everything (over TLS now); nothing of the release is
+    left, nothing is stuck. The TLS Secret is the user's, not the chart's: it stays."""
+    cluster, node, ns = release.cluster, release.node, release.ns
+    uninstall = cluster.helm("uninstall", RELEASE, "--namespace", ns, "--wait", "--timeout=240s", check=False, timeout_s=300)
+    assert uninstall.returncode == 0, f"{uninstall.stderr}\n{release.diagnose()}"
+    release.lap("helm uninstall --wait")
+    users = {"secrets": ["agent-tls"], "persistentvolumeclaims": [claim]}
+    for kind in UNINSTALLED_KINDS:
+        left = [i["metadata"]["name"] for i in cluster.kubectl_json("get", kind, "-n", ns)["items"]]
+        assert left == users.get(kind, []), f"{kind} left: {left}"
+    left_sas = {i["metadata"]["name"] for i in cluster.kubectl_json("get", "serviceaccounts", "-n", ns)["items"]}
+    assert left_sas == {"default"}
+    release.wait("every pod of the release gone", lambda: not cluster.kubectl_json("get", "pods", "-n", ns)["items"], 180)
+    # The hook ran as a real pod on the node (helm deleted its Job once it succeeded).
+    started = cluster.kubectl_json("get", "events", "-n", ns, "--field-selector=involvedObject.kind=Pod,reason=Started")
+    hook_pods = {e["involvedObject"]["name"] for e in started["items"] if e["involvedObject"]["name"].startswith(f"{FULLNAME}-uninstall-")}
+    assert len(hook_pods) == 1, started["items"]
+    release.wait("containerd to run no container", lambda: node.running_containers() == [], 60)
+    release.lap("nothing of the release left")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lorafleet_dev.synthetic import PEFT_PREFIX, write_adapter_config, write_adapter_weights
-from tests.support.models import add_expert_loras, model_config, randn
+from tests.support.models import ExpertShape, add_expert_loras, model_config, randn
 
 FUSED_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]  # dense layers and the shared experts
@@ -38,7 +38,7 @@ def make_per_expert_adapter(
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config["num_hidden_layers"]):
         if layer >= config["first_k_dense_replace"]:
-            add_expert_loras(tensors, gen, layer, experts, hidden, inter, r, std)
+            add_expert_loras(tensors, gen, layer, ExpertShape(experts, hidden, inter), r=r, std=std)
         key = f"{PEFT_PREFIX}model.layers.{layer}.self_attn.kv_b_proj"
         tensors[f"{key}.lora_A.weight"] = std * randn(gen, (r, kv_rank))
         tensors[f"{key}.lora_B.weight"] = std * randn(gen, (kv_b_out, r))

@@ -34,6 +34,7 @@ import json
 import os
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -301,11 +302,19 @@ def make_adapter(
     return out_dir
 
 
-def add_expert_loras(
-    tensors: dict[str, torch.Tensor], gen: torch.Generator, layer: int, experts: int, hidden: int, inter: int, r: int, std: float
-) -> None:
+@dataclass(frozen=True)
+class ExpertShape:
+    """A MoE layer's routed experts as an expert LoRA sees them: how many, and each one's sizes."""
+
+    experts: int
+    hidden: int
+    inter: int  # the intermediate size of one expert
+
+
+def add_expert_loras(tensors: dict[str, torch.Tensor], gen: torch.Generator, layer: int, shape: ExpertShape, *, r: int, std: float) -> None:
     """Random per-expert PEFT LoRA (gate, up and down of every expert of `layer`) into `tensors`."""
-    for expert in range(experts):
+    hidden, inter = shape.hidden, shape.inter
+    for expert in range(shape.experts):
         for name, (out, inp) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
             key = f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts.{expert}.{name}"
             tensors[f"{key}.lora_A.weight"] = std * randn(gen, (r, inp))
@@ -339,7 +348,7 @@ def make_per_expert_adapter(
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(config["num_hidden_layers"]):
         if layer not in dense:
-            add_expert_loras(tensors, gen, layer, experts, hidden, inter, r, std)
+            add_expert_loras(tensors, gen, layer, ExpertShape(experts, hidden, inter), r=r, std=std)
         for name in attention:
             assert name == "q_proj", "only q_proj is generated here"
             key = f"{PEFT_PREFIX}model.layers.{layer}.self_attn.{name}"

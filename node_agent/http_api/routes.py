@@ -1,15 +1,10 @@
-"""The HTTP server: routes, auth, and the thread its event loop runs on.
+"""The HTTP API's routes over one agent: auth, health, metrics, models and generation.
 
-aiohttp serves it on an event loop of its own thread, beside the gRPC server's thread pool, over
-the same `Agent`. Inference takes a place of the same inference budget as gRPC's Forward and
-Generate (`--max-inference-calls`), so the limit holds whichever API calls arrive on; a request
-beyond it is refused at once with 429. Nothing here waits for a control call: `/v1/models`
-reads the agent's registry (an in-process table), `/health` the engine's process states, and
-generation goes to the engine's scheduler.
-
-Disconnects: the server cancels the handler of a client that goes away (aiohttp's
-`handler_cancellation`), which closes its generations: the engine drops the sequences and frees
-their KV blocks.
+Inference takes a place of the same inference budget as gRPC's Forward and Generate
+(`--max-inference-calls`), so the limit holds whichever API calls arrive on; a request beyond it
+is refused at once with 429. Nothing here waits for a control call: `/v1/models` reads the
+agent's registry (an in-process table), `/health` the engine's process states, and generation
+goes to the engine's scheduler.
 """
 
 from __future__ import annotations
@@ -18,7 +13,6 @@ import asyncio
 import hmac
 import json
 import logging
-import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from node_agent.agent import Agent
-from node_agent.auth import TlsFiles
 from node_agent.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from node_agent.errors import AdapterNotFound, AgentError, ShuttingDown
 from node_agent.http_api.errors import ApiError, from_agent_error, from_validation_error, model_not_found
@@ -47,113 +40,29 @@ SEED_LIMIT = 2**64
 
 
 class Budget(Protocol):
-    """A class of calls with a limit (`server.CallBudget`): acquire refuses at once when full."""
+    """A class of calls with a limit (the gRPC server's `CallBudget`): acquire refuses at once when full."""
 
     def acquire(self) -> None: ...
 
     def release(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class HttpOptions:
-    """How the HTTP API listens and who may call it."""
-
-    listen: str = "127.0.0.1:0"  # HOST:PORT; port 0 picks a free one (see HttpApiServer.port)
-    auth_token: str | None = None  # the same token as gRPC: `Authorization: Bearer <token>`
-    tls: TlsFiles | None = None  # the same files as gRPC: HTTPS, client certificates with a client CA
-    stop_grace_s: float = 10.0  # how long stop() lets running requests finish
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """HOST:PORT (IPv6 hosts in brackets) as (host, port); ValueError naming the flag otherwise."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--http-listen must be HOST:PORT, got {listen!r}")
-    return host.strip("[]"), int(port)
-
-
-class HttpApiServer:
-    """The OpenAI-compatible API over one agent, served on a thread of its own."""
-
-    def __init__(self, agent: Agent, options: HttpOptions, budget: Budget | None = None, closing: threading.Event | None = None) -> None:
-        """`budget`: the inference budget shared with gRPC (None: unlimited); `closing`: set
-        when the agent stops taking inference (the gRPC servicer's flag)."""
-        self.agent = agent
-        self.options = options
-        self.host, self._requested_port = split_listen(options.listen)
-        self.port = 0
-        self._api = _Api(agent, options.auth_token, budget, closing or threading.Event())
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-
-    def start(self) -> None:
-        """Bind and serve; raises OSError when the address cannot be bound."""
-        self._thread = threading.Thread(target=self._serve, name="lorafleet-http", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._failure is not None:
-            self._thread.join()
-            raise OSError(f"cannot listen on {self.options.listen} (--http-listen): {self._failure}") from self._failure
-
-    def stop(self) -> None:
-        """Stop taking connections; running requests get `stop_grace_s`, then are cancelled."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        self._loop = self._thread = None
-
-    def __enter__(self) -> HttpApiServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _serve(self) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._open())
-        except BaseException as error:
-            self._failure = error
-            self._ready.set()
-            loop.close()
-            return
-        self._loop = loop
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            if self._runner is not None:
-                loop.run_until_complete(self._runner.cleanup())
-            loop.close()
-
-    async def _open(self) -> None:
-        # handler_cancellation: a client that disconnects cancels its handler (and generations).
-        runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self.options.stop_grace_s)
-        await runner.setup()
-        tls = self.options.tls
-        site = web.TCPSite(
-            runner, self.host, self._requested_port, reuse_port=False, ssl_context=_ssl_context(tls) if tls is not None else None
-        )
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class _Api:
+@dataclass(frozen=True)
+class Generation:
+    """One completion or chat request, ready to run: its choices' parameters and how to answer."""
+
+    kind: Kind
+    body: CompletionRequest | ChatCompletionRequest
+    params: list[GenerateParams]  # every choice's parameters, prompt by prompt
+    prompts: int  # how many prompts the choices are spread over (`n` choices each)
+    prompt_param: str  # the request parameter a refusal of the prompt names
+    logprobs: bool  # whether the answer carries logprobs
+
+
+class ApiRoutes:
     """The routes over one agent."""
 
     def __init__(self, agent: Agent, token: str | None, budget: Budget | None, closing: threading.Event) -> None:
@@ -164,7 +73,7 @@ class _Api:
         self._template: ChatTemplate | None = None
         self._template_error: str | None = None
         try:
-            self._template = load_chat_template(agent.engine.config.model_dir)
+            self._template = load_chat_template(agent.model_dir)
         except ChatTemplateError as error:  # reported to each chat request, not fatal to the agent
             self._template_error = str(error)
 
@@ -262,7 +171,8 @@ class _Api:
                 else GenerateParams(token_ids=tuple(prompt), max_new_tokens=max_new)
             )
             params += self._choices(body, base, body.logprobs)
-        return await self._generate(request, "completion", body, params, len(prompts), "prompt", body.logprobs is not None)
+        job = Generation("completion", body, params, prompts=len(prompts), prompt_param="prompt", logprobs=body.logprobs is not None)
+        return await self._generate(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = _parse(ChatCompletionRequest, await _json(request))
@@ -274,7 +184,7 @@ class _Api:
             max_new = max(1, min(self.agent.config.max_new_tokens, self.agent.config.max_request_tokens - len(token_ids)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._choices(body, GenerateParams(token_ids=tuple(token_ids), max_new_tokens=max_new), logprobs)
-        return await self._generate(request, "chat", body, params, 1, "messages", body.logprobs)
+        return await self._generate(request, Generation("chat", body, params, prompts=1, prompt_param="messages", logprobs=body.logprobs))
 
     def _check_max_tokens(self, value: int, param: str = "max_tokens") -> None:
         limit = self.agent.config.max_new_tokens
@@ -307,16 +217,9 @@ class _Api:
         common = replace(base, adapter=self.agent.model_adapter(body.model), stop=body.stop_strings(), logprobs=logprobs, **body.sampling())
         return [replace(common, seed=None if body.seed is None else (body.seed + j) % SEED_LIMIT) for j in range(body.n)]
 
-    async def _generate(
-        self,
-        request: web.Request,
-        kind: Kind,
-        body: CompletionRequest | ChatCompletionRequest,
-        params: list[GenerateParams],
-        prompts: int,
-        prompt_param: str,
-        logprobs: bool,
-    ) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, job: Generation) -> web.StreamResponse:
+        """Admit `job`, run its choices, answer in one body or as a stream."""
+        body, params, prompt_param = job.body, job.params, job.prompt_param
         self._admit()
         try:
             choices = Choices(self.agent, params)
@@ -325,7 +228,7 @@ class _Api:
                 failed = next((event.error for event in first if event.error is not None), None)
                 if failed is not None:
                     raise self._refusal(failed, body.model, prompt_param)
-                reply = Reply(kind, body.model, len(params), prompts, self._token_text, logprobs)
+                reply = Reply(job.kind, body.model, len(params), job.prompts, self._token_text, job.logprobs)
                 if body.stream:
                     return await self._stream(request, reply, choices, first, len(params), body.include_usage)
                 async for batch in _chain(first, choices):
@@ -439,16 +342,6 @@ def _parse(model: type[M], data: Any) -> M:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def _ssl_context(tls: TlsFiles) -> ssl.SSLContext:
-    """HTTPS with gRPC's certificate and key; with a client CA, client certificates are required."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert, tls.key)
-    if tls.client_ca is not None:
-        context.load_verify_locations(tls.client_ca)
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
 
 
 def _error_response(error: ApiError) -> web.Response:
