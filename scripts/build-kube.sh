@@ -191,7 +191,9 @@ for b in kube-apiserver kube-controller-manager kubectl etcd helm; do
     [ -x "$stage/$b" ] || { log "missing $b after build"; exit 1; }
 done
 "$stage/kube-apiserver" --version >&2
-"$stage/etcd" --version | head -1 >&2
+# awk reads etcd's every line: `head -1` would close the pipe early, and under pipefail the
+# SIGPIPE etcd may then get would fail a finished build.
+"$stage/etcd" --version | awk 'NR == 1' >&2
 "$stage/helm" version --short >&2
 
 # Publish atomically: the bin dir either holds all five binaries or does not exist.

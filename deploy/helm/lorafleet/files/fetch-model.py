@@ -4,7 +4,7 @@ Environment: MODEL_URL (http(s) URL of a .tar / .tar.gz / .tgz archive of the mo
 MODEL_SHA256 (the archive's sha256, required), MODEL_DIR (the emptyDir the agent mounts as
 --model), MODEL_ALLOW_HTTP ("1" accepts plaintext http), MODEL_TIMEOUT_S (overall deadline).
 
-The checks follow the agent's adapter sources (node_agent/sources.py): http(s) only, no
+The checks follow the agent's adapter sources (node_agent/sources/): http(s) only, no
 credentials, query or fragment in the URL, redirects only to such URLs, the digest computed
 while the bytes stream and compared before anything is unpacked. The archive may hold only
 regular files and directories (no links, devices, absolute paths or `..`), with config.json at
