@@ -161,7 +161,16 @@ def assert_reference(run: Run, requests: Sequence[SequenceRequest]) -> None:
 
 
 def config(**overrides: int | bool) -> SchedulerConfig:
-    values: dict[str, int | bool] = {"num_blocks": 64, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    values: dict[str, int | bool] = {
+        "num_blocks": 64,
+        "block_size": 4,
+        "dp_size": 1,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 16,
+        "max_loras_per_batch": 4,
+        "max_waiting": 1024,
+        "prefix_caching": False,
+    }
     return SchedulerConfig(**(values | overrides))
 
 

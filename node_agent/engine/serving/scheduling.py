@@ -19,17 +19,18 @@ class QueueFull(SchedulerError):
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Sizes and limits of one engine's scheduler. Token and sequence limits are per step, over
-    all DP groups together (every rank's MLP runs on every group's tokens); blocks are per group."""
+    all DP groups together (every rank's MLP runs on every group's tokens); blocks are per group.
+    The limits an engine is configured with have no default here: `EngineConfig` writes them once."""
 
     num_blocks: int  # per DP group: the minimum the ranks report
     block_size: int
-    dp_size: int = 1
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_loras_per_batch: int = 4
-    max_waiting: int = 1024
+    dp_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_loras_per_batch: int
+    max_waiting: int
+    prefix_caching: bool
     max_slot_wait_steps: int = 32
-    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "dp_size", "max_num_seqs", "max_num_batched_tokens", "max_loras_per_batch", "max_waiting"):
