@@ -10,6 +10,9 @@ bash scripts/build-kube.sh
 # The real node beside it (kubelet, kube-scheduler, kube-proxy, containerd; runc and CNI plugins
 # from Debian; CoreDNS for cluster DNS): tests/kube/test_real_node.py. Cached by version.
 bash scripts/build-node.sh
+# Stock vLLM's CPU build in an environment of its own, for tests/vllm/ (the agent over vLLM
+# servers). Cached by version: several minutes and about 6 GB cold.
+bash scripts/build-vllm.sh
 # Lint, types and import layers first: a failure there fails the suite.
 bash scripts/check.sh
 # Two worker processes, each taking whole files (a module's agents and engines stay in one
