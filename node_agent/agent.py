@@ -57,7 +57,7 @@ from node_agent.registry import AdapterEntry, Lease, Registry, public_of
 from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, clean_cache, parse_sha256, resolve_source
 from node_agent.text import eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
-from node_agent.values import Description, GeneratedToken, GenerateParams, RankStatus
+from node_agent.values import BackendIdentity, Description, GeneratedToken, GenerateParams, RankStatus
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,7 @@ class Agent:
             ranks=tuple(RankStatus(p.rank, p.attn_dp_rank, p.attn_tp_rank, alive[p.rank]) for p in backend.ranks),
             modules=backend.modules,
             has_tokenizer=self.tokenizer is not None,
+            backend=BackendIdentity(backend.kind, backend.version, backend.endpoints),
         )
 
     def list_adapters(self) -> list[RegistryEntry]:

@@ -47,6 +47,7 @@ def description(d: Description) -> pb.DescribeResponse:
             for m in d.modules
         ],
         has_tokenizer=d.has_tokenizer,
+        backend=pb.BackendInfo(kind=d.backend.kind, version=d.backend.version, endpoints=d.backend.endpoints),
     )
 
 

@@ -25,8 +25,19 @@ class RankStatus:
 
 
 @dataclass(frozen=True)
+class BackendIdentity:
+    """What holds and serves the adapters: its kind, its version and where each rank is served
+    (empty for the builtin engine's own processes)."""
+
+    kind: str
+    version: str
+    endpoints: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Description:
-    """Describe: who the agent is, its model, topology, capacity, ranks and LoRA buffer shapes."""
+    """Describe: who the agent is, its backend, model, topology, capacity, ranks and LoRA buffer
+    shapes."""
 
     agent_id: str
     base_model_name: str
@@ -38,6 +49,7 @@ class Description:
     ranks: tuple[RankStatus, ...]
     modules: tuple[ModuleShape, ...]
     has_tokenizer: bool
+    backend: BackendIdentity
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ class BackendDescription:
     capacity: Capacity
     modules: tuple[ModuleShape, ...] = ()
     capabilities: Capabilities = Capabilities()
+    endpoints: tuple[str, ...] = ()  # where each rank is served (a server's URL); () for own processes
 
 
 @dataclass(frozen=True)

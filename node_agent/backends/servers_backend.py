@@ -117,7 +117,8 @@ class ServersBackend:
         return tuple(server.url for server in self._servers)
 
     def describe(self) -> BackendDescription:
-        """Each server a DP rank of one; the capacity the servers were started with."""
+        """Each server a DP rank of one, served at its URL; the capacity the servers were started
+        with."""
         versions = sorted(set(self._each(lambda server: server.version())))
         count = len(self._servers)
         return BackendDescription(
@@ -129,6 +130,7 @@ class ServersBackend:
             ranks=self._places,
             capacity=self._config.capacity,
             capabilities=Capabilities(forward=False, generate=True, pinning=False),
+            endpoints=self.servers,
         )
 
     # -- loads and unloads ---------------------------------------------------------------------
@@ -189,7 +191,15 @@ class ServersBackend:
         return result
 
     def holding(self, name: str) -> ControlResult:
-        return already_loaded(name, [(self._places[h.rank], h.holds) for h in self.holdings()])
+        """A load of the current version again: a server that lost it (restarted) loads it from
+        its snapshot first, so the operator's drift repair restores it; then what each holds."""
+        with self._command, self._running_command("load", name):
+            with self._state:
+                current = self._versions.get(served_name(name))
+            if current is not None and current.engine_name == name:
+                taken, lost = [False] * len(self._servers), [rank for rank in range(len(self._servers)) if name not in self._holds(rank)]
+                list(self._pool.map(lambda rank: self._load_on(rank, self._servers[rank], served_name(name), current.path, taken), lost))
+            return already_loaded(name, [(self._places[h.rank], h.holds) for h in self.holdings()])
 
     def holdings(self) -> list[RankHoldings]:
         """What each server lists now, as the agent's names of the versions (a server that does

@@ -32,7 +32,16 @@ from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
-from lorafleet_operator.agent_values import AgentError, AgentInfo, ControlReply, Credentials, LoadAnswer, LoadRequest, UnloadAnswer
+from lorafleet_operator.agent_values import (
+    AgentBackend,
+    AgentError,
+    AgentInfo,
+    ControlReply,
+    Credentials,
+    LoadAnswer,
+    LoadRequest,
+    UnloadAnswer,
+)
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.identity import (
@@ -244,6 +253,7 @@ class AgentClients:
             max_lora_rank=cap.max_lora_rank,
             max_loras_per_batch=cap.max_loras_per_batch,
             max_loaded_loras=cap.max_loaded_loras,
+            backend=AgentBackend(reply.backend.kind, reply.backend.version, tuple(reply.backend.endpoints)),
         )
 
     async def load(

@@ -51,6 +51,17 @@ class SourceCredential:
 
 
 @dataclass(frozen=True)
+class AgentBackend:
+    """What serves an agent's adapters, as its Describe says: the kind ("lorafleet-engine",
+    "vllm"), its version and where each rank is served (the servers' URLs; none for the builtin
+    engine). Empty from an agent older than these fields."""
+
+    kind: str = ""
+    version: str = ""
+    endpoints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class AgentInfo:
     """Describe, reduced to what the operator uses."""
 
@@ -64,6 +75,7 @@ class AgentInfo:
     max_lora_rank: int
     max_loras_per_batch: int
     max_loaded_loras: int
+    backend: AgentBackend = AgentBackend()
 
 
 @dataclass(frozen=True)

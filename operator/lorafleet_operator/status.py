@@ -38,6 +38,9 @@ MAX_LISTED_SKIPS = 16
 MAX_SKIP_MESSAGE = 256
 #: Members listed in a LoraFleet's status (not ready ones first); the rest are counted.
 MAX_LISTED_MEMBERS = 64
+#: A member's backend kind and version, as its agent reports them (members[].backend).
+MAX_BACKEND_KIND = 63
+MAX_BACKEND_VERSION = 253
 #: The largest status the caps allow stays under this (the whole object: at most 256 KiB).
 STATUS_BUDGET = 160 * 1024
 #: Listing order of agents[]: failing first, so a capped list never hides a failure.
@@ -325,6 +328,8 @@ def member(
         }
         if isinstance(registry, Mapping):
             entry["capacity"]["loadedLoras"] = sum(1 for n in registry if n in own)
+        if info.backend.kind:  # an agent older than Describe's backend says none
+            entry["backend"] = {"kind": info.backend.kind[:MAX_BACKEND_KIND], "version": info.backend.version[:MAX_BACKEND_VERSION]}
         entry["message"] = ""
     elif isinstance(info, AgentError):
         entry["message"] = info.message[:MAX_AGENT_MESSAGE]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import socket
@@ -43,6 +44,9 @@ def test_describe_reports_identity_model_topology_capacity_ranks_and_buffer_shap
     assert (reply.capacity.max_lora_rank, reply.capacity.max_loras_per_batch, reply.capacity.max_loaded_loras) == (16, SLOTS, 16)
     assert [(r.rank, r.attn_dp_rank, r.attn_tp_rank, r.alive) for r in reply.ranks] == [(0, 0, 0, True), (1, 1, 0, True)]
     assert reply.has_tokenizer
+    backend = reply.backend
+    assert (backend.kind, backend.version) == ("lorafleet-engine", importlib.metadata.version("lorafleet"))
+    assert list(backend.endpoints) == [], "the builtin engine's ranks are the agent's own processes"
     shapes = {(m.module, m.rank): [(list(s.lora_a_shape), list(s.lora_b_shape)) for s in m.slices] for m in reply.modules}
     assert len(shapes) == SHAPE.num_layers * 4 * 2, "one entry per (module, rank)"
     # dp=2: attention is TP over one rank per group (whole q/k/v/o); the MLP is TP over both ranks.

@@ -323,6 +323,7 @@ def test_fleet_defaults_and_status(kube_cluster: ControlPlane, kube_namespace: s
                 "baseModel": "tiny-llama",
                 "topology": {"tpSize": 2, "dpSize": 2, "attnTpSize": 1, "epSize": 1, "moeTpSize": 2},
                 "capacity": {"maxLoadedLoras": 8, "maxLorasPerBatch": 4, "maxLoraRank": 16, "loadedLoras": 0},
+                "backend": {"kind": "lorafleet-engine", "version": "0.1.0"},
             }
         ],
         "conditions": [
@@ -340,6 +341,8 @@ def test_fleet_defaults_and_status(kube_cluster: ControlPlane, kube_namespace: s
     )
     row = kube_cluster.kubectl("get", "lorafleets", "-n", kube_namespace, "--no-headers").stdout.split()
     assert row[:3] == ["f", "1", "1"]
+    kept = kube_cluster.kubectl_json("get", "lorafleet", "f", "-n", kube_namespace)["status"]["members"][0]
+    assert kept["backend"] == {"kind": "lorafleet-engine", "version": "0.1.0"}, "the schema keeps it (not pruned)"
     twice = {**status, "members": status["members"] * 2}
     with pytest.raises(KubectlError) as err:
         kube_cluster.kubectl(

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import http.server
+import importlib.metadata
 import json
 import os
 import re
@@ -47,7 +48,7 @@ from prometheus_client import REGISTRY
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import write_model
 from lorafleet_operator.agent_client import AgentClients
-from lorafleet_operator.agent_values import AgentError, Credentials
+from lorafleet_operator.agent_values import AgentBackend, AgentError, Credentials
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.loads import load_each
@@ -623,6 +624,19 @@ def agent_calls_sent(method: str, code: str | None = None) -> float:
         and sample.labels.get("method") == method
         and code in (None, sample.labels.get("code"))
     )
+
+
+def test_describe_says_what_serves_the_agent(fault_env: FaultEnv) -> None:
+    """The operator reads Describe's backend: the builtin engine, its version, no servers."""
+
+    async def describe() -> AgentBackend:
+        clients = AgentClients(Settings())
+        try:
+            return (await clients.describe(fault_env.agents[0].endpoint, Credentials())).backend
+        finally:
+            await clients.close()
+
+    assert asyncio.run(describe()) == AgentBackend("lorafleet-engine", importlib.metadata.version("lorafleet"), ())
 
 
 def queued_body(name: str, path: Path) -> AdapterObject:

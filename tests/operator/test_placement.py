@@ -26,7 +26,7 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.node import machine_ip
 from lorafleet_operator.agent_client import AgentClients
-from lorafleet_operator.agent_values import AgentInfo, Credentials
+from lorafleet_operator.agent_values import AgentBackend, AgentInfo, Credentials
 from lorafleet_operator.conditions import MAX_MESSAGE
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import handled, unwanted
@@ -40,6 +40,8 @@ from lorafleet_operator.routing import ADAPTER_LABEL
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import (
     MAX_AGENT_MESSAGE,
+    MAX_BACKEND_KIND,
+    MAX_BACKEND_VERSION,
     MAX_LISTED_AGENTS,
     MAX_LISTED_MEMBERS,
     MAX_LISTED_PLACED,
@@ -51,6 +53,7 @@ from lorafleet_operator.status import (
     ServedVersion,
     build_status,
     fleet_status,
+    member,
 )
 from lorafleet_operator.view import FleetView, Registry
 from tests.kube.harness import CHECKOUT, ControlPlane
@@ -260,6 +263,8 @@ def test_the_crds_caps_are_the_operators() -> None:
     fleet = _schema("lorafleet.dev_lorafleets.yaml")["status"]["properties"]
     assert fleet["members"]["maxItems"] == MAX_LISTED_MEMBERS
     assert fleet["members"]["items"]["properties"]["message"]["maxLength"] == MAX_AGENT_MESSAGE
+    backend = fleet["members"]["items"]["properties"]["backend"]["properties"]
+    assert (backend["kind"]["maxLength"], backend["version"]["maxLength"]) == (MAX_BACKEND_KIND, MAX_BACKEND_VERSION)
     assert fleet["conditions"]["items"]["properties"]["message"]["maxLength"] == MAX_MESSAGE
 
 
@@ -296,6 +301,15 @@ def test_a_big_fleets_status_lists_its_members_capped_not_ready_first() -> None:
     assert got["membersNotListed"] == 200 - MAX_LISTED_MEMBERS
     assert sum(not m["ready"] for m in got["members"]) == 20  # every failing one is listed
     assert [m["pod"] for m in got["members"]] == sorted(m["pod"] for m in got["members"])
+
+
+def test_a_member_says_what_serves_its_agent() -> None:
+    """members[].backend: the kind and version the agent's Describe says, cut to the CRD's caps;
+    none for an agent older than that field."""
+    pod = AgentPod("p", "ns", "u", {}, True, "10.0.0.1:1", 0)
+    vllm = AgentInfo("m", 2, 2, 1, 1, 1, 16, 4, 32, AgentBackend("vllm", "v" * 300, ("http://127.0.0.1:8000", "http://127.0.0.1:8001")))
+    assert member(pod, vllm, None)["backend"] == {"kind": "vllm", "version": "v" * MAX_BACKEND_VERSION}
+    assert "backend" not in member(pod, AgentInfo("m", 2, 2, 1, 1, 2, 16, 4, 32), None)
 
 
 def test_the_drift_check_unloads_an_adapter_only_where_placement_dropped_it() -> None:

@@ -35,7 +35,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("agent_id", "base_model", "topology", "capacity", "ranks", "modules", "has_tokenizer")
+    __slots__ = ("agent_id", "base_model", "topology", "capacity", "ranks", "modules", "has_tokenizer", "backend")
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class DescribeResponse(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     agent_id: str
     base_model: BaseModel
     topology: Topology
@@ -50,7 +51,18 @@ class DescribeResponse(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     modules: _containers.RepeatedCompositeFieldContainer[ModuleShapes]
     has_tokenizer: bool
-    def __init__(self, agent_id: _Optional[str] = ..., base_model: _Optional[_Union[BaseModel, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleShapes, _Mapping]]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
+    backend: BackendInfo
+    def __init__(self, agent_id: _Optional[str] = ..., base_model: _Optional[_Union[BaseModel, _Mapping]] = ..., topology: _Optional[_Union[Topology, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., modules: _Optional[_Iterable[_Union[ModuleShapes, _Mapping]]] = ..., has_tokenizer: _Optional[bool] = ..., backend: _Optional[_Union[BackendInfo, _Mapping]] = ...) -> None: ...
+
+class BackendInfo(_message.Message):
+    __slots__ = ("kind", "version", "endpoints")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    version: str
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BaseModel(_message.Message):
     __slots__ = ("name", "config_sha256")
