@@ -60,6 +60,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.image.agent.repository $tag -}}
 {{- end -}}
 
+{{/* The stock vLLM OpenAI server image of agent.backend=vllm. */}}
+{{- define "lorafleet.vllmImage" -}}
+{{- printf "%s:%s" .Values.agent.vllm.image .Values.agent.vllm.tag -}}
+{{- end -}}
+
+{{/* The name of vLLM server N's container port (the operator's EndpointSlices and the
+     Services find the first one by its name, vllm-http). Called with the server's index. */}}
+{{- define "lorafleet.vllmPortName" -}}
+{{- if eq (int .) 0 }}vllm-http{{ else }}{{ printf "vllm-http-%d" (int .) }}{{ end -}}
+{{- end -}}
+
 {{/* The bearer-token Secret: the user's, or the one the chart creates. */}}
 {{- define "lorafleet.authSecretName" -}}
 {{- .Values.auth.existingSecret | default (printf "%s-agent-token" (include "lorafleet.fullname" .)) -}}
@@ -72,11 +83,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- add (int .Values.agent.startupTimeoutSeconds) 60 -}}
 {{- end -}}
 
+{{/* The user and group every container the chart runs has (the images' user). */}}
+{{- define "lorafleet.runAsIds" -}}
+runAsUser: 65532
+runAsGroup: 65532
+{{- end -}}
+
 {{/* Pod and container security contexts of every pod the chart runs (the images' user). */}}
 {{- define "lorafleet.podSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: 65532
-runAsGroup: 65532
+{{ include "lorafleet.runAsIds" . }}
 fsGroup: 65532
 seccompProfile:
   type: RuntimeDefault

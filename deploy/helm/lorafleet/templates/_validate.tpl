@@ -9,6 +9,9 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- $tp := int $a.tpSize -}}
 {{- $dp := int $a.dpSize -}}
 {{- $ep := int $a.epSize -}}
+{{- if eq $a.backend "vllm" -}}
+{{- include "lorafleet.validateVllm" . -}}
+{{- else -}}
 {{- if ne (mod $tp $dp) 0 -}}
 {{- fail (printf "agent.tpSize (%d) must be divisible by agent.dpSize (%d)" $tp $dp) -}}
 {{- end -}}
@@ -20,6 +23,7 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- end -}}
 {{- if and (eq $a.device "cpu") (ne (int $a.gpus) 0) -}}
 {{- fail (printf "agent.gpus (%d) must be 0 with agent.device=cpu: the ranks would not use them" (int $a.gpus)) -}}
+{{- end -}}
 {{- end -}}
 {{- if eq (int $a.grpcPort) (int $a.metricsPort) -}}
 {{- fail (printf "agent.grpcPort and agent.metricsPort must differ (both %d)" (int $a.grpcPort)) -}}
@@ -72,5 +76,43 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- end -}}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) -}}
 {{- fail "tls.enabled=true needs tls.secretName: a Secret with tls.crt, tls.key and ca.crt (docs/deploy.md, TLS)" -}}
+{{- end -}}
+{{- end -}}
+
+
+{{/* The rules of agent.backend=vllm: the servers' image, count and ports, and what vLLM's HTTP
+     API cannot do (the agents refuse pinned loads). */}}
+{{- define "lorafleet.validateVllm" -}}
+{{- $a := .Values.agent -}}
+{{- $v := $a.vllm -}}
+{{- if not (and $v.image $v.tag) -}}
+{{- fail "agent.backend=vllm needs agent.vllm.image and agent.vllm.tag: the vLLM OpenAI server image and its version (e.g. vllm/vllm-openai and v0.32.0)" -}}
+{{- end -}}
+{{- $servers := int $v.servers -}}
+{{- if lt $servers 1 -}}
+{{- fail (printf "agent.vllm.servers (%d) must be at least 1 with agent.backend=vllm: each server is one rank of the agent" $servers) -}}
+{{- end -}}
+{{- if .Values.fleet.allowPinning -}}
+{{- fail "fleet.allowPinning=true cannot be expressed with agent.backend=vllm: vLLM's HTTP API cannot keep an adapter in a device slot, and the agents refuse pinned loads; set fleet.allowPinning=false" -}}
+{{- end -}}
+{{- if lt (int $a.maxLoadedLoras) (int $a.maxLorasPerBatch) -}}
+{{- fail (printf "agent.maxLoadedLoras (%d) must be at least agent.maxLorasPerBatch (%d) with agent.backend=vllm: they are the servers' --max-cpu-loras and --max-loras" (int $a.maxLoadedLoras) (int $a.maxLorasPerBatch)) -}}
+{{- end -}}
+{{- $first := int $v.port -}}
+{{- $last := add $first $servers -1 -}}
+{{- if gt $last 65535 -}}
+{{- fail (printf "agent.vllm.port (%d) + agent.vllm.servers (%d) - 1 is over 65535: server i listens on agent.vllm.port + i" $first $servers) -}}
+{{- end -}}
+{{- $agentPorts := list (int $a.grpcPort) (int $a.metricsPort) (int $a.healthPort) -}}
+{{- if $a.http.enabled }}{{ $agentPorts = append $agentPorts (int $a.http.port) }}{{ end -}}
+{{- range $agentPorts -}}
+{{- if and (ge . $first) (le . $last) -}}
+{{- fail (printf "the vLLM servers' ports (agent.vllm.port %d to %d, one per server) must not include the agent's port %d (agent.grpcPort, metricsPort, healthPort or http.port)" $first $last .) -}}
+{{- end -}}
+{{- end -}}
+{{- range $v.extraArgs -}}
+{{- if regexMatch "^--(host|port|served[-_]model[-_]name|enable[-_]lora|max[-_]loras|max[-_]lora[-_]rank|max[-_]cpu[-_]loras|tensor[-_]parallel[-_]size)(=|$)" (toString .) -}}
+{{- fail (printf "agent.vllm.extraArgs has %s, which the chart sets itself: use agent.vllm.port, agent.baseModel, agent.maxLoraRank, agent.maxLorasPerBatch, agent.maxLoadedLoras or agent.vllm.gpus (the agent's flags come from the same values)" .) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
