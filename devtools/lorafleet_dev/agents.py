@@ -1,9 +1,11 @@
 """Node agents as local processes (``lorafleet-agent serve``) for the demo, tests and benchmarks.
 
-Each agent is one engine (``--tp`` rank processes) serving gRPC on 127.0.0.1. It runs in its own
-process group, so a "crash" (:meth:`AgentProcess.kill`) takes its rank processes with it, and
-gets SIGTERM when its parent dies, so nothing outlives the process that started it. Readiness is the
-standard gRPC health check, the same the chart's probes use.
+Each agent is one engine (``--tp`` rank processes), or drives stock vLLM servers
+(``--backend vllm``, :class:`VllmBackend`; the servers: :mod:`lorafleet_dev.vllm_servers`),
+serving gRPC on 127.0.0.1. It runs in its own process group, so a "crash"
+(:meth:`AgentProcess.kill`) takes its rank processes with it, and gets SIGTERM when its parent
+dies, so nothing outlives the process that started it. Readiness is the standard gRPC health
+check, the same the chart's probes use.
 """
 
 from __future__ import annotations
@@ -27,8 +29,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class VllmBackend:
+    """``--backend vllm``: the stock vLLM servers an agent drives (one rank each, in order) and
+    the directory they read the agent's adapter snapshots from (docs/vllm.md)."""
+
+    endpoints: tuple[str, ...]
+    cache_dir: Path
+    #: The servers' ``--max-loras``.
+    max_loras_per_batch: int = 2
+
+    def argv(self) -> list[str]:
+        """The ``serve`` flags that select this backend."""
+        argv = ["--backend", "vllm", "--cache-dir", str(self.cache_dir), "--max-loras-per-batch", str(self.max_loras_per_batch)]
+        for endpoint in self.endpoints:
+            argv += ["--vllm-endpoint", endpoint]
+        return argv
+
+
+@dataclass(frozen=True)
 class AgentSpec:
-    """How to start one agent."""
+    """How to start one agent: its own engine (``tp`` x ``dp`` ranks), or with ``vllm`` the
+    stock vLLM servers it names (one rank each)."""
 
     model_dir: Path
     adapter_roots: tuple[Path, ...]
@@ -41,6 +62,7 @@ class AgentSpec:
     #: The address to listen on: loopback, or the machine's own address for an operator running
     #: in a real node's pod (lorafleet_dev.node), which cannot reach this machine's loopback.
     host: str = "127.0.0.1"
+    vllm: VllmBackend | None = None
 
     def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
         """The ``lorafleet-agent serve`` command line for an agent on ``host:port``."""
@@ -51,10 +73,7 @@ class AgentSpec:
             "serve",
             "--model",
             str(self.model_dir),
-            "--tp",
-            str(self.tp),
-            "--dp",
-            str(self.dp),
+            *(self.vllm.argv() if self.vllm else ["--tp", str(self.tp), "--dp", str(self.dp)]),
             "--listen",
             f"{self.host}:{port}",
             "--base-model-name",

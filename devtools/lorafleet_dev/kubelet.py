@@ -18,6 +18,8 @@ from typing import Any
 #: The node name written into agent Pods. No Node object exists and no node controller runs,
 #: so nothing marks these pods NotReady or garbage-collects them as orphans.
 LOCAL_NODE = "lorafleet-local"
+#: The name of the vLLM container's port in a vLLM-backed agent pod, as the chart names it.
+VLLM_PORT_NAME = "vllm-http"
 
 
 def _now() -> str:
@@ -41,13 +43,32 @@ class StandInKubelet(ABC):
         ready: bool = True,
         ip: str = "127.0.0.1",
         port_name: str = "grpc",
+        vllm_port: int | None = None,
     ) -> dict[str, Any]:
         """Create a Pod describing a node agent listening on ``ip:port`` and mark it Running.
 
+        ``vllm_port``: the agent drives stock vLLM (``--backend vllm``); the pod gets, as the
+        chart's do, a ``vllm`` container whose port :data:`VLLM_PORT_NAME` is that server's.
         The pod is bound to LOCAL_NODE (no scheduler) and has terminationGracePeriodSeconds 0,
         so deleting it removes it at once (no kubelet would ever confirm a graceful deletion).
         Returns the Pod as the API server stores it after the status write.
         """
+        containers: list[dict[str, Any]] = [
+            {
+                "name": "agent",
+                "image": "lorafleet-agent:local",
+                "command": ["lorafleet-agent", "serve"],
+                "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
+            }
+        ]
+        if vllm_port is not None:
+            containers.append(
+                {
+                    "name": "vllm",
+                    "image": "vllm-openai:local",
+                    "ports": [{"name": VLLM_PORT_NAME, "containerPort": vllm_port, "protocol": "TCP"}],
+                }
+            )
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -60,14 +81,7 @@ class StandInKubelet(ABC):
                 "nodeName": LOCAL_NODE,
                 "terminationGracePeriodSeconds": 0,
                 "automountServiceAccountToken": False,
-                "containers": [
-                    {
-                        "name": "agent",
-                        "image": "lorafleet-agent:local",
-                        "command": ["lorafleet-agent", "serve"],
-                        "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
-                    }
-                ],
+                "containers": containers,
             },
         }
         self.kubectl("create", "-f", "-", input=json.dumps(pod))

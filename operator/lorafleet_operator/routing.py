@@ -1,5 +1,6 @@
 """Routing for gateways: per LoraAdapter, EndpointSlices listing exactly the agent pods whose
-every rank holds it (docs/operator.md, "Routing").
+every rank holds it (docs/operator.md, "Routing"), with their gRPC port, the agent's HTTP port
+and, for a vLLM-backed agent, vLLM's own port.
 
 Each slice carries ``kubernetes.io/service-name`` (the fleet's ``spec.routing.serviceName``,
 by default the chart's selector-less adapter Service) and ``lorafleet.dev/adapter``, and is owned by
@@ -47,6 +48,9 @@ ADAPTER_ANNOTATION = "lorafleet.dev/adapter-name"
 #: (tests/operator/test_routing.py compares them).
 DEFAULT_SERVICE = "lorafleet-adapters"
 DEFAULT_HTTP_PORT_NAME = "http"
+#: The port of the vLLM container in a vLLM-backed agent pod (the chart's name; docs/vllm.md):
+#: gateways and OpenAI clients talk to vLLM's own port, so a slice lists it under this name.
+VLLM_HTTP_PORT_NAME = "vllm-http"
 #: Endpoints per slice (the EndpointSlice controller's default).
 MAX_ENDPOINTS = 100
 
@@ -58,7 +62,8 @@ class RoutedPod:
     pod: str
     uid: str
     ip: str
-    #: (slice port name, port): "grpc", and "http" when the pod has the HTTP API port.
+    #: (slice port name, port): "grpc", "http" when the pod has the agent's HTTP API port, and
+    #: "vllm-http" when it has a vLLM server's.
     ports: tuple[tuple[str, int], ...]
 
 
@@ -94,6 +99,8 @@ def routed_pods(fleet_spec: FleetSpec, agents: Sequence[AgentPod], results: Sequ
         routed = [("grpc", ports[grpc_name])]
         if http_name in ports:
             routed.append(("http", ports[http_name]))
+        if VLLM_HTTP_PORT_NAME in ports:
+            routed.append((VLLM_HTTP_PORT_NAME, ports[VLLM_HTTP_PORT_NAME]))
         chosen.append(RoutedPod(agent.name, agent.uid, agent.ip, tuple(routed)))
     return sorted(chosen, key=lambda p: p.pod)
 

@@ -1,4 +1,4 @@
-"""Source credentials and the agent identity check (issues 13 and 15), on the real control plane
+"""Source credentials and the agent identity check, on the real control plane
 with a real agent, the real operator, and real HTTP servers on loopback.
 
 * hf:// sources from a local server speaking the Hub's resolve protocol

@@ -89,8 +89,8 @@ HANDLER_FIELDS = {("spec",)}
 @pytest.mark.parametrize("extra_fields", [None, HANDLER_FIELDS], ids=["none", "the-handlers-fields"])
 def test_the_status_is_never_copied(extra_fields: Any) -> None:
     """Fails with kopf's own storage (the operator's before): it deep-copies the whole body;
-    with the handlers' fields, fails with the operator before 2026-12-05 (any extra field took
-    kopf's path, and kopf passes ``spec`` at every event)."""
+    with the handlers' fields, fails with a storage that hands any extra field to kopf's path
+    (kopf passes ``spec`` at every event)."""
     raw = adapter()
     raw["status"]["agents"].append(Copies())
     Copies.count = 0

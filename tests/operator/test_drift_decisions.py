@@ -231,7 +231,7 @@ def test_the_check_leaves_an_adapter_to_its_handlers_while_they_have_it_in_hand(
     """A check converges an adapter only when no handler is reconciling it, its create handler
     has run (it has conditions), and no handler finished it after the check's registries were
     listed: such a listing misses that handler's loads, and converging from it loaded them
-    all again (1,000 x 64 benchmark, 2026-12-03: a third of the loads sent twice)."""
+    all again (at fleet scale, a third of the loads were sent twice)."""
     settings = Settings()
     rt = Runtime(settings, None, AgentClients(settings))
     seen = {**adapter("one"), "status": {"conditions": [{"type": "Ready", "status": "True"}]}}

@@ -262,7 +262,7 @@ def test_a_deletion_unloads_from_an_agent_whose_pod_went_away(
     running (as when a namespace being deleted loses its pods before its adapters, the agents
     serving other namespaces too). Deleting the adapter unloads it from that agent as well.
     Before, the deletion asked only the fleet's agents as they were then, and the departed
-    one kept the adapter (CI failure of test_namespaces, 2026-12-02)."""
+    one kept the adapter."""
     ns = kube_namespace
     apply(kube_cluster, ns, adapter_manifest("kept", make_adapter(adapters, "kept")))
     wait_phase(kube_cluster, ns, "kept", "Ready", operator)

@@ -1,4 +1,4 @@
-"""Liveness (issue 15): the leader's ``/healthz`` is kopf's own liveness endpoint, and its probe
+"""Liveness: the leader's ``/healthz`` is kopf's own liveness endpoint, and its probe
 fails while a fleet's drift loop is wedged, so the kubelet would restart the process; it answers
 again once the loop finishes rounds.
 

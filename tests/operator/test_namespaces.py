@@ -1,4 +1,4 @@
-"""Watched namespaces that go away (issue 15): deleting one completes — the operator, under the
+"""Watched namespaces that go away: deleting one completes — the operator, under the
 chart's own RBAC, releases its finalizers while the namespace terminates and the agents no
 longer hold its adapters — and the operator keeps serving the other namespaces, also after a
 restart that still names the deleted one.

@@ -531,7 +531,7 @@ def test_replicas_changed_on_a_ready_adapter_are_honoured(
     small_agents: tuple[list[AgentProcess], Path],
     operator: OperatorProcess,
 ) -> None:
-    """spec.replicas of a Ready adapter goes 2 -> 1 -> 2 (issue 13): each time the placement,
+    """spec.replicas of a Ready adapter goes 2 -> 1 -> 2: each time the placement,
     the agents' registries (unloaded from the dropped agent, loaded again on it) and the
     adapter's EndpointSlices follow, and the adapter stays Ready throughout what it says."""
     (a0, a1), root = small_agents
@@ -577,8 +577,8 @@ def test_a_refused_place_goes_to_another_agent_in_the_same_reconcile(
     """Rank 16, not stated in the spec, one replica: placement picks agent-1 (the least
     loaded), which refuses it (max_lora_rank 8); the handler gives the place to agent-0 in the
     same reconcile, so the adapter goes Ready without ever being Failed (no Failed Event).
-    Fails with the operator before 2026-12-05, which moved the place at the next drift check
-    after writing Failed."""
+    Fails with an operator that moves the place only at the next drift check, after writing
+    Failed."""
     (a0, a1), root = small_agents
     ns = kube_namespace
     for a in (a0, a1):

@@ -1,4 +1,4 @@
-"""Retries and status truth (issue 15): a failing source is asked less and less often (by the
+"""Retries and status truth: a failing source is asked less and less often (by the
 handlers and the drift check alike) and the status says when the next try is; a replace that
 fails leaves the status saying what the agents still serve.
 

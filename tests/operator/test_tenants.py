@@ -1,4 +1,4 @@
-"""Tenants on the operator (issue 15): the operator is no confused deputy for Secrets, a bad
+"""Tenants on the operator: the operator is no confused deputy for Secrets, a bad
 token is refused once and clearly, a fleet's status shows only its own load on shared agents,
 and deleting a LoraFleet unloads its adapters.
 
@@ -204,7 +204,7 @@ def test_secrets_must_be_opened_and_refusals_reveal_nothing(
     assert phase(kube_cluster, ns, "a-f-unopened") == "Pending"
 
     # The Secret's owner opens it to this one fleet: now (and only now) the operator would send
-    # the token, but first asks the pod to prove it is an agent holding it (issue 15, the
+    # the token, but first asks the pod to prove it is an agent holding it (the
     # identity check): the database cannot, and still receives nothing.
     kube_cluster.kubectl("label", "secret", "db-password", "-n", ns, "lorafleet.dev/allow-fleet=f-unopened")
     wait_for(lambda: workload.calls, 60, "the opened fleet's pod asked to prove it is an agent", operator)

@@ -74,6 +74,9 @@ def test_describe_says_the_servers_capacity(fleet: Fleet) -> None:
     assert fleet.agent.backend.kind == "vllm"
     assert fleet.agent.backend.version == "vllm 0.32.0"
     assert not fleet.agent.backend.capabilities.pinning
+    backend = description.backend
+    assert (backend.kind, backend.version) == ("vllm", "vllm 0.32.0")
+    assert list(backend.endpoints) == [server.url for server in fleet.servers]
 
 
 def test_load_lists_on_both_and_generates_like_peft(fleet: Fleet) -> None:
@@ -156,7 +159,7 @@ def test_a_hostile_adapter_never_reaches_vllm(fleet: Fleet, make, request: pytes
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     for server in fleet.servers:
         assert name not in served(server.url)
-        assert name not in server.log.read_text(errors="replace")  # vLLM was never asked
+        assert name not in server.log_path.read_text(errors="replace")  # vLLM was never asked
 
 
 def test_pinning_and_forward_are_refused_as_unsupported(fleet: Fleet) -> None:
