@@ -160,6 +160,9 @@ def test_two_vllm_servers_are_two_ranks_and_two_named_ports(kube_cluster: Contro
     vllm_ports.append({"name": "vllm-http-1", "port": 8201, "targetPort": "vllm-http-1", "protocol": "TCP"})
     for service in ("lf-lorafleet-agent", "lf-lorafleet-agent-api"):
         assert docs[("Service", service)]["spec"]["ports"][-2:] == vllm_ports
+    # The adapters' Service names the one vLLM port the operator's EndpointSlices list.
+    adapter_ports = docs[("Service", "lf-lorafleet-adapters")]["spec"]["ports"]
+    assert [(p["name"], p["port"]) for p in adapter_ports] == [("grpc", 50051), ("http", 8000), ("vllm-http", 8200)]
     # Prometheus scrapes vLLM's own /metrics on each server's port, beside the agent's.
     scraped = [(e["port"], e["path"]) for e in docs[("ServiceMonitor", "lf-lorafleet-agent")]["spec"]["endpoints"]]
     assert scraped == [("metrics", "/metrics"), ("vllm-http", "/metrics"), ("vllm-http-1", "/metrics")]

@@ -233,7 +233,7 @@ BAD_ADAPTERS: dict[str, tuple[Callable[[Path, Path], Path], str]] = {
 }
 
 
-# --- issue 11: malformed adapter_config.json, duplicate modules, non-float dtypes ---------------
+# --- malformed adapter_config.json, duplicate modules, non-float dtypes ---------------
 # A separate table from BAD_ADAPTERS (whose self-checks, tests/support/test_bad_adapters.py, are
 # per case): each entry is the factory and the phrases (lower case) the refusal must contain.
 
