@@ -11,6 +11,7 @@ import ctypes
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -83,7 +84,9 @@ def popen_dying_with_parent(
     while the parent runs threads (gRPC's, for one). The signal fires when the *thread* that
     started the child ends: start servers from the main thread (as pytest fixtures and the demo
     do). ``new_session`` puts the child in a process group of its own, so one signal reaches its
-    children too. ``env``: its whole environment (ours when None).
+    children too, and the whole group is killed when we die (the child's own children, a
+    server's workers, get no death signal of their own). ``env``: its whole environment (ours
+    when None).
     """
     launcher = [sys.executable, "-m", __name__, str(os.getpid())]
     with log_path.open("ab") as out:
@@ -105,7 +108,21 @@ def _exec_dying_with(parent_pid: int, argv: list[str]) -> NoReturn:
     # The parent may have died before prctl: then nobody would ever send the signal.
     if os.getppid() != parent_pid:
         sys.exit(f"parent {parent_pid} exited before {argv[0]} started")
+    if os.getpgrp() == os.getpid():
+        _kill_group_with(parent_pid)
     os.execvp(argv[0], argv)
+
+
+def _kill_group_with(parent_pid: int) -> None:
+    """Fork a watcher that SIGKILLs this process group (itself included) once ``parent_pid``
+    exits: what the child starts in its group (vLLM's engine core, an engine's ranks) would
+    otherwise outlive us. It blocks on a pidfd, so it costs nothing while it waits."""
+    watched = os.pidfd_open(parent_pid)
+    if os.fork() == 0:
+        select.select([watched], [], [])
+        os.killpg(0, signal.SIGKILL)
+        os._exit(0)
+    os.close(watched)
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
