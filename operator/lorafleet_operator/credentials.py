@@ -5,8 +5,11 @@
 ``token``); ``Basic`` reads the Secret's ``username`` and ``password`` keys (those of the
 ``kubernetes.io/basic-auth`` Secret type). The Secret is read only when it is opened to the
 adapter's fleet, through the one rule for Secrets (``fleet_secrets.opened_secret``), which refuses
-anything else with a message that says nothing about the Secret. Two more rules, here:
+anything else with a message that says nothing about the Secret. Three more rules, here:
 
+* the name must be a Kubernetes object name (a DNS-1123 subdomain, as the CRD requires): an
+  object stored before the CRD said so, with a name like ``creds-b%2Fbob-src-token``, is
+  refused without asking the API server;
 * never the fleet's own agent Secrets (its token or TLS Secret): a tenant who may create
   LoraAdapters could otherwise have the fleet's token sent to a source host;
 * only to fleets whose agents can prove who they are (``spec.auth``: the identity proof, or
@@ -18,6 +21,7 @@ message, status or log line shows it (the dataclass's repr hides it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from lorafleet_operator.agent_values import SourceCredential
@@ -28,6 +32,10 @@ from lorafleet_operator.resources import FleetSpec, Source
 BEARER, BASIC = "Bearer", "Basic"
 DEFAULT_TOKEN_KEY = "token"
 BASIC_KEYS = ("username", "password")
+
+#: A Secret's name: a DNS-1123 subdomain of at most 253 characters (the CRD's pattern).
+SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+SECRET_NAME_MAX = 253
 
 #: Reads an opened Secret's data by name, requiring the keys (``fleet_secrets.opened_secret``).
 SecretReader = Callable[[str, Sequence[str]], Awaitable[Mapping[str, bytes]]]
@@ -53,6 +61,12 @@ async def source_credential(source: Source, fleet_name: str, fleet: FleetSpec, r
     ref = source.credentials
     if ref is None:
         return None
+    if len(ref.secret) > SECRET_NAME_MAX or not SECRET_NAME.fullmatch(ref.secret):
+        raise FleetProblem(
+            Reason.SOURCE_CREDENTIAL_REFUSED,
+            f"Secret name {ref.secret!r} is not a Kubernetes object name (a DNS-1123 subdomain: "
+            f"at most {SECRET_NAME_MAX} lowercase letters, digits, '-' and '.'); not loaded",
+        )
     if ref.secret in fleet.agent_secrets:
         raise FleetProblem(
             Reason.SOURCE_CREDENTIAL_REFUSED,

@@ -7,7 +7,9 @@ changes). One check:
 2. lists every agent's registry (ListAdapters), **then** lists the LoraAdapters. In this order
    an adapter loaded by a handler meanwhile is either absent from the registry snapshot (and
    loaded again: idempotent) or already has its resource in the list; never unloaded by mistake;
-3. places this fleet's adapters, oldest first (:mod:`placement`), and unloads managed
+3. places this fleet's adapters, oldest first (:mod:`placement`), but not those it does not
+   admit nor those whose source credential is refused while no agent serves them (Pending
+   with the reason, one adapter's alone: they take no room), and unloads managed
    adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource wants there: of
    this fleet, where placement did not put them; of any other fleet selecting that pod, with
    its base model;
@@ -47,7 +49,7 @@ from lorafleet_operator.failures import (
 )
 from lorafleet_operator.fanout import list_registries
 from lorafleet_operator.fleet import AgentPod, selector_matches
-from lorafleet_operator.loads import adapter_credential, backing_off, condemned, credential_refusal, load_each
+from lorafleet_operator.loads import adapter_credential, backing_off, condemned, credential_refusal, credential_refusals, load_each
 from lorafleet_operator.looks import fleet_view
 from lorafleet_operator.placement import Placement
 from lorafleet_operator.placing import place_fleet, placed_targets
@@ -209,15 +211,19 @@ def handled(rt: Runtime, adapter: AdapterObject, listed_at: float) -> bool:
     return rt.locks.adapter(*key).locked() or never_reconciled(adapter.status) or rt.books.reconciled.get(key, -math.inf) >= listed_at
 
 
+#: Where each adapter of the fleet goes this round: its placement, or why it goes nowhere (the
+#: fleet does not admit it, or its source credential is refused).
+Decisions = Mapping[str, Placement | FleetProblem]
+
+
 async def _converged_status(
-    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapter: AdapterObject, placements: Mapping[str, Placement]
+    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapter: AdapterObject, decisions: Decisions
 ) -> tuple[dict[str, Any], list[AgentResult]]:
     """The adapter's status after repairing it where it is placed, and the agents' results."""
-    refused = admission(view.name, view.spec, adapter.spec)
-    if refused is not None:  # the fleet's owner does not admit it (unloaded as unwanted)
-        pending = Pending(refused.reason, refused.message)
+    placement = decisions[adapter.agent_name]
+    if isinstance(placement, FleetProblem):  # placed nowhere: Pending with the reason
+        pending = Pending(placement.reason, placement.message)
         return build_status([], generation=adapter.generation, previous=adapter.status, pending=pending), []
-    placement = placements[adapter.agent_name]
     results, refusal = await repair(rt, view, placed_targets(view, placement), registries, adapter)
     if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
         pending = Pending(refusal.reason, refusal.message)
@@ -231,7 +237,7 @@ async def converge_adapter(
     view: FleetView,
     registries: Mapping[str, Registry],
     adapter: AdapterObject,
-    placements: Mapping[str, Placement],
+    decisions: Decisions,
     listed_at: float,
 ) -> str | None:
     """Repair one adapter where it is placed and write its status and EndpointSlices, unless
@@ -240,7 +246,7 @@ async def converge_adapter(
     if handled(rt, adapter, listed_at):
         return None
     async with rt.locks.adapter(adapter.namespace, adapter.name):
-        status, results = await _converged_status(rt, view, registries, adapter, placements)
+        status, results = await _converged_status(rt, view, registries, adapter, decisions)
         await publish_status(rt, adapter, status)
         # Not new: an adapter without a status is left to its handler (handled).
         await publish_slices(rt, adapter.ref, view.spec, view.agents, results)
@@ -263,10 +269,12 @@ async def check_fleet(rt: Runtime, fleet: FleetObject) -> None:
     adapters = [adapter_of(a) for a in await rt.kube.list_adapters(namespace)]  # after the registries: see module doc
     fleets = [fleet_of(f) for f in await rt.kube.list_fleets(namespace)]
     mine = [a for a in adapters if not a.deleting and a.spec.fleet == name]
-    admitted = [a for a in mine if admission(name, view.spec, a.spec) is None]
-    placements = place_fleet(rt, view, registries, admitted, complete=True)
+    refused = {a.agent_name: r for a in mine if (r := admission(name, view.spec, a.spec)) is not None}
+    refused.update(await credential_refusals(rt, view, registries, [a for a in mine if a.agent_name not in refused]))
+    placements = place_fleet(rt, view, registries, [a for a in mine if a.agent_name not in refused], complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
-    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a, placements, listed_at) for a in mine))
+    decisions: dict[str, Placement | FleetProblem] = {**placements, **refused}
+    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a, decisions, listed_at) for a in mine))
     current = next((f for f in fleets if f.name == name), fleet)
     own = {a.agent_name for a in mine}
     await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))

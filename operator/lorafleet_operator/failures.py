@@ -17,8 +17,9 @@ Every decision about what failed how, and whether and when to try again, is made
   against that adapter generation (:class:`~lorafleet_operator.crashes.CrashBook`, in a module
   of its own); after ``load_crash_budget`` such agent deaths the generation is condemned:
   Failed (``LoadCrashedAgent``), sent to no agent until the spec changes;
-* **an unusable fleet** — a missing or deleted LoraFleet, a Secret not opened to lorafleet, a
-  token that is no valid header value (:func:`bearer_token`) are :class:`FleetProblem`: permanent,
+* **an unusable fleet** — a missing or deleted LoraFleet, a Secret not opened to lorafleet (or
+  whose read the API server refused with a 4xx: :func:`kube_refused`), a token that is no valid
+  header value (:func:`bearer_token`) are :class:`FleetProblem`: permanent, one object's alone,
   never retried by kopf (the adapter is Pending with the reason; the drift check and a
   changed spec look again);
 * **handler outcomes** — the one place that raises ``kopf.TemporaryError`` /
@@ -324,6 +325,23 @@ Handler = Callable[..., Awaitable[None]]
 def kube_reason(err: BaseException) -> str:
     """A Kubernetes API error in a few words (status and reason), for one log line."""
     return f"{err.status} {err.reason}" if isinstance(err, ApiException) else repr(err)
+
+
+#: Client errors (4xx) that still say "ask again": a timeout, a conflict, throttling.
+RETRIED_CLIENT_ERRORS = frozenset({408, 409, 429})
+
+
+def kube_refused(err: BaseException) -> bool:
+    """Whether the Kubernetes API refused a request for what it asks (a 4xx other than
+    :data:`RETRIED_CLIENT_ERRORS`, e.g. 400 for a malformed name): the same request would be
+    refused again, so it is the asking object's permanent error. 5xx, timeouts and lost
+    connections are transient."""
+    return (
+        isinstance(err, ApiException)
+        and isinstance(err.status, int)
+        and 400 <= err.status < 500
+        and err.status not in RETRIED_CLIENT_ERRORS
+    )
 
 
 def kopf_retries(handler: Handler) -> Handler:

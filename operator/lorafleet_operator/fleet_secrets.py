@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator.agent_values import Credentials
-from lorafleet_operator.failures import FleetProblem, bearer_token
+from lorafleet_operator.failures import FleetProblem, bearer_token, kube_refused
 from lorafleet_operator.kube import Kube, SecretData
 from lorafleet_operator.reasons import Reason
 from lorafleet_operator.resources import FleetSpec
@@ -33,10 +33,12 @@ def opened_to(secret: SecretData, fleet: str) -> bool:
 async def opened_secret(kube: Kube, namespace: str, fleet: str, name: str, keys: Sequence[str]) -> Mapping[str, bytes]:
     """The data of a Secret the fleet may use: opened to it by its owner and holding ``keys``.
 
-    Anything else — missing, not readable by the operator, not opened, a key missing — is
+    Anything else — missing, not readable by the operator, a read the API server refuses (a
+    4xx: :func:`~lorafleet_operator.failures.kube_refused`), not opened, a key missing — is
     refused with one and the same message, which says nothing about the Secret: a fleet's
     author learns no more than they wrote (the confused-deputy rule, docs/operator.md
-    "Security"). Other API errors (the server down or busy) are transient and escape."""
+    "Security"); the refusal is the asking object's alone. Other API errors (the server down
+    or busy) are transient and escape."""
     refused = FleetProblem(
         Reason.SECRET_NOT_OPENED,
         f"LoraFleet {fleet!r} may not use Secret {name!r} with key(s) "
@@ -47,7 +49,7 @@ async def opened_secret(kube: Kube, namespace: str, fleet: str, name: str, keys:
     try:
         secret = await kube.get_secret(namespace, name)
     except ApiException as err:
-        if err.status in (403, 404):
+        if kube_refused(err):
             raise refused from None
         raise
     if not opened_to(secret, fleet) or any(k not in secret.data for k in keys):

@@ -6,7 +6,7 @@ remote and pinned ones are calls of their own."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lorafleet_operator import progress, sources
 from lorafleet_operator.agent_values import SourceCredential
@@ -22,7 +22,7 @@ from lorafleet_operator.resources import AdapterObject
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.sending import QueuedLoad, book_never_sent, book_sending, error_result, load_one
 from lorafleet_operator.status import AgentResult, AgentState
-from lorafleet_operator.view import FleetView, Target
+from lorafleet_operator.view import FleetView, Registry, Target
 
 #: An adapter's source credential as read for its loads: the value, none named, or why the
 #: operator will not send it (:func:`adapter_credential`).
@@ -68,6 +68,23 @@ def credential_refusal(credential: CredentialOutcome, results: Sequence[AgentRes
     return None
 
 
+def served_anywhere(registries: Mapping[str, Registry], adapter: AdapterObject) -> bool:
+    """Whether some agent's listed registry holds the adapter (any version of it)."""
+    return any(isinstance(r, Mapping) and adapter.agent_name in r for r in registries.values())
+
+
+async def credential_refusals(
+    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapters: Sequence[AdapterObject]
+) -> dict[str, FleetProblem]:
+    """The adapters (by registry name) whose source credential is refused while no agent
+    serves them: they are placed nowhere and take no room (nothing will be sent), and are
+    Pending with the refusal's reason. The Secret is read only for adapters that name one
+    and are served nowhere, the ones a load is due for."""
+    due = [a for a in adapters if a.spec.source.credentials is not None and not served_anywhere(registries, a)]
+    outcomes = await asyncio.gather(*(adapter_credential(rt, view, a) for a in due))
+    return {a.agent_name: o for a, o in zip(due, outcomes, strict=True) if isinstance(o, FleetProblem)}
+
+
 def unsent(rt: Runtime, target: Target, adapter: AdapterObject, credential: CredentialOutcome) -> AgentResult | None:
     """The result of a load that is not sent, None when it is to be sent: the generation is
     condemned, the agent's Describe failed, its last failure there is backing off, or the
@@ -90,11 +107,14 @@ async def place_and_load(rt: Runtime, view: FleetView, adapter: AdapterObject) -
     agent at once (:func:`load_each`); one result per placed agent. With ``replicas``, the
     places of agents that refused it go to other agents at once, in a second round (placement
     keeps a refusing agent only when nothing else fits), not at the next drift check. Raises
-    the credential's refusal when no agent serves the adapter (:func:`credential_refusal`)."""
+    the credential's refusal when no agent serves the adapter (:func:`credential_refusal`):
+    before placing it when none holds it at all, so that it takes no room."""
     registries = await list_registries(rt, view, fresh=False)
     name = adapter.agent_name
-    placement = place_fleet(rt, view, registries, [adapter], complete=False)[name]
     credential = await adapter_credential(rt, view, adapter)
+    if isinstance(credential, FleetProblem) and not served_anywhere(registries, adapter):
+        raise credential
+    placement = place_fleet(rt, view, registries, [adapter], complete=False)[name]
     results = await load_each(rt, view, placed_targets(view, placement), adapter, credential)
     if placement.replicas is not None and any(r.state is AgentState.FAILED for r in results):
         # Placed where it was just placed (stable), less the agents that refused it.

@@ -31,14 +31,15 @@ from lorafleet_operator.failures import (
     is_transient,
     jittered,
     kopf_api_backoffs,
+    kube_refused,
     loop_stall_s,
     retry_after,
     stalled_loops,
     transient_delay,
 )
 from lorafleet_operator.fleet import AgentPod
-from lorafleet_operator.fleet_secrets import ALLOW_ANNOTATION, ALLOW_LABEL, opened_to
-from lorafleet_operator.kube import SecretData
+from lorafleet_operator.fleet_secrets import ALLOW_ANNOTATION, ALLOW_LABEL, opened_secret, opened_to
+from lorafleet_operator.kube import Kube, SecretData
 from lorafleet_operator.load_gate import LoadGate
 from lorafleet_operator.reasons import Reason
 from lorafleet_operator.status import AgentResult, AgentState, Phase, build_status
@@ -411,3 +412,32 @@ def test_a_secret_is_used_only_when_opened_to_the_fleet() -> None:
     assert not opened_to(SecretData(annotations={ALLOW_ANNOTATION: "g,ff"}), "f")
     assert not opened_to(SecretData(labels={ALLOW_LABEL: "false"}), "f")
     assert not opened_to(SecretData(), "f")
+
+
+@pytest.mark.parametrize(
+    ("status", "refused"),
+    [(400, True), (403, True), (404, True), (422, True), (408, False), (409, False), (429, False), (500, False), (503, False)],
+)
+def test_a_4xx_is_the_asking_objects_permanent_error_and_the_rest_transient(status: int, refused: bool) -> None:
+    """A client error (other than a timeout, conflict or throttling) would be refused again;
+    a server error or a lost connection may pass."""
+    assert kube_refused(ApiException(status=status, reason="x")) is refused
+    assert not kube_refused(urllib3.exceptions.ProtocolError("connection reset"))
+
+
+def test_a_secret_read_the_api_server_refuses_is_that_adapters_refusal() -> None:
+    """A 400 on a Secret's read (a name the API server cannot take) refuses the adapter with
+    the one message naming the Secret; a 503 escapes as transient."""
+
+    class Refusing(Kube):
+        def __init__(self, status: int) -> None:  # no API client: every read is refused
+            self.status = status
+
+        async def get_secret(self, namespace: str, name: str) -> SecretData:
+            raise ApiException(status=self.status, reason="x")
+
+    with pytest.raises(FleetProblem) as refused:
+        asyncio.run(opened_secret(Refusing(400), "ns", "fleet", "creds-b%2Fbob", ("token",)))
+    assert refused.value.reason == Reason.SECRET_NOT_OPENED and "'creds-b%2Fbob'" in refused.value.message
+    with pytest.raises(ApiException):
+        asyncio.run(opened_secret(Refusing(503), "ns", "fleet", "creds", ("token",)))
