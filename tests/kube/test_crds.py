@@ -365,6 +365,16 @@ def test_fleet_defaults_and_status(kube_cluster: ControlPlane, kube_namespace: s
         pytest.param(
             {"selector": SELECTOR, "auth": {"tokenSecretRef": {}}}, "spec.auth.tokenSecretRef.name: Required value", id="secret-ref-no-name"
         ),
+        pytest.param(
+            {"selector": SELECTOR, "auth": {"tokenSecretRef": {"name": "creds%2Ftoken"}}},
+            "spec.auth.tokenSecretRef.name in body should match",
+            id="token-secret-not-an-object-name",
+        ),
+        pytest.param(
+            {"selector": SELECTOR, "tls": {"secretRef": {"name": "Agent-TLS"}}},
+            "spec.tls.secretRef.name in body should match",
+            id="tls-secret-not-an-object-name",
+        ),
         pytest.param({"selector": SELECTOR, "port": 50051}, 'unknown field "spec.port"', id="unknown-field"),
         pytest.param({"selector": SELECTOR, "sources": {"allow": ["hf://org"]}}, "spec.sources.allow[0]", id="hf-prefix-without-slash"),
     ],
