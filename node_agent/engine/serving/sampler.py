@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from node_agent.backend import Sampling
+
 MAX_LOGPROBS = 20  # OpenAI's limit for top logprobs
 _SEED_LIMIT = 2**64
 # Temperatures below this are greedy: the limit is argmax anyway, and dividing by a vanishing
@@ -37,22 +39,14 @@ GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How one request draws its tokens. Invalid values raise ValueError naming the field.
+class SamplingParams(Sampling):
+    """The seam's `Sampling` (its fields, written there once), checked: invalid values raise
+    ValueError naming the field.
 
     `top_k` 0 and `top_p` 1 and `min_p` 0 disable their filter; `logprobs` None returns none, N
     returns the chosen token's logprob and the N most likely tokens'. `seed` None: the driver
     picks one. `stop_token_ids` end the sequence (the driver adds the model's EOS ids).
     """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", "a finite number ≥ 0", self.temperature)
