@@ -14,12 +14,21 @@ Policy (docs/agent.md "Sources" and "Limits"), one module per concern:
   percent-encoded). Connections go only to checked addresses (`connections`): non-global
   addresses only inside ``allowed_networks`` (``--allow-source-network``), no environment
   proxies. Both files go into a fresh private directory of the cache under a size cap, a
-  deadline and a minimum rate (`watchdog`), at most ``max_concurrent_downloads`` at once.
+  deadline, a minimum rate and the caller's cancellation (`watchdog`), at most ``max_concurrent_downloads`` at once.
 * ``hf://ORG/REPO[@REVISION][/SUBDIR]`` (`hub`) — a Hub repository, read by the rule the
   operator shares (`lorafleet_common.hub`): the two files at one commit, from ``hub_endpoint``
   (``--hub-endpoint``, the fleet owner's), through the same downloader and checks as http(s).
-* A source credential (`credentials`: ``Authorization: Bearer`` or ``Basic``) is sent to the
-  source's own URLs only, as an unredirected header, never logged or repeated.
+* ``s3://BUCKET[/KEY-PREFIX]`` (`s3`) — two objects of the fleet owner's S3-compatible store
+  (``--s3-endpoint``, never a request's), under an ``--allow-source s3://BUCKET/PREFIX`` entry,
+  each GET signed with SigV4 (awscrt), through the same downloader; each object's version id or
+  ETag is recorded in the source's revision.
+* ``oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST]`` (`oci`) — an ORAS artifact whose two layers
+  are the adapter's files, under an ``--allow-source oci://REGISTRY/REPO`` entry: the manifest
+  pinned by its digest (the revision), every blob held to its descriptor's sha256 and size,
+  any other layer (a pickle file) refused; through the same downloader.
+* A source credential (`credentials`: ``Authorization: Bearer`` or ``Basic``; for s3:// an
+  `S3Credential` that signs) is sent to the source's own URLs only, as an unredirected header,
+  never logged or repeated.
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line repeats a URI's userinfo or query (`redact_uri`), nor downloaded content.
 
@@ -33,8 +42,9 @@ This module is the package's public face: the agent, the CLI and the tooling imp
 """
 
 from lorafleet_common.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePrefix, redact_uri
+from lorafleet_common.storage import StoragePrefix, parse_allow_entry
 from node_agent.sources.copies import Content, ResolvedSource, clean_cache, parse_sha256
-from node_agent.sources.credentials import SourceCredential
+from node_agent.sources.credentials import Credential, S3Credential, SourceCredential
 from node_agent.sources.downloads import DownloadProgress
 from node_agent.sources.policy import (
     DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
@@ -43,6 +53,7 @@ from node_agent.sources.policy import (
     DEFAULT_HUB_ENDPOINT,
     DEFAULT_MAX_CONCURRENT_DOWNLOADS,
     DEFAULT_MAX_DOWNLOAD_BYTES,
+    DEFAULT_S3_REGION,
     DEFAULT_SOCKET_TIMEOUT_S,
     SourcePolicy,
 )
@@ -57,14 +68,19 @@ __all__ = [
     "DEFAULT_HUB_ENDPOINT",
     "DEFAULT_MAX_CONCURRENT_DOWNLOADS",
     "DEFAULT_MAX_DOWNLOAD_BYTES",
+    "DEFAULT_S3_REGION",
     "DEFAULT_SOCKET_TIMEOUT_S",
     "Content",
+    "Credential",
     "DownloadProgress",
     "ResolvedSource",
+    "S3Credential",
     "SourceCredential",
     "SourcePolicy",
     "SourcePrefix",
+    "StoragePrefix",
     "clean_cache",
+    "parse_allow_entry",
     "parse_sha256",
     "redact_uri",
     "resolve_source",

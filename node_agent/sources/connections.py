@@ -165,9 +165,23 @@ class HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         if "@" in target.netloc:
             raise SourceRefused(f"{what}: credentials in URLs are refused", "redirect")
         check_allowed(newurl, self._prefixes, what=f"{what}: the target")
+        self._check_loop(req, newurl, what)
         self.hops.append(headers)
         # The token was added as an unredirected header: urllib does not carry it to the target.
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    def _check_loop(self, req: urllib.request.Request, newurl: str, what: str) -> None:
+        """urllib's own loop rule (a target redirected to `max_repeats` times already, or
+        `max_redirections` hops), checked first so the refusal says what it is; urllib would
+        answer with the last redirect's status. The target may be named: it is under an allowed
+        prefix (checked above) and the agent has already fetched it."""
+        visited: dict[str, int] = getattr(req, "redirect_dict", {})
+        if visited.get(newurl, 0) >= self.max_repeats:
+            raise SourceRefused(
+                f"{what}: a redirect loop ({redact_uri(newurl)} was redirected to {visited[newurl]} times already)", "redirect"
+            )
+        if len(visited) >= self.max_redirections:
+            raise SourceRefused(f"{what}: more than {self.max_redirections} redirects (the limit)", "redirect")
 
 
 def build_opener(watchdog: Watchdog, networks: Sequence[Network], redirects: HttpOnlyRedirects) -> urllib.request.OpenerDirector:

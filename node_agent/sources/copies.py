@@ -64,7 +64,9 @@ class ResolvedSource:
     content: Content
     downloaded: bool = False
     owned: bool = False
-    revision: str = ""  # hf:// sources: the commit both files were fetched at
+    # hf://: the commit both files were fetched at; s3://: each object's version id or ETag;
+    # oci://: the manifest's digest
+    revision: str = ""
     # The files' identities once written and hashed: the engine need not hash them again.
     written: WrittenFiles | None = None
 

@@ -1,11 +1,12 @@
 """What authenticates a download: `SourceCredential`, sent to the source's own URLs only, as an
-unredirected header (never to a redirect target, such as the Hub's file CDN), never logged or
-repeated; a value that cannot be a header is refused without showing it."""
+unredirected header (never to a redirect target, such as the Hub's file CDN), and
+`S3Credential`, which signs s3:// requests; neither is ever logged or repeated, and a value
+that cannot be a header is refused without showing it."""
 
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from node_agent.errors import InvalidRequest
 
@@ -34,6 +35,31 @@ class SourceCredential:
         _check_header_safe(username, "the source user name")
         _check_header_safe(password, "the source password")
         return cls("Basic " + base64.b64encode(f"{username}:{password}".encode()).decode("ascii"))
+
+
+@dataclass(frozen=True)
+class S3Credential:
+    """An S3 access key, its secret and an optional session token (temporary credentials), with
+    which s3:// requests are signed (SigV4). Its repr shows only the access key id's first four
+    characters."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        _check_header_safe(self.access_key_id, "the S3 access key id")
+        _check_header_safe(self.secret_access_key, "the S3 secret access key")
+        if self.session_token:
+            _check_header_safe(self.session_token, "the S3 session token")
+
+    def __repr__(self) -> str:
+        return f"S3Credential({self.access_key_id[:4]}*** ***)"
+
+
+# What a load may carry to authenticate its source: a header credential (http(s), hf://, oci://)
+# or an S3 credential (s3://).
+Credential = SourceCredential | S3Credential
 
 
 def _check_header_safe(value: str, what: str) -> None:

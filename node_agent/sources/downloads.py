@@ -25,7 +25,7 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.client import HTTPException, HTTPMessage, HTTPResponse
@@ -51,9 +51,11 @@ _CONFIG_FIELD = re.compile(r"(?<![\w.])(" + "|".join(sorted(ADAPTER_CONFIG_FIELD
 
 class DownloadProgress:
     """The bytes one source's download has received, and the sizes its server declared so far;
-    written by the downloading thread, read by others (ListAdapters) while it runs."""
+    written by the downloading thread, read by others (ListAdapters) while it runs. `cancelled`
+    says whether the load it is for was cancelled (its call ended): the download then stops."""
 
-    def __init__(self) -> None:
+    def __init__(self, cancelled: Callable[[], bool] = lambda: False) -> None:
+        self.cancelled = cancelled
         self._lock = threading.Lock()
         self._done = 0
         self._total = 0
@@ -130,35 +132,44 @@ def _download_slot(policy: SourcePolicy) -> Iterator[None]:
                 del _ACTIVE_DOWNLOADS[key]
 
 
+@contextmanager
+def fetching(download: Download) -> Iterator[Fetcher]:
+    """One source's download: a concurrency slot, a fresh private directory (removed if the block
+    fails), a watchdog and a checked opener, through which the block fetches its files."""
+    policy = download.policy
+    if policy.cache_dir is None:
+        raise SourceRefused("remote sources (http(s), hf://, s3://, oci://) are refused: the agent has no --cache-dir", "no_cache_dir")
+    with _download_slot(policy):
+        target = private_dir(policy, DOWNLOAD_PREFIX)
+        try:
+            with Watchdog(policy, download.progress.cancelled if download.progress else lambda: False) as watchdog:
+                redirects = HttpOnlyRedirects(policy.prefixes)
+                yield Fetcher(build_opener(watchdog, policy.networks, redirects), watchdog, download, target, answers=redirects.hops)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+    log.debug("downloaded %s into %s", download.shown, target)
+
+
 def fetch_adapter(download: Download, config_url: str, weights_url: Callable[[str | None], str]) -> Fetched:
     """Download both files into a fresh private directory, under every http(s) check: the config
     first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the
     config's answers carried, or None), itself checked against the allowed prefixes. The caller
     has checked the URLs it knows in advance."""
     policy, shown = download.policy, download.shown
-    if policy.cache_dir is None:
-        raise SourceRefused("http(s) and hf:// sources are refused: the agent has no --cache-dir", "no_cache_dir")
-    with _download_slot(policy):
-        target = private_dir(policy, DOWNLOAD_PREFIX)
-        try:
-            with Watchdog(policy) as watchdog:
-                redirects = HttpOnlyRedirects(policy.prefixes)
-                fetcher = _Fetcher(build_opener(watchdog, policy.networks, redirects), watchdog, download, answers=redirects.hops)
-                config = fetcher.fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
-                _check_downloaded_config(target, shown)
-                commit = next((h[COMMIT_HEADER] for h in redirects.hops if h.get(COMMIT_HEADER)), None)
-                url = weights_url(commit)
-                check_allowed(url, policy.prefixes, what=f"the source {shown!r}")
-                weights = fetcher.fetch(url, target / ADAPTER_WEIGHTS, policy.max_download_bytes)
-                _check_downloaded_weights(target / ADAPTER_WEIGHTS, shown)
-        except BaseException:
-            shutil.rmtree(target, ignore_errors=True)
-            raise
-    log.debug("downloaded %s into %s", shown, target)
+    with fetching(download) as fetcher:
+        target = fetcher.directory
+        config = fetcher.fetch(config_url, target / ADAPTER_CONFIG, MAX_CONFIG_BYTES)
+        check_downloaded_config(target, shown)
+        commit = next((h[COMMIT_HEADER] for h in fetcher.answers if h.get(COMMIT_HEADER)), None)
+        url = weights_url(commit)
+        check_allowed(url, policy.prefixes, what=f"the source {shown!r}")
+        weights = fetcher.fetch(url, target / ADAPTER_WEIGHTS, policy.max_download_bytes)
+        check_downloaded_weights(target / ADAPTER_WEIGHTS, shown)
     return Fetched(target, weights, config, commit)
 
 
-def _check_downloaded_config(directory: Path, shown: str) -> None:
+def check_downloaded_config(directory: Path, shown: str) -> None:
     """The engine's checks of adapter_config.json, run on the download; a refusal names the field
     (the first top-level field the check's message mentions), never a value read from the file."""
     try:
@@ -173,7 +184,7 @@ def _check_downloaded_config(directory: Path, shown: str) -> None:
         ) from None
 
 
-def _check_downloaded_weights(path: Path, shown: str) -> None:
+def check_downloaded_weights(path: Path, shown: str) -> None:
     """Refuse a download that is not shaped like safetensors (an 8-byte header length that fits the
     file, then a JSON object) before a rank reads it, without repeating any of its bytes."""
     with open(path, "rb") as handle:
@@ -186,19 +197,24 @@ def _check_downloaded_weights(path: Path, shown: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Fetcher:
-    """Fetches the files of one download through its opener, watched by its watchdog."""
+class Fetcher:
+    """Fetches the files of one download into its private `directory`, through its opener,
+    watched by its watchdog."""
 
     opener: urllib.request.OpenerDirector
     watchdog: Watchdog
     download: Download
-    answers: list[HTTPMessage] = field(default_factory=list)  # every final answer's headers are added
+    directory: Path
+    answers: list[HTTPMessage] = field(default_factory=list)  # every final answer's headers are added, errors' too
 
-    def fetch(self, url: str, dest: Path, cap: int) -> Written:
-        """Stream `url` into `dest`, refusing more than `cap` bytes; returns what was written. The
-        credential goes to `url` alone (an unredirected header)."""
+    def fetch(self, url: str, dest: Path, cap: int, headers: Mapping[str, str] | None = None) -> Written:
+        """Stream `url` into `dest`, refusing more than `cap` bytes; returns what was written (the
+        final answer's headers: ``answers[-1]``). The credential and `headers` (a request's
+        signature, a registry's token) go to `url` alone, as unredirected headers."""
         shown = redact_uri(url)
         request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
+        for name, value in (headers or {}).items():
+            request.add_unredirected_header(name, value)
         if self.download.credential is not None:
             request.add_unredirected_header("Authorization", self.download.credential.authorization)
         try:
@@ -207,6 +223,8 @@ class _Fetcher:
                 self.answers.append(response.headers)
                 return self._stream(response, out, cap, shown)
         except urllib.error.HTTPError as error:
+            if isinstance(error.headers, HTTPMessage):  # a refusal's headers too: a registry's challenge
+                self.answers.append(error.headers)
             raise _http_failure(error.code, shown) from None
         except (HTTPException, urllib.error.URLError, OSError) as error:
             self.watchdog.check(shown)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
 
-from lorafleet_common.sources import ALLOW_SOURCE_FLAG, SourcePrefix, SourceRefusal, check_url
+from lorafleet_common.sources import ALLOW_SOURCE_FLAG, HTTP_SCHEMES, SourcePrefix, SourceRefusal, check_url
+from lorafleet_common.storage import InvalidStorageUri, StoragePrefix, parse_allow_entry, storage_refusal
 from node_agent.errors import SourceRefused
+from node_agent.sources.credentials import S3Credential
 
 DEFAULT_MAX_DOWNLOAD_BYTES = 4 << 30
 DEFAULT_DOWNLOAD_TIMEOUT_S = 600.0
@@ -19,15 +23,29 @@ DEFAULT_DOWNLOAD_RATE_WINDOW_S = 10.0
 DEFAULT_SOCKET_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONCURRENT_DOWNLOADS = 8
 DEFAULT_HUB_ENDPOINT = "https://huggingface.co"
+DEFAULT_S3_REGION = "us-east-1"
 ALLOW_NETWORK_FLAG = "--allow-source-network"
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+StorageT = TypeVar("StorageT")
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed_prefixes(entries: tuple[str, ...]) -> tuple[SourcePrefix, ...]:
-    """The parsed ``--allow-source`` entries; ValueError naming the flag and the entry."""
-    return tuple(SourcePrefix.parse(entry) for entry in entries)
+def _parsed_prefixes(entries: tuple[str, ...]) -> tuple[SourcePrefix | StoragePrefix, ...]:
+    """The parsed ``--allow-source`` entries (http(s), s3:// and oci:// prefixes); ValueError
+    naming the flag and the entry."""
+    return tuple(parse_allow_entry(entry) for entry in entries)
+
+
+def _check_endpoint(url: str) -> None:
+    """An --s3-endpoint is an http(s) URL with a host and nothing after its path."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError:
+        raise ValueError(f"--s3-endpoint {url!r} is not a valid URL") from None
+    if parts.scheme not in HTTP_SCHEMES or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment or "?" in url:
+        raise ValueError("--s3-endpoint must be an http:// or https:// URL with a host and no credentials, query or fragment")
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,10 +83,21 @@ class SourcePolicy:
     # Where hf:// sources are fetched from (--hub-endpoint): the Hub or a mirror, the fleet
     # owner's choice; it must lie under an allowed source prefix like any http(s) URL.
     hub_endpoint: str = DEFAULT_HUB_ENDPOINT
+    # The S3-compatible store s3:// sources are read from (--s3-endpoint, path-style requests:
+    # ENDPOINT/BUCKET/KEY) and the region requests are signed for (--s3-region); no endpoint:
+    # s3:// sources are refused. Never taken from a request.
+    s3_endpoint: str = ""
+    s3_region: str = DEFAULT_S3_REGION
+    # The agent's own S3 credential (the pod's environment); a load's own credential wins.
+    s3_credential: S3Credential | None = None
+    # Registries (host[:port]) oci:// sources reach over plain HTTP (--oci-plain-http); others: https.
+    oci_plain_http: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _parsed_prefixes(tuple(self.allowed_sources))  # ValueError naming the flag and the entry
         _parsed_networks(tuple(self.allowed_networks))
+        if self.s3_endpoint:
+            _check_endpoint(self.s3_endpoint)
         for name in (
             "max_download_bytes",
             "download_timeout_s",
@@ -84,7 +113,12 @@ class SourcePolicy:
     @property
     def prefixes(self) -> tuple[SourcePrefix, ...]:
         """The http(s) prefixes sources and every redirect hop must lie under."""
-        return _parsed_prefixes(tuple(self.allowed_sources))
+        return tuple(p for p in _parsed_prefixes(tuple(self.allowed_sources)) if isinstance(p, SourcePrefix))
+
+    @property
+    def storage_prefixes(self) -> tuple[StoragePrefix, ...]:
+        """The s3:// bucket and oci:// registry prefixes sources must lie under."""
+        return tuple(p for p in _parsed_prefixes(tuple(self.allowed_sources)) if isinstance(p, StoragePrefix))
 
     @property
     def networks(self) -> tuple[Network, ...]:
@@ -110,6 +144,21 @@ def refusal_error(refusal: SourceRefusal, what: str, allowed: Sequence[SourcePre
     if refusal is SourceRefusal.DOT_SEGMENT:
         return SourceRefused(f"'.' and '..' path segments are refused in http(s) URLs: {what}", "traversal")
     return SourceRefused(f"{what} is not under any source prefix this agent allows ({ALLOW_SOURCE_FLAG})", "source_not_allowed")
+
+
+def admit_storage_source(uri: str, policy: SourcePolicy, shown: str, parse: Callable[[str], StorageT], example: str) -> StorageT:
+    """The s3:// or oci:// source `uri` names (read by the shared rule `parse`), once an allowed
+    prefix covers it; SourceRefused with the reason otherwise (`example`: the flag's form)."""
+    try:
+        source = parse(uri)
+    except InvalidStorageUri as error:
+        reasons = {SourceRefusal.DOT_SEGMENT: "traversal", SourceRefusal.ENDPOINT: "endpoint", SourceRefusal.CREDENTIALS: "credentials"}
+        raise SourceRefused(str(error), reasons.get(error.refusal, "bad_uri")) from None
+    if storage_refusal(uri, policy.storage_prefixes) is not None:
+        raise SourceRefused(
+            f"the source {shown!r} is not under any prefix this agent allows ({ALLOW_SOURCE_FLAG} {example})", "source_not_allowed"
+        )
+    return source
 
 
 def check_allowed(url: str, allowed: Sequence[SourcePrefix], what: str) -> None:

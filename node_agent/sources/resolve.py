@@ -3,29 +3,34 @@ source reads it, and every source's copy is held to the request's sha256."""
 
 from __future__ import annotations
 
+from typing import TypeVar
 from urllib.parse import urlsplit
 
-from lorafleet_common.sources import ADAPTER_WEIGHTS, HTTP_SCHEMES, HUB_SCHEME, redact_uri, userinfo_span
+from lorafleet_common.sources import ADAPTER_WEIGHTS, HTTP_SCHEMES, HUB_SCHEME, OCI_SCHEME, S3_SCHEME, redact_uri, userinfo_span
 from node_agent.errors import SourceRefused
 from node_agent.sources.copies import ResolvedSource
-from node_agent.sources.credentials import SourceCredential
+from node_agent.sources.credentials import Credential, S3Credential, SourceCredential
 from node_agent.sources.downloads import Download, DownloadProgress, download_http
 from node_agent.sources.files import resolve_file
 from node_agent.sources.hub import download_hub
+from node_agent.sources.oci import download_oci
 from node_agent.sources.policy import SourcePolicy
+from node_agent.sources.s3 import download_s3
+
+CredentialT = TypeVar("CredentialT", SourceCredential, S3Credential)
 
 
 def resolve_source(
     uri: str,
     expected_sha256: str | None,
     policy: SourcePolicy,
-    credential: SourceCredential | None = None,
+    credential: Credential | None = None,
     progress: DownloadProgress | None = None,
 ) -> ResolvedSource:
-    """Check `uri` against the policy and make a private copy of its adapter. A `credential`
-    (http(s) and hf:// sources) is sent to the source's own URLs only: never on a redirect, never
-    logged or repeated in a message; a file:// source with one is refused. A download counts its
-    bytes into `progress`."""
+    """Check `uri` against the policy and make a private copy of its adapter. A `credential` is
+    sent to the source's own URLs only (a header credential: http(s), hf://, oci://) or signs its
+    requests (an S3 credential: s3://): never on a redirect, never logged or repeated in a
+    message; a file:// source with one is refused. A download counts its bytes into `progress`."""
     shown = redact_uri(uri)
     try:
         parts = urlsplit(uri)
@@ -42,12 +47,18 @@ def resolve_source(
         if credential is not None:
             raise SourceRefused(f"file:// sources take no credential ({shown!r})", "credentials")
         source = resolve_file(uri, shown, parts.netloc, parts.path, parts.query or parts.fragment, policy)
+    elif scheme == S3_SCHEME:
+        source = download_s3(uri, Download(shown, policy, None, progress), _credential_of(S3Credential, credential, scheme))
+    elif scheme == OCI_SCHEME:
+        source = download_oci(uri, Download(shown, policy, None, progress), _credential_of(SourceCredential, credential, scheme))
     elif scheme in HTTP_SCHEMES:
-        source = download_http(uri, Download(shown, policy, credential, progress))
+        source = download_http(uri, Download(shown, policy, _credential_of(SourceCredential, credential, scheme), progress))
     elif scheme == HUB_SCHEME:
-        source = download_hub(uri, Download(shown, policy, credential, progress))
+        source = download_hub(uri, Download(shown, policy, _credential_of(SourceCredential, credential, scheme), progress))
     else:
-        raise SourceRefused(f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s):// or hf://", "scheme")
+        raise SourceRefused(
+            f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s)://, hf://, s3:// or oci://", "scheme"
+        )
     if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
         source.discard()
         raise SourceRefused(
@@ -55,3 +66,12 @@ def resolve_source(
             "sha256_mismatch",
         )
     return source
+
+
+def _credential_of(kind: type[CredentialT], credential: Credential | None, scheme: str) -> CredentialT | None:
+    """The load's credential when it is of the kind this scheme takes (an S3 credential for
+    s3://, a header credential for the others); SourceRefused otherwise (without showing it)."""
+    if credential is None or isinstance(credential, kind):
+        return credential
+    wanted = "an S3 access key" if kind is S3Credential else "a token or a user and password"
+    raise SourceRefused(f"{scheme}:// sources take {wanted} as their credential", "credentials")

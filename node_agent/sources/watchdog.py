@@ -1,9 +1,11 @@
-"""One download's overall deadline and minimum transfer rate, enforced by shutting its sockets down.
+"""One download's overall deadline, minimum transfer rate and cancellation, enforced by shutting
+its sockets down.
 
 Socket timeouts bound single operations only; a server that trickles a byte now and then never
-trips them. The watchdog thread ticks, and once the deadline passes or fewer than the minimum
-bytes per second arrived over the last window, it records why and shuts down every socket of
-the download, which ends the blocked read at once.
+trips them. The watchdog thread ticks, and once the deadline passes, fewer than the minimum
+bytes per second arrived over the last window, or the load's call was cancelled (its client's
+deadline passed, or it cancelled), it records why and shuts down every socket of the download,
+which ends the blocked read at once.
 """
 
 from __future__ import annotations
@@ -13,21 +15,25 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 
-from node_agent.errors import SourceUnavailable
+from node_agent.errors import LoadCancelled, SourceUnavailable
 from node_agent.sources.policy import SourcePolicy
 
 
 class Watchdog:
-    """Enforces one source's overall deadline and minimum rate (a context: its thread runs inside)."""
+    """Enforces one source's overall deadline and minimum rate, and stops it once `cancelled()`
+    (asked at every tick) is true (a context: its thread runs inside)."""
 
-    def __init__(self, policy: SourcePolicy) -> None:
+    def __init__(self, policy: SourcePolicy, cancelled: Callable[[], bool] = lambda: False) -> None:
         self.deadline_s = policy.download_timeout_s
         self.min_rate = policy.download_min_bytes_per_s
         self.window_s = policy.download_rate_window_s
+        self.cancelled = cancelled
         self.started = time.monotonic()
         self.received = 0
         self.failure: str | None = None
+        self.stopped = False  # the failure is the call's cancellation
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -55,12 +61,12 @@ class Watchdog:
 
     def check(self, shown: str) -> None:
         """SourceUnavailable when the download broke the deadline or the minimum rate (also
-        just before the watchdog's own tick would have noticed)."""
+        just before the watchdog's own tick would have noticed); LoadCancelled once stopped."""
         failure = self.failure
         if failure is None and time.monotonic() - self.started >= self.deadline_s:
             failure = f"did not finish within the {self.deadline_s:g}-s download deadline"
         if failure is not None:
-            raise SourceUnavailable(f"download of {shown} {failure}")
+            raise (LoadCancelled if self.stopped else SourceUnavailable)(f"download of {shown} {failure}")
 
     def _run(self) -> None:
         tick = min(0.25, self.window_s / 4)
@@ -72,7 +78,9 @@ class Watchdog:
             samples.append((now, received))
             while len(samples) > 1 and now - samples[1][0] >= self.window_s:
                 samples.popleft()
-            if now - self.started >= self.deadline_s:
+            if self.cancelled():
+                self._fire("was stopped: its load's call was cancelled (the client's deadline passed, or it cancelled)", stopped=True)
+            elif now - self.started >= self.deadline_s:
                 self._fire(f"did not finish within the {self.deadline_s:g}-s download deadline ({received} bytes received)")
             elif now - samples[0][0] >= self.window_s:
                 rate = (received - samples[0][1]) / (now - samples[0][0])
@@ -84,8 +92,9 @@ class Watchdog:
             if self.failure is not None:
                 return
 
-    def _fire(self, why: str) -> None:
+    def _fire(self, why: str, stopped: bool = False) -> None:
         with self._lock:
+            self.stopped = stopped  # before the failure: whoever sees the failure sees its kind
             self.failure = why
             for sock in self._sockets:
                 _shutdown(sock)
