@@ -6,6 +6,8 @@ agents are): losing them (a restart) costs at most one extra round of calls.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +26,12 @@ class Listing:
     requested_at: float
     life: tuple[str, int]
     entries: Mapping[str, RegistryEntry]
+
+    @functools.cached_property
+    def per_namespace(self) -> collections.Counter[str]:
+        """How many names of each namespace (``<namespace>.<name>``) it lists: the slots each
+        holds there (quotas), counted once per listing, not at every placement."""
+        return collections.Counter(name.partition(".")[0] for name in self.entries if "." in name)
 
 
 @dataclass

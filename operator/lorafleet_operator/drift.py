@@ -28,8 +28,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import kopf
 
@@ -62,6 +62,8 @@ from lorafleet_operator.status import AgentResult, AgentState, Pending, build_st
 from lorafleet_operator.view import FleetView, Registry, Target
 
 log = logging.getLogger("lorafleet.operator.drift")
+
+T = TypeVar("T")
 
 
 def wanted_on(
@@ -253,6 +255,24 @@ async def converge_adapter(
     return str(status["phase"])
 
 
+async def _each_alone(adapters: Sequence[AdapterObject], step: Callable[[AdapterObject], Awaitable[T]], what: str) -> dict[str, T]:
+    """`step` of every adapter at once, each failure its adapter's alone: the outcomes of those
+    that succeeded, by registry name; a failure (a Kubernetes API error writing its status or
+    reading its Secret, an agent call's surprise) is logged with the adapter's name."""
+    outcomes = await asyncio.gather(*(step(a) for a in adapters), return_exceptions=True)
+    done: dict[str, T] = {}
+    for adapter, outcome in zip(adapters, outcomes, strict=True):
+        if isinstance(outcome, KUBE_API_ERRORS):
+            log.warning("drift: %s of %s/%s failed: Kubernetes API: %s", what, adapter.namespace, adapter.name, kube_reason(outcome))
+        elif isinstance(outcome, Exception):
+            log.error("drift: %s of %s/%s failed", what, adapter.namespace, adapter.name, exc_info=outcome)
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            done[adapter.agent_name] = outcome
+    return done
+
+
 async def check_fleet(rt: Runtime, fleet: FleetObject) -> None:
     """One registry-consistency check of one fleet (see the module docstring)."""
     started = time.monotonic()
@@ -270,11 +290,19 @@ async def check_fleet(rt: Runtime, fleet: FleetObject) -> None:
     fleets = [fleet_of(f) for f in await rt.kube.list_fleets(namespace)]
     mine = [a for a in adapters if not a.deleting and a.spec.fleet == name]
     refused = {a.agent_name: r for a in mine if (r := admission(name, view.spec, a.spec)) is not None}
-    refused.update(await credential_refusals(rt, view, registries, [a for a in mine if a.agent_name not in refused]))
-    placements = place_fleet(rt, view, registries, [a for a in mine if a.agent_name not in refused], complete=True)
+    credentials = await _each_alone(
+        [a for a in mine if a.agent_name not in refused], lambda a: credential_refusals(rt, view, registries, [a]), "source credential"
+    )
+    for outcome in credentials.values():
+        refused.update(outcome)
+    # An adapter whose own step failed is left out of this check (it keeps its status; the next
+    # check tries again): one object's failure never holds up its fleet's other adapters.
+    looked = [a for a in mine if a.agent_name in refused or a.agent_name in credentials]
+    placements = place_fleet(rt, view, registries, [a for a in looked if a.agent_name not in refused], complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
     decisions: dict[str, Placement | FleetProblem] = {**placements, **refused}
-    phases = await asyncio.gather(*(converge_adapter(rt, view, registries, a, decisions, listed_at) for a in mine))
+    converged = await _each_alone(looked, lambda a: converge_adapter(rt, view, registries, a, decisions, listed_at), "repair")
+    phases = list(converged.values())
     current = next((f for f in fleets if f.name == name), fleet)
     own = {a.agent_name for a in mine}
     await publish_fleet_status(rt, current, fleet_status(current, view, registries, None, own))

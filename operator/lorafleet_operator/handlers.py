@@ -1,5 +1,5 @@
-"""kopf handlers for LoraAdapter (create, update, resume, delete), LoraFleet (delete) and
-agent pods.
+"""kopf handlers for LoraAdapter (create, update, resume, delete), LoraFleet (delete), agent
+pods and EndpointSlices.
 
 Each handler is a small function that takes the kopf kwargs it uses and hands the work to
 the modules of reconciliation (:mod:`looks`, :mod:`loads`, :mod:`unloads`). A body is parsed
@@ -45,6 +45,7 @@ from lorafleet_operator.reasons import EventReason, Reason
 from lorafleet_operator.resources import AdapterObject, FleetObject, FleetSpec, ObjectRef, adapter_of, fleet_of
 from lorafleet_operator.routing import publish_slices, remove_slices
 from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.slice_guard import guard_slice
 from lorafleet_operator.status import AgentResult, Pending, Phase, build_status, initial_status, never_reconciled
 from lorafleet_operator.unloads import UnloadOutcome, unload_from_holders, unload_message
 from lorafleet_operator.view import FleetView
@@ -371,6 +372,13 @@ async def _release_adapter(rt: Runtime, view: FleetView | None, adapter: Adapter
             await publish_status(rt, adapter, status)
             await publish_slices(rt, adapter.ref, view.spec if view else FleetSpec(), (), [])
     return outcomes
+
+
+@kopf.on.event("discovery.k8s.io", "v1", "endpointslices")
+async def on_endpoint_slice_event(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """An EndpointSlice changed in a watched namespace: the operator keeps its own as it wrote
+    them, deletes impostors (:mod:`slice_guard`). Unfiltered: a tampered one may lack labels."""
+    await guard_slice(_runtime(memo), type, body)
 
 
 @kopf.on.event("", "v1", "pods")

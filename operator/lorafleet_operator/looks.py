@@ -9,12 +9,11 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator.failures import FleetProblem
 from lorafleet_operator.fanout import describe_all
-from lorafleet_operator.fleet import AgentPod, agents_of
 from lorafleet_operator.fleet_secrets import fleet_credentials
 from lorafleet_operator.identity import report_impostors
 from lorafleet_operator.reasons import Reason
-from lorafleet_operator.resources import FleetObject, FleetSpec, fleet_of
-from lorafleet_operator.runtime import FleetAgents, Runtime
+from lorafleet_operator.resources import FleetObject, fleet_of
+from lorafleet_operator.runtime import Runtime, fleet_agents
 from lorafleet_operator.view import FleetView
 
 
@@ -47,25 +46,6 @@ async def fleet_view(rt: Runtime, namespace: str, fleet_name: str, *, fresh: boo
     if view.dialable:
         rt.caches.last_views[(namespace, fleet_name)] = view
     return view
-
-
-def fleet_agents(rt: Runtime, namespace: str, fleet_name: str, spec: FleetSpec) -> tuple[AgentPod, ...]:
-    """The fleet's agents (:func:`~lorafleet_operator.fleet.agents_of`) among kopf's pod
-    index, made again only when the fleet's spec or a pod of the namespace changed (kopf
-    replaces the objects of what changed: pods are compared by identity). Made at every
-    reconcile, they would be a noticeable share of the operator's CPU at scale."""
-    pods = tuple(rt.watch.pods.get(namespace, ()))
-    known = rt.caches.fleet_agents.get((namespace, fleet_name))
-    if (
-        known is not None
-        and (known.spec is spec or known.spec == spec)
-        and len(known.pods) == len(pods)
-        and all(a is b for a, b in zip(known.pods, pods, strict=True))
-    ):
-        return known.agents
-    agents = tuple(agents_of(spec, list(pods)))
-    rt.caches.fleet_agents[(namespace, fleet_name)] = FleetAgents(spec, pods, agents)
-    return agents
 
 
 async def unload_view(rt: Runtime, namespace: str, fleet_name: str) -> tuple[FleetView | None, str]:

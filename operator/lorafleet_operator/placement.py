@@ -20,6 +20,9 @@ The rule, as pure functions over plain values so that it can be tested without a
 * Fleet-wide, in creation order: the adapters of a fleet are placed one after the other,
   oldest first, each taking the room it is given; so when room appears, the oldest Pending
   adapter gets it.
+* Quotas (:class:`QuotaUse`): a place the adapter does not hold yet is given only where every
+  quota binding its namespace on that agent has a slot left; places it holds are kept, so a
+  quota lowered below what a namespace holds refuses new places and evicts nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class SkipReason(enum.StrEnum):
     RANK = "RankTooLow"
     REFUSED = "Refused"
     FULL = "Full"
+    QUOTA = "QuotaExceeded"
     NOT_NEEDED = "ReplicasReached"
 
 
@@ -106,8 +110,8 @@ class Placement:
     @property
     def waiting(self) -> bool:
         """Whether it would take more room if some appeared: placed nowhere, on fewer than
-        ``replicas``, or (replicas unset) skipped by a full agent."""
-        return bool(self.why_not()) or any(s.reason is SkipReason.FULL for s in self.skipped)
+        ``replicas``, or (replicas unset) skipped by a full agent or a quota."""
+        return bool(self.why_not()) or any(s.reason in (SkipReason.FULL, SkipReason.QUOTA) for s in self.skipped)
 
     def why_not(self) -> str:
         """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
@@ -117,6 +121,8 @@ class Placement:
             return ""
         if not self.agents:
             return "the fleet has no agent"
+        if blocking and all(s.reason is SkipReason.QUOTA for s in blocking):
+            return "; ".join(dict.fromkeys(s.message for s in blocking))
         full = all(s.reason is SkipReason.FULL for s in blocking)
         head = f"{len(self.placed)} of {self.agents} agents " + ("have room" if full else "can hold it")
         if not blocking:
@@ -139,6 +145,34 @@ def unfit(agent: Candidate, demand: Demand) -> Skip | None:
 def full_message(held: int, cap: int) -> str:
     """The skip message of an agent without room."""
     return f"holds {held} of {cap}"
+
+
+class QuotaUse:
+    """One quota that binds the namespace being placed: at most ``max_slots`` of its names on
+    the quota's agent endpoints, ``used`` of them held (or sent) when placement began, counted
+    up as places are given."""
+
+    def __init__(self, owner: str, field_path: str, namespace: str, max_slots: int, endpoints: Collection[str], used: int) -> None:
+        self.owner, self.field_path, self.namespace = owner, field_path, namespace
+        self.max_slots, self.endpoints, self.used = max_slots, frozenset(endpoints), used
+
+    def admits(self, endpoint: str) -> bool:
+        """Whether one more place on ``endpoint`` stays within the quota."""
+        return endpoint not in self.endpoints or self.used < self.max_slots
+
+    def take(self, endpoint: str) -> None:
+        """A new place on ``endpoint`` was given."""
+        if endpoint in self.endpoints:
+            self.used += 1
+
+    def message(self) -> str:
+        """The skip message of an agent the quota keeps the adapter off."""
+        return f"namespace {self.namespace} holds {self.used} of its {self.max_slots} slots on LoraFleet {self.owner} ({self.field_path})"
+
+
+def over_quota(endpoint: str, quotas: Sequence[QuotaUse]) -> QuotaUse | None:
+    """The first quota a new place on ``endpoint`` would exceed (None: every one admits it)."""
+    return next((q for q in quotas if not q.admits(endpoint)), None)
 
 
 def _sorted_out(demand: Demand, agents: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate], list[Skip]]:
@@ -181,31 +215,69 @@ class _Taken:
             self._added.add(name)
 
 
-def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _Taken]) -> Placement:
+class _Room:
+    """Room and quotas as one adapter is placed: what each endpoint holds, and the quotas of
+    its namespace, counted up at each new place it is given (so its next agent sees it)."""
+
+    def __init__(self, demand: Demand, held: Mapping[str, _Taken], quotas: Sequence[QuotaUse]) -> None:
+        self.name, self.held, self.quotas = demand.name, held, quotas
+
+    def holds(self, agent: Candidate) -> bool:
+        return self.name in self.held[agent.endpoint]
+
+    def has_room(self, agent: Candidate) -> bool:
+        return len(self.held[agent.endpoint]) < agent.max_loaded_loras and over_quota(agent.endpoint, self.quotas) is None
+
+    def claim(self, agent: Candidate) -> bool:
+        """Room and quota for a new place there, taken at once (False: none)."""
+        if not self.has_room(agent):
+            return False
+        for quota in self.quotas:
+            quota.take(agent.endpoint)
+        return True
+
+    def no_room(self, agent: Candidate) -> Skip:
+        """The skip of an agent without room for a new place: full, or over a quota there."""
+        holds = len(self.held[agent.endpoint])
+        quota = over_quota(agent.endpoint, self.quotas)
+        if holds < agent.max_loaded_loras and quota is not None:
+            return Skip(agent.pod, SkipReason.QUOTA, quota.message())
+        return Skip(agent.pod, SkipReason.FULL, full_message(holds, agent.max_loaded_loras))
+
+
+def _staying(demand: Demand, fitting: list[Candidate], unknown: list[Candidate], room: _Room, wanted: int) -> list[Candidate]:
+    """The agents it stays on: the last placement first (in its order; one it no longer
+    holds only with room, taken while fewer than ``wanted`` stay), then other holders by name;
+    with ``replicas`` unset, agents that did not answer. An agent that refused this version
+    competes with the others, last."""
+    by_pod = {a.pod: a for a in fitting + unknown}
+    staying: list[Candidate] = []
+    for pod in dict.fromkeys(demand.previous):
+        agent = by_pod.get(pod)
+        if agent is None or pod in demand.refused:
+            continue
+        if not agent.known or room.holds(agent) or (room.claim(agent) if len(staying) < wanted else room.has_room(agent)):
+            staying.append(agent)
+    kept = {a.pod for a in staying}
+    staying += [a for a in fitting if room.holds(a) and a.pod not in kept and a.pod not in demand.refused]
+    if demand.replicas is None:
+        staying += [a for a in unknown if a.pod not in kept]
+    return staying
+
+
+def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _Taken], quotas: Sequence[QuotaUse] = ()) -> Placement:
     """Place one adapter given what each endpoint holds (``held``, updated in place with the
-    new places, so the next adapter sees the room this one took).
+    new places, so the next adapter sees the room this one took) and the quotas that bind its
+    namespace (counted up likewise).
 
     An agent whose fit is unknown now (it did not answer) keeps a place it had (it is then
     reported as unreachable, and retried), and with ``replicas`` unset it is a place as
     every Ready agent is today; it is never chosen anew for N replicas."""
     fitting, unknown, skipped = _sorted_out(demand, agents)
-    by_pod = {a.pod: a for a in fitting + unknown}
-
-    def has_room(agent: Candidate) -> bool:
-        return len(held[agent.endpoint]) < agent.max_loaded_loras
-
-    def stays(agent: Candidate) -> bool:
-        return not agent.known or demand.name in held[agent.endpoint] or has_room(agent)
-
-    # Stay: the last placement first (in its order), then other holders by name; an agent
-    # that refused this version competes with the others, last.
-    staying = [by_pod[p] for p in dict.fromkeys(demand.previous) if p in by_pod and p not in demand.refused and stays(by_pod[p])]
-    kept = {a.pod for a in staying}
-    staying += [a for a in fitting if demand.name in held[a.endpoint] and a.pod not in kept and a.pod not in demand.refused]
-    if demand.replicas is None:
-        staying += [a for a in unknown if a.pod not in kept]
-    kept = {a.pod for a in staying}
+    room = _Room(demand, held, quotas)
     wanted = len(fitting) + len(unknown) if demand.replicas is None else demand.replicas
+    staying = _staying(demand, fitting, unknown, room, wanted)
+    kept = {a.pod for a in staying}
     chosen = staying[:wanted]
     for agent in staying[wanted:]:
         skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed elsewhere"))
@@ -218,10 +290,10 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
     for agent in rest:
         if len(chosen) >= wanted:
             skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed"))
-        elif not has_room(agent) and demand.name not in held[agent.endpoint]:
-            skipped.append(Skip(agent.pod, SkipReason.FULL, full_message(len(held[agent.endpoint]), agent.max_loaded_loras)))
-        else:
+        elif room.holds(agent) or room.claim(agent):
             chosen.append(agent)
+        else:
+            skipped.append(room.no_room(agent))
     for agent in chosen:
         if agent.known:
             held[agent.endpoint].add(demand.name)
@@ -237,14 +309,15 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
     )
 
 
-def place(agents: Sequence[Candidate], demands: Iterable[Demand]) -> dict[str, Placement]:
+def place(agents: Sequence[Candidate], demands: Iterable[Demand], quotas: Sequence[QuotaUse] = ()) -> dict[str, Placement]:
     """Place every adapter of a fleet, oldest first; by registry name. Pods at one endpoint
     (fleets of several namespaces may dial one agent) share its room: what the first of them
-    that answered says it holds."""
+    that answered says it holds. ``quotas``: those that bind the fleet's namespace (their
+    ``used`` counted up with the places given)."""
     held: dict[str, _Taken] = {}
     for agent in sorted(agents, key=lambda a: not a.known):
         held.setdefault(agent.endpoint, _Taken(agent.held))
-    return {d.name: place_one(d, agents, held) for d in sorted(demands, key=lambda d: d.order)}
+    return {d.name: place_one(d, agents, held, quotas) for d in sorted(demands, key=lambda d: d.order)}
 
 
 @dataclass

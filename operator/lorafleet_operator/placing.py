@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from lorafleet_operator.agent_values import AgentError, AgentInfo
-from lorafleet_operator.placement import Candidate, Demand, Placement, place
-from lorafleet_operator.resources import AdapterObject
-from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.placement import Candidate, Demand, Placement, QuotaUse, place
+from lorafleet_operator.resources import AdapterObject, FleetObject
+from lorafleet_operator.runtime import Runtime, fleet_agents
 from lorafleet_operator.status import AgentState
 from lorafleet_operator.view import FleetView, Registry, Target
 
@@ -72,7 +72,9 @@ def place_fleet(
     the others' loads as reservations."""
     fresh = {d.name: d for d in (demand(rt, a) for a in adapters)}
     book = rt.books.demands.setdefault((view.namespace, view.name), {})
-    placements = place(candidates(rt, view, registries), fresh.values() if complete else {**book, **fresh}.values())
+    agents = candidates(rt, view, registries)
+    quotas = quota_uses(rt, view.namespace)
+    placements = place(agents, fresh.values() if complete else {**book, **fresh}.values(), quotas)
     if complete:
         book.clear()
     for name, placement in placements.items():
@@ -81,6 +83,41 @@ def place_fleet(
         else:
             book.pop(name, None)
     return placements
+
+
+def binding_fleets(rt: Runtime, namespace: str) -> list[FleetObject]:
+    """The LoraFleets whose ``spec.quotas`` bind ``namespace``: those of the operator's own
+    namespace (the release's, where tenants have no rights), which bind every namespace, and
+    the namespace's own fleets (a limit a tenant sets on itself)."""
+    owners = {rt.settings.lease_namespace, namespace}
+    return [
+        fleet for (ns, _), fleets in rt.watch.fleets.items() if ns in owners for fleet in fleets if fleet.spec.quotas and not fleet.deleting
+    ]
+
+
+def quota_uses(rt: Runtime, namespace: str) -> list[QuotaUse]:
+    """Every quota that binds ``namespace``, with the slots it holds under each now: its
+    names on the quota fleet's agents in their last listings, plus the loads sent there and
+    not yet listed."""
+    uses = []
+    for fleet in binding_fleets(rt, namespace):
+        quota = fleet.spec.quotas.of(namespace)
+        if quota is None:
+            continue
+        endpoints = {a.endpoint for a in fleet_agents(rt, fleet.namespace, fleet.name, fleet.spec) if a.endpoint}
+        used = sum(_slots_held(rt, endpoint, namespace) for endpoint in endpoints)
+        uses.append(QuotaUse(f"{fleet.namespace}/{fleet.name}", quota.field, namespace, quota.max_slots, endpoints, used))
+    return uses
+
+
+def _slots_held(rt: Runtime, endpoint: str, namespace: str) -> int:
+    """The namespace's names at an endpoint: in its last listing (none before one), and the
+    loads sent there that it lacks."""
+    listing = rt.books.registries.get(endpoint)
+    listed = listing.entries if listing is not None else {}
+    prefix = f"{namespace}."
+    sent = sum(1 for name in rt.books.reservations.loads.get(endpoint, {}) if name.startswith(prefix) and name not in listed)
+    return (listing.per_namespace[namespace] if listing is not None else 0) + sent
 
 
 def placed_targets(view: FleetView, placement: Placement) -> list[Target]:

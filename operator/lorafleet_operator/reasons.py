@@ -30,6 +30,8 @@ class Reason(enum.StrEnum):
     NO_TARGET_AGENTS = "NoTargetAgents"
     NO_ROOM = "NoRoom"
     NOT_ENOUGH_ROOM = "NotEnoughRoom"
+    #: Every agent that would fit is closed to it by a quota of its namespace (spec.quotas).
+    QUOTA_EXCEEDED = "QuotaExceeded"
     # LoraAdapter Ready while Pending: the fleet cannot be used, or does not admit it.
     FLEET_NOT_FOUND = "FleetNotFound"
     FLEET_DELETED = "FleetDeleted"
@@ -58,3 +60,10 @@ class EventReason(enum.StrEnum):
     NOT_AN_AGENT = "NotAnAgent"
     #: A watched namespace is missing or forbidden (on the leader Lease).
     WATCHED_NAMESPACE_UNUSABLE = "WatchedNamespaceUnusable"
+    #: Someone else changed or deleted one of the adapter's EndpointSlices: written again.
+    ENDPOINT_SLICE_RESTORED = "EndpointSliceRestored"
+    #: A slice claimed to be the adapter's (lorafleet's managed-by, or the adapter as its
+    #: controller) but was not written by the operator: deleted.
+    IMPOSTOR_ENDPOINT_SLICE_DELETED = "ImpostorEndpointSliceDeleted"
+    #: A slice carries the adapter's label but is not lorafleet's: never trusted, left alone.
+    UNTRUSTED_ENDPOINT_SLICE = "UntrustedEndpointSlice"

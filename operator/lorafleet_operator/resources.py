@@ -135,6 +135,34 @@ class TlsRef:
 
 
 @dataclass(frozen=True)
+class SlotQuota:
+    """One namespace's limit of ``spec.quotas``: at most ``max_slots`` slots (adapter × agent
+    placements) on the fleet's agents; ``field`` is where the fleet states it."""
+
+    max_slots: int
+    field: str
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """``spec.quotas``: a limit per namespace named, and one for every other (None: none)."""
+
+    default: int | None = None
+    #: (namespace, maxSlots) in the spec's order.
+    namespaces: tuple[tuple[str, int], ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.default is not None or bool(self.namespaces)
+
+    def of(self, namespace: str) -> SlotQuota | None:
+        """The limit that applies to ``namespace`` (None: no limit)."""
+        for named, max_slots in self.namespaces:
+            if named == namespace:
+                return SlotQuota(max_slots, f"spec.quotas.namespaces[namespace={namespace}]")
+        return None if self.default is None else SlotQuota(self.default, "spec.quotas.default")
+
+
+@dataclass(frozen=True)
 class FleetSpec:
     """A LoraFleet's ``spec`` ("" for a port or Service name the spec leaves out: the
     modules that use them hold the defaults, which the CRD repeats)."""
@@ -148,6 +176,8 @@ class FleetSpec:
     pinning_allowed: bool = False
     #: ``spec.sources.allow``: the http(s) and hf:// prefixes the fleet's owner admits.
     source_prefixes: tuple[str, ...] = ()
+    #: ``spec.quotas``: slots per namespace on the fleet's agents (docs/operator.md, Security).
+    quotas: Quotas = field(default_factory=Quotas)
 
     @property
     def agent_secrets(self) -> frozenset[str]:
@@ -229,6 +259,16 @@ def fleet_spec_of(spec: Mapping[str, Any]) -> FleetSpec:
         tls=TlsRef(str(tls["secretRef"]["name"]), str(tls.get("serverName", ""))) if tls else None,
         pinning_allowed=bool((spec.get("pinning") or {}).get("allowed")),
         source_prefixes=tuple(str(p) for p in (spec.get("sources") or {}).get("allow") or ()),
+        quotas=quotas_of(spec.get("quotas") or {}),
+    )
+
+
+def quotas_of(quotas: Mapping[str, Any]) -> Quotas:
+    """A LoraFleet's ``spec.quotas`` as the API server stores it (the CRD's required fields set)."""
+    default = quotas.get("default")
+    return Quotas(
+        default=None if default is None else int(default["maxSlots"]),
+        namespaces=tuple((str(q["namespace"]), int(q["maxSlots"])) for q in quotas.get("namespaces") or ()),
     )
 
 

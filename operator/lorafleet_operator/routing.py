@@ -3,8 +3,13 @@ every rank holds it (docs/operator.md, "Routing"), with their gRPC port, the age
 and, for a vLLM-backed agent, vLLM's own port.
 
 Each slice carries ``kubernetes.io/service-name`` (the fleet's ``spec.routing.serviceName``,
-by default the chart's selector-less adapter Service) and ``lorafleet.dev/adapter``, and is owned by
-the LoraAdapter (garbage-collected with it; deleted explicitly too). All endpoints of one
+by default the chart's selector-less adapter Service), ``lorafleet.dev/adapter`` and
+``endpointslice.kubernetes.io/managed-by: operator.lorafleet.dev``, and is owned by the
+LoraAdapter (its controller reference: garbage-collected with it; deleted explicitly too).
+A slice that claims to be lorafleet's (that managed-by value, or a LoraAdapter as its
+controller) but is not one the operator wants is deleted; one that only carries the adapter's
+label is never lorafleet's and is reported (:func:`warn_untrusted`), not deleted: it may be
+another controller's (docs/operator.md, "Routing trust"). All endpoints of one
 slice share its ports, so pods whose gRPC/HTTP port numbers differ go into separate slices
 (one per port set and address family, at most :data:`MAX_ENDPOINTS` endpoints each): a
 reader takes the union of the slices with the adapter's label. With no pod holding the
@@ -26,16 +31,19 @@ from kubernetes.client.exceptions import ApiException
 from lorafleet_operator.config import GROUP, VERSION
 from lorafleet_operator.failures import KUBE_API_ERRORS, kube_reason
 from lorafleet_operator.fleet import DEFAULT_PORT_NAME, AgentPod
-from lorafleet_operator.publish import REFUSED_CODES
+from lorafleet_operator.publish import REFUSED_CODES, post_event
+from lorafleet_operator.reasons import EventReason
 from lorafleet_operator.resources import FleetSpec, ObjectRef
-from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.runtime import PublishedSlices, Runtime
 from lorafleet_operator.status import AgentResult
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
-MANAGED_BY = "lorafleet-operator"
+#: The managed-by value of the operator's slices: a domain-qualified name, as Kubernetes' own
+#: controllers use (``endpointslice-controller.k8s.io``); a label value may hold no "/".
+MANAGED_BY = "operator.lorafleet.dev"
 #: The adapter's name (shortened with a digest when over a label value's 63 characters; the
 #: full name is in :data:`ADAPTER_ANNOTATION`).
 ADAPTER_LABEL = "lorafleet.dev/adapter"
@@ -151,11 +159,58 @@ def _slice(
 
 
 def _selector(name: str) -> str:
-    return f"{ADAPTER_LABEL}={adapter_label(name)},{MANAGED_BY_LABEL}={MANAGED_BY}"
+    """Every slice with the adapter's label, whoever wrote it: the operator's, impostors that
+    claim to be (deleted), and others (reported)."""
+    return f"{ADAPTER_LABEL}={adapter_label(name)}"
 
 
-def _owned(slices: Sequence[Mapping[str, Any]], uid: str) -> list[Mapping[str, Any]]:
-    return [s for s in slices if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences") or [])]
+def claims_lorafleet(slice_: Mapping[str, Any]) -> bool:
+    """Whether a slice claims to be the operator's: lorafleet's managed-by value, or a
+    LoraAdapter as its controller. Only the operator may make either claim, so a slice that
+    makes one and is not one the operator wants is an impostor (or its own stale write)."""
+    meta = slice_.get("metadata") or {}
+    if (meta.get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY:
+        return True
+    return any(
+        o.get("controller") and o.get("kind") == "LoraAdapter" and str(o.get("apiVersion", "")).startswith(f"{GROUP}/")
+        for o in meta.get("ownerReferences") or []
+    )
+
+
+def slice_essence(slice_: Mapping[str, Any]) -> str:
+    """A digest of what a slice says (labels, annotations, owners, finalizers, addresses,
+    endpoints, ports), without what the API server keeps about it (resourceVersion, uid,
+    timestamps, managed fields): a stored slice has the essence of the body written."""
+    meta = slice_.get("metadata") or {}
+    return _digest(
+        [
+            meta.get("labels") or {},
+            meta.get("annotations") or {},
+            meta.get("ownerReferences") or [],
+            meta.get("finalizers") or [],
+            slice_.get("addressType"),
+            slice_.get("endpoints") or [],
+            slice_.get("ports") or [],
+        ]
+    )
+
+
+def warn_untrusted(rt: Runtime, adapter: ObjectRef, slice_: Mapping[str, Any]) -> None:
+    """Report, once per slice, a slice that carries the adapter's label but does not claim to
+    be lorafleet's: no gateway may route by it. It is left in place (it may be another
+    controller's, e.g. mirrored from someone's Endpoints, which would write it again)."""
+    meta = slice_.get("metadata") or {}
+    uid = str(meta.get("uid", ""))
+    if uid in rt.caches.untrusted_slices:
+        return
+    rt.caches.untrusted_slices.add(uid)
+    manager = (meta.get("labels") or {}).get(MANAGED_BY_LABEL)
+    message = (
+        f"EndpointSlice {meta.get('name')!r} carries {ADAPTER_LABEL}={adapter_label(adapter.name)} but is not lorafleet's "
+        f"({MANAGED_BY_LABEL}: {manager or 'none'}; not written by the operator): gateways must not route by it; left in place"
+    )
+    log.warning("loraadapter %s/%s: %s", adapter.namespace, adapter.name, message)
+    post_event(adapter, "Warning", EventReason.UNTRUSTED_ENDPOINT_SLICE, message)
 
 
 async def publish_slices(
@@ -198,7 +253,7 @@ async def publish_slices(
     except KUBE_API_ERRORS as err:
         return _not_written(adapter, err)
     rt.caches.slices[key] = digest
-    rt.caches.slice_names[key] = (adapter.uid, tuple(s["metadata"]["name"] for s in wanted))
+    rt.caches.published_slices[key] = PublishedSlices(adapter.uid, tuple(wanted))
     log.info(
         "endpointslices of loraadapter %s/%s: %d pod(s) in %d slice(s)",
         adapter.namespace,
@@ -219,26 +274,64 @@ def _not_written(ref: ObjectRef, err: BaseException) -> bool:
     return False
 
 
-async def _write(rt: Runtime, ref: ObjectRef, wanted: Sequence[Mapping[str, Any]], *, new: bool = False) -> None:
-    """Create or replace the wanted slices, and delete the adapter's others. A ``new``
+async def _write(rt: Runtime, ref: ObjectRef, wanted: Sequence[Mapping[str, Any]], *, new: bool = False) -> int:
+    """Create or replace the wanted slices, and delete the others that claim to be the
+    adapter's (:func:`claims_lorafleet`); report those that only carry its label. A ``new``
     adapter's are created straight away: a thousand adapters created at once were a LIST
     each, filtered by label over every slice of the namespace; one that exists after all
-    (409 Conflict) sends the write down the listing path."""
+    (409 Conflict) sends the write down the listing path. Returns how many slices it
+    created, replaced or deleted (none: they were as wanted already)."""
     # Until this write completes the adapter's slices are not known by name.
-    known = rt.caches.slice_names.pop((ref.namespace, ref.name), None)
+    known = rt.caches.published_slices.pop((ref.namespace, ref.name), None)
     if new and known is None and await _created(rt, ref, wanted):
-        return
-    existing = {s["metadata"]["name"]: s for s in _owned(await rt.kube.list_endpoint_slices(ref.namespace, _selector(ref.name)), ref.uid)}
+        return len(wanted)
+    existing = {s["metadata"]["name"]: s for s in await rt.kube.list_endpoint_slices(ref.namespace, _selector(ref.name))}
+    changed = 0
     for slice_ in wanted:
         name = slice_["metadata"]["name"]
         old = existing.pop(name, None)
         if old is None:
-            await rt.kube.create_endpoint_slice(ref.namespace, slice_)
-        else:
+            await _create_or_replace(rt, ref.namespace, slice_)
+        elif slice_essence(old) != slice_essence(slice_):
             current = {**slice_, "metadata": {**slice_["metadata"], "resourceVersion": old["metadata"]["resourceVersion"]}}
             await rt.kube.replace_endpoint_slice(ref.namespace, name, current)
-    for name in existing:
-        await rt.kube.delete_endpoint_slice(ref.namespace, name)
+        else:
+            continue
+        changed += 1
+    for name, other in existing.items():
+        if claims_lorafleet(other):
+            await rt.kube.delete_endpoint_slice(ref.namespace, name)
+            changed += 1
+        else:
+            warn_untrusted(rt, ref, other)
+    return changed
+
+
+async def _create_or_replace(rt: Runtime, namespace: str, slice_: Mapping[str, Any]) -> None:
+    """Create a slice the listing did not show; one of that name that exists after all (its
+    labels were taken off, so the label selector missed it) is replaced unconditionally."""
+    try:
+        await rt.kube.create_endpoint_slice(namespace, slice_)
+    except ApiException as err:
+        if err.status != 409:
+            raise
+        await rt.kube.replace_endpoint_slice(namespace, slice_["metadata"]["name"], slice_)
+
+
+async def restore_slices(rt: Runtime, ref: ObjectRef, published: PublishedSlices) -> int:
+    """Write the adapter's slices as this process last wrote them again (someone else changed
+    or deleted one); returns how many it had to create, replace or delete (none: the event
+    that called for it was late, they are as kept). On an API error they are left to the next
+    reconcile, which then writes whatever it finds changed."""
+    key = (ref.namespace, ref.name)
+    try:
+        changed = await _write(rt, ref, published.slices)
+    except KUBE_API_ERRORS as err:
+        rt.caches.slices.pop(key, None)
+        _not_written(ref, err)
+        return 0
+    rt.caches.published_slices[key] = published
+    return changed
 
 
 async def _created(rt: Runtime, ref: ObjectRef, wanted: Sequence[Mapping[str, Any]]) -> bool:
@@ -261,11 +354,12 @@ async def remove_slices(rt: Runtime, namespace: str, name: str, uid: str) -> int
     were a LIST each more on the API server); otherwise (written by an earlier process, or a
     write that did not complete) they are listed first."""
     rt.caches.slices.pop((namespace, name), None)
-    known = rt.caches.slice_names.pop((namespace, name), None)
-    if known is not None and known[0] == uid:
-        names = list(known[1])
+    known = rt.caches.published_slices.pop((namespace, name), None)
+    if known is not None and known.uid == uid:
+        names = list(known.names())
     else:
-        names = [s["metadata"]["name"] for s in _owned(await rt.kube.list_endpoint_slices(namespace, _selector(name)), uid)]
+        listed = await rt.kube.list_endpoint_slices(namespace, _selector(name))
+        names = [s["metadata"]["name"] for s in listed if any(o.get("uid") == uid for o in s["metadata"].get("ownerReferences") or [])]
     for slice_name in names:
         await rt.kube.delete_endpoint_slice(namespace, slice_name)
     return len(names)

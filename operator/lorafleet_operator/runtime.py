@@ -19,7 +19,7 @@ from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.agent_values import AgentInfo
 from lorafleet_operator.books import Books, Listing
 from lorafleet_operator.config import Settings
-from lorafleet_operator.fleet import AgentPod
+from lorafleet_operator.fleet import AgentPod, agents_of
 from lorafleet_operator.kube import Kube
 from lorafleet_operator.resources import FleetObject, FleetSpec
 from lorafleet_operator.sending import QueuedLoad, loads_join, send_loads
@@ -67,6 +67,18 @@ class FleetAgents:
     agents: tuple[AgentPod, ...]
 
 
+@dataclass(frozen=True)
+class PublishedSlices:
+    """The EndpointSlices this process last wrote for one adapter (of this uid), as written."""
+
+    uid: str
+    slices: tuple[Mapping[str, Any], ...]
+
+    def names(self) -> tuple[str, ...]:
+        """The slices' names."""
+        return tuple(s["metadata"]["name"] for s in self.slices)
+
+
 #: (pod uid, restarts, endpoint): one life of one agent at one address.
 PodLife = tuple[str, int, str]
 
@@ -83,7 +95,7 @@ class Caches:
     #: handlers that need one meanwhile.
     listings: SharedCalls[tuple[str, tuple[str, int]], Listing] = field(default_factory=SharedCalls)
     #: (namespace, fleet) -> its agents as last made from the indexes
-    #: (:func:`~lorafleet_operator.looks.fleet_agents`).
+    #: (:func:`~lorafleet_operator.runtime.fleet_agents`).
     fleet_agents: dict[ObjectKey, FleetAgents] = field(default_factory=dict)
     #: (namespace, fleet) -> the last look at it that had dialable agents: where deletions
     #: unload once its pods, Secrets or the operator's namespaced rights are gone.
@@ -91,10 +103,13 @@ class Caches:
     #: (namespace, adapter) -> the EndpointSlices last written for it (a digest): written
     #: again only when they change.
     slices: dict[ObjectKey, str] = field(default_factory=dict)
-    #: (namespace, adapter) -> the adapter's uid and the names of every EndpointSlice it has
-    #: since this process last wrote them (that write deleted the others): its deletion
-    #: deletes these by name without listing them.
-    slice_names: dict[ObjectKey, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    #: (namespace, adapter) -> the EndpointSlices this process last wrote for it (that write
+    #: deleted the others): its deletion deletes these by name without listing them, and the
+    #: slice watch puts back any that someone else changes or deletes.
+    published_slices: dict[ObjectKey, PublishedSlices] = field(default_factory=dict)
+    #: uids of EndpointSlices that carry an adapter's label without being lorafleet's, already
+    #: reported in a Warning Event (once per slice).
+    untrusted_slices: set[str] = field(default_factory=set)
     #: (kind, namespace, name) -> the digest of the last status patch the API server refused:
     #: the same patch is never sent again.
     refused_status: dict[tuple[str, str, str], str] = field(default_factory=dict)
@@ -146,3 +161,22 @@ class Runtime:
             functools.partial(send_loads, self.agents, self.books),
             functools.partial(loads_join, self.books.crashes),
         )
+
+
+def fleet_agents(rt: Runtime, namespace: str, fleet_name: str, spec: FleetSpec) -> tuple[AgentPod, ...]:
+    """The fleet's agents (:func:`~lorafleet_operator.fleet.agents_of`) among kopf's pod
+    index, made again only when the fleet's spec or a pod of the namespace changed (kopf
+    replaces the objects of what changed: pods are compared by identity). Made at every
+    reconcile, they would be a noticeable share of the operator's CPU at scale."""
+    pods = tuple(rt.watch.pods.get(namespace, ()))
+    known = rt.caches.fleet_agents.get((namespace, fleet_name))
+    if (
+        known is not None
+        and (known.spec is spec or known.spec == spec)
+        and len(known.pods) == len(pods)
+        and all(a is b for a, b in zip(known.pods, pods, strict=True))
+    ):
+        return known.agents
+    agents = tuple(agents_of(spec, list(pods)))
+    rt.caches.fleet_agents[(namespace, fleet_name)] = FleetAgents(spec, pods, agents)
+    return agents

@@ -214,6 +214,17 @@ def placement_status(placement: Placement, previous: Mapping[str, Any]) -> dict[
     }
 
 
+def _unplaced_reason(placement: Placement, otherwise: str) -> str:
+    """The Ready reason of an adapter placed nowhere: over its namespace's quota wherever it
+    would fit (``QuotaExceeded``), without room (``NoRoom``), or ``otherwise``."""
+    blocking = [s.reason for s in placement.skipped if s.reason is not SkipReason.NOT_NEEDED]
+    if blocking and all(r is SkipReason.QUOTA for r in blocking):
+        return Reason.QUOTA_EXCEEDED
+    if any(r in (SkipReason.FULL, SkipReason.REFUSED, SkipReason.QUOTA) for r in blocking):
+        return Reason.NO_ROOM
+    return otherwise
+
+
 def _placement_outcome(phase: Phase, placement: Placement | None, ready: tuple[str, str, str]) -> tuple[Phase, tuple[str, str, str]]:
     """Phase and Ready condition once placement is known: fewer places than ``replicas``
     asked for make an otherwise Ready adapter Degraded."""
@@ -248,8 +259,7 @@ def build_status(
     old_conditions = list((previous or {}).get("conditions") or [])
     ordered = sorted(results, key=lambda r: r.pod)
     if placement is not None and not placement.placed and not deleting:
-        full = any(s.reason in (SkipReason.FULL, SkipReason.REFUSED) for s in placement.skipped)
-        pending = Pending(Reason.NO_ROOM if full else pending.reason, placement.why_not() or pending.message)
+        pending = Pending(_unplaced_reason(placement, pending.reason), placement.why_not() or pending.message)
     phase = phase_of(ordered, deleting=deleting)
     ready = _ready_condition(phase, ordered, pending, crashed)
     phase, ready = _placement_outcome(phase, placement, ready)

@@ -184,6 +184,7 @@ ALLOWED = [
     ("create", "leases.coordination.k8s.io"),
     ("update", "leases.coordination.k8s.io/lorafleet-operator"),
     ("list", "endpointslices.discovery.k8s.io"),
+    ("watch", "endpointslices.discovery.k8s.io"),
     ("create", "endpointslices.discovery.k8s.io"),
     ("update", "endpointslices.discovery.k8s.io"),
     ("delete", "endpointslices.discovery.k8s.io"),
@@ -227,7 +228,8 @@ def test_operator_rbac_is_enough_and_no_broader(kube_cluster: ControlPlane, kube
     assert (wrong_denied, wrong_allowed) == ([], [])
 
     # Cluster-wide only what finishing a terminating namespace needs (its own resources, reading
-    # pods and namespaces): no Secrets, Events or writes of anything else outside its namespace.
+    # pods, EndpointSlices and namespaces): no Secrets, Events or writes of anything else
+    # outside its namespace.
     other = kube_cluster.create_namespace(prefix="other")
     try:
         for verb, resource in (
@@ -235,9 +237,10 @@ def test_operator_rbac_is_enough_and_no_broader(kube_cluster: ControlPlane, kube
             ("create", "events"),
             ("create", "pods"),
             ("delete", "loraadapters.lorafleet.dev"),
+            ("create", "endpointslices.discovery.k8s.io"),
         ):
             assert not can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
-        for verb, resource in (("list", "pods"), ("patch", "loraadapters.lorafleet.dev")):
+        for verb, resource in (("list", "pods"), ("watch", "endpointslices.discovery.k8s.io"), ("patch", "loraadapters.lorafleet.dev")):
             assert can_i(kube_cluster, sa, verb, resource, other), (verb, resource)
     finally:
         kube_cluster.delete_namespace(other)

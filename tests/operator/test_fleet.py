@@ -22,9 +22,9 @@ from lorafleet_operator.fleet import (
     selector_matches,
 )
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.looks import fleet_agents, fleet_view
+from lorafleet_operator.looks import fleet_view
 from lorafleet_operator.resources import fleet_of, fleet_spec_of
-from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.runtime import Runtime, fleet_agents
 from tests.kube.harness import ControlPlane
 from tests.operator.agents import apply, fleet_manifest
 

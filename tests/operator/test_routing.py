@@ -29,8 +29,11 @@ from lorafleet_operator.routing import (
     ADAPTER_LABEL,
     DEFAULT_HTTP_PORT_NAME,
     DEFAULT_SERVICE,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
     SERVICE_NAME_LABEL,
     adapter_label,
+    claims_lorafleet,
     desired_slices,
     publish_slices,
     routed_pods,
@@ -100,9 +103,23 @@ def test_one_slice_per_port_set_with_the_labels_and_owner() -> None:
     for s in slices:
         assert s["metadata"]["labels"][SERVICE_NAME_LABEL] == "svc"
         assert s["metadata"]["labels"][ADAPTER_LABEL] == "a"
+        assert s["metadata"]["labels"][MANAGED_BY_LABEL] == MANAGED_BY == "operator.lorafleet.dev"
         assert s["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     empty = desired_slices(ADAPTER, "svc", [])
     assert [(s["endpoints"], s["ports"]) for s in empty] == [([], [])]
+
+
+def test_which_slices_claim_to_be_lorafleets() -> None:
+    """lorafleet's managed-by value, or a LoraAdapter as controller, is a claim only the
+    operator may make; the adapter's label alone (another manager, a plain owner) is not."""
+    (own,) = desired_slices(ADAPTER, "svc", [])
+    assert claims_lorafleet(own)
+    owner = own["metadata"]["ownerReferences"][0]
+    other_labels = {ADAPTER_LABEL: "a", MANAGED_BY_LABEL: "gateway.example.com"}
+    assert claims_lorafleet({"metadata": {"labels": other_labels, "ownerReferences": [owner]}})
+    assert not claims_lorafleet({"metadata": {"labels": other_labels, "ownerReferences": [{**owner, "controller": False}]}})
+    assert not claims_lorafleet({"metadata": {"labels": {ADAPTER_LABEL: "a"}}})
+    assert not claims_lorafleet({"metadata": {"ownerReferences": [{**owner, "apiVersion": "example.com/v1"}]}})
 
 
 def test_a_long_adapter_name_gets_a_label_value_that_fits() -> None:
@@ -219,6 +236,8 @@ def test_endpointslices_follow_placement_and_pods(
     kube_cluster.kubectl("delete", "la", "every", "-n", ns)
     assert slice_lists(operator) == lists
     assert kube_cluster.kubectl_json("get", "endpointslices", "-n", ns, "-l", f"{ADAPTER_LABEL}=every")["items"] == []
+    # The slice watch took none of the operator's own writes for tampering.
+    assert "written again" not in operator.log()
 
 
 def slice_lists(operator: OperatorProcess) -> float:
