@@ -13,6 +13,8 @@ bash scripts/build-node.sh
 # Stock vLLM's CPU build in an environment of its own, for tests/vllm/ (the agent over vLLM
 # servers). Cached by version: several minutes and about 6 GB cold.
 bash scripts/build-vllm.sh
+# Real storage servers for s3:// and oci:// sources (versitygw, distribution's registry, oras).
+bash scripts/build-storage.sh
 # Lint, types and import layers first: a failure there fails the suite.
 bash scripts/check.sh
 # Two worker processes, each taking whole files (a module's agents and engines stay in one

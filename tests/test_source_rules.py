@@ -21,6 +21,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from lorafleet_common.adapter_names import MAX_NAME_LENGTH
 from lorafleet_common.hub import parse_hub_uri, repo_id_problem
+from lorafleet_common.storage import STORAGE_SCHEMES, InvalidStorageUri, StoragePrefix, storage_refusal
 from lorafleet_operator import names
 from lorafleet_operator.sources import admitted
 from node_agent.errors import InvalidRequest, SourceRefused
@@ -118,10 +119,65 @@ HUB_TABLE = [
 ]
 
 
+DIGEST = "sha256:" + "ab" * 32
+REG = "oci://reg.example"
+# s3:// and oci:// sources under s3:// bucket and oci:// registry prefixes: the agents read them
+# with the rule the operator shares (`lorafleet_common.storage.storage_refusal`).
+STORAGE_TABLE = [
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/x", True),
+    HttpRow(("s3://bkt/team",), "s3://bkt/team", True),
+    HttpRow(("s3://bkt/team",), "s3://bkt/teams/x", False),  # a longer key segment is another prefix
+    HttpRow(("s3://bkt/team/",), "s3://bkt/team/x/", True),
+    HttpRow(("s3://bkt",), "s3://bkt/any/key", True),
+    HttpRow(("s3://bkt",), "s3://bkt", True),  # the adapter's objects at the bucket's top
+    HttpRow(("s3://bkt",), "s3://other/x", False),
+    HttpRow(("s3://bkt",), "S3://bkt/x", True),  # the scheme is case-insensitive
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/a%20b", True),  # keys are percent-decoded
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/../secret", False),  # traversal in keys
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/%2e%2e/secret", False),
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/a%2F..%2Fsecret", False),
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/x\\..\\y", False),
+    HttpRow(("s3://bkt/team",), "s3://bkt/team//x", False),  # an empty segment
+    HttpRow(("s3://bkt/team",), "s3://bkt/team/x%00", False),  # a control character
+    HttpRow(("s3://bkt",), "s3://minio.example:9000/bkt/x", False),  # an endpoint in the URI
+    HttpRow(("s3://bkt",), "s3://user:pw@bkt/x", False),
+    HttpRow(("s3://bkt",), "s3://bkt/x?versionId=1", False),
+    HttpRow(("s3://bkt",), "s3://bkt/x#part", False),
+    HttpRow(("s3://bkt",), "s3://BKT/x", False),  # not a bucket name
+    HttpRow(("s3://bk",), "s3://bk/x", False),
+    HttpRow(("s3://192.168.1.1",), "s3://192.168.1.1/x", False),
+    HttpRow(("s3://bkt/a/../b",), "s3://bkt/b/x", False),  # an invalid prefix: the agent does not start
+    HttpRow((), "s3://bkt/x", False),  # no prefix: no s3:// source
+    HttpRow((f"{H}/",), "s3://bkt/x", False),  # an http(s) prefix covers no bucket
+    HttpRow((f"{REG}/team",), f"{REG}/team/lora:v1", True),
+    HttpRow((f"{REG}/team",), f"{REG}/team/lora", True),  # the tag "latest"
+    HttpRow((f"{REG}/team",), f"{REG}/team/lora@{DIGEST}", True),
+    HttpRow((f"{REG}/team",), f"{REG}/teams/lora", False),
+    HttpRow((REG,), f"{REG}/x/y:z", True),
+    HttpRow(("oci://REG.example/team",), "oci://reg.EXAMPLE/team/lora", True),  # registries are case-insensitive
+    HttpRow((f"{REG}:5000/team",), f"{REG}/team/lora", False),  # another port is another registry
+    HttpRow((REG,), f"{REG}:5000/team/lora", False),
+    HttpRow((f"{REG}:5000",), f"{REG}:5000/team/lora", True),
+    HttpRow((REG,), f"{REG}/team/../secret/x", False),  # traversal in repository names
+    HttpRow((REG,), f"{REG}/team/%2e%2e/x", False),
+    HttpRow((REG,), f"{REG}/team/.x", False),
+    HttpRow((REG,), f"{REG}/Team/lora", False),  # repository names are lowercase
+    HttpRow((REG,), f"{REG}/team/lora:", False),
+    HttpRow((REG,), f"{REG}/team/lora:" + "t" * 129, False),
+    HttpRow((REG,), f"{REG}/team/lora:v1@{DIGEST}", False),  # a tag and a digest
+    HttpRow((REG,), f"{REG}/team/lora@sha256:abc", False),
+    HttpRow((REG,), "oci://user:pw@reg.example/team/lora", False),
+    HttpRow((REG,), f"{REG}/team/lora?x=1", False),
+    HttpRow((REG,), f"{REG}", False),
+    HttpRow((), f"{REG}/team/lora", False),
+]
+
+
 def agent_admits(uri: str, allow: tuple[str, ...]) -> bool:
     """Whether an agent with these --allow-source prefixes admits `uri` (nothing is fetched)."""
     try:
-        policy = SourcePolicy(allowed_sources=allow)  # no cache directory: nothing can be fetched
+        # No cache directory: nothing can be fetched. An S3 endpoint: s3:// sources are read.
+        policy = SourcePolicy(allowed_sources=allow, s3_endpoint="https://s3.example")
     except ValueError:
         return False  # an invalid prefix: the agent does not start
     with pytest.raises(SourceRefused) as refused:
@@ -132,6 +188,21 @@ def agent_admits(uri: str, allow: tuple[str, ...]) -> bool:
 @pytest.mark.parametrize("row", HTTP_TABLE, ids=lambda row: f"{row.allow}-{row.uri}")
 def test_the_operator_and_the_agents_admit_the_same_http_sources(row: HttpRow) -> None:
     assert (agent_admits(row.uri, row.allow), admitted(row.uri, list(row.allow))) == (row.admitted, row.admitted)
+
+
+@pytest.mark.parametrize("row", STORAGE_TABLE, ids=lambda row: f"{row.allow}-{row.uri}")
+def test_the_agents_and_the_shared_rule_admit_the_same_storage_sources(row: HttpRow) -> None:
+    # The operator's admission of s3:// and oci:// sources is to call the same shared rule.
+    try:
+        shared = (
+            storage_refusal(
+                row.uri, tuple(StoragePrefix.parse(entry) for entry in row.allow if entry.partition("://")[0] in STORAGE_SCHEMES)
+            )
+            is None
+        )
+    except InvalidStorageUri:
+        shared = False
+    assert (agent_admits(row.uri, row.allow), shared) == (row.admitted, row.admitted)
 
 
 @pytest.mark.parametrize("row", HUB_TABLE, ids=lambda row: row.uri)

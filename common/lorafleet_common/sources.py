@@ -15,7 +15,8 @@ an agent with that prefix admits too:
   covers both files an agent fetches from it (`source_file_urls`, `check_http_source`);
 * a URI's userinfo, query and fragment are never shown (`redact_uri`).
 
-hf:// URIs are read by `lorafleet_common.hub`.
+hf:// URIs are read by `lorafleet_common.hub`; s3:// and oci:// URIs and their prefixes by
+`lorafleet_common.storage`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from urllib.parse import SplitResult, unquote, urlsplit
 
 HTTP_SCHEMES = ("http", "https")
 HUB_SCHEME = "hf"
-REMOTE_SCHEMES = (*HTTP_SCHEMES, HUB_SCHEME)
+S3_SCHEME = "s3"
+OCI_SCHEME = "oci"
+REMOTE_SCHEMES = (*HTTP_SCHEMES, HUB_SCHEME, S3_SCHEME, OCI_SCHEME)
 # The two files of an adapter directory: the only files a source is ever read for.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,6 +54,7 @@ class SourceRefusal(enum.Enum):
     NOT_A_DIRECTORY = "not_a_directory"  # a query or fragment: sources are directory URLs
     DOT_SEGMENT = "dot_segment"  # a '.' or '..' path segment
     NOT_COVERED = "not_covered"  # under no allowed prefix
+    ENDPOINT = "endpoint"  # an s3:// URI that names a host or port: the endpoint is the fleet owner's
 
 
 def scheme_of(uri: str) -> str:
@@ -64,7 +68,7 @@ def scheme_of(uri: str) -> str:
 
 
 def is_remote(uri: str) -> bool:
-    """Whether the agents download this source (http(s) and hf://, any case) rather than read
+    """Whether the agents download this source (http(s), hf://, s3://, oci://, any case) rather than read
     it under their adapter roots (file://)."""
     return scheme_of(uri) in REMOTE_SCHEMES
 

@@ -45,6 +45,8 @@ class MisbehavingServer(http.server.ThreadingHTTPServer):
     /short/<p>     declares the full Content-Length, sends half the file and closes
     /hold/<p>      waits for `release` (bounded), then serves the file honestly
     /to-creds/<p>  redirects to http://user:SECRET@127.0.0.1:<port>/files/<p>
+    /loop/<p>      redirects to itself
+    /chain/<n>/<p> redirects to /chain/<n+1>/<p>: a new URL every time
     """
 
     daemon_threads = True
@@ -75,6 +77,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if kind == "to-creds":
             self.send_response(302)
             self.send_header("Location", f"http://user:{SECRET}@127.0.0.1:{self.server.server_address[1]}/files/{relative}")
+            self.end_headers()
+            return
+        if kind in ("loop", "chain"):
+            hop, _, rest = relative.partition("/")
+            self.send_response(302)
+            self.send_header("Location", self.path if kind == "loop" else f"/chain/{int(hop) + 1}/{rest}")
             self.end_headers()
             return
         path = self.server.root / relative
@@ -268,6 +276,20 @@ def test_credentials_in_urls_are_refused_and_never_repeated(tmp_path, served, ca
             resolve_source(http.url("files", "ad") + f"?X-Signature={SECRET}", None, policy(tmp_path))
         assert SECRET not in str(queried.value)
     assert SECRET not in caplog.text
+
+
+def test_a_redirect_loop_is_refused_as_a_loop(tmp_path, served):
+    with misbehaving(served) as http:
+        with pytest.raises(SourceRefused, match="redirect loop") as looped:
+            resolve_source(http.url("loop", "ad"), None, policy(tmp_path))
+        config_url = f"{http.url('loop', 'ad')}/{ADAPTER_CONFIG}"
+        assert str(looped.value) == (
+            f"redirect from {config_url} refused: a redirect loop ({config_url} was redirected to 4 times already)"
+        )
+        with pytest.raises(SourceRefused, match=r"more than 10 redirects \(the limit\)") as chained:
+            resolve_source(http.url("chain", "0/ad"), None, policy(tmp_path))
+    assert looped.value.reason == chained.value.reason == "redirect"
+    assert not leftovers(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,8 @@ def cases(root: Path, outside: Path, http) -> list[tuple[str, str, grpc.StatusCo
     """(id, URI, status, phrase) for every refused source."""
     good = f"{root}/ad0"
     return [
-        ("scheme-s3", "s3://bucket/ad0", grpc.StatusCode.INVALID_ARGUMENT, "scheme 's3' is refused"),
+        ("scheme-gs", "gs://bucket/ad0", grpc.StatusCode.INVALID_ARGUMENT, "scheme 'gs' is refused"),
+        ("s3-not-allowed", "s3://bucket/ad0", grpc.StatusCode.INVALID_ARGUMENT, "is not under any prefix this agent allows"),
         ("scheme-ftp", "ftp://127.0.0.1/ad0", grpc.StatusCode.INVALID_ARGUMENT, "scheme 'ftp' is refused"),
         ("scheme-none", "ad0", grpc.StatusCode.INVALID_ARGUMENT, "scheme '(none)' is refused"),
         ("relative", "file:adapters/ad0", grpc.StatusCode.INVALID_ARGUMENT, "relative path refused"),
