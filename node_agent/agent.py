@@ -26,10 +26,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet_common.registry import RegistryEntry
+from node_agent.adapter_stats import AdapterStatsSnapshot, DemandRecorder, RequestCounts
 from node_agent.backend import (
     AdapterRefused,
     Backend,
     BackendError,
+    ControlReply,
     ControlResult,
     LoadFailed,
     LoadRequest,
@@ -39,6 +41,7 @@ from node_agent.backend import (
     SequenceInput,
     TokenStream,
     UnloadFailed,
+    merge_control,
 )
 from node_agent.calls import ControlCall, InferenceCall
 from node_agent.engine import EngineBackend, EngineConfig
@@ -48,12 +51,14 @@ from node_agent.errors import (
     CapacityExceeded,
     EngineUnavailable,
     InvalidRequest,
+    LoadCancelled,
     RequestAborted,
     backend_refusal,
 )
 from node_agent.generation import Prompting, new_tokens
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry, public_of
+from node_agent.residency import OnDemand, OnDemandSettings
 from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, clean_cache, parse_sha256, resolve_source
 from node_agent.text import eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
@@ -77,6 +82,7 @@ class AgentConfig:
     # an engine command running longer than this makes health NOT_SERVING until it completes
     # (well under the engine's call timeout, 300 s, after which the engine counts as dead)
     engine_hang_timeout_s: float = DEFAULT_ENGINE_HANG_TIMEOUT_S
+    on_demand: OnDemandSettings = field(default_factory=OnDemandSettings)  # standby adapters' loads on first request
 
 
 #: How the agent turns a LoadAdapter source into a verified private snapshot (`resolve_source`;
@@ -97,6 +103,7 @@ class Agent:
         self.config = config
         self.metrics = metrics or AgentMetrics()
         self.registry = Registry()
+        self.demand = DemandRecorder()  # tokens and times to first token per adapter (AdapterStats)
         self._resolve = resolve
         # Names whose source is downloading now, and its progress (ListAdapters shows them).
         self.downloading: dict[str, DownloadProgress] = {}
@@ -107,6 +114,7 @@ class Agent:
         except BackendError as error:
             raise self._engine_error(error) from None
         self.model_dir = self.backend.model_dir
+        self.on_demand = OnDemand(engine, self.registry, self.backend.capacity.max_loaded_loras, config.on_demand)
         self.base_model_name = config.base_model_name or self.model_dir.resolve().name
         self._config_sha256 = hashlib.sha256((self.model_dir / "config.json").read_bytes()).hexdigest()
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -127,8 +135,9 @@ class Agent:
             raise
 
     def close(self) -> None:
+        self.on_demand.close()
         self.engine.close()
-        for entry in self.registry.held():
+        for entry in self.registry.held() + self.registry.entries():  # standby versions are routable, not held
             entry.source.discard()
 
     def __enter__(self) -> Agent:
@@ -217,10 +226,24 @@ class Agent:
                 entry.source.uri,
                 entry.source.content.weights_sha256,
                 entry.pinned,
-                tuple(rank for rank, names in sorted(holdings.items()) if entry.engine_name in names),
+                () if entry.standby else tuple(rank for rank, names in sorted(holdings.items()) if entry.engine_name in names),
+                standby=entry.standby,
             )
             for entry in self.registry.entries()
         ]
+
+    def adapter_stats(self) -> AdapterStatsSnapshot:
+        """Each held adapter's demand (in load order, then the base model as ""): the backend's
+        running and waiting requests now, the tokens and times to first token the agent saw
+        over the recent window. Asks no rank."""
+        self._check_alive()
+        counts: dict[str, RequestCounts] = {}
+        for requests in self.engine.adapter_requests():
+            name = "" if requests.adapter is None else self.adapter_name(requests.adapter)
+            before = counts.get(name, RequestCounts())  # versions of one adapter (a replace) add up
+            counts[name] = RequestCounts(before.running + requests.running, before.waiting + requests.waiting)
+        names = [entry.name for entry in self.registry.entries()] + [""]
+        return self.demand.snapshot(names, counts)
 
     # -- LoadAdapter -----------------------------------------------------------------------------
 
@@ -232,36 +255,69 @@ class Agent:
         pinned: bool = False,
         replace_existing: bool = False,
         credential: SourceCredential | None = None,
+        *,
+        standby: bool = False,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> ControlResult:
         """Load `name` on every rank or on none; idempotent for the same content and pinning.
-        `credential` authenticates the download of an http(s) or hf:// source (never logged)."""
+        `credential` authenticates the download of an http(s) or hf:// source (never logged).
+        `standby`: verify and keep the snapshot, and load it on its first request
+        (`node_agent.residency`); an adapter already resident stays so.
+        Once `cancelled()` (the call ended) the load stops before it reaches the ranks: its
+        download is stopped (LoadCancelled); a load already on the ranks completes."""
         with ControlCall(self.metrics, "load", name, source=source_uri) as call:
             check_adapter_name(name)
             expected = parse_sha256(sha256)
             if not source_uri:
                 raise InvalidRequest("source_uri is required")
+            if standby and pinned:
+                raise InvalidRequest("a standby adapter cannot be pinned: pinning keeps it resident")
             with self.registry.serialised(name):
                 self._check_alive()
                 current = self.registry.get(name)
                 if current is not None and current.is_exactly(source_uri, expected, pinned):
-                    return call.result(self._holding(current))  # same URI, promised digest and pinning: no fetch
+                    return call.result(self._kept(current, standby))  # same URI, promised digest and pinning: no fetch
                 # One load per name at a time (serialised), so the entry is this load's own.
-                self.downloading[name] = progress = DownloadProgress()
+                self.downloading[name] = progress = DownloadProgress(cancelled)
                 try:
                     source = self._resolve(source_uri, expected, self.config.sources, credential, progress)
                 finally:
                     del self.downloading[name]
                 with _discarded_on_failure(source):
+                    if cancelled():
+                        raise LoadCancelled(
+                            f"the load of {name!r} was cancelled before it reached the ranks: its call ended (the client's "
+                            "deadline passed, or it cancelled); nothing was loaded"
+                        )
                     if current is not None and current.source.content == source.content and current.pinned == pinned:
                         source.discard()
                         self.registry.update(replace(current, source=replace(current.source, uri=source_uri)))
-                        return call.result(self._holding(current))
+                        return call.result(self._kept(current, standby))
                     if current is not None and not replace_existing:
                         raise AdapterConflict(current.conflict(source.content.weights_sha256, pinned))
+                if standby:
+                    return call.result(self._load_standby(name, source))
                 result = self._load_version(name, source, pinned)
                 if _read_other_bytes(result):
                     return call.result(result, "digest_mismatch")
                 return call.result(result)
+
+    def _kept(self, current: AdapterEntry, standby: bool) -> ControlResult:
+        """A load that found its content under the name: made resident unless it asked for standby."""
+        if current.standby and not standby:
+            self.on_demand.make_resident(current)
+            current = self.registry.get(current.name) or current
+        return self._holding(current)
+
+    def _load_standby(self, name: str, source: ResolvedSource) -> ControlResult:
+        """Publish a verified snapshot on standby (no rank is asked); retire the version it replaces."""
+        previous = self.registry.publish(AdapterEntry(name, self.registry.new_engine_name(name), source, False, standby=True))
+        self.metrics.loaded_adapters.set(len(self.registry.entries()))
+        if previous is not None:
+            old = self._retire(previous)
+            if not old.ok:
+                log.error("replaced %s by a standby version, but unloading its previous version failed: %s", name, old.error)
+        return self._standby_result()
 
     def _load_version(self, name: str, source: ResolvedSource, pinned: bool) -> ControlResult:
         """Load a new version under a fresh engine name; publish it; retire the one it replaces.
@@ -293,11 +349,17 @@ class Agent:
             with self.registry.serialised(name):
                 self._check_alive()
                 entry = self.registry.withdraw(name)
+                self.demand.forget(name)
                 self.metrics.loaded_adapters.set(len(self.registry.entries()))
                 return call.result(self.registry.public_result(self._retire(entry)))
 
     def _retire(self, entry: AdapterEntry) -> ControlResult:
-        """Drain a version that no longer routes, then unload it from every rank."""
+        """Drain a version that no longer routes, then unload it from every rank (a standby
+        version: no rank holds it)."""
+        if entry.standby:
+            self.registry.forget(entry)
+            entry.source.discard()
+            return self._standby_result()
         if not self.registry.wait_idle(entry.engine_name, self.config.drain_timeout_s):
             log.warning(
                 "adapter %s: %d requests still running after %.0fs; unloading anyway (they are aborted)",
@@ -326,6 +388,8 @@ class Agent:
                 inputs = [SequenceInput(list(tokens), lease.engine_name(adapter)) for tokens, adapter in sequences]
                 try:
                     return self.engine.forward(inputs)
+                except RequestRefused as error:
+                    raise self._engine_error(error) from None
                 except BackendError as error:
                     raise self._inference_error(error, lease) from None
 
@@ -341,11 +405,13 @@ class Agent:
             sampling = prompting.sampling(params)
             stops = prompting.stop_strings(params.stop)
             self._check_alive()
+            measure = self.demand.request(params.adapter)
             with self._leased([params.adapter] if params.adapter else []) as lease:
                 stream = self._submit(tokens, lease.engine_name(params.adapter), sampling)
                 try:
                     for token in prompting.stream(stream.tokens(cancelled=cancelled), len(tokens), stops):
                         self.metrics.generated_tokens.inc()
+                        measure.token()
                         yield token
                     if stream.cancelled:
                         call.outcome = "cancelled"
@@ -373,7 +439,7 @@ class Agent:
     @contextmanager
     def _leased(self, adapters: Sequence[str]) -> Iterator[Lease]:
         """Hold the adapters' current versions for the whole request (NOT_FOUND if unroutable)."""
-        lease = self.registry.acquire(adapters)
+        lease = self.on_demand.lease(adapters)  # loads standby adapters first (node_agent.residency)
         try:
             self._check_slots(lease)
             yield lease
@@ -396,7 +462,24 @@ class Agent:
 
     def _holding(self, entry: AdapterEntry) -> ControlResult:
         """An idempotent load's result: each rank succeeded if it holds the current version."""
+        if entry.standby:
+            return replace(self._standby_result(), already_loaded=True)
         return self.registry.public_result(self.engine.holding(entry.engine_name))
+
+    def _standby_result(self) -> ControlResult:
+        """A standby load's or unload's result: no rank was asked; each answers with what it holds."""
+        try:
+            holdings = self.engine.holdings()
+        except BackendError as error:
+            raise self._engine_error(error) from None
+        places = {place.rank: place for place in self.backend.ranks}
+        replies = []
+        for ranks in holdings:
+            place = places[ranks.rank]
+            replies.append(
+                ControlReply(place.rank, place.attn_dp_rank, place.attn_tp_rank, True, holds=self.registry.public_names(ranks.holds))
+            )
+        return merge_control(replies)
 
 
 # -- helpers -------------------------------------------------------------------------------------

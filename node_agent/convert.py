@@ -8,6 +8,7 @@ import numpy as np
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.registry import RegistryEntry
+from node_agent.adapter_stats import AdapterStatsSnapshot
 from node_agent.engine import ControlResult
 from node_agent.errors import InvalidRequest
 from node_agent.sources import DownloadProgress, SourceCredential
@@ -61,6 +62,7 @@ def _rank_results(result: ControlResult) -> list[pb.RankResult]:
             error_message=o.error,
             weights_sha256=o.digests.weights_sha256 if o.digests else "",
             config_sha256=o.digests.config_sha256 if o.digests else "",
+            transient=o.transient,
         )
         for o in result.ranks
     ]
@@ -75,13 +77,18 @@ def load_response(result: ControlResult, with_holdings: bool = True) -> pb.LoadA
         loaded_adapters=result.holds if with_holdings else (),
         rank_results=_rank_results(result),
         already_loaded=result.already_loaded,
+        transient=result.transient,
     )
 
 
 def unload_response(result: ControlResult) -> pb.UnloadAdapterResponse:
     """UnloadAdapter's reply: the merged result, what the ranks hold, every rank's part."""
     return pb.UnloadAdapterResponse(
-        success=result.ok, error_message=result.error, loaded_adapters=result.holds, rank_results=_rank_results(result)
+        success=result.ok,
+        error_message=result.error,
+        loaded_adapters=result.holds,
+        rank_results=_rank_results(result),
+        transient=result.transient,
     )
 
 
@@ -89,8 +96,36 @@ def list_response(adapters: list[RegistryEntry], downloading: Mapping[str, Downl
     """ListAdapters' reply: the registry, and the loads whose source is downloading now."""
     progress = {name: p.snapshot() for name, p in list(downloading.items())}
     return pb.ListAdaptersResponse(
-        adapters=[pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks) for a in adapters],
+        adapters=[
+            pb.AdapterInfo(name=a.name, source_uri=a.source_uri, sha256=a.sha256, pinned=a.pinned, ranks=a.ranks, residency=_residency(a))
+            for a in adapters
+        ],
         downloading=[pb.DownloadProgress(name=name, bytes_done=done, bytes_total=total) for name, (done, total) in progress.items()],
+    )
+
+
+def _residency(entry: RegistryEntry) -> pb.AdapterResidency:
+    return pb.ADAPTER_RESIDENCY_STANDBY if entry.standby else pb.ADAPTER_RESIDENCY_RESIDENT
+
+
+def adapter_stats_response(snapshot: AdapterStatsSnapshot) -> pb.AdapterStatsResponse:
+    """AdapterStats' reply."""
+    return pb.AdapterStatsResponse(
+        taken_at_unix_s=snapshot.taken_at_unix_s,
+        window_s=snapshot.window_s,
+        adapters=[
+            pb.AdapterStat(
+                adapter=stat.adapter,
+                running=stat.running,
+                waiting=stat.waiting,
+                generated_tokens=stat.generated_tokens,
+                tokens_per_s=stat.tokens_per_s,
+                ttft_count=stat.ttft_count,
+                ttft_mean_s=stat.ttft_mean_s,
+                ttft_p50_s=stat.ttft_p50_s,
+            )
+            for stat in snapshot.adapters
+        ],
     )
 
 

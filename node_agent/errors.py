@@ -33,7 +33,8 @@ class SourceRefused(AgentError):
 
     Reasons: scheme, redirect, relative_path, traversal, outside_roots, symlink_escape,
     sha256_mismatch, too_large, no_cache_dir, bad_uri, http_error, credentials, file_host,
-    not_a_directory, not_a_file, symlink_loop, unreadable.
+    not_a_directory, not_a_file, symlink_loop, unreadable; s3:// and oci:// sources add endpoint,
+    no_s3_endpoint, digest_mismatch, bad_manifest, bad_layer, pickle, registry_auth.
     """
 
     reason = "source_refused"
@@ -58,10 +59,18 @@ class TooManyDownloads(AgentError):
 
 
 class TooManyCalls(AgentError):
-    """As many calls of one class (control, inference) run as the server's budget for it allows;
-    refused at once, never queued (`--max-control-calls`, `--max-inference-calls`); retry later."""
+    """As many calls of one class (control, inference) run as the server's budget for it allows
+    (`--max-control-calls`, `--max-inference-calls`) and its queue is full, or a queued call found
+    no place within the queue's wait (reason `queue_timeout`); retry later."""
 
     reason = "too_many_calls"
+
+
+class DeadlineExceeded(AgentError):
+    """A queued call's deadline passed (or the call ended, reason `cancelled`) before it found a
+    place in its budget: it never ran."""
+
+    reason = "deadline_exceeded"
 
 
 class ShuttingDown(AgentError):
@@ -104,6 +113,13 @@ class NotSupported(AgentError):
     """The agent's backend has no such capability (Forward or Generate on a backend without it)."""
 
     reason = "unsupported"
+
+
+class LoadCancelled(AgentError):
+    """The load's call ended (its client's deadline passed, or it cancelled) before the load
+    reached the ranks: its download was stopped and nothing was loaded."""
+
+    reason = "cancelled"
 
 
 def backend_refusal(error: BackendError | AdapterRefused | RequestRefused, alive: bool) -> AgentError:

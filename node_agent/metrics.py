@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,6 +26,16 @@ log = logging.getLogger(__name__)
 # Loads range from milliseconds (cached, tiny) to minutes (multi-GiB downloads).
 CONTROL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 INFERENCE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class BudgetState(Protocol):
+    """A call budget as its gauges read it (the gRPC server's `CallBudget`)."""
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
 
 
 class AgentMetrics:
@@ -61,6 +72,17 @@ class AgentMetrics:
         )
         self.generated_tokens = Counter("lorafleet_agent_generated_tokens", "Tokens streamed by Generate", registry=r)
         self.engine_up = Gauge("lorafleet_agent_engine_up", "1 while every rank of the engine is alive", registry=r)
+        self.calls_running = Gauge(
+            "lorafleet_agent_calls_running", "Calls holding a place of their budget (control, inference)", ["budget"], registry=r
+        )
+        self.calls_waiting = Gauge(
+            "lorafleet_agent_calls_waiting", "Calls waiting in their budget's queue for a place (not yet admitted)", ["budget"], registry=r
+        )
+
+    def watch_budget(self, name: str, budget: BudgetState) -> None:
+        """Export a call budget's places taken and queue, read at scrape time."""
+        self.calls_running.labels(name).set_function(lambda: budget.running)
+        self.calls_waiting.labels(name).set_function(lambda: budget.waiting)
 
     def serve_engine(self, stats: Callable[[], ServingStats], public_name: Callable[[str], str], max_lora: int) -> None:
         """Export the engine's serving state (`ServingCollector`) with the other metrics."""

@@ -10,6 +10,10 @@ Calls for the same name are serialised (`serialised`); different names proceed c
 so a slow download or drain of one adapter never blocks another (the engine itself still runs
 one command at a time).
 
+A routable version is resident (the engine holds it under its engine name) or on standby (its
+verified snapshot is kept, the engine does not hold it): leasing a standby version is refused
+with `OnStandby`, and the agent loads it (`node_agent.residency`) before it leases again.
+
 Everything here is in-process bookkeeping; the engine is driven by `node_agent.agent`.
 """
 
@@ -36,6 +40,7 @@ class AdapterEntry:
     engine_name: str
     source: ResolvedSource
     pinned: bool
+    standby: bool = False  # routable, but the engine does not hold it: loaded by its first request
 
     def is_exactly(self, uri: str, sha256: str | None, pinned: bool) -> bool:
         """A load names exactly this version (same URI, promised digest and pinning): no fetch."""
@@ -49,6 +54,23 @@ class AdapterEntry:
             f"adapter {self.name!r} is loaded with other content (sha256 {self.source.content.weights_sha256}, "
             f"new {new_sha256}); set replace to swap it"
         )
+
+
+class OnStandby(Exception):
+    """A lease named adapters whose current versions are on standby (`names`); nothing was leased."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__(f"adapters on standby: {', '.join(names)}")
+        self.names = names
+
+
+@dataclass(frozen=True)
+class ResidentUse:
+    """A resident version as eviction sees it: its requests now and when it was last leased."""
+
+    entry: AdapterEntry
+    in_flight: int
+    last_used: float  # time.monotonic() of its last lease (its load, if never leased)
 
 
 @dataclass
@@ -83,6 +105,7 @@ class Registry:
         self._leases: Counter[str] = Counter()  # engine name -> running requests
         self._revoked: set[str] = set()  # engine names unloaded while still leased
         self._name_locks: dict[str, _NameLock] = {}  # public name -> its lock while someone uses it
+        self._last_used: dict[str, float] = {}  # public name -> time.monotonic() of its last lease or load
         self._generation = itertools.count(1)
 
     # -- per-name serialisation ------------------------------------------------------------------
@@ -97,6 +120,23 @@ class Registry:
             with slot.lock:
                 yield
         finally:
+            with self._lock:
+                slot.users -= 1
+                if slot.users == 0:
+                    del self._name_locks[name]
+
+    @contextmanager
+    def try_serialised(self, name: str) -> Iterator[bool]:
+        """Hold the lock of one public name if it is free now (yields True), else yield False."""
+        with self._lock:
+            slot = self._name_locks.setdefault(name, _NameLock())
+            slot.users += 1
+        taken = slot.lock.acquire(blocking=False)
+        try:
+            yield taken
+        finally:
+            if taken:
+                slot.lock.release()
             with self._lock:
                 slot.users -= 1
                 if slot.users == 0:
@@ -161,8 +201,10 @@ class Registry:
         with self._lock:
             previous = self._routable.get(entry.name)
             self._routable[entry.name] = entry
-            self._held[entry.engine_name] = entry
-            self._public_of[entry.engine_name] = entry.name
+            self._last_used[entry.name] = time.monotonic()
+            if not entry.standby:
+                self._held[entry.engine_name] = entry
+                self._public_of[entry.engine_name] = entry.name
             return previous
 
     def update(self, entry: AdapterEntry) -> None:
@@ -180,6 +222,7 @@ class Registry:
             if entry is None:
                 raise AdapterNotFound(f"adapter {name!r} is not loaded")
             self._retiring.add(name)
+            self._last_used.pop(name, None)
             return entry
 
     def forget(self, entry: AdapterEntry) -> None:
@@ -192,20 +235,54 @@ class Registry:
             if self._leases[entry.engine_name]:
                 self._revoked.add(entry.engine_name)
 
+    # -- residency -------------------------------------------------------------------------------
+
+    def resident_uses(self) -> list[ResidentUse]:
+        """Every routable resident version with its requests now and its last use."""
+        with self._lock:
+            return [
+                ResidentUse(entry, self._leases[entry.engine_name], self._last_used.get(entry.name, 0.0))
+                for entry in self._routable.values()
+                if not entry.standby
+            ]
+
+    def to_standby(self, entry: AdapterEntry) -> bool:
+        """Put a resident version on standby if it is still current and no request leases it
+        (then new requests find it on standby at once); False if it is not."""
+        with self._lock:
+            if self._routable.get(entry.name) is not entry or self._leases[entry.engine_name]:
+                return False
+            self._routable[entry.name] = replace(entry, standby=True)
+            self._held.pop(entry.engine_name, None)
+            self._public_of.pop(entry.engine_name, None)
+            return True
+
+    def wait_change(self, timeout_s: float) -> None:
+        """Wait until a lease is released (a version may have become idle), at most `timeout_s`."""
+        with self._lock:
+            self._idle.wait(max(timeout_s, 0.0))
+
     # -- leases ----------------------------------------------------------------------------------
 
     def acquire(self, names: Iterable[str]) -> Lease:
         """Lease the current version of each name; unknown or retiring names are refused."""
         with self._lock:
             mapping = {}
+            standby = []
             for name in dict.fromkeys(names):
                 entry = self._routable.get(name)
                 if entry is None:
                     state = "is being unloaded" if name in self._retiring else "is not loaded"
                     raise AdapterNotFound(f"adapter {name!r} {state}")
+                if entry.standby:
+                    standby.append(name)
                 mapping[name] = entry.engine_name
-            for engine_name in mapping.values():
+            if standby:
+                raise OnStandby(tuple(standby))
+            now = time.monotonic()
+            for name, engine_name in mapping.items():
                 self._leases[engine_name] += 1
+                self._last_used[name] = now
             return Lease(mapping)
 
     def release(self, lease: Lease) -> None:

@@ -14,3 +14,4 @@ class RegistryEntry:
     sha256: str
     pinned: bool
     ranks: tuple[int, ...]
+    standby: bool = False  # held verified on disk, loaded by its first request; no rank holds it

@@ -47,6 +47,7 @@ import numpy as np
 from node_agent.agent import Agent, AgentConfig
 from node_agent.backend import (
     AdapterRefused,
+    AdapterRequests,
     BackendDescription,
     BackendError,
     Capabilities,
@@ -199,6 +200,9 @@ class SimulatedBackend:
 
     def serving_stats(self) -> ServingStats:
         return ServingStats(0, 0, 0, (), 0, 0, frozenset(), frozenset())
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        return ()  # the simulated agents serve no requests
 
     def close(self) -> None:
         self._closed = True

@@ -18,6 +18,7 @@ from node_agent.backend.errors import (
 )
 from node_agent.backend.files import FileDigests, FileIdentity, WrittenFiles
 from node_agent.backend.interface import (
+    AdapterRequests,
     Backend,
     BackendDescription,
     Capabilities,
@@ -49,6 +50,7 @@ from node_agent.backend.replies import (
 
 __all__ = [
     "AdapterRefused",
+    "AdapterRequests",
     "Backend",
     "BackendDescription",
     "BackendError",

@@ -143,6 +143,15 @@ class ServingStats:
     waiting_adapters: frozenset[str]  # and of those waiting sequences ask for
 
 
+@dataclass(frozen=True)
+class AdapterRequests:
+    """One adapter's requests in the backend now (`adapter` None: the base model; a backend name)."""
+
+    adapter: str | None
+    running: int  # sequences being served
+    waiting: int  # sequences queued for it
+
+
 class StepLogprobs(Protocol):
     """A drawn token's logprob and the most likely tokens' (highest first)."""
 
@@ -231,6 +240,11 @@ class Backend(Protocol):
 
     def serving_stats(self) -> ServingStats:
         """The serving counters the metrics export at scrape time."""
+        ...
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        """Running and waiting requests per adapter, only those with any (asks no rank; cheap
+        enough for every statistics call)."""
         ...
 
     def close(self) -> None:

@@ -34,6 +34,9 @@ class RankReply:
     attn_tp_rank: int
     ok: bool
     error: str = ""
+    # A failure that asking again soon may cure: the rank could not act now (a stock server
+    # down, restarting or busy) rather than refusing what it was asked.
+    transient: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,16 @@ class ControlResult:
     holds: tuple[str, ...]
     ranks: tuple[ControlReply, ...]
     already_loaded: bool = False  # a load that found the adapter loaded: no rank was asked
+    # failed, and every rank that failed could not act now (none refused): worth asking again soon
+    transient: bool = False
 
 
 def merge_control(replies: Sequence[ControlReply], already_loaded: bool = False) -> ControlResult:
-    """Merge every rank's control reply into one result (the failure-first rule, once)."""
+    """Merge every rank's control reply into one result (the failure-first rule, once). A
+    failure is transient only if every failed rank's is: one refusal makes it permanent."""
     merged = merge_failure_first(replies, lambda r: r.ok, lambda r: r.error)
-    return ControlResult(merged.ok, merged.error, merged.reply.holds, tuple(replies), already_loaded)
+    transient = not merged.ok and all(r.transient for r in replies if not r.ok)
+    return ControlResult(merged.ok, merged.error, merged.reply.holds, tuple(replies), already_loaded, transient)
 
 
 def rolled_back(result: ControlResult, after: Sequence[ControlReply]) -> ControlResult:
@@ -119,5 +126,5 @@ def already_loaded(name: str, ranks: Sequence[tuple[RankPlace, tuple[str, ...]]]
     replies = []
     for place, holds in ranks:
         error = "" if name in holds else f"rank {place.rank} does not hold {name!r}"
-        replies.append(ControlReply(place.rank, place.attn_dp_rank, place.attn_tp_rank, not error, error, holds))
+        replies.append(ControlReply(place.rank, place.attn_dp_rank, place.attn_tp_rank, not error, error, holds=holds))
     return merge_control(replies, already_loaded=True)

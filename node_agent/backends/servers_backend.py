@@ -15,6 +15,7 @@ import itertools
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ import numpy as np
 
 from node_agent.backend import (
     AdapterRefused,
+    AdapterRequests,
     BackendDescription,
     BackendError,
     Capabilities,
@@ -107,6 +109,7 @@ class ServersBackend:
         self._held: list[frozenset[str]] = [frozenset()] * len(servers)  # what each server listed last
         self._running: RunningCommand | None = None
         self._streams: dict[int, str | None] = {}  # open streams: id -> adapter
+        self._answering: set[int] = set()  # open streams whose first token arrived
         self._stream_ids = itertools.count()
         self._round_robin = itertools.count()
         self._closed = False
@@ -196,10 +199,16 @@ class ServersBackend:
         with self._command, self._running_command("load", name):
             with self._state:
                 current = self._versions.get(served_name(name))
+            reloads: dict[int, ControlReply] = {}
             if current is not None and current.engine_name == name:
                 taken, lost = [False] * len(self._servers), [rank for rank in range(len(self._servers)) if name not in self._holds(rank)]
-                list(self._pool.map(lambda rank: self._load_on(rank, self._servers[rank], served_name(name), current.path, taken), lost))
-            return already_loaded(name, [(self._places[h.rank], h.holds) for h in self.holdings()])
+                reloaded = self._pool.map(
+                    lambda rank: self._load_on(rank, self._servers[rank], served_name(name), current.path, taken), lost
+                )
+                reloads = {reply.rank: reply for reply in reloaded if not reply.ok}
+            held = already_loaded(name, [(self._places[h.rank], h.holds) for h in self.holdings()])
+            # A server that could not take it back answers in its own words (down: transient).
+            return merge_control([reloads.get(r.rank, r) if not r.ok else r for r in held.ranks], already_loaded=True)
 
     def holdings(self) -> list[RankHoldings]:
         """What each server lists now, as the agent's names of the versions (a server that does
@@ -248,7 +257,9 @@ class ServersBackend:
     def _refused(self, rank: int, server: InferenceServer, what: str, refusal: Refusal) -> ControlReply:
         place = self._places[rank]
         error = f"server {rank} ({server.url}) refused {what}: {refusal.describe()}"
-        return ControlReply(rank, place.attn_dp_rank, place.attn_tp_rank, False, error, holds=self._holds(rank))
+        return ControlReply(
+            rank, place.attn_dp_rank, place.attn_tp_rank, False, error, transient=not refusal.permanent, holds=self._holds(rank)
+        )
 
     def _restore(self, served: str, previous: Version | None) -> None:
         if previous is None:
@@ -336,11 +347,18 @@ class ServersBackend:
         stream_id = next(self._stream_ids)
         with self._state:
             self._streams[stream_id] = adapter
-        return ServerStream(steps, f"server {rank} ({self._servers[rank].url})", lambda: self._stream_ended(stream_id))
+        observed = _FirstStep(steps, lambda: self._stream_answering(stream_id))
+        return ServerStream(observed, f"server {rank} ({self._servers[rank].url})", lambda: self._stream_ended(stream_id))
+
+    def _stream_answering(self, stream_id: int) -> None:
+        with self._state:
+            if stream_id in self._streams:
+                self._answering.add(stream_id)
 
     def _stream_ended(self, stream_id: int) -> None:
         with self._state:
             self._streams.pop(stream_id, None)
+            self._answering.discard(stream_id)
 
     # -- health --------------------------------------------------------------------------------
 
@@ -362,6 +380,16 @@ class ServersBackend:
         with self._state:
             adapters = frozenset(adapter for adapter in self._streams.values() if adapter is not None)
             return ServingStats(0, 0, 0, (), len(self._streams), 0, adapters, frozenset())
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        """The agent's own open streams per adapter: running once the server sent their first
+        token, waiting before. vLLM's /metrics names the adapters of its running and waiting
+        requests (`vllm:lora_requests_info`) but counts none, so requests other clients sent
+        the servers are not seen."""
+        with self._state:
+            running = Counter(adapter for stream_id, adapter in self._streams.items() if stream_id in self._answering)
+            waiting = Counter(adapter for stream_id, adapter in self._streams.items() if stream_id not in self._answering)
+        return tuple(AdapterRequests(adapter, running[adapter], waiting[adapter]) for adapter in running | waiting)
 
     def close(self) -> None:
         self._closed = True
@@ -386,6 +414,29 @@ class ServersBackend:
         finally:
             with self._state:
                 self._running = None
+
+
+class _FirstStep:
+    """A server's steps, telling `answering` when the first one arrives; closing it closes them."""
+
+    def __init__(self, steps: Iterator[CompletionStep], answering: Callable[[], None]) -> None:
+        self._steps = steps
+        self._answering: Callable[[], None] | None = answering
+
+    def __iter__(self) -> _FirstStep:
+        return self
+
+    def __next__(self) -> CompletionStep:
+        step = next(self._steps)
+        if self._answering is not None:
+            self._answering()
+            self._answering = None
+        return step
+
+    def close(self) -> None:
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
 
 
 def _check_unchanged(path: Path, written: WrittenFiles) -> None:

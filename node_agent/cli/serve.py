@@ -11,33 +11,28 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
-from pathlib import Path
+from collections.abc import Mapping
 
-from node_agent.agent import DEFAULT_ENGINE_HANG_TIMEOUT_S, Agent, AgentConfig
+from node_agent.agent import Agent, AgentConfig
 from node_agent.auth import TlsFiles, read_token
 from node_agent.backend import Capacity
 from node_agent.backends.vllm import vllm_backend
 from node_agent.cli.engine_flags import UsageError, add_engine_arguments, engine_config
+from node_agent.cli.serve_flags import add_serve_arguments, add_storage_source_arguments
 from node_agent.engine import EngineError
 from node_agent.http_api import HttpApiServer, HttpOptions, split_listen
+from node_agent.residency import OnDemandSettings
 from node_agent.server import (
-    DEFAULT_EXIT_LINGER_S,
-    DEFAULT_MAX_CONTROL_CALLS,
-    DEFAULT_MAX_INFERENCE_CALLS,
-    DEFAULT_RESERVED_WORKERS,
     AgentServer,
     ServerOptions,
     create_server,
 )
 from node_agent.sources import (
-    DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
-    DEFAULT_DOWNLOAD_RATE_WINDOW_S,
-    DEFAULT_DOWNLOAD_TIMEOUT_S,
-    DEFAULT_HUB_ENDPOINT,
-    DEFAULT_MAX_CONCURRENT_DOWNLOADS,
+    S3Credential,
     SourcePolicy,
-    SourcePrefix,
+    parse_allow_entry,
 )
 
 log = logging.getLogger("lorafleet.agent")
@@ -53,150 +48,19 @@ def add_serve_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )
     add_engine_arguments(serve)
     add_serve_arguments(serve)
+    add_storage_source_arguments(serve)
     serve.set_defaults(run=run_serve)
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The agent's own flags (the engine's come from add_engine_arguments)."""
-    parser.add_argument(
-        "--listen", default="0.0.0.0:50051", metavar="HOST:PORT", help="gRPC address; port 0 picks a free one (default 0.0.0.0:50051)"
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("builtin", "vllm"),
-        default="builtin",
-        help="what serves the adapters: builtin, the agent's own engine; vllm, the stock vLLM servers "
-        "named by --vllm-endpoint, driven over HTTP (docs/vllm.md) (default builtin)",
-    )
-    parser.add_argument(
-        "--vllm-endpoint",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="with --backend vllm: a vLLM OpenAI server, http://HOST:PORT, one rank each (repeatable, "
-        "in rank order); its --max-lora-rank, --max-loras and --max-cpu-loras are this agent's "
-        "--max-lora-rank, --max-loras-per-batch and --max-loaded-loras",
-    )
-    parser.add_argument(
-        "--http-listen",
-        metavar="HOST:PORT",
-        help="also serve the OpenAI-compatible HTTP API here (docs/http-api.md), with the same token "
-        "and TLS files as gRPC; port 0 picks a free one (default: off)",
-    )
-    parser.add_argument(
-        "--base-model-name", metavar="NAME", help="base model name reported by Describe (default: the --model directory's name)"
-    )
-    parser.add_argument(
-        "--adapter-root",
-        action="append",
-        default=[],
-        type=Path,
-        metavar="DIR",
-        help="directory file:// adapter sources must lie under (repeatable; none: file:// refused)",
-    )
-    parser.add_argument(
-        "--cache-dir", type=Path, metavar="DIR", help="where http(s) adapter sources are downloaded (none: http(s) refused)"
-    )
-    parser.add_argument(
-        "--auth-token-file", type=Path, metavar="FILE", help="require 'authorization: Bearer <token>' on every call but health"
-    )
-    parser.add_argument(
-        "--pod-name",
-        metavar="NAMESPACE/NAME",
-        help="this agent's pod: identity challenges (ProveIdentity) for another pod are not answered, so a "
-        "pod cannot relay them here (the chart sets it from the downward API; default: any pod)",
-    )
-    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="serve TLS with this PEM certificate chain")
-    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert")
-    parser.add_argument("--tls-client-ca", type=Path, metavar="FILE", help="mutual TLS: require client certificates issued by this PEM CA")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics over HTTP on this port")
-    parser.add_argument(
-        "--health-listen",
-        metavar="HOST:PORT",
-        help="also serve grpc.health.v1 alone, in plaintext and without the token, here: for "
-        "kubelet's gRPC probes when --tls-cert is set (default: off)",
-    )
-    parser.add_argument(
-        "--download-timeout-s",
-        type=float,
-        default=DEFAULT_DOWNLOAD_TIMEOUT_S,
-        metavar="S",
-        help=f"overall deadline of one http(s) source's download (default {DEFAULT_DOWNLOAD_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--download-min-bytes-per-s",
-        type=int,
-        default=DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
-        metavar="B",
-        help="fail a download that receives fewer bytes per second over "
-        f"{DEFAULT_DOWNLOAD_RATE_WINDOW_S:g} s; 0: no minimum (default {DEFAULT_DOWNLOAD_MIN_BYTES_PER_S})",
-    )
-    parser.add_argument(
-        "--max-concurrent-downloads",
-        type=int,
-        default=DEFAULT_MAX_CONCURRENT_DOWNLOADS,
-        metavar="N",
-        help=f"downloads at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONCURRENT_DOWNLOADS})",
-    )
-    parser.add_argument(
-        "--allow-source",
-        action="append",
-        default=[],
-        metavar="PREFIX",
-        help="an http(s) URL prefix adapters may be downloaded from, e.g. https://huggingface.co/ "
-        "(repeatable; every redirect hop must match one too; none: http(s) sources refused)",
-    )
-    parser.add_argument(
-        "--hub-endpoint",
-        default=DEFAULT_HUB_ENDPOINT,
-        metavar="URL",
-        help="where hf:// sources are fetched from: the Hugging Face Hub or a mirror; it must lie under "
-        f"an --allow-source prefix too (default {DEFAULT_HUB_ENDPOINT})",
-    )
-    parser.add_argument(
-        "--allow-source-network",
-        action="append",
-        default=[],
-        metavar="CIDR",
-        help="a loopback, link-local or private network downloads may connect to (repeatable; "
-        "default none: such addresses are refused, every DNS answer and redirect checked)",
-    )
-    parser.add_argument(
-        "--max-control-calls",
-        type=int,
-        default=DEFAULT_MAX_CONTROL_CALLS,
-        metavar="N",
-        help=f"LoadAdapter/UnloadAdapter calls at once; more are refused with RESOURCE_EXHAUSTED (default {DEFAULT_MAX_CONTROL_CALLS})",
-    )
-    parser.add_argument(
-        "--max-inference-calls",
-        type=int,
-        default=DEFAULT_MAX_INFERENCE_CALLS,
-        metavar="N",
-        help="Forward calls and Generate streams at once; more are refused with RESOURCE_EXHAUSTED "
-        f"(default {DEFAULT_MAX_INFERENCE_CALLS})",
-    )
-    parser.add_argument(
-        "--reserved-workers",
-        type=int,
-        default=DEFAULT_RESERVED_WORKERS,
-        metavar="N",
-        help=f"gRPC threads beyond both budgets, for health, Describe, ListAdapters and reflection (default {DEFAULT_RESERVED_WORKERS})",
-    )
-    parser.add_argument(
-        "--engine-hang-timeout-s",
-        type=float,
-        default=DEFAULT_ENGINE_HANG_TIMEOUT_S,
-        metavar="S",
-        help=f"an engine command running longer makes health NOT_SERVING until it completes (default {DEFAULT_ENGINE_HANG_TIMEOUT_S:g})",
-    )
-    parser.add_argument(
-        "--exit-linger-s",
-        type=float,
-        default=DEFAULT_EXIT_LINGER_S,
-        metavar="S",
-        help=f"after a rank died, keep answering Describe this long before exiting (default {DEFAULT_EXIT_LINGER_S:g})",
-    )
+def s3_credential_from_environment(environ: Mapping[str, str]) -> S3Credential | None:
+    """The agent's own S3 credential from the standard AWS variables (None when unset); a key
+    without its secret is a usage error."""
+    key, secret = environ.get("AWS_ACCESS_KEY_ID", ""), environ.get("AWS_SECRET_ACCESS_KEY", "")
+    if not key and not secret:
+        return None
+    if not key or not secret:
+        raise UsageError("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set together")
+    return S3Credential(key, secret, environ.get("AWS_SESSION_TOKEN", ""))
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -220,6 +84,10 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     ):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1")
+    if args.max_queued_inference_calls is not None and args.max_queued_inference_calls < 0:
+        raise UsageError("--max-queued-inference-calls must be 0 or more")
+    if not args.inference_queue_wait_s > 0:
+        raise UsageError("--inference-queue-wait-s must be positive")
     if args.exit_linger_s < 0:
         raise UsageError("--exit-linger-s must be 0 or more")
     return ServerOptions(
@@ -231,6 +99,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         pod_name=args.pod_name,
         max_control_calls=args.max_control_calls,
         max_inference_calls=args.max_inference_calls,
+        max_queued_inference_calls=args.max_queued_inference_calls,
+        inference_queue_wait_s=args.inference_queue_wait_s,
         reserved_workers=args.reserved_workers,
         exit_linger_s=args.exit_linger_s,
     )
@@ -249,7 +119,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         raise UsageError("--max-concurrent-downloads must be at least 1")
     for entry in args.allow_source:
         try:
-            SourcePrefix.parse(entry)
+            parse_allow_entry(entry)
         except ValueError as error:
             raise UsageError(str(error)) from None
     for entry in args.allow_source_network:
@@ -259,17 +129,38 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
             raise UsageError(f"--allow-source-network {entry!r} is not an IP network (CIDR, e.g. 10.0.0.0/8)") from None
     if not args.engine_hang_timeout_s > 0:
         raise UsageError("--engine-hang-timeout-s must be positive")
-    sources = SourcePolicy(
-        adapter_roots=tuple(args.adapter_root),
-        cache_dir=args.cache_dir,
-        download_timeout_s=args.download_timeout_s,
-        download_min_bytes_per_s=args.download_min_bytes_per_s,
-        max_concurrent_downloads=args.max_concurrent_downloads,
-        allowed_sources=tuple(args.allow_source),
-        allowed_networks=tuple(args.allow_source_network),
-        hub_endpoint=args.hub_endpoint,
+    try:
+        sources = SourcePolicy(
+            adapter_roots=tuple(args.adapter_root),
+            cache_dir=args.cache_dir,
+            download_timeout_s=args.download_timeout_s,
+            download_min_bytes_per_s=args.download_min_bytes_per_s,
+            max_concurrent_downloads=args.max_concurrent_downloads,
+            allowed_sources=tuple(args.allow_source),
+            allowed_networks=tuple(args.allow_source_network),
+            hub_endpoint=args.hub_endpoint,
+            s3_endpoint=args.s3_endpoint,
+            s3_region=args.s3_region,
+            s3_credential=s3_credential_from_environment(os.environ) if args.s3_endpoint else None,
+            oci_plain_http=tuple(entry.lower() for entry in args.oci_plain_http),
+        )
+    except ValueError as error:  # --s3-endpoint
+        raise UsageError(str(error)) from None
+    return AgentConfig(
+        base_model_name=args.base_model_name or "",
+        sources=sources,
+        engine_hang_timeout_s=args.engine_hang_timeout_s,
+        on_demand=on_demand_settings(args),
     )
-    return AgentConfig(base_model_name=args.base_model_name or "", sources=sources, engine_hang_timeout_s=args.engine_hang_timeout_s)
+
+
+def on_demand_settings(args: argparse.Namespace) -> OnDemandSettings:
+    """How standby adapters are loaded on first request, from the flags."""
+    if args.max_concurrent_adapter_loads < 1:
+        raise UsageError("--max-concurrent-adapter-loads must be at least 1")
+    if not args.adapter_load_deadline_s > 0:
+        raise UsageError("--adapter-load-deadline-s must be positive")
+    return OnDemandSettings(args.max_concurrent_adapter_loads, args.adapter_load_deadline_s)
 
 
 def http_options(args: argparse.Namespace, options: ServerOptions) -> HttpOptions | None:
@@ -278,9 +169,18 @@ def http_options(args: argparse.Namespace, options: ServerOptions) -> HttpOption
         return None
     try:
         split_listen(args.http_listen)
+        return HttpOptions(
+            listen=args.http_listen,
+            auth_token=options.auth_token,
+            tls=options.tls,
+            stop_grace_s=options.stop_grace_s,
+            header_timeout_s=args.http_header_timeout_s,
+            body_timeout_s=args.http_body_timeout_s,
+            idle_timeout_s=args.http_idle_timeout_s,
+            max_connections=args.http_max_connections,
+        )
     except ValueError as error:
         raise UsageError(str(error)) from None
-    return HttpOptions(listen=args.http_listen, auth_token=options.auth_token, tls=options.tls, stop_grace_s=options.stop_grace_s)
 
 
 def start_servers(agent: Agent, options: ServerOptions, http: HttpOptions | None) -> tuple[AgentServer, HttpApiServer | None]:

@@ -22,6 +22,7 @@ from node_agent.backend import (
 from node_agent.engine.adapters.config import ADAPTER_CONFIG_FIELDS, MAX_CONFIG_BYTES, AdapterConfig, read_adapter_config
 from node_agent.engine.adapters.errors import AdapterLoadError
 from node_agent.engine.adapters.files import ContentChanged
+from node_agent.engine.adapters.json_depth import MAX_JSON_DEPTH, nesting_depth
 from node_agent.engine.adapters.spec import validate_adapter
 from node_agent.engine.driver.backend import EngineBackend, engine_description, rank_places
 from node_agent.engine.driver.config import EngineConfig
@@ -38,6 +39,7 @@ from node_agent.engine.serving.scheduling import QueueFull, SchedulerError
 __all__ = [
     "ADAPTER_CONFIG_FIELDS",
     "MAX_CONFIG_BYTES",
+    "MAX_JSON_DEPTH",
     "MAX_LOGPROBS",
     "AdapterConfig",
     "AdapterLoadError",
@@ -73,6 +75,7 @@ __all__ = [
     "WrittenFiles",
     "dense_module_shapes",
     "engine_description",
+    "nesting_depth",
     "rank_places",
     "read_adapter_config",
     "validate_adapter",

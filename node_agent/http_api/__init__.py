@@ -6,8 +6,9 @@
 
 One module per concept: `schema` (the requests, validated by pydantic), `errors` (the OpenAI
 error shape and the one status table), `streams` (an `Agent.generate` on a thread, read on the
-event loop), `responses` (completion and chat bodies, chunks and logprobs), `routes` (auth,
-health, models, generation) and `server` (the settings and the event loop's thread).
+event loop), `responses` (completion and chat bodies, chunks and logprobs), `json_body` (a body
+as JSON, or why not), `routes` (auth, health, models, generation), `connections` (read deadlines
+and the connection cap) and `server` (the settings and the event loop's thread).
 """
 
 from node_agent.http_api.server import HttpApiServer, HttpOptions, split_listen

@@ -3,12 +3,15 @@
 `HTTP_STATUSES` is the one place where the agent's domain errors become HTTP statuses (as
 `server.STATUS_CODES` is for gRPC): bad input 400, an unknown model 404 (`model_not_found`),
 over capacity 429 (a budget or the engine's queue is full: retry later) or 503 (the engine
-cannot take it now), as vLLM answers; anything unexpected 500.
+cannot take it now), as vLLM answers; anything unexpected 500, whose answer names neither the
+exception nor its text (internals are not the client's): a reference the log gives the cause under.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +29,8 @@ from node_agent.errors import (
     ShuttingDown,
     TooManyCalls,
 )
+
+log = logging.getLogger(__name__)
 
 HTTP_STATUSES: dict[type[AgentError], int] = {
     InvalidRequest: 400,
@@ -90,6 +95,14 @@ def from_agent_error(error: AgentError, prompt_param: str) -> ApiError:
         message = str(error)
         param = next((name for field, name in _PARAMS.items() if message.startswith(field)), prompt_param)
     return ApiError(status, str(error), param, error.reason)
+
+
+def internal_error(error: BaseException, doing: str) -> ApiError:
+    """500 for a bug met while `doing` (e.g. "answering POST /v1/completions"): logged with its
+    traceback under a reference, which is all the answer says of it."""
+    reference = secrets.token_hex(6)
+    log.error("unexpected error %s (reference %s)", doing, reference, exc_info=error)
+    return ApiError(500, f"internal error: the agent's log has the cause under reference {reference}", None, "internal")
 
 
 def model_not_found(model: str, error: AgentError) -> ApiError:

@@ -2,7 +2,8 @@
 
 Inference takes a place of the same inference budget as gRPC's Forward and Generate
 (`--max-inference-calls`), so the limit holds whichever API calls arrive on; a request beyond it
-is refused at once with 429. Nothing here waits for a control call: `/v1/models` reads the
+waits in the budget's queue without blocking the event loop, and one beyond the queue or its wait
+is refused with 429. Nothing here waits for a control call: `/v1/models` reads the
 agent's registry (an in-process table), `/health` the engine's process states, and generation
 goes to the engine's scheduler.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,19 +20,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from node_agent.agent import Agent
 from node_agent.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from node_agent.errors import AdapterNotFound, AgentError, ShuttingDown
-from node_agent.http_api.errors import ApiError, from_agent_error, from_validation_error, model_not_found
+from node_agent.http_api.errors import ApiError, from_agent_error, from_validation_error, internal_error, model_not_found
+from node_agent.http_api.json_body import read_json
 from node_agent.http_api.responses import Kind, Reply
 from node_agent.http_api.schema import DEFAULT_COMPLETION_TOKENS, ChatCompletionRequest, CompletionRequest
 from node_agent.http_api.streams import Choices, Event
 from node_agent.values import GenerateParams
-
-log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers send no token (as on gRPC and the metrics port)
 MAX_BODY_BYTES = 16 << 20
@@ -40,9 +40,10 @@ SEED_LIMIT = 2**64
 
 
 class Budget(Protocol):
-    """A class of calls with a limit (the gRPC server's `CallBudget`): acquire refuses at once when full."""
+    """A class of calls with a limit and a queue (the gRPC server's `CallBudget`): `acquire_async`
+    waits in the queue without blocking the event loop, or refuses."""
 
-    def acquire(self) -> None: ...
+    async def acquire_async(self) -> None: ...
 
     def release(self) -> None: ...
 
@@ -77,8 +78,9 @@ class ApiRoutes:
         except ChatTemplateError as error:  # reported to each chat request, not fatal to the agent
             self._template_error = str(error)
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
+    def app(self, outermost: Middleware) -> web.Application:
+        """The routes, under `outermost` (the connections' bookkeeping), then errors and auth."""
+        app = web.Application(middlewares=[outermost, self._errors, self._auth], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
@@ -103,8 +105,7 @@ class ApiRoutes:
         except ConnectionResetError:
             raise  # the client went away: nobody to answer
         except Exception as error:  # a bug: still an answer in the API's shape (a stream answers in-stream)
-            log.exception("unexpected error answering %s %s", request.method, request.path)
-            return _error_response(ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal"))
+            return _error_response(internal_error(error, f"answering {request.method} {request.path}"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -158,7 +159,7 @@ class ApiRoutes:
     # -- generation ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(CompletionRequest, await _json(request))
+        body = _parse(CompletionRequest, await read_json(request))
         prompts = body.prompts()
         if body.max_tokens is not None:
             self._check_max_tokens(body.max_tokens)
@@ -175,7 +176,7 @@ class ApiRoutes:
         return await self._generate(request, job)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(ChatCompletionRequest, await _json(request))
+        body = _parse(ChatCompletionRequest, await read_json(request))
         token_ids = await asyncio.to_thread(self._chat_prompt, body)  # rendering and encoding: off the loop
         max_new = body.max_new_tokens
         if max_new is not None:
@@ -220,7 +221,7 @@ class ApiRoutes:
     async def _generate(self, request: web.Request, job: Generation) -> web.StreamResponse:
         """Admit `job`, run its choices, answer in one body or as a stream."""
         body, params, prompt_param = job.body, job.params, job.prompt_param
-        self._admit()
+        await self._admit()
         try:
             choices = Choices(self.agent, params)
             try:
@@ -244,13 +245,14 @@ class ApiRoutes:
             if self._budget is not None:
                 self._budget.release()
 
-    def _admit(self) -> None:
-        """Take a place of the inference budget, or refuse at once (429, 503 while stopping)."""
+    async def _admit(self) -> None:
+        """Take a place of the inference budget, waiting in its queue; 429 beyond the queue or
+        its wait, 503 while stopping."""
         try:
             if self._closing.is_set():
                 raise ShuttingDown("the agent is shutting down: inference is refused")
             if self._budget is not None:
-                self._budget.acquire()
+                await self._budget.acquire_async()
         except AgentError as refusal:
             self.agent.metrics.failures.labels("http", refusal.reason).inc()
             raise from_agent_error(refusal, "prompt") from None
@@ -270,8 +272,7 @@ class ApiRoutes:
         except ConnectionResetError:
             return response  # the client went away mid-stream: `_generate` closes the choices
         except Exception as error:  # a bug after the 200: the error goes in the stream, then the end
-            log.exception("unexpected error in a stream")
-            await send(ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal").body(), "[DONE]")
+            await send(internal_error(error, f"streaming {request.path}").body(), "[DONE]")
         await response.write_eof()
         return response
 
@@ -306,8 +307,7 @@ class ApiRoutes:
             return model_not_found(model, error)
         if isinstance(error, AgentError):
             return from_agent_error(error, prompt_param)
-        log.error("unexpected error in a generation", exc_info=error)
-        return ApiError(500, f"internal error: {type(error).__name__}: {error}", None, "internal")
+        return internal_error(error, "in a generation")
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.agent.tokenizer
@@ -321,13 +321,6 @@ async def _chain(first: list[Event], choices: Choices) -> AsyncIterator[list[Eve
     yield first
     async for batch in choices.batches():
         yield batch
-
-
-async def _json(request: web.Request) -> Any:
-    try:
-        return await request.json(loads=json.loads)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}", None, "invalid_json") from None
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -3,6 +3,11 @@
 aiohttp serves the routes (`routes`) on an event loop of its own thread, beside the gRPC
 server's thread pool, over the same `Agent`; HTTPS with gRPC's certificate and key.
 
+Slow clients: every connection is read under deadlines and their number is capped
+(`connections`): a request's headers within `header_timeout_s` of its first byte, its body
+within `body_timeout_s` of its headers, at most `idle_timeout_s` idle between requests (aiohttp's
+keep-alive timeout), at most `max_connections` open.
+
 Disconnects: the server cancels the handler of a client that goes away (aiohttp's
 `handler_cancellation`), which closes its generations: the engine drops the sequences and frees
 their KV blocks.
@@ -19,6 +24,7 @@ from aiohttp import web
 
 from node_agent.agent import Agent
 from node_agent.auth import TlsFiles
+from node_agent.http_api.connections import ConnectionGuard
 from node_agent.http_api.routes import ApiRoutes, Budget
 
 
@@ -30,6 +36,21 @@ class HttpOptions:
     auth_token: str | None = None  # the same token as gRPC: `Authorization: Bearer <token>`
     tls: TlsFiles | None = None  # the same files as gRPC: HTTPS, client certificates with a client CA
     stop_grace_s: float = 10.0  # how long stop() lets running requests finish
+    # Reading requests (docs/http-api.md, "Slow clients"); a response being sent is never cut.
+    header_timeout_s: float = 10.0  # a request's headers, from their first byte (and a TLS handshake)
+    body_timeout_s: float = 60.0  # a request's body, from its headers
+    idle_timeout_s: float = 75.0  # a keep-alive connection with no request in flight
+    max_connections: int = 512  # open at once; beyond, a new connection is answered 503 and closed
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--http-header-timeout-s", self.header_timeout_s),
+            ("--http-body-timeout-s", self.body_timeout_s),
+            ("--http-idle-timeout-s", self.idle_timeout_s),
+            ("--http-max-connections", self.max_connections),
+        ):
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -53,6 +74,7 @@ class HttpApiServer:
         self._api = ApiRoutes(agent, options.auth_token, budget, closing or threading.Event())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
@@ -97,25 +119,40 @@ class HttpApiServer:
         try:
             loop.run_forever()
         finally:
+            if self._listener is not None:
+                self._listener.close()
             if self._runner is not None:
                 loop.run_until_complete(self._runner.cleanup())
             loop.close()
 
     async def _open(self) -> None:
+        options = self.options
+        tls = _ssl_context(options.tls) if options.tls is not None else None
+        guard = ConnectionGuard(options.header_timeout_s, options.body_timeout_s, options.max_connections)
         # handler_cancellation: a client that disconnects cancels its handler (and generations).
-        runner = web.AppRunner(self._api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self.options.stop_grace_s)
-        await runner.setup()
-        tls = self.options.tls
-        site = web.TCPSite(
-            runner, self.host, self._requested_port, reuse_port=False, ssl_context=_ssl_context(tls) if tls is not None else None
+        runner = web.AppRunner(
+            self._api.app(guard.track),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=options.stop_grace_s,
+            keepalive_timeout=options.idle_timeout_s,
         )
+        await runner.setup()
+        assert runner.server is not None  # set up
         try:
-            await site.start()
+            # The listener aiohttp's TCPSite would open, with the guard's protocol around aiohttp's.
+            listener = await asyncio.get_running_loop().create_server(
+                guard.protocols(runner.server),
+                self.host,
+                self._requested_port,
+                ssl=tls,
+                ssl_handshake_timeout=options.header_timeout_s if tls is not None else None,
+            )
         except BaseException:
             await runner.cleanup()
             raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self._runner, self._listener = runner, listener
+        self.port = int(listener.sockets[0].getsockname()[1])
 
 
 def _ssl_context(tls: TlsFiles) -> ssl.SSLContext:

@@ -1,8 +1,9 @@
 """The gRPC server over one agent: `create_server()` builds and binds it without starting it;
 `AgentServer.start()` / `wait()` / `stop()` run it, so tests and the CLI share one path.
 
-Its thread pool has room for both call budgets and `reserved_workers` more, so health, Describe
-and ListAdapters never queue behind control or inference calls. Its health watcher polls the
+Its thread pool has room for both call budgets, the inference calls waiting in their queue (each
+holds a thread) and `reserved_workers` more, so health, Describe and ListAdapters never queue
+behind control or inference calls. Its health watcher polls the
 engine: a hung command makes health NOT_SERVING until it completes, a dead rank for good (and
 ends `wait()`).
 """
@@ -24,7 +25,7 @@ from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import Agent
 from node_agent.auth import BearerTokenInterceptor, TlsFiles
 from node_agent.metrics import MetricsEndpoint
-from node_agent.server.budgets import CallBudget
+from node_agent.server.budgets import CallBudget, QueueRule
 from node_agent.server.servicer import NodeAgentServicer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ HEALTH_SERVICES = ("", SERVICE_NAME)
 DEFAULT_MAX_CONTROL_CALLS = 16
 DEFAULT_MAX_INFERENCE_CALLS = 32
 DEFAULT_RESERVED_WORKERS = 8
+INFERENCE_QUEUE_FACTOR = 4  # the inference queue's default length: this many times the budget
+DEFAULT_INFERENCE_QUEUE_WAIT_S = 30.0
 DEFAULT_EXIT_LINGER_S = 5.0
 RESPONSE_FLUSH_S = 5.0  # stop(): the longest wait for responses of calls that already returned
 
@@ -57,15 +60,31 @@ class ServerOptions:
     health_listen: str | None = None
     max_control_calls: int = DEFAULT_MAX_CONTROL_CALLS  # LoadAdapter + UnloadAdapter at once
     max_inference_calls: int = DEFAULT_MAX_INFERENCE_CALLS  # Forward + Generate at once (a stream holds one)
+    # Inference calls that may wait for a place (None: INFERENCE_QUEUE_FACTOR x max_inference_calls),
+    # each at most this long (or its own deadline, if sooner).
+    max_queued_inference_calls: int | None = None
+    inference_queue_wait_s: float = DEFAULT_INFERENCE_QUEUE_WAIT_S
     reserved_workers: int = DEFAULT_RESERVED_WORKERS  # threads beyond both budgets: health, Describe, ListAdapters, reflection
     health_poll_s: float = 0.25
     stop_grace_s: float = 10.0  # how long stop() waits for running control and inference calls
     exit_linger_s: float = DEFAULT_EXIT_LINGER_S  # `serve`: Describe answers this long after the engine died
 
     @property
+    def inference_queue(self) -> QueueRule:
+        """The inference budget's queue: its length and wait, and the flags that set them."""
+        size = self.max_queued_inference_calls
+        return QueueRule(
+            INFERENCE_QUEUE_FACTOR * self.max_inference_calls if size is None else size,
+            self.inference_queue_wait_s,
+            "--max-queued-inference-calls",
+            "--inference-queue-wait-s",
+        )
+
+    @property
     def max_workers(self) -> int:
-        """The server's thread pool: both budgets and the reserve."""
-        return self.max_control_calls + self.max_inference_calls + self.reserved_workers
+        """The server's thread pool: both budgets, the inference queue (a waiting call holds its
+        thread) and the reserve."""
+        return self.max_control_calls + self.max_inference_calls + self.inference_queue.size + self.reserved_workers
 
 
 class AgentServer:
@@ -142,6 +161,8 @@ class AgentServer:
         self.servicer.closing.set()
         deadline = time.monotonic() + (self.options.stop_grace_s if grace is None else grace)
         for budget in self.servicer.budgets.values():
+            budget.close()  # the queued calls are refused too
+        for budget in self.servicer.budgets.values():
             budget.wait_idle(deadline)
         self.health.enter_graceful_shutdown()
         # A call leaves its budget when its handler returns, before gRPC has sent the response:
@@ -203,10 +224,12 @@ def create_server(agent: Agent, options: ServerOptions = ServerOptions()) -> Age
     servicer = NodeAgentServicer(
         agent,
         control=CallBudget("control", options.max_control_calls, "--max-control-calls"),
-        inference=CallBudget("inference", options.max_inference_calls, "--max-inference-calls"),
+        inference=CallBudget("inference", options.max_inference_calls, "--max-inference-calls", options.inference_queue),
         token=options.auth_token,
         pod_name=options.pod_name,
     )
+    for name, budget in servicer.budgets.items():
+        agent.metrics.watch_budget(name, budget)
     agent_pb2_grpc.add_NodeAgentServicer_to_server(servicer, server)
     # Non-blocking Watch: probe streams do not hold worker threads.
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

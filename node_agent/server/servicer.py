@@ -7,6 +7,7 @@ first takes a place of that class's budget (`budgets.CallBudget`).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from node_agent import convert
 from node_agent.agent import Agent
 from node_agent.auth import prove_identity
 from node_agent.engine import ControlResult
-from node_agent.errors import AgentError, InvalidRequest, ShuttingDown, TooManyCalls
+from node_agent.errors import AgentError, DeadlineExceeded, InvalidRequest, LoadCancelled, ShuttingDown, TooManyCalls
 from node_agent.server.budgets import CallBudget
 from node_agent.server.status import abort, status_code
 
@@ -30,6 +31,27 @@ MAX_LOADS_PER_CALL = 64
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 Item = TypeVar("Item")
+
+log = logging.getLogger(__name__)
+
+
+def _ended(context: grpc.ServicerContext) -> Callable[[], bool]:
+    """Whether the call has ended: its client's deadline passed, or it cancelled or went away."""
+    return lambda: not context.is_active()
+
+
+def _batch_cancelled(request: pb.LoadAdaptersRequest, done: int, loaded: list[str]) -> LoadCancelled:
+    """A LoadAdapters call that ended with `done` of its loads tried: the loads that stay are
+    logged (the caller never reads the reply); the error that ends the call."""
+    names = [load.name for load in request.loads]
+    log.warning(
+        "LoadAdapters ended by its caller (deadline or cancel) with %d of %d loads tried: loaded and kept: %s; not loaded: %s",
+        done,
+        len(names),
+        ", ".join(loaded) or "none",
+        ", ".join(name for name in names if name not in loaded) or "none",
+    )
+    return LoadCancelled(f"LoadAdapters was cancelled with {done} of {len(names)} loads tried; the others were not loaded")
 
 
 def _unary(
@@ -42,7 +64,7 @@ def _unary(
         @functools.wraps(method)
         def wrapper(self: NodeAgentServicer, request: Req, context: grpc.ServicerContext) -> Rep:
             try:
-                with self.admitted(budget, method.__name__):
+                with self.admitted(budget, method.__name__, context):
                     return method(self, request, context)
             except Exception as error:
                 abort(context, error)
@@ -64,7 +86,7 @@ def _streaming(
         @functools.wraps(method)
         def wrapper(self: NodeAgentServicer, request: Req, context: grpc.ServicerContext) -> Iterator[Item]:
             try:
-                with self.admitted(budget, method.__name__):
+                with self.admitted(budget, method.__name__, context):
                     yield from method(self, request, context)
             except Exception as error:
                 abort(context, error)
@@ -86,7 +108,9 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         self.closing = threading.Event()  # set by AgentServer.stop(): only Describe, ListAdapters, health
 
     @contextmanager
-    def admitted(self, budget: str | None, method: str) -> Iterator[None]:
+    def admitted(self, budget: str | None, method: str, context: grpc.ServicerContext) -> Iterator[None]:
+        """Hold a place of `budget` while the call runs, waiting in its queue within the call's
+        deadline; a call that ends while it waits leaves the queue."""
         if budget is None:
             yield
             return
@@ -94,8 +118,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
         try:
             if self.closing.is_set():
                 raise ShuttingDown(f"the agent is shutting down: {method} is refused (Describe still answers)")
-            places.acquire()
-        except (ShuttingDown, TooManyCalls) as refusal:  # counted here: the agent never saw the call
+            places.acquire(context.time_remaining(), context.add_callback)
+        except (ShuttingDown, TooManyCalls, DeadlineExceeded) as refusal:  # counted here: the agent never saw the call
             operation = {"LoadAdapter": "load", "LoadAdapters": "load", "UnloadAdapter": "unload"}.get(method, method.lower())
             self.agent.metrics.failures.labels(operation, refusal.reason).inc()
             raise
@@ -110,12 +134,14 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
-        return convert.load_response(self._load(request))
+        return convert.load_response(self._load(request, _ended(context)))
 
     @_unary("control")
     def LoadAdapters(self, request: pb.LoadAdaptersRequest, context: grpc.ServicerContext) -> pb.LoadAdaptersResponse:
         """Each load as LoadAdapter would do it, in order, under one control place; one fails alone.
-        What the ranks hold is listed once for the call (after its last load that reached them)."""
+        What the ranks hold is listed once for the call (after its last load that reached them).
+        A call that ends (its deadline, a cancel) stops: its running load before the ranks, the
+        later ones never start; loads done before stay, named in a log line (docs/agent.md)."""
         if len(request.loads) > MAX_LOADS_PER_CALL:
             raise InvalidRequest(
                 f"LoadAdapters carries {len(request.loads)} loads; at most {MAX_LOADS_PER_CALL} per call "
@@ -123,19 +149,32 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             )
         outcomes: list[pb.LoadAdapterOutcome] = []
         holds: tuple[str, ...] = ()
-        for load in request.loads:
+        cancelled = _ended(context)
+        loaded: list[str] = []  # the loads that succeeded (reported if the call ends)
+        for done, load in enumerate(request.loads):
+            if cancelled():
+                raise _batch_cancelled(request, done, loaded)
             try:
-                result = self._load(load)
+                result = self._load(load, cancelled)
             except AgentError as error:
                 outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason))
             else:
                 outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False)))
                 holds = result.holds
+                if result.ok:
+                    loaded.append(load.name)
         return pb.LoadAdaptersResponse(outcomes=outcomes, loaded_adapters=holds)
 
-    def _load(self, request: pb.LoadAdapterRequest) -> ControlResult:
+    def _load(self, request: pb.LoadAdapterRequest, cancelled: Callable[[], bool]) -> ControlResult:
         return self.agent.load(
-            request.name, request.source_uri, request.sha256, request.pinned, request.replace, credential=convert.source_credential(request)
+            request.name,
+            request.source_uri,
+            request.sha256,
+            request.pinned,
+            request.replace,
+            credential=convert.source_credential(request),
+            standby=request.standby,
+            cancelled=cancelled,
         )
 
     @_unary("control")
@@ -149,6 +188,10 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @_unary("inference")
     def Forward(self, request: pb.ForwardRequest, context: grpc.ServicerContext) -> pb.ForwardResponse:
         return convert.forward_response(self.agent.forward(convert.forward_sequences(request)))
+
+    @_unary()  # no budget: it asks no rank, and demand must be measurable while loads and inference are busy
+    def AdapterStats(self, request: pb.AdapterStatsRequest, context: grpc.ServicerContext) -> pb.AdapterStatsResponse:
+        return convert.adapter_stats_response(self.agent.adapter_stats())
 
     @_unary()
     def ProveIdentity(self, request: pb.ProveIdentityRequest, context: grpc.ServicerContext) -> pb.ProveIdentityResponse:

@@ -13,8 +13,10 @@ from node_agent.errors import (
     AdapterNotFound,
     AgentError,
     CapacityExceeded,
+    DeadlineExceeded,
     EngineUnavailable,
     InvalidRequest,
+    LoadCancelled,
     NotSupported,
     RequestAborted,
     ShuttingDown,
@@ -35,6 +37,7 @@ STATUS_CODES: dict[type[AgentError], grpc.StatusCode] = {
     SourceUnavailable: grpc.StatusCode.UNAVAILABLE,
     TooManyDownloads: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TooManyCalls: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     ShuttingDown: grpc.StatusCode.UNAVAILABLE,
     AdapterNotFound: grpc.StatusCode.NOT_FOUND,
     AdapterConflict: grpc.StatusCode.FAILED_PRECONDITION,
@@ -42,6 +45,7 @@ STATUS_CODES: dict[type[AgentError], grpc.StatusCode] = {
     RequestAborted: grpc.StatusCode.ABORTED,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
     NotSupported: grpc.StatusCode.UNIMPLEMENTED,
+    LoadCancelled: grpc.StatusCode.CANCELLED,
 }
 
 

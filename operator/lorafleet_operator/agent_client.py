@@ -33,7 +33,9 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_operator import metrics
 from lorafleet_operator.agent_values import (
+    AdapterDemand,
     AgentBackend,
+    AgentDemand,
     AgentError,
     AgentInfo,
     ControlReply,
@@ -94,6 +96,7 @@ def _control_reply(reply: Any) -> ControlReply:
         error_message=reply.error_message,
         ranks_ok=sum(1 for r in ranks if r.success),
         ranks_reported=len(ranks),
+        transient=not reply.success and bool(reply.transient),
     )
 
 
@@ -368,3 +371,19 @@ class AgentClients:
             self._settings.call_deadline_s,
         )
         return {a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks)) for a in reply.adapters}
+
+    async def adapter_stats(self, endpoint: str, creds: Credentials) -> AgentDemand:
+        """Each adapter's demand on the agent (AdapterStats): the agent answers it without
+        waiting behind loads or inference."""
+        reply = await self._call(
+            endpoint,
+            creds,
+            "AdapterStats",
+            lambda s, md, t: s.AdapterStats(agent_pb2.AdapterStatsRequest(), metadata=md, timeout=t),
+            self._settings.call_deadline_s,
+        )
+        demands = (
+            AdapterDemand(a.adapter, a.running, a.waiting, a.generated_tokens, a.tokens_per_s, a.ttft_count, a.ttft_mean_s, a.ttft_p50_s)
+            for a in reply.adapters
+        )
+        return AgentDemand(reply.taken_at_unix_s, reply.window_s, {demand.adapter: demand for demand in demands})

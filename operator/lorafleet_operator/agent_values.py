@@ -79,6 +79,32 @@ class AgentInfo:
 
 
 @dataclass(frozen=True)
+class AdapterDemand:
+    """One adapter's demand on one agent, as its AdapterStats says ("" the base model):
+    requests running and waiting now; tokens generated and times to first token over the
+    agent's recent window."""
+
+    adapter: str
+    running: int
+    waiting: int
+    generated_tokens: int
+    tokens_per_s: float
+    ttft_count: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+
+
+@dataclass(frozen=True)
+class AgentDemand:
+    """An agent's AdapterStats: when it was taken (seconds since the epoch, the agent's clock),
+    the window the rates cover, and each adapter's demand by name."""
+
+    taken_at_unix_s: float
+    window_s: float
+    adapters: dict[str, AdapterDemand]
+
+
+@dataclass(frozen=True)
 class ControlReply:
     """LoadAdapter / UnloadAdapter reply: the agent's merge over its ranks, plus rank counts."""
 
@@ -86,6 +112,9 @@ class ControlReply:
     error_message: str
     ranks_ok: int
     ranks_reported: int
+    # a failure that asking again soon may cure (the ranks that failed could not act now: a
+    # stock server down or busy), retried on the transient back-off rather than a refusal's
+    transient: bool = False
 
 
 @dataclass(frozen=True)

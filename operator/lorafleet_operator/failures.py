@@ -77,8 +77,11 @@ _MAX_DOUBLINGS = 20
 
 
 def is_transient(failure: AgentFailure) -> bool:
-    """Whether asking again soon can help: only a gRPC error with a transient code."""
-    return isinstance(failure, AgentError) and failure.code in TRANSIENT_CODES
+    """Whether asking again soon can help: a gRPC error with a transient code, or an answer
+    whose failed ranks could not act now (none refused: a stock server down or busy)."""
+    if isinstance(failure, AgentError):
+        return failure.code in TRANSIENT_CODES
+    return failure.transient
 
 
 def agent_state(failure: AgentFailure) -> AgentState:

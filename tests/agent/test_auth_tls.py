@@ -39,6 +39,7 @@ def every_rpc(stub: agent_pb2_grpc.NodeAgentStub, metadata) -> dict[str, callabl
     return {
         "Describe": lambda: stub.Describe(pb.DescribeRequest(), metadata=metadata, timeout=30),
         "ListAdapters": lambda: stub.ListAdapters(pb.ListAdaptersRequest(), metadata=metadata, timeout=30),
+        "AdapterStats": lambda: stub.AdapterStats(pb.AdapterStatsRequest(), metadata=metadata, timeout=30),
         "LoadAdapter": lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="auth", source_uri="s3://x"), metadata=metadata, timeout=30),
         "LoadAdapters": lambda: stub.LoadAdapters(
             pb.LoadAdaptersRequest(loads=[pb.LoadAdapterRequest(name="auth", source_uri="s3://x")]), metadata=metadata, timeout=30

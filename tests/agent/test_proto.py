@@ -47,5 +47,15 @@ def test_the_generated_service_matches_the_servicer():
     from node_agent.server import NodeAgentServicer
 
     methods = [m.name for m in agent_pb2.DESCRIPTOR.services_by_name["NodeAgent"].methods]
-    assert methods == ["Describe", "LoadAdapter", "LoadAdapters", "UnloadAdapter", "ListAdapters", "Forward", "Generate", "ProveIdentity"]
+    assert methods == [
+        "Describe",
+        "LoadAdapter",
+        "LoadAdapters",
+        "UnloadAdapter",
+        "ListAdapters",
+        "Forward",
+        "Generate",
+        "ProveIdentity",
+        "AdapterStats",
+    ]
     assert all(m in NodeAgentServicer.__dict__ for m in methods), "every RPC is implemented by the servicer"

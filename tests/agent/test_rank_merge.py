@@ -9,8 +9,8 @@ from __future__ import annotations
 from node_agent.backend import ControlReply, merge_control, rolled_back
 
 
-def reply(rank: int, ok: bool, error: str = "", holds: tuple[str, ...] = ()) -> ControlReply:
-    return ControlReply(rank, rank // 2, rank % 2, ok, error, holds)
+def reply(rank: int, ok: bool, error: str = "", holds: tuple[str, ...] = (), transient: bool = False) -> ControlReply:
+    return ControlReply(rank, rank // 2, rank % 2, ok, error, transient=transient, holds=holds)
 
 
 def test_success_only_when_every_rank_succeeded_then_the_first_ranks_holdings():
@@ -42,3 +42,19 @@ def test_rolled_back_ranks_are_reported_as_not_holding_the_adapter_and_the_error
     assert result.ranks[0].error == result.ranks[2].error == "loaded, then rolled back because the load failed on rank 1"
     assert result.ranks[1].error == "injected"
     assert [r.holds for r in result.ranks] == [(), (), ()], "what each rank holds after the rollback"
+
+
+def test_a_failure_is_transient_only_when_no_failed_rank_refused():
+    """A rank that could not act now (its server down) makes a transient failure; one refusal
+    beside it makes the whole failure permanent, and a success is never transient."""
+    down = reply(1, False, "server 1 unreachable", transient=True)
+    assert merge_control([reply(0, True), down]).transient
+    assert merge_control([down, reply(2, False, "unreachable too", transient=True)]).transient
+    assert not merge_control([down, reply(2, False, "bad shape")]).transient
+    assert not merge_control([reply(0, True), reply(1, True, transient=True)]).transient
+
+
+def test_a_rolled_back_transient_load_stays_transient():
+    loaded = merge_control([reply(0, True, holds=("x",)), reply(1, False, "server 1 unreachable", transient=True)])
+    result = rolled_back(loaded, [reply(0, True), reply(1, False, "'x' is not loaded")])
+    assert result.transient and [r.ok for r in result.ranks] == [False, False]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from node_agent.cli import UsageError, build_parser, http_options, server_options
+from node_agent.http_api import HttpOptions
 from tests.agent.helpers import make_model, wait_until
 from tests.http.conftest import write_chat_template
 
@@ -116,6 +117,21 @@ def test_a_bad_http_listen_is_a_usage_error(listen):
     args = build_parser().parse_args(["serve", "--model", "m", "--http-listen", listen])
     with pytest.raises(UsageError, match="--http-listen must be HOST:PORT"):
         http_options(args, server_options(args))
+
+
+def test_the_slow_client_flags_become_the_http_options_and_must_be_positive():
+    base = ["serve", "--model", "m", "--http-listen", "127.0.0.1:0"]
+    limits = ["--http-header-timeout-s", "2.5", "--http-body-timeout-s", "30", "--http-idle-timeout-s", "5", "--http-max-connections", "7"]
+    args = build_parser().parse_args(base + limits)
+    options = http_options(args, server_options(args))
+    assert options is not None
+    assert (options.header_timeout_s, options.body_timeout_s, options.idle_timeout_s, options.max_connections) == (2.5, 30, 5, 7)
+    defaults = http_options(build_parser().parse_args(base), server_options(args))
+    assert defaults == HttpOptions(listen="127.0.0.1:0"), "the flags' defaults are the options'"
+    for flag in ("--http-header-timeout-s", "--http-body-timeout-s", "--http-idle-timeout-s", "--http-max-connections"):
+        args = build_parser().parse_args([*base, flag, "0"])
+        with pytest.raises(UsageError, match=f"{flag} must be positive, got 0"):
+            http_options(args, server_options(args))
 
 
 def test_the_http_api_takes_the_grpc_token_and_tls_files(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import shutil
 import ssl
 import threading
@@ -72,6 +73,36 @@ def test_bad_json_and_unknown_routes_answer_in_the_same_shape(served):
     assert answer.status == 404 and "/v1/nothing" in error_of(answer)["message"]
     answer = request(served, "GET", "/v1/completions")
     assert answer.status == 405 and error_of(answer)["message"]
+
+
+# Bodies past what `json.loads` reads: bytes that are no UTF-8 text, nesting deeper than the
+# recursion it parses by allows, an integer past Python's digit limit, a string that is no
+# Unicode (a lone surrogate escape: the tokenizer's TypeError).
+UNREADABLE_BODIES = [
+    (b'{"model": "ad-a", "prompt": "w1 \xff w2"}', ("not valid UTF-8", "byte 32")),
+    (b'{"model": "ad-a", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ("nests deeper than 64",)),
+    (b'{"model": "ad-a", "prompt": "w1", "max_tokens": ' + b"7" * 5000 + b"}", ("integer", "4300 digits")),
+    (b'{"model": "ad-a", "prompt": "w1", "messages": [{"role": "user", "content": "w4 \\udc00"}]}', ("unpaired surrogate",)),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("raw", "says"), UNREADABLE_BODIES, ids=["not-utf8", "deep", "long-integer", "lone-surrogate"])
+def test_a_body_json_cannot_read_is_400_invalid_json_naming_why(served, path, raw, says):
+    answer = request(served, "POST", path, raw=raw)
+    error = error_of(answer)
+    assert answer.status == 400 and error["code"] == "invalid_json" and error["type"] == "invalid_request_error", error
+    assert all(part in error["message"] for part in says), error["message"]
+    assert not re.search(r"[A-Za-z]+(Error|Exception)\b", error["message"]), "no Python exception type in the answer"
+    assert request(served, "POST", "/v1/completions", GOOD).status == 200, "the agent still serves"
+
+
+def test_an_escaped_surrogate_pair_is_one_character(served):
+    """json.dumps escapes an emoji as a surrogate pair (ensure_ascii): text, not a refusal."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "w4 \U0001f600"}]}
+    raw = json.dumps(body).encode()
+    assert b"\\ud83d\\ude00" in raw
+    assert request(served, "POST", "/v1/chat/completions", raw=raw).status == 200
 
 
 def test_an_unknown_model_is_404_model_not_found(client):
@@ -188,22 +219,33 @@ def test_with_grpcs_tls_files_the_api_is_https_and_mutual_tls_needs_a_client_cer
             status(ssl.create_default_context())  # the agent's CA is not the system's
 
 
-def test_an_unexpected_error_is_a_500_in_the_same_shape_and_in_stream_after_the_200(served, monkeypatch):
+def test_an_unexpected_error_is_a_500_in_the_same_shape_and_in_stream_after_the_200(served, monkeypatch, caplog):
     """A bug (injected: building the answer fails) answers 500 `internal`; once a stream has
-    started, the error is its last event before `[DONE]`; the sequence is cancelled either way."""
+    started, the error is its last event before `[DONE]`; the sequence is cancelled either way.
+    The answer names no Python exception and none of its text: a reference the agent's log
+    gives the cause under."""
     from node_agent.http_api.responses import Reply
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("injected")
 
+    def hides_the_cause(error: dict) -> None:
+        assert error["code"] == "internal", error
+        assert "RuntimeError" not in error["message"] and "injected" not in error["message"], error
+        reference = re.search(r"reference ([0-9a-f]{12})", error["message"])
+        assert reference, error
+        logged = [record for record in caplog.records if reference[1] in record.getMessage()]
+        assert logged and logged[0].exc_info and "injected" in str(logged[0].exc_info[1]), "the log has the cause"
+
     monkeypatch.setattr(Reply, "body", broken)
     answer = request(served, "POST", "/v1/completions", GOOD)
-    assert answer.status == 500 and error_of(answer)["code"] == "internal" and "injected" in error_of(answer)["message"]
+    assert answer.status == 500
+    hides_the_cause(error_of(answer))
     monkeypatch.setattr(Reply, "chunk", broken)
     before = served.agent.engine.serving_stats().steps
     answer = request(served, "POST", "/v1/completions", {**GOOD, "max_tokens": 1000, "stream": True})
     events = answer.events()
     assert answer.status == 200 and events[-1] == "[DONE]"
-    assert json.loads(events[-2])["error"]["code"] == "internal"
+    hides_the_cause(json.loads(events[-2])["error"])
     wait_until(lambda: all_blocks_free(served), what="the failed stream's sequence to be cancelled")
     assert served.agent.engine.serving_stats().steps - before < 999, "cancelled, not run to its end"

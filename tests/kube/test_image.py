@@ -297,6 +297,7 @@ AGENT_ONLY = {
     "pydantic",
     "jinja2",
     "huggingface-hub",
+    "awscrt",
 }
 
 

@@ -6,6 +6,7 @@ the settings it reads, from the environment. Also the agent client's load gate (
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -82,6 +83,14 @@ def test_other_codes_and_refusals_are_permanent(code: grpc.StatusCode) -> None:
     # An agent that answered success=false refused: the same request would be refused again.
     assert not is_transient(REFUSED)
     assert agent_state(REFUSED) is AgentState.FAILED
+
+
+def test_an_answer_whose_failed_ranks_could_not_act_is_transient() -> None:
+    """The agent answered, but its failed ranks were stock servers that were down or busy: asking
+    again soon may work, so the agent is Unreachable there and retried on the transient schedule."""
+    down = replace(REFUSED, error_message="server 1 (http://10.0.0.1:8000) refused the load: Unreachable", transient=True)
+    assert is_transient(down)
+    assert agent_state(down) is AgentState.UNREACHABLE
 
 
 def test_kubernetes_api_errors_are_the_clients_own() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.agent.helpers import wait_until
 from tests.engine.helpers import Artifacts, draw_tokens, engine_api
 from tests.support.models import load_base_model, model_config, quietly
 
@@ -351,6 +352,26 @@ def test_a_full_waiting_queue_refuses_with_queue_full(artifacts):
             served.engine.submit(tokens, None, api.SamplingParams(max_tokens=10**7))
         assert running.cancel()
         assert [len(list(w.tokens())) for w in waiting] == [3, 3]
+        served.assert_all_blocks_free()
+    finally:
+        gen.close()
+
+
+def test_a_short_request_is_served_while_long_prompts_are_prefilled(artifacts):
+    api = engine_api()
+    gen = _engine(artifacts, 1, 1, max_num_seqs=4, max_num_batched_tokens=8)
+    served = next(gen)
+    try:
+        # Three prompts of 240 tokens: about 90 steps of prefill at 8 tokens a step, each ending
+        # with its one token; the short request comes once the first is being prefilled.
+        longs = [served.engine.submit(draw_tokens(90 + i, 240, served.vocab), None, api.SamplingParams(max_tokens=1)) for i in range(3)]
+        stats = served.engine.serving_stats
+        wait_until(lambda: stats().running > 0, what="the first long prompt to run")
+        short = Req(draw_tokens(93, 3, served.vocab), "qv_r2", 3)
+        (got,) = served.generate([short])
+        assert stats().running == 3, "the short request ended while every long prompt was still being prefilled"
+        assert got == reference_generate(served.model_dir, served.adapters, short)
+        assert [len(list(long.tokens())) for long in longs] == [1, 1, 1]
         served.assert_all_blocks_free()
     finally:
         gen.close()

@@ -211,6 +211,46 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decodes() -> None:
     assert chunks == [(3, 0, False), (3, 3, False), (3, 6, False), (1, 9, True)]
 
 
+def submit_at(scheduler: Scheduler, plan: dict[int, list[SequenceRequest]]) -> Callable[[int], bool]:
+    """`drive`'s `before`: submit `plan[index]` ahead of step `index`; more come until the last."""
+
+    def before(index: int) -> bool:
+        for req in plan.get(index, []):
+            scheduler.submit(req)
+        return index < max(plan)
+
+    return before
+
+
+def test_a_short_prompt_submitted_during_a_long_prefill_samples_at_its_first_step() -> None:
+    scheduler = Scheduler(config(max_num_batched_tokens=16))
+    long, short = request(0, 200, 2), request(1, 5, 3)
+    scheduler.submit(long)
+    run = drive(scheduler, submit_at(scheduler, {4: [short]}))
+    assert_reference(run, [long, short])
+    steps = {step.index: {entry.seq_id: entry for entry in step.sequences} for step in run.steps}
+    # Alone, the long prompt takes the whole budget; the short one starts at the step it was
+    # submitted before, with its whole prompt, and samples there, beside the long one's chunk.
+    assert [len(steps[index][0].token_ids) for index in (1, 2, 3)] == [16, 16, 16]
+    assert steps[4][1].samples and len(steps[4][1].token_ids) == 5
+    assert len(steps[4][0].token_ids) == 11 and not steps[4][0].samples, "the long prefill takes the rest"
+    assert run.done_step[1] < run.done_step[0] and not run.preempted()
+    assert all(step.num_tokens == 16 for step in run.steps if 0 in {e.seq_id for e in step.sequences} and step.index < 13)
+
+
+def test_two_long_prompts_share_the_steps_and_admission_leaves_a_prefills_blocks() -> None:
+    # 16 blocks of 4 per group: the first prompt's 12 blocks, the second's 3, and no room for a third.
+    scheduler = Scheduler(config(num_blocks=16, max_num_batched_tokens=16))
+    first, second, third = request(0, 48, 1), request(1, 12, 1), request(2, 8, 1)
+    scheduler.submit(first)
+    run = drive(scheduler, submit_at(scheduler, {2: [second, third]}))
+    assert_reference(run, [first, second, third])
+    assert not run.preempted()
+    step2 = {entry.seq_id: len(entry.token_ids) for entry in run.steps[1].sequences}
+    assert step2 == {0: 8, 1: 8}, "half the budget to the running prefill, the rest to the waiting one"
+    assert run.first_step[2] > run.done_step[1], "the third waited for room, leaving the first prompt's blocks"
+
+
 def test_a_forward_is_computed_in_chunks_with_every_logit_never_from_the_cache_and_then_ends() -> None:
     scheduler = Scheduler(config(max_num_seqs=3, max_num_batched_tokens=6, prefix_caching=True))
     shared = tuple((3 * i + 1) % VOCAB for i in range(9))
@@ -466,6 +506,38 @@ def test_the_waiting_queue_is_bounded() -> None:
     assert scheduler.num_waiting == 0
     scheduler.submit(request(2, 3, 2))
     scheduler.on_step_done(step, FakeRanks(scheduler.config).run(step))
+
+
+def _forward_batch(first: int, count: int, prompt_len: int = 2) -> list[SequenceRequest]:
+    return [SequenceRequest(first + i, None, tuple(range(1, 1 + prompt_len)), prompt_logits=True) for i in range(count)]
+
+
+def test_a_batch_is_one_request_to_the_waiting_queue_and_is_admitted_in_waves() -> None:
+    scheduler = Scheduler(config(max_waiting=2, max_num_seqs=4))
+    batch = _forward_batch(0, 10)
+    scheduler.submit_batch(batch)
+    scheduler.submit(request(100, 3, 2))
+    assert scheduler.num_waiting == 11  # sequences, as the gateway metrics count them
+    with pytest.raises(QueueFull, match=r"2 requests are waiting \(max_waiting 2\)"):
+        scheduler.submit_batch(_forward_batch(200, 1))
+    run = drive(scheduler)
+    assert {seq_id for seq_id, done in run.finished.items() if done.reason is None} == {req.seq_id for req in batch}
+    assert max(len(step.sequences) for step in run.steps) == 4, "the batch ran in waves of max_num_seqs"
+    scheduler.submit_batch(_forward_batch(200, 1))
+
+
+def test_a_batch_is_queued_whole_or_not_at_all() -> None:
+    scheduler = Scheduler(config(num_blocks=4, block_size=4))  # 16 tokens of KV per group
+    scheduler.submit(request(0, 3, 2))
+    too_long = [*_forward_batch(10, 3), SequenceRequest(13, None, tuple(range(17)), prompt_logits=True)]
+    with pytest.raises(SchedulerError, match="sequence 13 may need 17 tokens of KV cache"):
+        scheduler.submit_batch(too_long)
+    with pytest.raises(SchedulerError, match="sequence 0 is already submitted"):
+        scheduler.submit_batch(_forward_batch(-1, 2))  # ids -1 and 0: 0 is live
+    with pytest.raises(SchedulerError, match="sequence 20 is already submitted"):
+        scheduler.submit_batch([SequenceRequest(20, None, (1,), prompt_logits=True)] * 2)
+    assert scheduler.num_waiting == 1
+    assert set(drive(scheduler).finished) == {0}
 
 
 def test_cancel_frees_a_sequence_at_once_waiting_or_running() -> None:

@@ -121,9 +121,10 @@ def fleet(kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple
 
 @pytest.fixture
 def operator(kube_cluster: ControlPlane, kube_namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    # A load that a server down refuses is a failed load (not a transient gRPC error): a short
-    # back-off cap lets the repair follow the server's restart within seconds.
-    proc = start_operator(kube_cluster, kube_namespace, tmp_path, env={"LORAFLEET_FAILED_RETRY_MAX_SECONDS": "8"})
+    # A refused load would wait ten minutes before it is tried again: a load that fails because a
+    # server is down must be retried on the transient back-off (seconds), never on a refusal's.
+    refusals_wait = {"LORAFLEET_FAILED_RETRY_SECONDS": "600", "LORAFLEET_FAILED_RETRY_MAX_SECONDS": "600"}
+    proc = start_operator(kube_cluster, kube_namespace, tmp_path, env=refusals_wait)
     try:
         yield proc
         # A failed test leaves its adapters: unloaded while the operator runs, as the agents
@@ -217,8 +218,10 @@ def test_a_restarted_vllm_server_is_reloaded_by_drift_repair(
     assert per_agent(ready(kube_cluster, ns, "kept", operator)) == {"agent-0": ("Loaded", 1, 1), "agent-1": ("Loaded", 2, 2)}
     lost = fleet.agents[1].servers[1]  # agent-1's rank 1
     lost.kill()
-    # The agent reports the rank it lost; the status says so (a reload fails while it is down).
-    wait_for(lambda: "rank 1 " in agent_message(kube_cluster, ns, "kept", "agent-1"), 60, "agent-1 to miss rank 1", operator)
+    # The agent reports the rank it lost; the status says so (a reload fails while it is down,
+    # and the server being down makes it Unreachable there, not Failed: it is retried soon).
+    wait_for(lambda: "server 1 (" in agent_message(kube_cluster, ns, "kept", "agent-1"), 60, "agent-1 to miss server 1", operator)
+    wait_for(lambda: per_agent(status(kube_cluster, ns, "kept"))["agent-1"][0] == "Unreachable", 60, "a transient failure", operator)
     st = status(kube_cluster, ns, "kept")
     assert st["phase"] != "Ready" and st["ranksSummary"] != "3/3"
 

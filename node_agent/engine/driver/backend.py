@@ -15,6 +15,7 @@ import numpy as np
 
 from node_agent.backend import (
     AdapterRefused,
+    AdapterRequests,
     BackendDescription,
     Capacity,
     ControlResult,
@@ -82,7 +83,12 @@ class EngineBackend:
         return [RankHoldings(reply.rank, reply.holds) for reply in self.engine.describe()]
 
     def forward(self, sequences: Sequence[SequenceInput]) -> list[np.ndarray]:
-        return [logits.numpy() for logits in self.engine.forward(sequences)]
+        try:
+            return [logits.numpy() for logits in self.engine.forward(sequences)]
+        except QueueFull as error:
+            raise Overloaded(str(error)) from None
+        except SchedulerError as error:
+            raise RequestRefused(str(error)) from None
 
     def generate(self, tokens: Sequence[int], adapter: str | None, sampling: Sampling) -> Generation:
         try:
@@ -107,6 +113,9 @@ class EngineBackend:
 
     def serving_stats(self) -> ServingStats:
         return self.engine.serving_stats()
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        return self.engine.adapter_requests()
 
     def close(self) -> None:
         self.engine.close()

@@ -26,6 +26,7 @@ from torch.distributed import DistError, TCPStore
 
 from lorafleet_common.merge import merge_failure_first
 from node_agent.backend import (
+    AdapterRequests,
     ControlReply,
     ControlResult,
     FileDigests,
@@ -261,6 +262,11 @@ class Engine:
         of a failed engine: metrics read them at every scrape)."""
         assert self._steps is not None  # built by the constructor, which failed otherwise
         return self._steps.stats(self.num_kv_blocks)
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        """The scheduler's running and waiting sequences per adapter (asks no rank)."""
+        assert self._steps is not None  # built by the constructor, which failed otherwise
+        return self._steps.adapter_requests()
 
     def _serving(self) -> StepLoop:
         """The step loop, once the engine serves (EngineError after a failure)."""

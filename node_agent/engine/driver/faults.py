@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class InjectedFault(Exception):
@@ -23,10 +24,25 @@ class FaultPlan:
     # byte (a hung load, and a window to change the files under it)
     stall_load_on_rank: int | None = None
     stall_load_s: float = 0.0
+    # this rank waits at the start of every load until the file `resume_file` exists (a pause
+    # that the test ends when it has done what it does meanwhile)
+    pause_load_on_rank: int | None = None
+    resume_file: Path | None = None
+    # every rank touches `answers_dir/rank<N>-<command>` (`rank1-load`) once it has answered a
+    # command of that kind, so a test knows which ranks answered
+    answers_dir: Path | None = None
 
     def before_load(self, rank: int) -> None:
-        """Run at the start of each load on `rank`: refuse it (`InjectedFault`) or stall it."""
+        """Run at the start of each load on `rank`: refuse it (`InjectedFault`), stall or pause it."""
         if self.fail_load_on_rank == rank:
             raise InjectedFault(f"injected load failure on rank {rank}")
         if self.stall_load_on_rank == rank:
             time.sleep(self.stall_load_s)
+        if self.pause_load_on_rank == rank and self.resume_file is not None:
+            while not self.resume_file.exists():
+                time.sleep(0.01)
+
+    def answered(self, rank: int, command: str) -> None:
+        """Run once `rank` has sent its answer to a `command` ("load", "step", ...)."""
+        if self.answers_dir is not None:
+            (self.answers_dir / f"rank{rank}-{command}").touch()

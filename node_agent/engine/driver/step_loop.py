@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorafleet_common.merge import merge_failure_first
-from node_agent.backend import SequenceInput, ServingStats
+from node_agent.backend import AdapterRequests, SequenceInput, ServingStats
 from node_agent.engine.driver.errors import EngineError, SequenceAborted
 from node_agent.engine.driver.generation import Event, GeneratedStep, Generation, PromptLogits, Request
 from node_agent.engine.driver.protocol import StepReply
 from node_agent.engine.serving.sampler import SamplingParams, TokenLogprobs
 from node_agent.engine.serving.scheduler import Scheduler
-from node_agent.engine.serving.scheduling import ScheduledStep, SchedulerError, SequenceRequest
+from node_agent.engine.serving.scheduling import ScheduledStep, SequenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +71,19 @@ class StepLoop:
 
     def forward(self, sequences: Sequence[SequenceInput]) -> list[np.ndarray]:
         """Every sequence as a prompt-only request sharing steps with the running generations;
-        the logits of each, in order, once the loop ended them all."""
-        requests: list[Request] = []
+        the logits of each, in order, once the loop ended them all. The batch is submitted
+        whole or not at all (QueueFull, SchedulerError: nothing queued), and the scheduler
+        admits its sequences in waves."""
         with self._work:
             self._check_open()
-            try:
-                for sequence in sequences:
-                    request = Request(next(self._ids), sequence.adapter, len(sequence.tokens))
-                    self._scheduler.submit(SequenceRequest(request.seq_id, sequence.adapter, tuple(sequence.tokens), prompt_logits=True))
-                    self._requests[request.seq_id] = request
-                    requests.append(request)
-            except SchedulerError as error:
-                for request in requests:
-                    self._scheduler.cancel(request.seq_id)
-                    del self._requests[request.seq_id]
-                raise EngineError(f"sequence {len(requests)}: {error}") from None
+            requests = [Request(next(self._ids), sequence.adapter, len(sequence.tokens)) for sequence in sequences]
+            self._scheduler.submit_batch(
+                [
+                    SequenceRequest(request.seq_id, sequence.adapter, tuple(sequence.tokens), prompt_logits=True)
+                    for request, sequence in zip(requests, sequences, strict=True)
+                ]
+            )
+            self._requests.update((request.seq_id, request) for request in requests)
             self._work.notify_all()
         out: list[np.ndarray] = []
         for request in requests:
@@ -131,6 +129,12 @@ class StepLoop:
                 running,
                 waiting,
             )
+
+    def adapter_requests(self) -> tuple[AdapterRequests, ...]:
+        """The scheduler's running and waiting sequences per adapter."""
+        with self._work:
+            running, waiting = self._scheduler.adapter_counts()
+        return tuple(AdapterRequests(adapter, running[adapter], waiting[adapter]) for adapter in running | waiting)
 
     def deliver(self) -> None:
         """Hand the callers every event of the last step (once the next is on its way)."""

@@ -2,7 +2,9 @@
 spawned processes and pipes, `ProcessRanks`.
 
 A transport sends each rank its command and collects one reply per rank, in rank order; a rank
-that is gone or a deadline that passes is `RanksLost`, which fails the engine. An in-process
+that is gone or a deadline that passes is `RanksLost`, which fails the engine. A rank that exits
+before every rank answered fails the command even if it had answered success: a command
+succeeds only on ranks that are still there when it completes. An in-process
 transport (ranks as objects answering `RankWorker.run`) implements the same interface.
 """
 
@@ -40,8 +42,9 @@ class RankTransport(Protocol):
 
     def collect(self, timeout_s: float, what: str, stop_on_failure: bool = False, limit: str = "") -> list[RankReply]:
         """One reply per rank, rank order. With `stop_on_failure`, the replies so far once one
-        of them is a failure. `RanksLost` when a rank exits or `timeout_s` passes (`limit`
-        names the setting the deadline comes from)."""
+        of them is a failure. `RanksLost` when a rank exits before the last reply (also one that
+        had answered success) or `timeout_s` passes (`limit` names the setting the deadline
+        comes from)."""
         ...
 
     @property
@@ -92,7 +95,9 @@ class ProcessRanks:
             if stop_on_failure and any(r is not None and not r.ok for r in replies):
                 break
             pending = {self._conns[i]: i for i, r in enumerate(replies) if r is None}
-            sentinels = {self._processes[i].sentinel: i for i in pending.values()}
+            # Ranks that answered success are watched too: one that exits before the command
+            # completes takes its answer with it (what it held is gone), so the command fails.
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes) if _may_be_lost(replies[rank])}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 setting = f" ({limit})" if limit else ""
@@ -105,9 +110,13 @@ class ProcessRanks:
                     except (EOFError, OSError):
                         self._rank_exited(rank, what)
             for sentinel, rank in sentinels.items():
-                # A rank that answered before exiting has its reply read above (or still queued).
-                if sentinel in ready and replies[rank] is None and not self._conns[rank].poll():
+                # A reply still queued is read on the next turn (a success then counts as lost).
+                if sentinel in ready and _may_be_lost(replies[rank]) and not self._conns[rank].poll():
                     self._rank_exited(rank, what)
+        # The last answer may have come with a death not yet seen by the poll above.
+        for rank, reply in enumerate(replies):
+            if reply is not None and reply.ok and not self._processes[rank].is_alive():
+                self._rank_exited(rank, what)
         return [reply for reply in replies if reply is not None]
 
     @property
@@ -136,6 +145,12 @@ class ProcessRanks:
     def _rank_exited(self, rank: int, what: str) -> NoReturn:
         self._processes[rank].join(1)
         raise RanksLost(f"rank {rank} exited during {what} (exit code {self._processes[rank].exitcode})")
+
+
+def _may_be_lost(reply: RankReply | None) -> bool:
+    """Whether a rank's exit now would leave the command without its answer: it has not answered,
+    or it answered success (a rank that answered failure, a failed start, keeps its answer)."""
+    return reply is None or reply.ok
 
 
 def _payloads(commands: Sequence[Command]) -> list[bytes | memoryview]:

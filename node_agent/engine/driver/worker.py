@@ -340,5 +340,7 @@ def rank_main(rank_config: RankConfig, rank: int, conn: Connection, faults: Faul
         # Replies are plain data: plain pickle, without the copy of its reducer tables that
         # Connection.send's ForkingPickler makes on every call.
         conn.send_bytes(pickle.dumps(worker.run(command), pickle.HIGHEST_PROTOCOL))
+        if faults is not None:
+            faults.answered(rank, type(command).__name__.lower())
         if isinstance(command, Shutdown):
             return

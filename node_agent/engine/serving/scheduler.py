@@ -15,25 +15,28 @@ A step, in order:
    to the token budget and to the blocks of their group. A sequence that finds no block frees
    one by preempting its group's youngest sequence (by recompute: blocks freed, back to the
    front of the queue with its generated tokens as part of its prompt), itself if it is the
-   youngest.
+   youngest. While a sequence waits and one more may run, the running prefills leave it half of
+   what the decodes left (the reserve), so a long prompt never stalls a short one beyond one
+   step; what admission does not use goes back to them at the end of the step.
 3. Admission, FCFS: while the sequence limit and token budget allow, a waiting request whose
    adapter fits the slots starts on the group with the most free blocks (a preempted one on its
-   own group) if that group can hold its whole prompt; a request that does not fit the blocks
-   stops admission, so nothing passes a preempted sequence into the group it just left. One
-   whose adapter does not fit waits and lets others pass, until it has waited
-   `max_slot_wait_steps` steps: from then on nothing that holds a slot (an unpinned adapter) is
-   admitted before it, so the running adapters drain and it gets one.
+   own group) if that group can hold its whole prompt beside the rest of the running prefills'
+   prompts; a request that does not fit the blocks stops admission, so nothing passes a
+   preempted sequence into the group it just left. One whose adapter does not fit waits and
+   lets others pass, until it has waited `max_slot_wait_steps` steps: from then on nothing that
+   holds a slot (an unpinned adapter) is admitted before it, so the running adapters drain and
+   it gets one. `max_waiting` bounds the waiting requests; a Forward's sequences are one.
 
 Not thread-safe: the driver's step loop calls it, cancellations included.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 
 from node_agent.engine.serving.kv_cache import BlockAllocator
 from node_agent.engine.serving.sampler import SequenceSampling, finish_reason
@@ -46,45 +49,7 @@ from node_agent.engine.serving.scheduling import (
     SchedulerError,
     SequenceRequest,
 )
-
-
-@dataclass
-class _Sequence:
-    """The scheduler's view of one live sequence. Its tokens in the cache are its allocator's
-    `num_tokens` while it runs; none while it waits."""
-
-    request: SequenceRequest
-    seed: int
-    tokens: list[int]  # the prompt, then every generated token
-    since: int  # the first step it waited for (submission or preemption)
-    group: int | None = None  # chosen at its first admission, kept for its life
-
-    @property
-    def seq_id(self) -> int:
-        return self.request.seq_id
-
-    @property
-    def generated(self) -> int:
-        return len(self.tokens) - len(self.request.prompt)
-
-
-@dataclass
-class _Plan:
-    """A step being built: the token budget left and each scheduled sequence's chunk."""
-
-    budget: int
-    chunks: dict[int, tuple[_Sequence, int, list[int]]] = field(default_factory=dict)  # id → (seq, position, slots)
-    preempted: list[int] = field(default_factory=list)
-
-    def add(self, seq: _Sequence, position: int, slots: list[int]) -> None:
-        self.chunks[seq.seq_id] = (seq, position, slots)
-        self.budget -= len(slots)
-
-    def drop(self, seq_id: int) -> None:
-        """Take a preempted sequence's chunk back out of the step."""
-        chunk = self.chunks.pop(seq_id, None)
-        if chunk is not None:
-            self.budget += len(chunk[2])
+from node_agent.engine.serving.step_plan import LiveSequence, StepPlan
 
 
 class Scheduler:
@@ -95,9 +60,11 @@ class Scheduler:
         self._allocators = [
             BlockAllocator(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching) for _ in range(config.dp_size)
         ]
-        self._waiting: deque[_Sequence] = deque()
-        self._running: dict[int, _Sequence] = {}  # admission order: oldest first
-        self._live: dict[int, _Sequence] = {}  # waiting and running, by id
+        self._waiting: deque[LiveSequence] = deque()
+        self._waiting_batches: Counter[int] = Counter()  # waiting sequences of each submission
+        self._batches = itertools.count()  # submissions' ids
+        self._running: dict[int, LiveSequence] = {}  # admission order: oldest first
+        self._live: dict[int, LiveSequence] = {}  # waiting and running, by id
         self._pinned: frozenset[str] = frozenset()
         self._seeds = random.Random(seed)  # seeds of unseeded requests, in submission order
         self._step = 0
@@ -127,6 +94,10 @@ class Scheduler:
         waiting = frozenset(seq.request.adapter for seq in self._waiting if seq.request.adapter)
         return running, waiting
 
+    def adapter_counts(self) -> tuple[Counter[str | None], Counter[str | None]]:
+        """How many running and how many waiting sequences each adapter has (None: the base model)."""
+        return Counter(seq.request.adapter for seq in self._running.values()), Counter(seq.request.adapter for seq in self._waiting)
+
     def free_blocks(self) -> tuple[int, ...]:
         """Each DP group's free blocks (unreferenced cached blocks count as free)."""
         return tuple(alloc.num_free_blocks for alloc in self._allocators)
@@ -138,13 +109,36 @@ class Scheduler:
         self._pinned = frozenset(adapters)
 
     def submit(self, request: SequenceRequest) -> None:
-        """Queue a request for admission at a coming step.
+        """Queue a request for admission at a coming step (`submit_batch` of one)."""
+        self.submit_batch((request,))
 
-        Raises QueueFull beyond `max_waiting` waiting requests, and SchedulerError for an id that
-        is live or a request that could not fit one group's KV cache even alone.
+    def submit_batch(self, requests: Sequence[SequenceRequest]) -> None:
+        """Queue requests submitted together (a Forward's sequences), all or none: every one is
+        checked before any is queued. The batch is one request to `max_waiting`, whatever its
+        size (the agent bounds a batch's tokens), so a large batch is admitted in waves.
+
+        Raises QueueFull when `max_waiting` requests already wait, and SchedulerError for an id
+        that is live or repeated, or a request that could not fit one group's KV cache even alone.
         """
-        if request.seq_id in self._live:
-            raise SchedulerError(f"sequence {request.seq_id} is already submitted")
+        if not requests:
+            raise SchedulerError("a batch needs at least one request")
+        seen: set[int] = set()
+        for request in requests:
+            if request.seq_id in self._live or request.seq_id in seen:
+                raise SchedulerError(f"sequence {request.seq_id} is already submitted")
+            seen.add(request.seq_id)
+            self._check_fits(request)
+        if len(self._waiting_batches) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self._waiting_batches)} requests are waiting (max_waiting {self.config.max_waiting}); retry later")
+        batch = next(self._batches)
+        for request in requests:
+            seed = request.params.seed if request.params.seed is not None else self._seeds.getrandbits(64)
+            seq = LiveSequence(request, seed, list(request.prompt), since=self._step + 1, batch=batch)
+            self._wait(seq)
+            self._live[request.seq_id] = seq
+
+    def _check_fits(self, request: SequenceRequest) -> None:
+        """SchedulerError for a request that could not fit one group's KV cache even alone."""
         # The last generated token is never written, so a sequence holds at most this many.
         worst = len(request.prompt) + (0 if request.prompt_logits else request.params.max_tokens - 1)
         if worst > self.config.group_tokens:
@@ -154,12 +148,6 @@ class Scheduler:
                 f"but a DP group holds {self.config.group_tokens} "
                 f"({self.config.num_blocks} blocks of {self.config.block_size})"
             )
-        if len(self._waiting) >= self.config.max_waiting:
-            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting {self.config.max_waiting}); retry later")
-        seed = request.params.seed if request.params.seed is not None else self._seeds.getrandbits(64)
-        seq = _Sequence(request, seed, list(request.prompt), since=self._step + 1)
-        self._waiting.append(seq)
-        self._live[request.seq_id] = seq
 
     def cancel(self, seq_id: int) -> bool:
         """Drop a sequence now, waiting or running, and free its blocks; False if it is not live.
@@ -173,7 +161,7 @@ class Scheduler:
         if seq_id in self._running:
             self._release(seq)
         else:
-            self._waiting.remove(seq)
+            self._unwait(seq)
         return True
 
     # -- steps -----------------------------------------------------------------------------------
@@ -183,15 +171,25 @@ class Scheduler:
         if self._in_flight is not None:
             raise SchedulerError(f"step {self._in_flight.index} is still in flight: report it with on_step_done first")
         self._step += 1
-        plan = _Plan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens)
         held, stalled = self._slots()
         runnable = [seq for seq in self._running.values() if seq.seq_id not in stalled]
         decodes = [seq for seq in runnable if self._pending(seq) == 1]
         prefills = [seq for seq in runnable if self._pending(seq) > 1]
-        for seq in decodes + prefills:
+        for seq in decodes:
             if seq.seq_id in self._running:  # not preempted by an older sequence meanwhile
                 self._schedule_running(plan, seq)
+        reserve = self._reserve(plan)
+        plan.budget -= reserve
+        for seq in prefills:
+            if seq.seq_id in self._running:
+                self._schedule_running(plan, seq)
+        plan.budget += reserve
+        if reserve:
+            self._defer(plan, prefills)
         self._admit(plan, held)
+        for seq in prefills:
+            self._extend(plan, seq)
         step = self._build(plan)
         self._in_flight = step
         return step
@@ -257,7 +255,7 @@ class Scheduler:
         if adapter is not None:
             held.add(adapter)
 
-    def _schedule_running(self, plan: _Plan, seq: _Sequence) -> None:
+    def _schedule_running(self, plan: StepPlan, seq: LiveSequence) -> None:
         """The next chunk of a running sequence: its pending tokens, cut to the budget and to
         its group's blocks (preempting the group's youngest when not one token fits)."""
         if plan.budget == 0:
@@ -267,6 +265,10 @@ class Scheduler:
             self._preempt(plan, victim)
             if victim is seq:
                 return
+        self._append(plan, seq)
+
+    def _append(self, plan: StepPlan, seq: LiveSequence) -> None:
+        """Schedule a running sequence's pending tokens, cut to the budget and its group's room."""
         alloc = self._allocator(seq)
         position = alloc.num_tokens(seq.seq_id)
         count = min(self._pending(seq), plan.budget, self._room(seq))
@@ -274,36 +276,71 @@ class Scheduler:
         assert slots is not None  # cut to the room just measured
         plan.add(seq, position, slots)
 
-    def _room(self, seq: _Sequence) -> int:
+    def _reserve(self, plan: StepPlan) -> int:
+        """The tokens the running prefills leave to waiting sequences this step: half of what the
+        decodes left, while one waits and one more may run."""
+        if not self._waiting or len(self._running) >= self.config.max_num_seqs:
+            return 0
+        return plan.budget // 2
+
+    def _defer(self, plan: StepPlan, prefills: list[LiveSequence]) -> None:
+        """Note the blocks the rest of each running prefill's prompt needs: admission leaves them."""
+        for seq in prefills:
+            if seq.seq_id in self._running and self._pending(seq):
+                alloc = self._allocator(seq)
+                need = math.ceil(len(seq.tokens) / alloc.block_size) - len(alloc.block_table(seq.seq_id))
+                assert seq.group is not None  # running sequences have one
+                plan.deferred[seq.group] = plan.deferred.get(seq.group, 0) + max(0, need)
+
+    def _extend(self, plan: StepPlan, seq: LiveSequence) -> None:
+        """Give a running prefill what admission left of the budget (never preempting for it)."""
+        if plan.budget and seq.seq_id in self._running and self._pending(seq) and self._room(seq):
+            self._append(plan, seq)
+
+    def _room(self, seq: LiveSequence) -> int:
         """Tokens the sequence can append now: the rest of its last block and the free blocks."""
         alloc = self._allocator(seq)
         blocks = len(alloc.block_table(seq.seq_id)) + alloc.num_free_blocks
         return blocks * alloc.block_size - alloc.num_tokens(seq.seq_id)
 
-    def _preempt(self, plan: _Plan, seq: _Sequence) -> None:
+    def _preempt(self, plan: StepPlan, seq: LiveSequence) -> None:
         """Recompute later: free the blocks, keep the tokens (generated ones become prompt), and
         queue it first, so it is the next admitted."""
         self._release(seq)
         plan.drop(seq.seq_id)
         plan.preempted.append(seq.seq_id)
         seq.since = self._step + 1
-        self._waiting.appendleft(seq)
+        self._wait(seq, first=True)
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: LiveSequence) -> None:
         self._allocator(seq).free(seq.seq_id)
         del self._running[seq.seq_id]
 
-    def _pending(self, seq: _Sequence) -> int:
+    def _wait(self, seq: LiveSequence, first: bool = False) -> None:
+        """Queue a sequence last (a submission) or first (a preempted one)."""
+        if first:
+            self._waiting.appendleft(seq)
+        else:
+            self._waiting.append(seq)
+        self._waiting_batches[seq.batch] += 1
+
+    def _unwait(self, seq: LiveSequence) -> None:
+        self._waiting.remove(seq)
+        self._waiting_batches[seq.batch] -= 1
+        if not self._waiting_batches[seq.batch]:
+            del self._waiting_batches[seq.batch]
+
+    def _pending(self, seq: LiveSequence) -> int:
         """Tokens of a running sequence that have no KV yet (1 for a decode)."""
         return len(seq.tokens) - self._allocator(seq).num_tokens(seq.seq_id)
 
-    def _allocator(self, seq: _Sequence) -> BlockAllocator:
+    def _allocator(self, seq: LiveSequence) -> BlockAllocator:
         assert seq.group is not None  # only sequences admitted once have a group
         return self._allocators[seq.group]
 
     # -- admission -------------------------------------------------------------------------------
 
-    def _admit(self, plan: _Plan, held: set[str]) -> None:
+    def _admit(self, plan: StepPlan, held: set[str]) -> None:
         """Start waiting sequences, FCFS, within the limits (the module docstring has the rules)."""
         slot_aged = False  # an aged request waits for a slot: nothing that holds one passes it
         for seq in list(self._waiting):
@@ -315,23 +352,25 @@ class Scheduler:
             if not self._fits(held, adapter):
                 slot_aged = slot_aged or self._step - seq.since >= self.config.max_slot_wait_steps
                 continue
-            group = seq.group if seq.group is not None else self._place()
+            group = seq.group if seq.group is not None else self._place(plan)
             # Room for the whole prompt, though it may be computed in chunks (cache hits only
-            # lower the need). Admission runs only while budget is left, so every running prefill
-            # has had its whole prompt appended by now, unless blocks or a slot held it back.
-            if math.ceil(len(seq.tokens) / self.config.block_size) > self._allocators[group].num_free_blocks:
+            # lower the need), beside what the running prefills cut by the reserve still need.
+            if math.ceil(len(seq.tokens) / self.config.block_size) > self._free(plan, group):
                 return
             self._hold(held, adapter)
             self._start(plan, seq, group)
 
-    def _place(self) -> int:
+    def _place(self, plan: StepPlan) -> int:
         """The group with the most free blocks, the lower one on ties."""
-        free = self.free_blocks()
-        return max(range(len(free)), key=lambda group: (free[group], -group))
+        return max(range(self.config.dp_size), key=lambda group: (self._free(plan, group), -group))
 
-    def _start(self, plan: _Plan, seq: _Sequence, group: int) -> None:
+    def _free(self, plan: StepPlan, group: int) -> int:
+        """A group's free blocks that this step's admission may take."""
+        return self._allocators[group].num_free_blocks - plan.deferred.get(group, 0)
+
+    def _start(self, plan: StepPlan, seq: LiveSequence, group: int) -> None:
         """Admit a sequence on `group`: claim its cached prefix and schedule its first chunk."""
-        self._waiting.remove(seq)
+        self._unwait(seq)
         seq.group = group
         alloc = self._allocators[group]
         cached = alloc.add(seq.seq_id, seq.request.adapter, seq.tokens, reuse=not seq.request.prompt_logits)
@@ -342,7 +381,7 @@ class Scheduler:
 
     # -- the step's description ------------------------------------------------------------------
 
-    def _build(self, plan: _Plan) -> ScheduledStep:
+    def _build(self, plan: StepPlan) -> ScheduledStep:
         groups: list[list[ScheduledSequence]] = [[] for _ in range(self.config.dp_size)]
         for seq, position, slots in plan.chunks.values():
             assert seq.group is not None  # scheduled sequences run

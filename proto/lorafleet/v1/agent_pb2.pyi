@@ -7,11 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AdapterResidency(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADAPTER_RESIDENCY_UNSPECIFIED: _ClassVar[AdapterResidency]
+    ADAPTER_RESIDENCY_RESIDENT: _ClassVar[AdapterResidency]
+    ADAPTER_RESIDENCY_STANDBY: _ClassVar[AdapterResidency]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+ADAPTER_RESIDENCY_UNSPECIFIED: AdapterResidency
+ADAPTER_RESIDENCY_RESIDENT: AdapterResidency
+ADAPTER_RESIDENCY_STANDBY: AdapterResidency
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -129,7 +138,7 @@ class LoraSliceShape(_message.Message):
     def __init__(self, lora_a_shape: _Optional[_Iterable[int]] = ..., lora_b_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token", "source_basic")
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token", "source_basic", "standby")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +146,7 @@ class LoadAdapterRequest(_message.Message):
     REPLACE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BASIC_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     name: str
     source_uri: str
     sha256: str
@@ -144,7 +154,8 @@ class LoadAdapterRequest(_message.Message):
     replace: bool
     source_token: str
     source_basic: SourceBasicAuth
-    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ...) -> None: ...
+    standby: bool
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class SourceBasicAuth(_message.Message):
     __slots__ = ("username", "password")
@@ -155,18 +166,20 @@ class SourceBasicAuth(_message.Message):
     def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded")
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded", "transient")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     success: bool
     error_message: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
     already_loaded: bool
-    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ...) -> None: ...
+    transient: bool
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class LoadAdaptersRequest(_message.Message):
     __slots__ = ("loads",)
@@ -201,19 +214,21 @@ class UnloadAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class UnloadAdapterResponse(_message.Message):
-    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results")
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "transient")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     success: bool
     error_message: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
-    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ...) -> None: ...
+    transient: bool
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class RankResult(_message.Message):
-    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "success", "error_message", "weights_sha256", "config_sha256")
+    __slots__ = ("rank", "attn_dp_rank", "attn_tp_rank", "success", "error_message", "weights_sha256", "config_sha256", "transient")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ATTN_DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ATTN_TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +236,7 @@ class RankResult(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     CONFIG_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     rank: int
     attn_dp_rank: int
     attn_tp_rank: int
@@ -228,7 +244,8 @@ class RankResult(_message.Message):
     error_message: str
     weights_sha256: str
     config_sha256: str
-    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error_message: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., config_sha256: _Optional[str] = ...) -> None: ...
+    transient: bool
+    def __init__(self, rank: _Optional[int] = ..., attn_dp_rank: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., success: _Optional[bool] = ..., error_message: _Optional[str] = ..., weights_sha256: _Optional[str] = ..., config_sha256: _Optional[str] = ..., transient: _Optional[bool] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
     __slots__ = ()
@@ -253,18 +270,20 @@ class DownloadProgress(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
-    __slots__ = ("name", "source_uri", "sha256", "pinned", "ranks")
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "ranks", "residency")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     name: str
     source_uri: str
     sha256: str
     pinned: bool
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    residency: AdapterResidency
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., ranks: _Optional[_Iterable[int]] = ..., residency: _Optional[_Union[AdapterResidency, str]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
     __slots__ = ("sequences",)
@@ -357,3 +376,37 @@ class GenerateResponse(_message.Message):
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     usage: Usage
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., finish: _Optional[_Union[FinishReason, str]] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class AdapterStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterStatsResponse(_message.Message):
+    __slots__ = ("taken_at_unix_s", "window_s", "adapters")
+    TAKEN_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    taken_at_unix_s: float
+    window_s: float
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterStat]
+    def __init__(self, taken_at_unix_s: _Optional[float] = ..., window_s: _Optional[float] = ..., adapters: _Optional[_Iterable[_Union[AdapterStat, _Mapping]]] = ...) -> None: ...
+
+class AdapterStat(_message.Message):
+    __slots__ = ("adapter", "running", "waiting", "generated_tokens", "tokens_per_s", "ttft_count", "ttft_mean_s", "ttft_p50_s")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MEAN_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_S_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    running: int
+    waiting: int
+    generated_tokens: int
+    tokens_per_s: float
+    ttft_count: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    def __init__(self, adapter: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., ttft_count: _Optional[int] = ..., ttft_mean_s: _Optional[float] = ..., ttft_p50_s: _Optional[float] = ...) -> None: ...

@@ -74,6 +74,11 @@ class NodeAgentStub:
                 request_serializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.FromString,
                 _registered_method=True)
+        self.AdapterStats = channel.unary_unary(
+                '/lorafleet.v1.NodeAgent/AdapterStats',
+                request_serializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -142,6 +147,15 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdapterStats(self, request, context):
+        """Demand per adapter the agent holds (and the base model): requests running and waiting now,
+        generated tokens per second and time to first token over a recent window. Asks no rank and
+        waits behind no load: the operator measures demand with it (docs/agent.md, Adapter statistics).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +198,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ProveIdentity,
                     request_deserializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.SerializeToString,
+            ),
+            'AdapterStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdapterStats,
+                    request_deserializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -402,6 +421,33 @@ class NodeAgent:
             '/lorafleet.v1.NodeAgent/ProveIdentity',
             lorafleet_dot_v1_dot_agent__pb2.ProveIdentityRequest.SerializeToString,
             lorafleet_dot_v1_dot_agent__pb2.ProveIdentityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdapterStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.NodeAgent/AdapterStats',
+            lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.SerializeToString,
+            lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

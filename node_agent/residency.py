@@ -1,0 +1,204 @@
+"""Standby adapters and their load on first request: the one rule (docs/agent.md, Standby).
+
+A standby adapter is routable but not held by the backend: its verified snapshot is kept on
+disk. The first inference request that names it loads it (`OnDemand.lease`):
+
+* one load per adapter at a time: concurrent requests for it wait on the same load;
+* at most `max_concurrent` on-demand loads at once (`--max-concurrent-adapter-loads`);
+* when the backend holds `capacity` adapters already, the least recently used resident adapter
+  that is not pinned and serves no request is put back on standby (its snapshot kept) first; a
+  pinned one, or one with requests in flight, never is;
+* every waiting request gives up at its deadline (`--adapter-load-deadline-s`, counted from when
+  it began to wait): UNAVAILABLE naming the deadline, or RESOURCE_EXHAUSTED when the wait was
+  for an adapter that could be evicted and none could.
+
+The backend is driven through the seam's own load and unload (`Backend.load`, `.unload`), so
+the builtin engine and the vLLM servers serve it alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from node_agent.backend import AdapterRefused, Backend, BackendError, LoadFailed, LoadRequest, UnloadFailed
+from node_agent.errors import AgentError, CapacityExceeded, EngineUnavailable
+from node_agent.registry import AdapterEntry, Lease, OnStandby, Registry, ResidentUse
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENT_LOADS = 2
+DEFAULT_LOAD_DEADLINE_S = 60.0
+_RECHECK_S = 0.25  # how often a load waiting for an evictable adapter looks again
+
+
+@dataclass(frozen=True)
+class OnDemandSettings:
+    """How standby adapters are loaded on first request (serve flags)."""
+
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT_LOADS  # --max-concurrent-adapter-loads
+    deadline_s: float = DEFAULT_LOAD_DEADLINE_S  # --adapter-load-deadline-s
+
+
+class _Gone(Exception):
+    """The adapter's load ended without making it resident for a reason worth another look
+    (another load's deadline, the adapter replaced or evicted meanwhile)."""
+
+
+class _NoRoom(Exception):
+    """No resident adapter could be evicted before the deadline."""
+
+
+def eviction_victim(uses: Sequence[ResidentUse], keep: frozenset[str]) -> AdapterEntry | None:
+    """The resident version to put on standby to make room: the least recently used one that is
+    not pinned, serves no request and is not in `keep` (being loaded); None if there is none."""
+    idle = [use for use in uses if not use.entry.pinned and use.in_flight == 0 and use.entry.name not in keep]
+    return min(idle, key=lambda use: use.last_used).entry if idle else None
+
+
+class OnDemand:
+    """Loads standby adapters for the requests that name them (the module docstring's rule)."""
+
+    def __init__(self, backend: Backend, registry: Registry, capacity: int, settings: OnDemandSettings) -> None:
+        self._backend = backend
+        self._registry = registry
+        self._capacity = capacity
+        self._settings = settings
+        # The loads run on their own threads, at most `max_concurrent` at once, so that every
+        # request waiting for one (the one that started it too) gives up at its own deadline.
+        self._loads = ThreadPoolExecutor(settings.max_concurrent, thread_name_prefix="on-demand-load")
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future[None]] = {}  # public name -> its load, queued or running
+        self._no_room: set[str] = set()  # loads waiting for an adapter that can be evicted
+
+    def close(self) -> None:
+        """Start no further load (a running one completes on its thread)."""
+        self._loads.shutdown(wait=False, cancel_futures=True)
+
+    def lease(self, names: Sequence[str]) -> Lease:
+        """Lease the adapters' current versions, loading those on standby first (waiting, up to
+        the deadline, for loads in flight and for room); `AdapterNotFound` for unknown names."""
+        deadline = time.monotonic() + self._settings.deadline_s
+        while True:
+            try:
+                return self._registry.acquire(names)
+            except OnStandby as standby:
+                waiting = standby.names
+            for name in waiting:
+                self._resident(name, deadline)
+
+    def make_resident(self, entry: AdapterEntry) -> None:
+        """Load a standby version now (a LoadAdapter that wants it resident; the caller holds its
+        name's lock), evicting as a first request would."""
+        try:
+            self._make_room(entry.name, time.monotonic() + self._settings.deadline_s)
+        except _NoRoom:
+            raise self._late(entry.name, starved=True) from None
+        self._load_entry(entry)
+
+    def _resident(self, name: str, deadline: float) -> None:
+        """Make `name` resident: load it, or wait for its load in flight. Raises the deadline's
+        refusal once it passed."""
+        with self._lock:
+            load = self._loading.get(name)
+            started = load is None
+            if load is None:
+                load = self._loading[name] = self._loads.submit(self._load, name, deadline)
+        if started:
+            load.add_done_callback(lambda done: self._loaded(name, done))
+        try:
+            load.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            with self._lock:
+                starved = name in self._no_room
+            raise self._late(name, starved=starved) from None
+        except _Gone:
+            if time.monotonic() >= deadline:
+                raise self._late(name, starved=False) from None
+        except _NoRoom:
+            raise self._late(name, starved=True) from None
+
+    def _loaded(self, name: str, load: Future[None]) -> None:
+        with self._lock:
+            if self._loading.get(name) is load:
+                del self._loading[name]
+
+    def _load(self, name: str, deadline: float) -> None:
+        """Load `name` from its snapshot under a fresh engine name, after making room (on a load
+        thread; every request waiting for it gets its outcome)."""
+        if time.monotonic() >= deadline:
+            raise _Gone()  # queued past the deadline of the request that asked: a later one asks again
+        with self._registry.serialised(name):  # no operator load or unload of it meanwhile
+            entry = self._registry.get(name)
+            if entry is None or not entry.standby:
+                return  # unloaded (the next lease says so) or resident already
+            self._make_room(name, deadline)
+            self._load_entry(entry)
+
+    def _load_entry(self, entry: AdapterEntry) -> None:
+        engine_name = self._registry.new_engine_name(entry.name)
+        source = entry.source
+        try:
+            self._backend.load(LoadRequest(engine_name, source.path, False, source.content, source.written))
+        except LoadFailed as error:
+            raise _load_failed(entry.name, error.result.error) from None
+        except (AdapterRefused, BackendError) as error:
+            raise _load_failed(entry.name, str(error)) from None
+        self._registry.publish(replace(entry, engine_name=engine_name, standby=False))
+        log.info("adapter %s loaded on first request (engine name %s)", entry.name, engine_name)
+
+    def _make_room(self, name: str, deadline: float) -> None:
+        """Evict until the backend holds fewer than `capacity` adapters; `_NoRoom` at the deadline."""
+        try:
+            while len(self._registry.held()) >= self._capacity:
+                with self._lock:
+                    keep = frozenset(self._loading) | {name}
+                victim = eviction_victim(self._registry.resident_uses(), keep)
+                if victim is not None and self._evict(victim):
+                    continue
+                if time.monotonic() >= deadline:
+                    raise _NoRoom()
+                with self._lock:
+                    self._no_room.add(name)
+                self._registry.wait_change(min(_RECHECK_S, deadline - time.monotonic()))
+        finally:
+            with self._lock:
+                self._no_room.discard(name)
+
+    def _evict(self, victim: AdapterEntry) -> bool:
+        """Put `victim` back on standby and unload it from the backend; False if it is busy now."""
+        with self._registry.try_serialised(victim.name) as free:
+            if not free or not self._registry.to_standby(victim):
+                return False
+            try:
+                self._backend.unload(victim.engine_name)
+            except UnloadFailed as error:
+                log.error("evicting adapter %s: its unload failed on some ranks: %s", victim.name, error.result.error)
+            except BackendError as error:
+                raise EngineUnavailable(f"evicting adapter {victim.name!r} to make room failed: {error}") from None
+            log.info("adapter %s evicted to standby (least recently used, idle)", victim.name)
+            return True
+
+    def _late(self, name: str, *, starved: bool) -> AgentError:
+        """The refusal of a request whose deadline passed while `name` was not resident."""
+        deadline = self._settings.deadline_s
+        if starved:
+            return CapacityExceeded(
+                f"adapter {name!r} is on standby and could not be loaded within the {deadline:g}-s on-demand load deadline "
+                f"(--adapter-load-deadline-s): all {self._capacity} places are held by adapters that are pinned or serving "
+                "requests, none could be evicted",
+                reason="no_evictable_adapter",
+            )
+        return EngineUnavailable(
+            f"adapter {name!r} is on standby and its on-demand load did not complete within the {deadline:g}-s deadline "
+            "(--adapter-load-deadline-s); retry later",
+            reason="load_deadline",
+        )
+
+
+def _load_failed(name: str, why: str) -> EngineUnavailable:
+    return EngineUnavailable(f"the on-demand load of adapter {name!r} failed: {why}", reason="load_failed")

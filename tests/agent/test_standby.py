@@ -1,0 +1,200 @@
+"""Standby adapters and their load on first request, on real agents (tp=2, real rank processes,
+two adapter places) behind a real gRPC server on loopback: the registry lists them standby, the
+first request loads them, concurrent first requests share one load, a full agent evicts the
+least recently used idle unpinned adapter (never a pinned one, never one serving a request),
+and a request that cannot be served within the on-demand deadline is refused naming it.
+
+Loads on the ranks can be held at their start (the tests' `FaultPlan`: rank 0 waits while the
+resume file is missing), so a test knows the requests overlap one load."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from lorafleet.v1 import agent_pb2 as pb
+from lorafleet.v1 import agent_pb2_grpc
+from node_agent.agent import Agent, AgentConfig
+from node_agent.engine import EngineConfig, FaultPlan, Topology
+from node_agent.residency import OnDemandSettings
+from node_agent.server import AgentServer, ServerOptions, create_server
+from node_agent.sources import SourcePolicy
+from tests.agent.helpers import forward, generate, make_adapter, make_model, rpc_error, start_agent, wait_until
+
+PLACES = 2  # --max-loaded-loras: adapters the ranks hold at once
+PROMPT = [5, 6, 7, 8]
+LONG = 100_000  # tokens of a stream that runs until the test cancels it
+STANDBY, RESIDENT = pb.ADAPTER_RESIDENCY_STANDBY, pb.ADAPTER_RESIDENCY_RESIDENT
+
+
+@dataclass
+class Served:
+    agent: Agent
+    server: AgentServer
+    stub: agent_pb2_grpc.NodeAgentStub
+    root: Path
+    resume: Path  # while missing, every load on the ranks waits at its start
+
+    def load(self, name: str, adapter: str, **fields: bool) -> pb.LoadAdapterResponse:
+        reply = self.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source_uri=(self.root / adapter).as_uri(), **fields), timeout=60)
+        assert reply.success, reply.error_message
+        return reply
+
+    def listed(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """name -> (residency, ranks) as ListAdapters says."""
+        return {a.name: (a.residency, tuple(a.ranks)) for a in self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters}
+
+    def held_by_ranks(self) -> dict[int, set[str]]:
+        """What each rank holds, in public names, as the ranks say."""
+        return {h.rank: {self.agent.adapter_name(n) for n in h.holds} for h in self.agent.engine.holdings()}
+
+
+def serve(base: Path, deadline_s: float) -> Iterator[Served]:
+    model = make_model(base / "model")
+    root = base / "adapters"
+    for i in range(4):
+        make_adapter(root / f"ad{i}", seed=400 + i)
+    resume = base / "resume"
+    resume.touch()
+    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 1), max_loras_per_batch=PLACES, max_loaded_loras=PLACES)
+    config = AgentConfig(
+        sources=SourcePolicy(adapter_roots=(root,)),
+        on_demand=OnDemandSettings(max_concurrent=1, deadline_s=deadline_s),
+        # long enough that a stream still runs when a request for another adapter gives up
+        max_new_tokens=LONG,
+        max_request_tokens=2 * LONG,
+    )
+    agent, _ = start_agent(engine_config, config, FaultPlan(pause_load_on_rank=0, resume_file=resume))
+    server = create_server(agent, ServerOptions(listen="127.0.0.1:0", metrics_port=0))
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        yield Served(agent, server, agent_pb2_grpc.NodeAgentStub(channel), root, resume)
+    finally:
+        resume.touch()
+        channel.close()
+        server.stop(grace=0)
+        agent.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    yield from serve(tmp_path_factory.mktemp("standby"), deadline_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def impatient(tmp_path_factory) -> Iterator[Served]:
+    """An agent whose on-demand loads give up after 2 s."""
+    yield from serve(tmp_path_factory.mktemp("impatient"), deadline_s=2.0)
+
+
+def _emptied(agent: Served) -> None:
+    agent.resume.touch()
+    for entry in agent.agent.registry.entries():
+        agent.agent.unload(entry.name)
+
+
+@pytest.fixture(autouse=True)
+def empty_agents(request) -> Iterator[None]:
+    yield
+    for name in ("served", "impatient"):
+        if name in request.fixturenames:
+            _emptied(request.getfixturevalue(name))
+
+
+def test_a_standby_adapter_is_listed_and_its_first_request_loads_it(served: Served) -> None:
+    served.load("reference", "ad0")
+    expected = generate(served.stub, PROMPT, "reference", 6)
+    served.agent.unload("reference")
+    served.load("sb", "ad0", standby=True)
+    assert served.listed() == {"sb": (STANDBY, ())}
+    assert served.held_by_ranks() == {0: set(), 1: set()}, "no rank holds a standby adapter"
+    assert generate(served.stub, PROMPT, "sb", 6) == expected, "the first request is answered, with the adapter's tokens"
+    assert served.listed() == {"sb": (RESIDENT, (0, 1))}
+    assert served.held_by_ranks() == {0: {"sb"}, 1: {"sb"}}
+
+
+def test_the_first_forward_naming_a_standby_adapter_loads_it(served: Served) -> None:
+    served.load("reference", "ad3")
+    expected = forward(served.stub, (PROMPT, "reference"))[0]
+    served.agent.unload("reference")
+    served.load("sb-forward", "ad3", standby=True)
+    np.testing.assert_array_equal(forward(served.stub, (PROMPT, "sb-forward"))[0], expected)
+    assert served.listed() == {"sb-forward": (RESIDENT, (0, 1))}
+
+
+def test_eight_concurrent_first_requests_wait_on_one_load(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="node_agent.residency")
+    served.load("burst", "ad1", standby=True)
+    served.resume.unlink()  # the load, once started, waits at its start on rank 0
+    running = {"budget": "inference"}
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(generate, served.stub, PROMPT, "burst", 5) for _ in range(8)]
+        wait_until(lambda: served.agent.metrics.registry.get_sample_value("lorafleet_agent_calls_running", running) == 8, what="8 requests")
+        assert served.agent.registry.get("burst").standby, "premise: the load has not completed while they all wait"
+        served.resume.touch()
+        tokens = [answer.result() for answer in answers]
+    assert len(tokens) == 8 and all(t == tokens[0] and len(t) == 5 for t in tokens), "every request answered, alike"
+    loads = [r for r in caplog.records if r.getMessage().startswith("adapter burst loaded on first request")]
+    assert len(loads) == 1, "one load for all eight"
+
+
+def test_a_full_agent_evicts_the_least_recently_used_idle_unpinned_adapter(served: Served) -> None:
+    served.load("pinned", "ad0", pinned=True)
+    served.load("a", "ad1", standby=True)
+    served.load("b", "ad2", standby=True)
+    generate(served.stub, PROMPT, "a", 2)  # a resident: both places taken (pinned, a)
+    assert served.listed() == {"pinned": (RESIDENT, (0, 1)), "a": (RESIDENT, (0, 1)), "b": (STANDBY, ())}
+    generate(served.stub, PROMPT, "b", 2)  # full: a is evicted, never the pinned one
+    assert served.listed() == {"pinned": (RESIDENT, (0, 1)), "a": (STANDBY, ()), "b": (RESIDENT, (0, 1))}
+    assert served.held_by_ranks() == {0: {"pinned", "b"}, 1: {"pinned", "b"}}
+    generate(served.stub, PROMPT, "a", 2)  # and back: the evicted adapter's snapshot was kept
+    assert served.listed() == {"pinned": (RESIDENT, (0, 1)), "a": (RESIDENT, (0, 1)), "b": (STANDBY, ())}
+    assert served.held_by_ranks() == {0: {"pinned", "a"}, 1: {"pinned", "a"}}
+
+
+def test_the_least_recently_used_one_goes_first(served: Served) -> None:
+    for name, adapter in (("x", "ad1"), ("y", "ad2"), ("z", "ad3")):
+        served.load(name, adapter, standby=True)
+    generate(served.stub, PROMPT, "x", 2)
+    generate(served.stub, PROMPT, "y", 2)
+    generate(served.stub, PROMPT, "x", 2)  # y is now the least recently used
+    generate(served.stub, PROMPT, "z", 2)
+    assert served.listed() == {"x": (RESIDENT, (0, 1)), "y": (STANDBY, ()), "z": (RESIDENT, (0, 1))}
+
+
+def test_a_load_that_misses_the_deadline_is_refused_naming_it(impatient: Served) -> None:
+    impatient.load("slow", "ad0", standby=True)
+    impatient.resume.unlink()
+    error = rpc_error(lambda: generate(impatient.stub, PROMPT, "slow", 2))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "2-s deadline (--adapter-load-deadline-s)" in error.details()
+    impatient.resume.touch()
+    wait_until(lambda: impatient.listed() == {"slow": (RESIDENT, (0, 1))}, what="the load to complete")
+
+
+def test_no_evictable_adapter_is_refused_after_the_deadline(impatient: Served) -> None:
+    impatient.load("pinned", "ad0", pinned=True)
+    impatient.load("busy", "ad1")
+    impatient.load("waiting", "ad2", standby=True)
+    stream = impatient.stub.Generate(pb.GenerateRequest(token_ids=PROMPT, adapter="busy", max_new_tokens=LONG), timeout=120)
+    next(stream)  # busy serves a request: it cannot be evicted
+    try:
+        error = rpc_error(lambda: generate(impatient.stub, PROMPT, "waiting", 2))
+    finally:
+        stream.cancel()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "none could be evicted" in error.details() and "--adapter-load-deadline-s" in error.details()
+    assert impatient.listed() == {"pinned": (RESIDENT, (0, 1)), "busy": (RESIDENT, (0, 1)), "waiting": (STANDBY, ())}
+
+
+def test_a_standby_load_cannot_be_pinned(served: Served) -> None:
+    error = rpc_error(lambda: served.load("both", "ad0", standby=True, pinned=True))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be pinned" in error.details()
