@@ -21,7 +21,6 @@ from huggingface_hub.utils import validate_repo_id
 
 from lorafleet_common.adapter_names import MAX_NAME_LENGTH
 from lorafleet_common.hub import parse_hub_uri, repo_id_problem
-from lorafleet_common.storage import STORAGE_SCHEMES, InvalidStorageUri, StoragePrefix, storage_refusal
 from lorafleet_operator import names
 from lorafleet_operator.sources import admitted
 from node_agent.errors import InvalidRequest, SourceRefused
@@ -122,7 +121,7 @@ HUB_TABLE = [
 DIGEST = "sha256:" + "ab" * 32
 REG = "oci://reg.example"
 # s3:// and oci:// sources under s3:// bucket and oci:// registry prefixes: the agents read them
-# with the rule the operator shares (`lorafleet_common.storage.storage_refusal`).
+# and the operator admits them with the one rule they share (`lorafleet_common.storage.storage_refusal`).
 STORAGE_TABLE = [
     HttpRow(("s3://bkt/team",), "s3://bkt/team/x", True),
     HttpRow(("s3://bkt/team",), "s3://bkt/team", True),
@@ -191,18 +190,8 @@ def test_the_operator_and_the_agents_admit_the_same_http_sources(row: HttpRow) -
 
 
 @pytest.mark.parametrize("row", STORAGE_TABLE, ids=lambda row: f"{row.allow}-{row.uri}")
-def test_the_agents_and_the_shared_rule_admit_the_same_storage_sources(row: HttpRow) -> None:
-    # The operator's admission of s3:// and oci:// sources is to call the same shared rule.
-    try:
-        shared = (
-            storage_refusal(
-                row.uri, tuple(StoragePrefix.parse(entry) for entry in row.allow if entry.partition("://")[0] in STORAGE_SCHEMES)
-            )
-            is None
-        )
-    except InvalidStorageUri:
-        shared = False
-    assert (agent_admits(row.uri, row.allow), shared) == (row.admitted, row.admitted)
+def test_the_operator_and_the_agents_admit_the_same_storage_sources(row: HttpRow) -> None:
+    assert (agent_admits(row.uri, row.allow), admitted(row.uri, list(row.allow))) == (row.admitted, row.admitted)
 
 
 @pytest.mark.parametrize("row", HUB_TABLE, ids=lambda row: row.uri)

@@ -63,6 +63,8 @@ class AgentSpec:
     #: in a real node's pod (lorafleet_dev.node), which cannot reach this machine's loopback.
     host: str = "127.0.0.1"
     vllm: VllmBackend | None = None
+    #: Variables set in the agent's environment on top of ours (e.g. the S3 keys it reads).
+    env: tuple[tuple[str, str], ...] = ()
 
     def argv(self, port: int, metrics_port: int | None = None) -> list[str]:
         """The ``lorafleet-agent serve`` command line for an agent on ``host:port``."""
@@ -120,7 +122,8 @@ class AgentProcess:
     def start(self) -> AgentProcess:
         """Start the process (same port every time) without waiting for it."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.popen = popen_dying_with_parent(self.spec.argv(self.port, self.metrics_port), self.log_path, new_session=True)
+        env = {**os.environ, **dict(self.spec.env)} if self.spec.env else None
+        self.popen = popen_dying_with_parent(self.spec.argv(self.port, self.metrics_port), self.log_path, new_session=True, env=env)
         self.starts += 1
         log.info("started agent %s (pid %d) on %s", self.name, self.popen.pid, self.endpoint)
         return self

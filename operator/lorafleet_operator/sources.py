@@ -12,7 +12,12 @@ sources are bounded by the agents' adapter roots instead. Two kinds of prefix:
   at any revision and in any folder): compared by name, on the URI as the agents read it
   (`lorafleet_common.hub`), so ``hf://org/lora`` does not cover ``hf://org/lora2``,
   ``hf://org/`` does not cover ``hf://organisation/x``, and a URI the agents refuse is admitted
-  under no prefix.
+  under no prefix;
+* ``s3://BUCKET[/PREFIX]`` and ``oci://REGISTRY[/REPOSITORY]``: by the rule the agents apply
+  (`lorafleet_common.storage`): the same bucket or registry, the key prefix or repository equal
+  or continued after a ``/``; a URI the agents refuse (traversal, an endpoint where the bucket
+  goes) is admitted under no prefix. Where the bytes come from (the S3 endpoint, plain-HTTP
+  registries) is the agents' configuration, never the adapter's.
 
 The agents check again (their own ``--allow-source``; for hf:// the endpoint they fetch from).
 """
@@ -25,6 +30,7 @@ from collections.abc import Sequence
 from lorafleet_common.hub import PREFIX as HUB_PREFIX
 from lorafleet_common.hub import HubSource, InvalidHubUri, parse_hub_uri
 from lorafleet_common.sources import HUB_SCHEME, SourcePrefix, check_http_source, is_remote, scheme_of
+from lorafleet_common.storage import STORAGE_SCHEMES, InvalidStorageUri, StoragePrefix, storage_refusal
 
 # is_remote is the shared rule, re-exported for the operator's readers.
 __all__ = ["admitted", "is_remote"]
@@ -41,6 +47,20 @@ def _http_prefix(entry: str) -> SourcePrefix | None:
 def _under_hub_prefix(source: HubSource, prefix: str) -> bool:
     wanted = [name for name in prefix[len(HUB_PREFIX) :].split("/") if name]
     return bool(wanted) and len(wanted) <= 2 and [source.organisation, source.repository][: len(wanted)] == wanted
+
+
+@functools.lru_cache(maxsize=256)
+def _storage_prefix(entry: str) -> StoragePrefix | None:
+    try:
+        return StoragePrefix.parse(entry)
+    except InvalidStorageUri:
+        return None
+
+
+def _storage_admitted(uri: str, allow: Sequence[str]) -> bool:
+    entries = (entry for entry in allow if scheme_of(entry) in STORAGE_SCHEMES)
+    prefixes = tuple(prefix for entry in entries if (prefix := _storage_prefix(entry)) is not None)
+    return storage_refusal(uri, prefixes) is None
 
 
 def _hub_admitted(uri: str, allow: Sequence[str]) -> bool:
@@ -63,4 +83,6 @@ def admitted(uri: str, allow: Sequence[str]) -> bool:
         return True
     if scheme_of(uri) == HUB_SCHEME:
         return _hub_admitted(uri, allow)
+    if scheme_of(uri) in STORAGE_SCHEMES:
+        return _storage_admitted(uri, allow)
     return _http_admitted(uri, allow)

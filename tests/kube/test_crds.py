@@ -62,7 +62,7 @@ BAD_SPECS = [
     pytest.param(with_source("no-uri", sha256=SHA), ["spec.source.uri: Required value"], id="missing-uri"),
     pytest.param(adapter("no-base", baseModel=None), ["spec.baseModel: Required value"], id="missing-baseModel"),
     pytest.param(adapter("no-fleet", fleetRef=None), ["spec.fleetRef: Required value"], id="missing-fleetRef"),
-    pytest.param(with_source("s3", uri="s3://bucket/adapter"), ["spec.source.uri", "should match '^(file|https?)://"], id="s3-scheme"),
+    pytest.param(with_source("gs", uri="gs://bucket/adapter"), ["spec.source.uri", "should match '^(file|https?)://"], id="gs-scheme"),
     pytest.param(with_source("ftp", uri="ftp://host/adapter"), ["should match '^(file|https?)://"], id="ftp-scheme"),
     pytest.param(
         with_source("short-sha", uri="https://h/a", sha256="abc123"),
@@ -134,7 +134,7 @@ def test_server_itself_refuses_unknown_fields_and_bad_scheme(kube_cluster: Contr
     assert status == 400, body
     assert 'strict decoding error: unknown field "spec.colour"' in body["message"], body
 
-    status, body = kube_cluster.request("POST", path, with_source("raw-s3", uri="s3://b/k"))
+    status, body = kube_cluster.request("POST", path, with_source("raw-gs", uri="gs://b/k"))
     assert status == 422, body
     assert body["details"]["causes"][0]["field"] == "spec.source.uri"
 
@@ -153,6 +153,8 @@ def test_good_adapter_is_accepted_with_defaults(kube_cluster: ControlPlane, kube
         ("file-src", "file:///var/lib/lorafleet/adapters/a"),
         ("http-src", "http://models.internal:8080/adapters/a"),
         ("https-src", "https://example.com/a?rev=2"),
+        ("s3-src", "s3://adapters/team/a"),
+        ("oci-src", "oci://registry.internal:5000/team/a:v1"),
     ):
         out = apply_strict(kube_cluster, kube_namespace, with_source(name, uri=uri))
         assert "created" in out
