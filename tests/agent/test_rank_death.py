@@ -17,9 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import AgentConfig
-from node_agent.engine import EngineConfig, FaultPlan, Topology
+from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
-from node_agent.sources import SourcePolicy
 from tests.agent.helpers import make_adapter, make_model, rpc_error, start_agent, wait_until
 
 
@@ -58,48 +57,6 @@ def test_a_killed_rank_turns_health_not_serving_and_calls_fail_fast(tmp_path):
         channel.close()
         server.stop(grace=0)
         agent.close()
-
-
-def test_a_rank_that_dies_after_answering_a_load_fails_the_load(tmp_path):
-    """Rank 1 loads and answers; it is killed while rank 0 is paused in the same load. Its answer
-    died with it: the load fails naming the rank, and nothing is published."""
-    model = make_model(tmp_path / "model", tokenizer=False)
-    adapter = make_adapter(tmp_path / "adapters" / "ad", seed=1)
-    answers, resume = tmp_path / "answers", tmp_path / "resume-rank0"
-    answers.mkdir()
-    faults = FaultPlan(pause_load_on_rank=0, resume_file=resume, answers_dir=answers)
-    config = AgentConfig(sources=SourcePolicy(adapter_roots=(tmp_path / "adapters",), cache_dir=tmp_path / "cache"))
-    agent, engine = start_agent(EngineConfig(model_dir=model, topology=Topology(2, 2)), config, faults)
-    server = create_server(agent, ServerOptions())
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = agent_pb2_grpc.NodeAgentStub(channel)
-    try:
-        load = stub.LoadAdapter.future(pb.LoadAdapterRequest(name="a", source_uri=adapter.as_uri()), timeout=120)
-        wait_until((answers / "rank1-load").exists, 60, "rank 1's answer to the load")
-        victim = engine.pids[1]
-        os.kill(victim, signal.SIGKILL)
-        wait_until(lambda: not process_runs(victim), 30, "rank 1's death")
-        resume.touch()  # rank 0 now loads and answers success too
-        error = rpc_error(load.result)
-        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-        assert "rank 1 exited during load" in error.details(), error.details()
-        assert agent.registry.get("a") is None and not agent.registry.entries()
-        assert list((tmp_path / "cache").glob("snap-*")) == [], "the load's snapshot is removed"
-        assert "rank 1 exited during load" in agent.failure()
-    finally:
-        resume.touch()
-        channel.close()
-        server.stop(grace=0)
-        agent.close()
-
-
-def process_runs(pid: int) -> bool:
-    """Whether `pid` runs (an exited, unreaped zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_a_stop_requested_before_the_watcher_saw_a_rank_die_still_reports_the_death(tmp_path):
