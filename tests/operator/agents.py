@@ -33,6 +33,15 @@ def agent_spec(root: Path, **settings: Any) -> tuple[AgentSpec, Path]:
 
 
 @contextlib.contextmanager
+def agent_pair(root: Path, **settings: Any) -> Iterator[tuple[list[AgentProcess], Path]]:
+    """Two agents (agent-0, agent-1) of one spec (`agent_spec`), serving; and their adapter root."""
+    spec, adapters = agent_spec(root, **settings)
+    agents = [AgentProcess("agent-0", spec, root / "logs"), AgentProcess("agent-1", spec, root / "logs")]
+    with serving(agents):
+        yield agents, adapters
+
+
+@contextlib.contextmanager
 def serving(agents: Sequence[AgentProcess]) -> Iterator[None]:
     """Start these agents, wait until every one serves, and stop them all on the way out."""
     for agent in agents:

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from lorafleet.v1 import agent_pb2
-from lorafleet_dev.agents import AgentProcess, AgentSpec
-from lorafleet_dev.synthetic import write_model
+from lorafleet_dev.agents import AgentProcess
 from tests.kube.harness import ControlPlane
-from tests.operator.agents import BASE_MODEL, SHAPE, adapter_manifest, add_agent_pod, apply, fleet_manifest, make_adapter, registry, stub
+from tests.operator.agents import adapter_manifest, add_agent_pod, agent_spec, apply, fleet_manifest, make_adapter, registry, serving, stub
 from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 
 POISONED = "poisoned"
@@ -32,24 +31,10 @@ POISON_LABEL = "lorafleet-test/poisoned"
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AgentProcess, Path]]:
     """One agent (tp=1) with room for two adapters, and where its adapters are written."""
     root = tmp_path_factory.mktemp("alone-agent")
-    adapters = root / "adapters"
-    adapters.mkdir()
-    spec = AgentSpec(
-        model_dir=write_model(root / "model", SHAPE),
-        adapter_roots=(adapters,),
-        base_model_name=BASE_MODEL,
-        tp=1,
-        dp=1,
-        max_loaded_loras=2,
-        extra_args=("--cache-dir", str(root / "cache")),
-    )
+    spec, adapters = agent_spec(root, tp=1, dp=1, max_loaded_loras=2, extra_args=("--cache-dir", str(root / "cache")))
     process = AgentProcess("alone-agent", spec, root / "logs")
-    process.start()
-    try:
-        process.wait_ready()
+    with serving([process]):
         yield process, adapters
-    finally:
-        process.stop()
 
 
 @contextmanager

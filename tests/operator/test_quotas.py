@@ -19,12 +19,11 @@ from tests.kube.harness import ControlPlane, KubectlError
 from tests.operator.agents import (
     adapter_manifest,
     add_agent_pod,
-    agent_spec,
+    agent_pair,
     apply,
     fleet_manifest,
     make_adapter,
     registry,
-    serving,
     status,
 )
 from tests.operator.conftest import OperatorProcess, start_operator, wait_for
@@ -38,11 +37,8 @@ CAPACITY = 4
 @pytest.fixture(scope="module")
 def four_slot_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess], Path]]:
     """Two agents that hold at most 4 adapters each (8 slots in all)."""
-    root = tmp_path_factory.mktemp("quota-agents")
-    spec, adapters = agent_spec(root, max_loaded_loras=CAPACITY)
-    agents = [AgentProcess("agent-0", spec, root / "logs"), AgentProcess("agent-1", spec, root / "logs")]
-    with serving(agents):
-        yield agents, adapters
+    with agent_pair(tmp_path_factory.mktemp("quota-agents"), max_loaded_loras=CAPACITY) as pair:
+        yield pair
 
 
 def with_quotas(manifest: dict[str, Any], quotas: dict[str, Any]) -> dict[str, Any]:

@@ -25,12 +25,11 @@ from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     adapter_manifest,
     add_agent_pod,
-    agent_spec,
+    agent_pair,
     apply,
     fleet_manifest,
     make_adapter,
     registry,
-    serving,
 )
 from tests.operator.conftest import start_operator, wait_for
 
@@ -44,11 +43,8 @@ CAPACITY = 4
 @pytest.fixture(scope="module")
 def full_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[AgentProcess], Path]]:
     """Two agents that hold at most 4 adapters each."""
-    root = tmp_path_factory.mktemp("truth-agents")
-    spec, adapters = agent_spec(root, max_loaded_loras=CAPACITY)
-    agents = [AgentProcess("agent-0", spec, root / "logs"), AgentProcess("agent-1", spec, root / "logs")]
-    with serving(agents):
-        yield agents, adapters
+    with agent_pair(tmp_path_factory.mktemp("truth-agents"), max_loaded_loras=CAPACITY) as pair:
+        yield pair
 
 
 def manifest(root: Path, name: str, seed: int, rng: random.Random) -> dict[str, Any]:
