@@ -111,7 +111,9 @@ class Placement:
     def waiting(self) -> bool:
         """Whether it would take more room if some appeared: placed nowhere, on fewer than
         ``replicas``, or (replicas unset) skipped by a full agent or a quota."""
-        return bool(self.why_not()) or any(s.reason in (SkipReason.FULL, SkipReason.QUOTA) for s in self.skipped)
+        if self.why_not():
+            return True
+        return self.replicas is None and any(s.reason in (SkipReason.FULL, SkipReason.QUOTA) for s in self.skipped)
 
     def why_not(self) -> str:
         """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
@@ -289,7 +291,10 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
     )
     for agent in rest:
         if len(chosen) >= wanted:
-            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed"))
+            # Said by the agent's own state, not by the order it was reached in: a full
+            # agent is Full even when the replicas were placed before it.
+            could = room.holds(agent) or room.has_room(agent)
+            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed") if could else room.no_room(agent))
         elif room.holds(agent) or room.claim(agent):
             chosen.append(agent)
         else:

@@ -123,6 +123,17 @@ def test_replicas_go_to_the_least_loaded_agents_and_never_exceed_n() -> None:
     assert [(s.pod, s.reason) for s in got.skipped] == [("a2", SkipReason.NOT_NEEDED)]
 
 
+def test_an_agent_left_out_says_full_when_it_is_full_whatever_order_it_was_reached_in() -> None:
+    """A full agent that failed a load sorts after the others; once the replicas are placed
+    it is still skipped as Full, not as ReplicasReached (found flaky in the vLLM operator test:
+    the reason depended on whether an earlier load there had failed)."""
+    agents = [agent("a0", {"x"}, cap=1, failing=True), agent("a1", {"x", "y"}, cap=4), agent("a2", cap=4, failing=True)]
+    got = place(agents, [want("n", replicas=1)])["n"]
+    assert got.placed == ("a1",)
+    assert [(s.pod, s.reason) for s in got.skipped] == [("a0", SkipReason.FULL), ("a2", SkipReason.NOT_NEEDED)]
+    assert not got.waiting  # its one replica is placed: a full agent elsewhere is no reason to wait
+
+
 def test_agents_with_failed_loads_get_new_adapters_only_after_the_others() -> None:
     """An agent that refuses every load holds nothing, so it is the least loaded: without the
     back-off book's word it would be every new adapter's first choice (found at fleet scale:
