@@ -15,6 +15,8 @@ bash scripts/build-node.sh
 bash scripts/build-vllm.sh
 # Real storage servers for s3:// and oci:// sources (versitygw, distribution's registry, oras).
 bash scripts/build-storage.sh
+# The Gateway API Inference Extension's endpoint picker (v1.5.0's EPP) for tests/gateway/.
+bash scripts/build-epp.sh
 # Lint, types and import layers first: a failure there fails the suite.
 bash scripts/check.sh
 # Two worker processes, each taking whole files (a module's agents and engines stay in one
