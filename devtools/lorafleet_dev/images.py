@@ -17,7 +17,9 @@
 
 Archives live under ``${LORAFLEET_CACHE:-~/.cache/lorafleet}/images/``; a second build with
 the same inputs returns the cached archive at once. :meth:`RealNode.import_image
-<lorafleet_dev.node.RealNode.import_image>` loads one into the node's containerd.
+<lorafleet_dev.node.RealNode.import_image>` loads one into the node's containerd;
+:meth:`ImageBuilder.run_in_image` runs a command in a container of one (the agent image's
+compiler test).
 
 The build's ``RUN pip install`` steps reach the package index the way this machine's pip does:
 ``/etc/pip.conf`` and the system CA bundle are mounted into the build containers when present
@@ -152,10 +154,10 @@ def _image_exists(buildah: list[str], name: str) -> bool:
 
 
 def _image_names(buildah: list[str], repository: str) -> list[str]:
-    """Tagged images of ``repository`` in a storage."""
-    proc = subprocess.run(
-        [*buildah, "images", "--noheading", "--format={{.Name}}:{{.Tag}}", repository], capture_output=True, text=True, check=False
-    )
+    """Tagged images of ``repository`` in a storage. Every image is listed and filtered here:
+    ``buildah images REPOSITORY`` (buildah 1.28) looks for ``REPOSITORY:latest`` alone, finds no
+    image and lists none, so older images never left the storage."""
+    proc = subprocess.run([*buildah, "images", "--noheading", "--format={{.Name}}:{{.Tag}}"], capture_output=True, text=True, check=False)
     return [line for line in proc.stdout.split() if line.startswith(repository + ":")]
 
 
@@ -238,6 +240,32 @@ class ImageBuilder:
                 log.info("built %s in %.0fs", image.name, time.monotonic() - started)
             _prune(image.archive, prune_after_s)
         return image
+
+    def run_in_image(self, image: BuiltImage, argv: list[str], user: str = "65532:65532") -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in a throw-away container of ``image`` (``buildah run``, chroot
+        isolation, the image's environment, as ``user``: the image's own by default), its output
+        captured and its exit status returned, not raised. The container comes from the storage
+        the image was built in, taken in again from its archive if a newer build has dropped it."""
+        storage = cache_dir() / f"buildah-{image.archive.name.split('-', 1)[0]}"
+        buildah = _buildah(storage)
+        with _locked(storage):
+            if not _image_exists(buildah, image.name):
+                _run(
+                    [*buildah, "pull", f"docker-archive:{image.archive}"], "buildah pull of the archive", image.archive.with_suffix(".log")
+                )
+            container = subprocess.run(
+                [*buildah, "from", "--pull-never", image.name], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            try:
+                return subprocess.run(
+                    [*buildah, "run", "--isolation=chroot", f"--user={user}", container, "--", *argv],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+            finally:
+                subprocess.run([*buildah, "rm", container], capture_output=True, check=False)
+                unmount_all(storage)
 
     def _buildah_build(self, storage: Path, base: Path, target: str, image: BuiltImage) -> None:
         if shutil.which("buildah") is None:

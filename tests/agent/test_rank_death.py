@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -17,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
 from node_agent.agent import AgentConfig
-from node_agent.engine import EngineConfig, Topology
+from node_agent.engine import EngineConfig, FaultPlan, Topology
 from node_agent.server import ServerOptions, create_server
+from node_agent.sources import SourcePolicy
 from tests.agent.helpers import make_adapter, make_model, rpc_error, start_agent, wait_until
 
 
@@ -57,6 +59,55 @@ def test_a_killed_rank_turns_health_not_serving_and_calls_fail_fast(tmp_path):
         channel.close()
         server.stop(grace=0)
         agent.close()
+
+
+def test_a_rank_that_dies_after_answering_a_load_fails_the_load(tmp_path):
+    """Rank 1 loads and answers; it is killed while rank 0 is paused in the same load. Its answer
+    died with it: the load fails at once, naming the rank, without waiting for rank 0, and
+    nothing is published."""
+    model = make_model(tmp_path / "model", tokenizer=False)
+    adapter = make_adapter(tmp_path / "adapters" / "ad", seed=1)
+    markers, resume = tmp_path / "markers", tmp_path / "resume-rank0"
+    markers.mkdir()
+    faults = FaultPlan(pause_load_on_rank=0, resume_file=resume, markers_dir=markers)
+    config = AgentConfig(sources=SourcePolicy(adapter_roots=(tmp_path / "adapters",), cache_dir=tmp_path / "cache"))
+    agent, engine = start_agent(EngineConfig(model_dir=model, topology=Topology(2, 2)), config, faults)
+    server = create_server(agent, ServerOptions())
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = agent_pb2_grpc.NodeAgentStub(channel)
+    try:
+        load = stub.LoadAdapter.future(pb.LoadAdapterRequest(name="a", source_uri=adapter.as_uri()), timeout=120)
+        wait_until((markers / "rank0-paused").exists, 60, "rank 0 paused in the load")
+        wait_until((markers / "rank1-load").exists, 60, "rank 1's answer to the load")
+        kill_and_wait(engine.pids[1])
+        wait_until(load.done, 60, "the load to fail while rank 0 is still paused")
+        assert not (markers / "rank0-load").exists(), "rank 0 never answered"
+        error = rpc_error(load.result)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert "rank 1 exited during load" in error.details(), error.details()
+        wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING, 30, "NOT_SERVING")
+        assert agent.registry.get("a") is None and not agent.registry.entries()
+        assert list((tmp_path / "cache").glob("snap-*")) == [], "the load's snapshot is removed"
+        assert "rank 1 exited during load" in agent.failure()
+    finally:
+        resume.touch()
+        channel.close()
+        server.stop(grace=0)
+        agent.close()
+
+
+def kill_and_wait(pid: int) -> None:
+    """SIGKILL `pid` and wait until it has exited as its parent sees it: every thread gone, its
+    pipes closed. A killed process's /proc state reads Z while its other threads still exit; a
+    pidfd becomes readable only once the whole process has exited, and reaps nothing."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        readable, _, _ = select.select([pidfd], [], [], 60)
+        assert readable, f"process {pid} did not exit after SIGKILL"
+    finally:
+        os.close(pidfd)
 
 
 def test_a_stop_requested_before_the_watcher_saw_a_rank_die_still_reports_the_death(tmp_path):

@@ -121,16 +121,42 @@ def test_final_stages_run_as_the_fixed_non_root_user(target: str) -> None:
 
 @pytest.mark.parametrize("target", ["operator", "agent"])
 def test_final_stages_carry_no_build_tools(target: str) -> None:
-    """The final stages are the base plus a user and a copied environment: nothing installs
-    compilers there, and the environment they copy has had pip and setuptools removed."""
+    """The final stages are the base plus a user and a copied environment, and for the agent one
+    C compiler layer (below): nothing else installs build tools there, and the environment they
+    copy has had pip and setuptools removed."""
     runtime = [s for s in chain(target) if not s.name.startswith("build")]
-    runs = " ".join(r for s in runtime for r in s.args("RUN"))
+    runs = " ".join(r for s in runtime for r in s.args("RUN") if r != compiler_layer(target))
     for tool in ("apt-get", "apt ", "gcc", "build-essential", "pip install", "make "):
         assert tool not in runs, (target, tool)
     builders = [s for s in chain(target) if s.name.startswith("build-") and carries_environment(target, s)]
     assert builders, f"{target} copies from no build stage"
     for builder in builders:
         assert any("pip uninstall --yes pip setuptools wheel" in r for r in builder.args("RUN"))
+
+
+def compiler_layer(target: str) -> str | None:
+    """The RUN of ``target``'s own stage that installs a C compiler (None where there is none)."""
+    runs = [r for r in STAGES[target].args("RUN") if "apt-get install" in r]
+    assert len(runs) <= 1, runs
+    return runs[0] if runs else None
+
+
+def test_only_the_agent_carries_a_c_compiler_above_its_dependency_layer() -> None:
+    """Triton builds its CUDA driver module with a C compiler at first use on a GPU node
+    (docs/deploy.md, "Images"): the agent installs gcc, libc's headers and, where the base has
+    none, Python's, in one layer of its own stage (on the dependency layer, which the build cache
+    keeps, and below the code), with no recommended extras and no apt lists left behind. The
+    operator installs none."""
+    assert compiler_layer("operator") is None
+    run = compiler_layer("agent")
+    assert run is not None
+    assert "apt-get install --yes --no-install-recommends gcc libc6-dev $headers" in run
+    assert 'sysconfig.get_path("include", "posix_prefix")' in run and "libpython%d.%d-dev" in run
+    assert "g++" not in run and "build-essential" not in run
+    assert "apt-get clean" in run and "rm -rf /var/lib/apt/lists/*" in run
+    ops = [op for op, _ in STAGES["agent"].instructions]
+    assert ops[0] == "RUN", "the compiler layer comes first, so label or environment edits keep it cached"
+    assert ops.index("RUN") < ops.index("COPY")
 
 
 def carries_environment(target: str, stage: Stage) -> bool:

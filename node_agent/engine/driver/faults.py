@@ -28,9 +28,9 @@ class FaultPlan:
     # that the test ends when it has done what it does meanwhile)
     pause_load_on_rank: int | None = None
     resume_file: Path | None = None
-    # every rank touches `answers_dir/rank<N>-<command>` (`rank1-load`) once it has answered a
-    # command of that kind, so a test knows which ranks answered
-    answers_dir: Path | None = None
+    # what the ranks did, as files a test waits for: `markers_dir/rank<N>-paused` once rank N is
+    # paused in a load, `markers_dir/rank<N>-<command>` (`rank1-load`) once it answered a command
+    markers_dir: Path | None = None
 
     def before_load(self, rank: int) -> None:
         """Run at the start of each load on `rank`: refuse it (`InjectedFault`), stall or pause it."""
@@ -39,10 +39,14 @@ class FaultPlan:
         if self.stall_load_on_rank == rank:
             time.sleep(self.stall_load_s)
         if self.pause_load_on_rank == rank and self.resume_file is not None:
+            self._mark(rank, "paused")
             while not self.resume_file.exists():
                 time.sleep(0.01)
 
     def answered(self, rank: int, command: str) -> None:
         """Run once `rank` has sent its answer to a `command` ("load", "step", ...)."""
-        if self.answers_dir is not None:
-            (self.answers_dir / f"rank{rank}-{command}").touch()
+        self._mark(rank, command)
+
+    def _mark(self, rank: int, event: str) -> None:
+        if self.markers_dir is not None:
+            (self.markers_dir / f"rank{rank}-{event}").touch()

@@ -110,13 +110,14 @@ class ProcessRanks:
                     except (EOFError, OSError):
                         self._rank_exited(rank, what)
             for sentinel, rank in sentinels.items():
-                # A reply still queued is read on the next turn (a success then counts as lost).
-                if sentinel in ready and _may_be_lost(replies[rank]) and not self._conns[rank].poll():
+                # A reply still queued is read on the next turn (a success then counts as lost);
+                # once read, the pipe of an exited rank reads as ready (its end), so only a rank
+                # that has not answered is asked for one.
+                if sentinel in ready and _may_be_lost(replies[rank]) and (replies[rank] is not None or not self._conns[rank].poll()):
                     self._rank_exited(rank, what)
         # The last answer may have come with a death not yet seen by the poll above.
-        for rank, reply in enumerate(replies):
-            if reply is not None and reply.ok and not self._processes[rank].is_alive():
-                self._rank_exited(rank, what)
+        for rank in self._exited_after_success(replies):
+            self._rank_exited(rank, what)
         return [reply for reply in replies if reply is not None]
 
     @property
@@ -141,6 +142,13 @@ class ProcessRanks:
         for conn in self._conns:
             conn.close()
         self._processes, self._conns = [], []
+
+    def _exited_after_success(self, replies: Sequence[RankReply | None]) -> list[int]:
+        """The ranks that answered success and have exited since. Their sentinels say so whoever
+        reaped them: `is_alive()` reads a child that another thread (the health watcher) is
+        reaping at that moment as alive."""
+        answered = {self._processes[rank].sentinel: rank for rank, reply in enumerate(replies) if reply is not None and reply.ok}
+        return sorted(answered[sentinel] for sentinel in _readable(list(answered), 0))
 
     def _rank_exited(self, rank: int, what: str) -> NoReturn:
         self._processes[rank].join(1)
