@@ -6,7 +6,8 @@ alike: the tokens each adapter's Generate requests streamed, and each request's 
 token (from the moment the agent took the admitted request to its first token). Both are kept
 for a sliding window (`WINDOW_S`): tokens in one bucket per whole second, times to first token
 as the window's most recent samples (at most `MAX_TTFT_SAMPLES` per adapter), so memory stays
-bounded whatever the traffic. Names are public names; the base model is "".
+bounded whatever the traffic. Names are public names; the base model is "". The same
+measures feed the per-adapter Prometheus metrics (`node_agent.adapter_metrics`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from node_agent.adapter_metrics import AdapterRequestMetrics
 
 #: The window the rates and times to first token cover, in seconds.
 WINDOW_S = 60.0
@@ -73,33 +76,48 @@ class _Recent:
 class RequestMeasure:
     """One Generate request's measure: `token()` for each token it streams."""
 
-    def __init__(self, recorder: DemandRecorder, adapter: str) -> None:
+    def __init__(self, recorder: DemandRecorder, adapter: str, prompt_tokens: int) -> None:
         self._recorder = recorder
         self._adapter = adapter
+        self._prompt_tokens = prompt_tokens
         self._started = recorder.clock()
-        self._answered = False
+        self._last: float | None = None  # the previous token's time
+        self._label = ""  # the per-adapter metrics' label, once the first token chose it
 
     def token(self) -> None:
-        """One more token streamed; the first one's time since the start is its time to first token."""
+        """One more token streamed; the first one's time since the start is its time to first
+        token, each later one's since the one before its inter-token latency."""
         now = self._recorder.clock()
-        first = not self._answered
-        self._answered = True
-        self._recorder.record(self._adapter, now, now - self._started if first else None)
+        metrics = self._recorder.metrics
+        if self._last is None:
+            self._recorder.record(self._adapter, now, now - self._started)
+            if metrics is not None:
+                self._label = metrics.label(self._adapter)
+                metrics.first_token(self._label, self._prompt_tokens, now - self._started)
+        else:
+            self._recorder.record(self._adapter, now, None)
+            if metrics is not None:
+                metrics.next_token(self._label, now - self._last)
+        self._last = now
 
 
 class DemandRecorder:
-    """Tokens and times to first token per adapter over the last `window_s` seconds; safe to
-    use from many threads at once."""
+    """Tokens and times to first token per adapter over the last `window_s` seconds, and the
+    per-adapter request metrics (`metrics`, when given); safe to use from many threads at once."""
 
-    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, metrics: AdapterRequestMetrics | None = None, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.metrics = metrics
         self.window_s = window_s
         self.clock = clock
         self._lock = threading.Lock()
         self._recent: dict[str, _Recent] = {}
 
-    def request(self, adapter: str | None) -> RequestMeasure:
-        """Start measuring a Generate request of `adapter` (None: the base model) now."""
-        return RequestMeasure(self, adapter or "")
+    def request(self, adapter: str | None, prompt_tokens: int = 0) -> RequestMeasure:
+        """Start measuring a Generate request of `adapter` (None: the base model) with
+        `prompt_tokens` tokens of prompt now."""
+        return RequestMeasure(self, adapter or "", prompt_tokens)
 
     def record(self, adapter: str, now: float, ttft_s: float | None) -> None:
         """One token of `adapter` at `now` (monotonic), with its request's time to first token
@@ -119,6 +137,8 @@ class DemandRecorder:
         """Drop an adapter's record (it was unloaded)."""
         with self._lock:
             self._recent.pop(adapter, None)
+        if self.metrics is not None:
+            self.metrics.forget(adapter)
 
     def snapshot(self, names: Iterable[str], requests: Mapping[str, RequestCounts]) -> AdapterStatsSnapshot:
         """The demand of each of `names` now, with the backend's `requests` counts."""

@@ -59,7 +59,17 @@ from node_agent.generation import Prompting, new_tokens
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry, public_of
 from node_agent.residency import OnDemand, OnDemandSettings
-from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, clean_cache, parse_sha256, resolve_source
+from node_agent.residency_metrics import serve_residency
+from node_agent.sources import (
+    Credential,
+    DownloadProgress,
+    ResolvedSource,
+    SourceAccess,
+    SourcePolicy,
+    clean_cache,
+    parse_sha256,
+    resolve_source,
+)
 from node_agent.text import eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
 from node_agent.values import BackendIdentity, Description, GeneratedToken, GenerateParams, RankStatus
@@ -87,7 +97,7 @@ class AgentConfig:
 
 #: How the agent turns a LoadAdapter source into a verified private snapshot (`resolve_source`;
 #: the simulated agents share one check per process): uri, sha256, policy, credential, progress.
-SourceResolver = Callable[[str, str | None, SourcePolicy, SourceCredential | None, DownloadProgress | None], ResolvedSource]
+SourceResolver = Callable[[str, str | None, SourcePolicy, Credential | None, DownloadProgress | None, str], ResolvedSource]
 
 
 class Agent:
@@ -103,7 +113,7 @@ class Agent:
         self.config = config
         self.metrics = metrics or AgentMetrics()
         self.registry = Registry()
-        self.demand = DemandRecorder()  # tokens and times to first token per adapter (AdapterStats)
+        self.demand = DemandRecorder(self.metrics.adapters)  # tokens and times to first token per adapter (AdapterStats)
         self._resolve = resolve
         # Names whose source is downloading now, and its progress (ListAdapters shows them).
         self.downloading: dict[str, DownloadProgress] = {}
@@ -114,7 +124,8 @@ class Agent:
         except BackendError as error:
             raise self._engine_error(error) from None
         self.model_dir = self.backend.model_dir
-        self.on_demand = OnDemand(engine, self.registry, self.backend.capacity.max_loaded_loras, config.on_demand)
+        capacity = self.backend.capacity.max_loaded_loras
+        self.on_demand = OnDemand(engine, self.registry, capacity, config.on_demand, self.metrics.lora_load_seconds.observe)
         self.base_model_name = config.base_model_name or self.model_dir.resolve().name
         self._config_sha256 = hashlib.sha256((self.model_dir / "config.json").read_bytes()).hexdigest()
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -123,6 +134,7 @@ class Agent:
             clean_cache(config.sources.cache_dir)
         self.metrics.engine_up.set(1)
         self.metrics.serve_engine(engine.serving_stats, self.adapter_name, self.backend.capacity.max_loras_per_batch)
+        serve_residency(self.metrics, self.registry, capacity)
 
     @classmethod
     def start(cls, engine_config: EngineConfig, config: AgentConfig, metrics: AgentMetrics | None = None) -> Agent:
@@ -254,13 +266,14 @@ class Agent:
         sha256: str = "",
         pinned: bool = False,
         replace_existing: bool = False,
-        credential: SourceCredential | None = None,
+        access: SourceAccess | None = None,
         *,
         standby: bool = False,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> ControlResult:
         """Load `name` on every rank or on none; idempotent for the same content and pinning.
-        `credential` authenticates the download of an http(s) or hf:// source (never logged).
+        `access`: the credential that authenticates the download of a remote source (never
+        logged), and the revision the source must still resolve to (`resolve_source`).
         `standby`: verify and keep the snapshot, and load it on its first request
         (`node_agent.residency`); an adapter already resident stays so.
         Once `cancelled()` (the call ended) the load stops before it reaches the ranks: its
@@ -280,7 +293,8 @@ class Agent:
                 # One load per name at a time (serialised), so the entry is this load's own.
                 self.downloading[name] = progress = DownloadProgress(cancelled)
                 try:
-                    source = self._resolve(source_uri, expected, self.config.sources, credential, progress)
+                    access = access or SourceAccess()
+                    source = self._resolve(source_uri, expected, self.config.sources, access.credential, progress, access.revision)
                 finally:
                     del self.downloading[name]
                 with _discarded_on_failure(source):
@@ -301,6 +315,12 @@ class Agent:
                 if _read_other_bytes(result):
                     return call.result(result, "digest_mismatch")
                 return call.result(result)
+
+    def source_revision(self, name: str, result: ControlResult) -> str:
+        """What the source of `name` resolved to after a successful load (`ResolvedSource.revision`;
+        "" after a failed one, or for a source that names none)."""
+        entry = self.registry.get(name)
+        return entry.source.revision if result.ok and entry is not None else ""
 
     def _kept(self, current: AdapterEntry, standby: bool) -> ControlResult:
         """A load that found its content under the name: made resident unless it asked for standby."""
@@ -405,7 +425,7 @@ class Agent:
             sampling = prompting.sampling(params)
             stops = prompting.stop_strings(params.stop)
             self._check_alive()
-            measure = self.demand.request(params.adapter)
+            measure = self.demand.request(params.adapter, len(tokens))
             with self._leased([params.adapter] if params.adapter else []) as lease:
                 stream = self._submit(tokens, lease.engine_name(params.adapter), sampling)
                 try:

@@ -11,15 +11,19 @@ from lorafleet_common.registry import RegistryEntry
 from node_agent.adapter_stats import AdapterStatsSnapshot
 from node_agent.engine import ControlResult
 from node_agent.errors import InvalidRequest
-from node_agent.sources import DownloadProgress, SourceCredential
+from node_agent.sources import Credential, DownloadProgress, S3Credential, SourceCredential
 from node_agent.values import Description, GeneratedToken, GenerateParams
 
 
-def source_credential(request: pb.LoadAdapterRequest) -> SourceCredential | None:
-    """A load's source credential: its bearer token or its basic user and password (not both)."""
+def source_credential(request: pb.LoadAdapterRequest) -> Credential | None:
+    """A load's source credential: its bearer token, its basic user and password, or its S3
+    access key (one of them)."""
+    if sum((bool(request.source_token), request.HasField("source_basic"), request.HasField("source_s3"))) > 1:
+        raise InvalidRequest("a load carries one of source_token, source_basic and source_s3, not several")
+    if request.HasField("source_s3"):
+        s3 = request.source_s3
+        return S3Credential(s3.access_key_id, s3.secret_access_key, s3.session_token)
     if request.HasField("source_basic"):
-        if request.source_token:
-            raise InvalidRequest("a load carries source_token or source_basic, not both")
         return SourceCredential.basic(request.source_basic.username, request.source_basic.password)
     return SourceCredential.bearer(request.source_token) if request.source_token else None
 
@@ -68,9 +72,10 @@ def _rank_results(result: ControlResult) -> list[pb.RankResult]:
     ]
 
 
-def load_response(result: ControlResult, with_holdings: bool = True) -> pb.LoadAdapterResponse:
+def load_response(result: ControlResult, with_holdings: bool = True, revision: str = "") -> pb.LoadAdapterResponse:
     """LoadAdapter's reply: the merged result, what the ranks hold (unless a LoadAdapters call
-    lists that once for all its loads: `with_holdings` False), every rank's part."""
+    lists that once for all its loads: `with_holdings` False), every rank's part, and what its
+    source resolved to (`revision`)."""
     return pb.LoadAdapterResponse(
         success=result.ok,
         error_message=result.error,
@@ -78,6 +83,7 @@ def load_response(result: ControlResult, with_holdings: bool = True) -> pb.LoadA
         rank_results=_rank_results(result),
         already_loaded=result.already_loaded,
         transient=result.transient,
+        source_revision=revision,
     )
 
 

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from node_agent.adapter_metrics import AdapterRequestMetrics
 from node_agent.backend import ServingStats
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,13 @@ class AgentMetrics:
         self.calls_waiting = Gauge(
             "lorafleet_agent_calls_waiting", "Calls waiting in their budget's queue for a place (not yet admitted)", ["budget"], registry=r
         )
+        self.lora_load_seconds = Histogram(
+            "vllm:lora_adapter_load_seconds",
+            "Loads of a standby adapter onto the backend's ranks (its first request, or a LoadAdapter that wants it resident)",
+            buckets=CONTROL_BUCKETS,
+            registry=r,
+        )
+        self.adapters = AdapterRequestMetrics(r)
 
     def watch_budget(self, name: str, budget: BudgetState) -> None:
         """Export a call budget's places taken and queue, read at scrape time."""
@@ -98,6 +106,9 @@ class ServingCollector(Collector):
     * `vllm:lora_requests_info`: value the scrape's Unix time (gateways keep the newest sample),
       labels `running_lora_adapters` / `waiting_lora_adapters` (the public names, comma-separated,
       sorted) and `max_lora` (the device LoRA slots a batch can use, --max-loras-per-batch);
+    * `vllm:cache_config_info`: value 1, labels `block_size` and `num_gpu_blocks` of each DP
+      group's KV cache (`engine`, the group, as vLLM labels each engine core); only for a
+      backend that keeps a KV cache of its own;
     * `lorafleet_engine_steps_total` / `lorafleet_engine_preemptions_total`, and free KV blocks
       per DP group.
     """
@@ -130,6 +141,8 @@ class ServingCollector(Collector):
         )
         info.add_metric((self._names(stats.running_adapters), self._names(stats.waiting_adapters), str(self._max_lora)), time.time())
         yield info
+        if stats.block_size and stats.num_blocks:
+            yield _cache_config_info(stats)
         yield CounterMetricFamily("lorafleet_engine_steps", "Steps the engine's ranks ran", value=stats.steps)
         yield CounterMetricFamily("lorafleet_engine_preemptions", "Sequences preempted by recompute", value=stats.preemptions)
         free = GaugeMetricFamily("lorafleet_engine_kv_blocks_free", "Free KV blocks per DP group", labels=("dp_group",))
@@ -140,6 +153,16 @@ class ServingCollector(Collector):
 
     def _names(self, engine_names: frozenset[str]) -> str:
         return ",".join(sorted({self._public_name(name) for name in engine_names}))
+
+
+def _cache_config_info(stats: ServingStats) -> GaugeMetricFamily:
+    """vLLM's info gauge of its cache config: 1, the config in the labels."""
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the engine's KV cache config", labels=("block_size", "engine", "num_gpu_blocks")
+    )
+    for group in range(len(stats.free_blocks)):
+        info.add_metric((str(stats.block_size), str(group), str(stats.num_blocks)), 1)
+    return info
 
 
 class MetricsEndpoint:

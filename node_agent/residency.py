@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -63,8 +63,11 @@ def eviction_victim(uses: Sequence[ResidentUse], keep: frozenset[str]) -> Adapte
 class OnDemand:
     """Loads standby adapters for the requests that name them (the module docstring's rule)."""
 
-    def __init__(self, backend: Backend, registry: Registry, capacity: int, settings: OnDemandSettings) -> None:
+    def __init__(
+        self, backend: Backend, registry: Registry, capacity: int, settings: OnDemandSettings, observe_load: Callable[[float], None]
+    ) -> None:
         self._backend = backend
+        self._observe_load = observe_load  # each load's seconds (vllm:lora_adapter_load_seconds)
         self._registry = registry
         self._capacity = capacity
         self._settings = settings
@@ -142,12 +145,14 @@ class OnDemand:
     def _load_entry(self, entry: AdapterEntry) -> None:
         engine_name = self._registry.new_engine_name(entry.name)
         source = entry.source
+        started = time.monotonic()
         try:
             self._backend.load(LoadRequest(engine_name, source.path, False, source.content, source.written))
         except LoadFailed as error:
             raise _load_failed(entry.name, error.result.error) from None
         except (AdapterRefused, BackendError) as error:
             raise _load_failed(entry.name, str(error)) from None
+        self._observe_load(time.monotonic() - started)
         self._registry.publish(replace(entry, engine_name=engine_name, standby=False))
         log.info("adapter %s loaded on first request (engine name %s)", entry.name, engine_name)
 

@@ -71,7 +71,7 @@ from node_agent.backend import (
 )
 from node_agent.engine import EngineConfig, Topology, dense_module_shapes, engine_description, rank_places
 from node_agent.server import AgentServer, ServerOptions, create_server
-from node_agent.sources import DownloadProgress, ResolvedSource, SourceCredential, SourcePolicy, resolve_source
+from node_agent.sources import Credential, DownloadProgress, ResolvedSource, SourcePolicy, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +227,16 @@ class SharedSources:
         uri: str,
         expected_sha256: str | None,
         policy: SourcePolicy,
-        credential: SourceCredential | None,
+        credential: Credential | None,
         progress: DownloadProgress | None,
+        revision: str = "",
     ) -> ResolvedSource:
         """The agent's ``resolve_source``: the real check on the first load of (``uri``,
         ``expected_sha256``), which the agents then share (a copy none of them owns). A load
-        with a credential is checked on its own, as by a real agent (file:// refuses it)."""
-        if credential is not None:
-            return resolve_source(uri, expected_sha256, policy, credential, progress)
+        with a credential or a revision is checked on its own, as by a real agent (file:// refuses
+        a credential)."""
+        if credential is not None or revision:
+            return resolve_source(uri, expected_sha256, policy, credential, progress, revision)
         key = (uri, expected_sha256)
         with self._lock:
             lock = self._locks.setdefault(key, threading.Lock())

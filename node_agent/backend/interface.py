@@ -141,6 +141,7 @@ class ServingStats:
     waiting: int
     running_adapters: frozenset[str]  # backend names of the adapters running sequences use
     waiting_adapters: frozenset[str]  # and of those waiting sequences ask for
+    block_size: int = 0  # tokens per KV block (0: the backend keeps no KV cache of its own)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,17 @@ class CompletionStep:
     finish_reason: str  # "" until the last: "stop" or "length"
 
 
+@dataclass(frozen=True)
+class ServerRequests:
+    """A server's requests now, as its own metrics say: how many run and wait (whoever sent
+    them), and the adapters its running and waiting requests name (served names)."""
+
+    running: int
+    waiting: int
+    running_adapters: frozenset[str]
+    waiting_adapters: frozenset[str]
+
+
 class StreamBroken(Exception):
     """A streamed completion failed after it started; `refusal` is the server's error event."""
 
@@ -86,6 +97,10 @@ class InferenceServer(Protocol):
     def version(self) -> str:
         """The server's software and version ("vllm 0.32.0"; "vllm, version unknown" when it
         does not answer)."""
+        ...
+
+    def requests(self) -> ServerRequests | Refusal:
+        """The requests the server runs and queues now, every client's (its metrics)."""
         ...
 
     def complete(self, model: str, tokens: Sequence[int], sampling: Sampling) -> Iterator[CompletionStep] | Refusal:

@@ -54,6 +54,7 @@ from node_agent.backend import (
 )
 from node_agent.backend.files import FileIdentity
 from node_agent.backends.server import CompletionStep, InferenceServer, Refusal, ServerModels
+from node_agent.backends.server_demand import adapter_counts
 from node_agent.backends.stream import ServerStream, refusal_error
 
 T = TypeVar("T")
@@ -100,6 +101,8 @@ class ServersBackend:
         self._validate = validate
         self._places = tuple(RankPlace(rank, rank, 0) for rank in range(len(servers)))
         self._pool = ThreadPoolExecutor(len(servers), thread_name_prefix="servers")
+        # Metrics reads never wait behind a load that holds every thread of the pool.
+        self._metrics_pool = ThreadPoolExecutor(len(servers), thread_name_prefix="servers-metrics")
         self._command = threading.Lock()  # one load or unload at a time, as the engine's command lock
         self._state = threading.Lock()  # guards what follows
         self._versions: dict[str, Version] = {}  # served name -> its current version
@@ -108,7 +111,7 @@ class ServersBackend:
         self._bases: list[str | None] = [None] * len(servers)
         self._held: list[frozenset[str]] = [frozenset()] * len(servers)  # what each server listed last
         self._running: RunningCommand | None = None
-        self._streams: dict[int, str | None] = {}  # open streams: id -> adapter
+        self._streams: dict[int, tuple[int, str | None]] = {}  # open streams: id -> (server's rank, adapter)
         self._answering: set[int] = set()  # open streams whose first token arrived
         self._stream_ids = itertools.count()
         self._round_robin = itertools.count()
@@ -346,7 +349,7 @@ class ServersBackend:
     def _stream(self, rank: int, adapter: str | None, steps: Iterator[CompletionStep]) -> ServerStream:
         stream_id = next(self._stream_ids)
         with self._state:
-            self._streams[stream_id] = adapter
+            self._streams[stream_id] = (rank, adapter)
         observed = _FirstStep(steps, lambda: self._stream_answering(stream_id))
         return ServerStream(observed, f"server {rank} ({self._servers[rank].url})", lambda: self._stream_ended(stream_id))
 
@@ -378,22 +381,35 @@ class ServersBackend:
     def serving_stats(self) -> ServingStats:
         """The streams this agent has open (the servers' own queues are on their /metrics)."""
         with self._state:
-            adapters = frozenset(adapter for adapter in self._streams.values() if adapter is not None)
+            adapters = frozenset(adapter for _, adapter in self._streams.values() if adapter is not None)
             return ServingStats(0, 0, 0, (), len(self._streams), 0, adapters, frozenset())
 
     def adapter_requests(self) -> tuple[AdapterRequests, ...]:
-        """The agent's own open streams per adapter: running once the server sent their first
-        token, waiting before. vLLM's /metrics names the adapters of its running and waiting
-        requests (`vllm:lora_requests_info`) but counts none, so requests other clients sent
-        the servers are not seen."""
+        """Every client's requests per adapter (`server_demand`): the agent's own open streams
+        (running once the server sent their first token, waiting before) completed by each
+        server's own metrics (`InferenceServer.requests`), so requests other clients sent the
+        servers count too; a server whose metrics do not answer counts the agent's streams only."""
+        reports = list(self._metrics_pool.map(lambda server: server.requests(), self._servers))
         with self._state:
-            running = Counter(adapter for stream_id, adapter in self._streams.items() if stream_id in self._answering)
-            waiting = Counter(adapter for stream_id, adapter in self._streams.items() if stream_id not in self._answering)
+            streams = [(stream_id in self._answering, rank, adapter) for stream_id, (rank, adapter) in self._streams.items()]
+            engine_names = {served: version.engine_name for served, version in self._versions.items()}
+        running: Counter[str | None] = Counter()
+        waiting: Counter[str | None] = Counter()
+        for rank, report in enumerate(reports):
+            own_running = Counter(adapter for answering, at, adapter in streams if at == rank and answering)
+            own_waiting = Counter(adapter for answering, at, adapter in streams if at == rank and not answering)
+            if isinstance(report, Refusal):
+                running.update(own_running)
+                waiting.update(own_waiting)
+                continue
+            running.update(adapter_counts(own_running, report.running, _known(report.running_adapters, engine_names)))
+            waiting.update(adapter_counts(own_waiting, report.waiting, _known(report.waiting_adapters, engine_names)))
         return tuple(AdapterRequests(adapter, running[adapter], waiting[adapter]) for adapter in running | waiting)
 
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._metrics_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -437,6 +453,12 @@ class _FirstStep:
         close = getattr(self._steps, "close", None)
         if close is not None:
             close()
+
+
+def _known(served: frozenset[str], engine_names: dict[str, str]) -> list[str]:
+    """The backend names of the adapters a server named that the agent loaded (others' loads
+    are not its adapters)."""
+    return [engine_names[name] for name in served if name in engine_names]
 
 
 def _check_unchanged(path: Path, written: WrittenFiles) -> None:

@@ -24,6 +24,7 @@ from node_agent.engine import ControlResult
 from node_agent.errors import AgentError, DeadlineExceeded, InvalidRequest, LoadCancelled, ShuttingDown, TooManyCalls
 from node_agent.server.budgets import CallBudget
 from node_agent.server.status import abort, status_code
+from node_agent.sources import SourceAccess
 
 #: The most loads one LoadAdapters call may carry (agent.proto); a call with more is refused whole.
 MAX_LOADS_PER_CALL = 64
@@ -134,7 +135,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
 
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
-        return convert.load_response(self._load(request, _ended(context)))
+        result = self._load(request, _ended(context))
+        return convert.load_response(result, revision=self.agent.source_revision(request.name, result))
 
     @_unary("control")
     def LoadAdapters(self, request: pb.LoadAdaptersRequest, context: grpc.ServicerContext) -> pb.LoadAdaptersResponse:
@@ -159,7 +161,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             except AgentError as error:
                 outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason))
             else:
-                outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False)))
+                revision = self.agent.source_revision(load.name, result)
+                outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False, revision=revision)))
                 holds = result.holds
                 if result.ok:
                     loaded.append(load.name)
@@ -172,7 +175,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             request.sha256,
             request.pinned,
             request.replace,
-            credential=convert.source_credential(request),
+            SourceAccess(convert.source_credential(request), request.source_revision),
             standby=request.standby,
             cancelled=cancelled,
         )

@@ -29,6 +29,9 @@ Policy (docs/agent.md "Sources" and "Limits"), one module per concern:
 * A source credential (`credentials`: ``Authorization: Bearer`` or ``Basic``; for s3:// an
   `S3Credential` that signs) is sent to the source's own URLs only, as an unredirected header,
   never logged or repeated.
+* A load's revision (`SourceAccess`, the operator's record of the source's first load) is what
+  the source must still resolve to: an oci:// tag the same manifest digest (``tag_moved``), any
+  other source the same `ResolvedSource.revision` (``source_changed``).
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line repeats a URI's userinfo or query (`redact_uri`), nor downloaded content.
 
@@ -44,7 +47,7 @@ This module is the package's public face: the agent, the CLI and the tooling imp
 from lorafleet_common.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePrefix, redact_uri
 from lorafleet_common.storage import StoragePrefix, parse_allow_entry
 from node_agent.sources.copies import Content, ResolvedSource, clean_cache, parse_sha256
-from node_agent.sources.credentials import Credential, S3Credential, SourceCredential
+from node_agent.sources.credentials import Credential, S3Credential, SourceAccess, SourceCredential
 from node_agent.sources.downloads import DownloadProgress
 from node_agent.sources.policy import (
     DEFAULT_DOWNLOAD_MIN_BYTES_PER_S,
@@ -75,6 +78,7 @@ __all__ = [
     "DownloadProgress",
     "ResolvedSource",
     "S3Credential",
+    "SourceAccess",
     "SourceCredential",
     "SourcePolicy",
     "SourcePrefix",

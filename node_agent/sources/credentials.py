@@ -62,6 +62,15 @@ class S3Credential:
 Credential = SourceCredential | S3Credential
 
 
+@dataclass(frozen=True)
+class SourceAccess:
+    """What a load brings for its source besides the URI: the credential that authenticates it,
+    and the revision it must still resolve to (`resolve_source`; "" for any)."""
+
+    credential: Credential | None = None
+    revision: str = ""
+
+
 def _check_header_safe(value: str, what: str) -> None:
     """Refuse an empty value or one with control or non-ASCII characters, without showing it
     (http.client would refuse it with the value in its message)."""

@@ -60,15 +60,17 @@ class Layer:
     size: int
 
 
-def download_oci(uri: str, download: Download, credential: SourceCredential | None) -> ResolvedSource:
+def download_oci(uri: str, download: Download, credential: SourceCredential | None, pinned: str = "") -> ResolvedSource:
     """A private copy of the adapter an oci:// URI names, pinned to its manifest's digest;
-    `credential` answers the registry's challenge, if it makes one (`registry_auth`)."""
+    `credential` answers the registry's challenge, if it makes one (`registry_auth`). A `pinned`
+    digest (the one a tag was first resolved to) is what the tag must still name: a tag moved
+    since is refused (`tag_moved`) before any layer is fetched."""
     policy, shown = download.policy, download.shown
     source = admit_storage_source(uri, policy, shown, parse_oci_uri, "oci://REGISTRY/REPOSITORY")
     base = registry_base(policy, source)
     with fetching(download) as fetcher:
         auth = RegistryAuth(fetcher, credential, source.registry, source.repository, shown)
-        digest, (layers, image) = _manifest(auth, base, source)
+        digest, (layers, image) = _manifest(auth, base, source, pinned)
         if image:
             for layer in layers:
                 _blob(auth, base, layer, _cap(layer, policy.max_download_bytes + MAX_CONFIG_BYTES, shown))
@@ -91,9 +93,9 @@ def registry_base(policy: SourcePolicy, source: OciSource) -> str:
     return f"{scheme}://{source.registry}/v2/{source.repository}"
 
 
-def _manifest(auth: RegistryAuth, base: str, source: OciSource) -> tuple[str, tuple[list[Layer], bool]]:
-    """The manifest's digest (the sha256 of the bytes fetched) and its layers (`_layers`); a
-    challenge to the first request is answered once."""
+def _manifest(auth: RegistryAuth, base: str, source: OciSource, pinned: str) -> tuple[str, tuple[list[Layer], bool]]:
+    """The manifest's digest (the sha256 of the bytes fetched, held to the URI's digest and to
+    `pinned`) and its layers (`_layers`); a challenge to the first request is answered once."""
     fetcher, shown = auth.fetcher, auth.shown
     path, url = fetcher.directory / _MANIFEST_FILE, f"{base}/manifests/{source.reference}"
     accept = {"Accept": ", ".join(MANIFEST_TYPES)}
@@ -107,6 +109,13 @@ def _manifest(auth: RegistryAuth, base: str, source: OciSource) -> tuple[str, tu
     if source.digest and digest != source.digest:
         path.unlink()
         raise SourceRefused(f"the manifest of {shown} does not match its digest: its sha256 is {digest}", "digest_mismatch")
+    if pinned and digest != pinned:
+        path.unlink()
+        raise SourceRefused(
+            f"the tag of {shown} moved after it was resolved: it names {digest} now, not {pinned} (the digest its adapter's "
+            "status records and every agent loads); refused: name the new content by its digest (@sha256:...) or a new tag",
+            "tag_moved",
+        )
     try:
         manifest = json.loads(path.read_bytes())
     except (UnicodeDecodeError, ValueError):

@@ -26,11 +26,15 @@ def resolve_source(
     policy: SourcePolicy,
     credential: Credential | None = None,
     progress: DownloadProgress | None = None,
+    revision: str = "",
 ) -> ResolvedSource:
     """Check `uri` against the policy and make a private copy of its adapter. A `credential` is
     sent to the source's own URLs only (a header credential: http(s), hf://, oci://) or signs its
     requests (an S3 credential: s3://): never on a redirect, never logged or repeated in a
-    message; a file:// source with one is refused. A download counts its bytes into `progress`."""
+    message; a file:// source with one is refused. A download counts its bytes into `progress`.
+    A `revision` (the operator's record of the source's first load) is what the source must
+    still resolve to: an oci:// tag must still name that manifest digest (checked before any
+    layer is fetched), any other source's `ResolvedSource.revision` must equal it."""
     shown = redact_uri(uri)
     try:
         parts = urlsplit(uri)
@@ -50,7 +54,7 @@ def resolve_source(
     elif scheme == S3_SCHEME:
         source = download_s3(uri, Download(shown, policy, None, progress), _credential_of(S3Credential, credential, scheme))
     elif scheme == OCI_SCHEME:
-        source = download_oci(uri, Download(shown, policy, None, progress), _credential_of(SourceCredential, credential, scheme))
+        source = download_oci(uri, Download(shown, policy, None, progress), _credential_of(SourceCredential, credential, scheme), revision)
     elif scheme in HTTP_SCHEMES:
         source = download_http(uri, Download(shown, policy, _credential_of(SourceCredential, credential, scheme), progress))
     elif scheme == HUB_SCHEME:
@@ -58,6 +62,13 @@ def resolve_source(
     else:
         raise SourceRefused(
             f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s)://, hf://, s3:// or oci://", "scheme"
+        )
+    if revision and source.revision != revision:
+        source.discard()
+        raise SourceRefused(
+            f"{shown} changed since it was first resolved: it is now {source.revision or 'of no revision'}, "
+            f"not {revision} (the revision its adapter's status records); refused so that every agent holds the same content",
+            "source_changed",
         )
     if expected_sha256 is not None and source.content.weights_sha256 != expected_sha256:
         source.discard()

@@ -22,13 +22,10 @@ def admission(fleet_name: str, fleet: FleetSpec, adapter: AdapterSpec) -> FleetP
             f"LoraFleet {fleet_name!r} does not allow pinned adapters (its owner sets spec.pinning.allowed: true); not loaded",
         )
     allowed = list(fleet.source_prefixes)
-    if not sources.admitted(adapter.source.uri, allowed):
+    why = sources.why_refused(adapter.source.uri, allowed)
+    if why:
         return FleetProblem(
             Reason.SOURCE_NOT_ALLOWED,
-            f"LoraFleet {fleet_name!r} does not allow "
-            f"this http(s) or hf:// source: it is under none of "
-            f"the fleet's spec.sources.allow prefixes "
-            f"({len(allowed)} set by its owner); not "
-            f"loaded",
+            f"LoraFleet {fleet_name!r} does not allow this source: {why} ({len(allowed)} prefix(es) set by its owner); not loaded",
         )
     return None

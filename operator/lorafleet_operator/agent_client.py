@@ -42,6 +42,7 @@ from lorafleet_operator.agent_values import (
     Credentials,
     LoadAnswer,
     LoadRequest,
+    SourceRevision,
     UnloadAnswer,
 )
 from lorafleet_operator.config import Settings
@@ -89,21 +90,24 @@ async def _nothing() -> AsyncIterator[set[str]]:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _control_reply(reply: Any) -> ControlReply:
+def _control_reply(reply: Any, source_uri: str = "") -> ControlReply:
+    """A load's or unload's reply; a load's (``source_uri``) with what its source resolved to."""
     ranks = list(reply.rank_results)
+    revision = reply.source_revision if source_uri and reply.success else ""
     return ControlReply(
         success=bool(reply.success),
         error_message=reply.error_message,
         ranks_ok=sum(1 for r in ranks if r.success),
         ranks_reported=len(ranks),
         transient=not reply.success and bool(reply.transient),
+        source=SourceRevision(source_uri, revision) if revision else None,
     )
 
 
-def _load_answer(outcome: Any) -> LoadAnswer:
+def _load_answer(outcome: Any, request: LoadRequest) -> LoadAnswer:
     """One load's outcome of a LoadAdapters reply, as its own LoadAdapter call would end."""
     if outcome.code == grpc.StatusCode.OK.value[0]:
-        return _control_reply(outcome.reply)
+        return _control_reply(outcome.reply, request.source_uri)
     code = _CODES.get(outcome.code, grpc.StatusCode.UNKNOWN)
     return AgentError(code, outcome.error_message or code.name, reason=outcome.reason)
 
@@ -277,7 +281,7 @@ class AgentClients:
             remote_of=remote_of,
             load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive),
         )
-        return _control_reply(reply)
+        return _control_reply(reply, request.source_uri)
 
     async def load_many(self, endpoint: str, creds: Credentials, requests: Sequence[LoadRequest]) -> list[LoadAnswer]:
         """Loads of local sources on one agent in one LoadAdapters call (shared, under one call
@@ -302,7 +306,7 @@ class AgentClients:
                 log.info("agent %s does not know LoadAdapters: one LoadAdapter call per load", endpoint)
                 self._single_loads.add(endpoint)
             else:
-                return [_load_answer(o) for o in reply.outcomes]
+                return [_load_answer(o, r) for o, r in zip(reply.outcomes, requests, strict=True)]
         answers: list[LoadAnswer] = []
         for request in requests:
             try:
@@ -370,7 +374,11 @@ class AgentClients:
             lambda s, md, t: s.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=md, timeout=t),
             self._settings.call_deadline_s,
         )
-        return {a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks)) for a in reply.adapters}
+        standby = agent_pb2.ADAPTER_RESIDENCY_STANDBY
+        return {
+            a.name: RegistryEntry(a.name, a.source_uri, a.sha256, a.pinned, tuple(a.ranks), standby=a.residency == standby)
+            for a in reply.adapters
+        }
 
     async def adapter_stats(self, endpoint: str, creds: Credentials) -> AgentDemand:
         """Each adapter's demand on the agent (AdapterStats): the agent answers it without

@@ -41,13 +41,25 @@ class Credentials:
 
 
 @dataclass(frozen=True)
+class S3AccessKey:
+    """An S3 access key the agent signs an s3:// source's requests with (SigV4); the session
+    token is set for temporary credentials. Never in a repr."""
+
+    access_key_id: str = field(repr=False)
+    secret_access_key: str = field(repr=False)
+    session_token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
 class SourceCredential:
-    """What an agent sends to a load's source (:mod:`credentials`): a bearer token, or with a
-    user name, basic authentication. Never in a repr: no log line or traceback shows it."""
+    """What an agent sends to a load's source (:mod:`credentials`): a bearer token, with a
+    user name basic authentication, or an S3 access key. Never in a repr: no log line or
+    traceback shows it."""
 
     token: str = field(default="", repr=False)
     username: str = field(default="", repr=False)
     password: str = field(default="", repr=False)
+    s3: S3AccessKey | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,18 @@ class AgentDemand:
 
 
 @dataclass(frozen=True)
+class SourceRevision:
+    """A source URI and the revision an agent's load of it resolved to (`source_revisions`)."""
+
+    uri: str
+    revision: str
+
+    def to_status(self) -> dict[str, str]:
+        """``status.source`` of a LoraAdapter."""
+        return {"uri": self.uri, "revision": self.revision}
+
+
+@dataclass(frozen=True)
 class ControlReply:
     """LoadAdapter / UnloadAdapter reply: the agent's merge over its ranks, plus rank counts."""
 
@@ -115,6 +139,8 @@ class ControlReply:
     # a failure that asking again soon may cure (the ranks that failed could not act now: a
     # stock server down or busy), retried on the transient back-off rather than a refusal's
     transient: bool = False
+    # a load's: what its source resolved to (LoadAdapterResponse.source_revision), None if nothing
+    source: SourceRevision | None = None
 
 
 @dataclass(frozen=True)
@@ -128,13 +154,26 @@ class LoadRequest:
     pinned: bool
     replace: bool
     credential: SourceCredential | None = None
+    revision: str = ""  # what the source must still resolve to (`source_revisions`)
+    standby: bool = False  # held verified on disk, loaded to a slot by its first request
 
     def message(self) -> agent_pb2.LoadAdapterRequest:
         """The request on the wire."""
         request = agent_pb2.LoadAdapterRequest(
-            name=self.name, source_uri=self.source_uri, sha256=self.sha256, pinned=self.pinned, replace=self.replace
+            name=self.name,
+            source_uri=self.source_uri,
+            sha256=self.sha256,
+            pinned=self.pinned,
+            replace=self.replace,
+            source_revision=self.revision,
+            standby=self.standby,
         )
-        if self.credential is not None and self.credential.username:
+        if self.credential is not None and self.credential.s3 is not None:
+            key = self.credential.s3
+            request.source_s3.access_key_id = key.access_key_id
+            request.source_s3.secret_access_key = key.secret_access_key
+            request.source_s3.session_token = key.session_token
+        elif self.credential is not None and self.credential.username:
             request.source_basic.username = self.credential.username
             request.source_basic.password = self.credential.password
         elif self.credential is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.config import Settings
 from lorafleet_operator.crashes import CrashBook
+from lorafleet_operator.demand import AdapterScaling
 from lorafleet_operator.failures import LoadRetries
 from lorafleet_operator.placement import Demand, Reservations
 
@@ -94,6 +95,9 @@ class Books:
     #: (namespace, fleet) -> registry name -> what its adapters still waiting for room ask
     #: placement for, so a handler places its adapter after them (renewed by each drift check).
     demands: dict[tuple[str, str], dict[str, Demand]] = field(default_factory=dict)
+    #: (namespace, fleet) -> registry name -> its scaling by demand (``spec.scaling``), renewed
+    #: by each drift check (:mod:`~lorafleet_operator.scaling`).
+    scaling: dict[tuple[str, str], dict[str, AdapterScaling]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, settings: Settings) -> Books:

@@ -1,9 +1,13 @@
 """A LoraAdapter's source credential: read from a Secret its spec names, sent with the load.
 
-``spec.source.credentials`` = ``{type: Bearer | Basic, secretRef: {name, key}}``. ``Bearer``
-(a Hub token for hf://, or an http(s) bearer token) reads ``secretRef.key`` (default
-``token``); ``Basic`` reads the Secret's ``username`` and ``password`` keys (those of the
-``kubernetes.io/basic-auth`` Secret type). The Secret is read only when it is opened to the
+``spec.source.credentials`` = ``{type: Bearer | Basic | S3 | DockerConfigJson, secretRef: {name,
+key}}``. ``Bearer`` (a Hub token for hf://, an http(s) bearer token, a registry's token for
+oci://) reads ``secretRef.key`` (default ``token``); ``Basic`` reads the Secret's ``username`` and
+``password`` keys (those of the ``kubernetes.io/basic-auth`` Secret type); ``S3`` (s3:// only)
+reads ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and, when present, ``AWS_SESSION_TOKEN``
+(the names the AWS tools read from the environment); ``DockerConfigJson`` (oci:// only) reads a
+``kubernetes.io/dockerconfigjson`` Secret's entry for the source's registry
+(`registry_credentials`). An s3:// source takes only ``S3``. The Secret is read only when it is opened to the
 adapter's fleet, through the one rule for Secrets (``fleet_secrets.opened_secret``), which refuses
 anything else with a message that says nothing about the Secret. Three more rules, here:
 
@@ -24,14 +28,21 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from lorafleet_operator.agent_values import SourceCredential
+from lorafleet_common.sources import OCI_SCHEME, S3_SCHEME, scheme_of
+from lorafleet_common.storage import InvalidStorageUri, parse_oci_uri
+from lorafleet_operator.agent_values import S3AccessKey, SourceCredential
 from lorafleet_operator.failures import FleetProblem
 from lorafleet_operator.reasons import Reason
+from lorafleet_operator.registry_credentials import DOCKER_CONFIG_KEY, NoRegistryLogin, registry_login
 from lorafleet_operator.resources import FleetSpec, Source
 
-BEARER, BASIC = "Bearer", "Basic"
+BEARER, BASIC, S3, DOCKER_CONFIG = "Bearer", "Basic", "S3", "DockerConfigJson"
 DEFAULT_TOKEN_KEY = "token"
 BASIC_KEYS = ("username", "password")
+S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+S3_SESSION_TOKEN_KEY = "AWS_SESSION_TOKEN"
+#: The one scheme each storage credential type is for (the others go with any remote source).
+_SCHEME_OF_TYPE = {S3: S3_SCHEME, DOCKER_CONFIG: OCI_SCHEME}
 
 #: A Secret's name: a DNS-1123 subdomain of at most 253 characters (the CRD's pattern).
 SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -81,9 +92,53 @@ async def source_credential(source: Source, fleet_name: str, fleet: FleetSpec, r
             f"credentials are sent only to agents "
             f"that can; not loaded",
         )
-    if (ref.type or BEARER) == BASIC:
+    kind = _credential_type(source, ref.type or BEARER)
+    if kind == S3:
+        return await _s3_credential(ref.secret, read)
+    if kind == DOCKER_CONFIG:
+        return await _registry_credential(ref.secret, source.uri, read)
+    if kind == BASIC:
         data = await read(ref.secret, BASIC_KEYS)
         return SourceCredential(username=_header_safe(data["username"], "username"), password=_header_safe(data["password"], "password"))
     key = ref.key or DEFAULT_TOKEN_KEY
     data = await read(ref.secret, (key,))
     return SourceCredential(token=_header_safe(data[key], "token"))
+
+
+def _credential_type(source: Source, kind: str) -> str:
+    """The credential's type, refused where the source's scheme does not take it: ``S3`` and
+    ``DockerConfigJson`` belong to s3:// and oci://, and s3:// takes nothing but ``S3``."""
+    scheme = scheme_of(source.uri)
+    wanted = _SCHEME_OF_TYPE.get(kind)
+    if (wanted is not None and scheme != wanted) or (scheme == S3_SCHEME and kind != S3):
+        raise FleetProblem(
+            Reason.SOURCE_CREDENTIAL_REFUSED,
+            f"a {kind} credential does not go with a {scheme or 'schemeless'}:// source: s3:// sources take type {S3}, "
+            f"{DOCKER_CONFIG} is for oci:// sources; not loaded",
+        )
+    return kind
+
+
+async def _s3_credential(secret: str, read: SecretReader) -> SourceCredential:
+    data = await read(secret, S3_KEYS)
+    session = data.get(S3_SESSION_TOKEN_KEY)
+    key = S3AccessKey(
+        access_key_id=_header_safe(data[S3_KEYS[0]], "access key id"),
+        secret_access_key=_header_safe(data[S3_KEYS[1]], "secret access key"),
+        session_token=_header_safe(session, "session token") if session is not None else "",
+    )
+    return SourceCredential(s3=key)
+
+
+async def _registry_credential(secret: str, uri: str, read: SecretReader) -> SourceCredential:
+    """The user and password of the docker config's entry for the oci:// source's registry."""
+    try:
+        registry = parse_oci_uri(uri).registry
+    except InvalidStorageUri as error:
+        raise FleetProblem(Reason.SOURCE_CREDENTIAL_REFUSED, f"{error}; not loaded") from None
+    data = await read(secret, (DOCKER_CONFIG_KEY,))
+    try:
+        username, password = registry_login(data[DOCKER_CONFIG_KEY], registry)
+    except NoRegistryLogin as error:
+        raise FleetProblem(Reason.SOURCE_CREDENTIAL_REFUSED, f"{error}; not loaded until the Secret is fixed") from None
+    return SourceCredential(username=_header_safe(username.encode(), "username"), password=_header_safe(password.encode(), "password"))

@@ -12,6 +12,13 @@ HorizontalPodAutoscaler decides a Deployment's replicas, as pure functions over 
   period, at most N replicas more or P% more than at the period's start, whichever allows more.
   A percentage of zero replicas is zero: starting from zero needs a replicas limit.
 
+* Scarcity (:func:`share_slots`): when a fleet's slots cannot hold every adapter's replicas,
+  they are granted by demand per replica (the k-th replica of an adapter is worth
+  ``demand / k``), replicas under an adapter's minimum first; a replica an adapter holds now
+  counts ``margin`` times its worth, so two adapters of about equal demand never trade a slot
+  back and forth. Where the granted replicas go is placement's rule
+  (:mod:`~lorafleet_operator.placement`), the one for every adapter.
+
 No clock is read: every decision is given ``now`` (seconds, the caller's monotonic clock), and
 returns the state the next decision needs.
 """
@@ -20,6 +27,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -99,6 +108,19 @@ class ScalingState:
 
     recommendations: tuple[Recommendation, ...] = ()
     scale_ups: tuple[ScaleUp, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdapterScaling:
+    """One adapter's scaling as kept between decisions: their state, the replicas decided,
+    those granted within the fleet's slots (:func:`share_slots`), and the last demand known."""
+
+    #: The LoraAdapter's uid: a new object of the same name starts afresh.
+    uid: str
+    state: ScalingState
+    desired: int
+    granted: int
+    demand: float = 0.0
 
 
 class ScalingReason(enum.StrEnum):
@@ -197,3 +219,34 @@ def _explain(policy: ScalingPolicy, current: int, to: int, recommended: int, dem
         window = f"{policy.scale_down_window_s:g} s"
         return ScalingReason.HELD, f"{head}: {current} → {to}, held by the scale-down window ({window})"
     return ScalingReason.SCALED_DOWN, f"{head}: {current} → {to}"
+
+
+@dataclass(frozen=True)
+class SlotClaim:
+    """One demand-scaled adapter asking for slots: its demand, the replicas :func:`decide`
+    wants, those it holds now, and its minimum."""
+
+    adapter: str
+    demand: float
+    desired: int
+    current: int
+    min_replicas: int
+
+
+#: A held replica counts this many times its worth against a newcomer (>= 1).
+DEFAULT_MARGIN = 2.0
+
+
+def share_slots(claims: Sequence[SlotClaim], slots: int, margin: float = DEFAULT_MARGIN) -> dict[str, int]:
+    """Each adapter's replicas when the fleet has ``slots`` for all of them: every wanted
+    replica ranked (under its minimum first, then by worth, a held one's times ``margin``;
+    ties by name), the first ``slots`` granted. Deterministic whatever the claims' order."""
+    if not margin >= 1:
+        raise ValueError(f"the margin must be at least 1, not {margin}")
+    ranked = sorted(
+        (k > claim.min_replicas, -(claim.demand / k) * (margin if k <= claim.current else 1.0), claim.adapter, k)
+        for claim in claims
+        for k in range(1, claim.desired + 1)
+    )
+    granted = Counter(adapter for _, _, adapter, _ in ranked[: max(slots, 0)])
+    return {claim.adapter: granted[claim.adapter] for claim in claims}

@@ -7,11 +7,13 @@ changes). One check:
 2. lists every agent's registry (ListAdapters), **then** lists the LoraAdapters. In this order
    an adapter loaded by a handler meanwhile is either absent from the registry snapshot (and
    loaded again: idempotent) or already has its resource in the list; never unloaded by mistake;
-3. places this fleet's adapters, oldest first (:mod:`placement`), but not those it does not
-   admit nor those whose source credential is refused while no agent serves them (Pending
-   with the reason, one adapter's alone: they take no room), and unloads managed
-   adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource wants there: of
-   this fleet, where placement did not put them; of any other fleet selecting that pod, with
+3. decides the replicas of its demand-scaled adapters from their agents' demand
+   (:mod:`scaling`), then places this fleet's adapters, oldest first (:mod:`placement`), but
+   not those it does not admit nor those whose source credential is refused while no agent
+   serves them (Pending with the reason, one adapter's alone: they take no room), and unloads
+   managed adapters (``<namespace>.<name>``, see :mod:`names`) that no live resource wants
+   there: of this fleet, where placement did not put them (an adapter on standby is wanted on
+   every agent of its base model: :mod:`standby`); of any other fleet selecting that pod, with
    its base model;
 4. for each LoraAdapter of this fleet, loads it where it is placed and missing (an agent
    restarted; a new agent; room appeared) unless a failure there is still backing off, and
@@ -52,12 +54,14 @@ from lorafleet_operator.fleet import AgentPod, selector_matches
 from lorafleet_operator.loads import adapter_credential, backing_off, condemned, credential_refusal, credential_refusals, load_each
 from lorafleet_operator.looks import fleet_view
 from lorafleet_operator.placement import Placement
-from lorafleet_operator.placing import place_fleet, placed_targets
+from lorafleet_operator.placing import place_fleet, placed_targets, standby_targets
 from lorafleet_operator.publish import publish_fleet_status, publish_status
 from lorafleet_operator.resources import AdapterObject, AdapterSpec, FleetObject, adapter_of, fleet_of
 from lorafleet_operator.routing import publish_slices
 from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.scaling import scale_fleet
 from lorafleet_operator.sending import error_result
+from lorafleet_operator.standby import as_held, demote, same_version
 from lorafleet_operator.status import AgentResult, AgentState, Pending, build_status, fleet_status, never_reconciled
 from lorafleet_operator.view import FleetView, Registry, Target
 
@@ -88,7 +92,8 @@ def wanted_on(
         ):
             continue
         placement = (placements or {}).get(a.agent_name)
-        if placement is None or agent.name in placement.placed:
+        # On standby, it is wanted on every agent of its base model: resident or not.
+        if placement is None or agent.name in placement.placed or a.spec.standby:
             wanted.add(a.agent_name)
     return wanted
 
@@ -96,13 +101,7 @@ def wanted_on(
 def holds(entry: RegistryEntry, spec: AdapterSpec, ranks_total: int) -> bool:
     """Whether a registry entry is this spec (source, sha256 when given, pinning), on every
     rank; anything else is loaded again (replace=True swaps it atomically)."""
-    sha = spec.source.sha256
-    return (
-        entry.source_uri == spec.source.uri
-        and (not sha or entry.sha256 == sha)
-        and entry.pinned == spec.pinned
-        and len(entry.ranks) >= ranks_total
-    )
+    return same_version(entry, spec) and not entry.standby and len(entry.ranks) >= ranks_total
 
 
 def unwanted(
@@ -168,9 +167,14 @@ def held_or_waiting(rt: Runtime, target: Target, registry: Registry | None, adap
     if isinstance(registry, AgentError):
         return error_result(target, registry)
     entry = registry.get(adapter.agent_name)
-    if entry is not None and holds(entry, adapter.spec, target.ranks_total):
+    held = None
+    if entry is not None and adapter.spec.standby and same_version(entry, adapter.spec):
+        held = as_held(target, entry, adapter, registry)
+    elif entry is not None and holds(entry, adapter.spec, target.ranks_total):
+        held = AgentResult(target.agent.name, AgentState.LOADED, min(len(entry.ranks), target.ranks_total), target.ranks_total)
+    if held is not None:
         rt.books.failures.clear(adapter.failure_key(target.agent.name))
-        return AgentResult(target.agent.name, AgentState.LOADED, min(len(entry.ranks), target.ranks_total), target.ranks_total)
+        return held
     verdict = condemned(rt, adapter)
     if verdict:  # its loads crashed agents: sent to none until the spec changes
         return AgentResult(target.agent.name, AgentState.FAILED, 0, target.ranks_total, verdict)
@@ -187,6 +191,7 @@ async def repair(
     load is due: so at each drift check while it is refused)."""
     known = [held_or_waiting(rt, t, registries.get(t.agent.name), adapter) for t in targets]
     missing = [t for t, result in zip(targets, known, strict=True) if result is None]
+    await demote(rt, view, registries, [t for t in missing if t.standby], adapter)
     credential = await adapter_credential(rt, view, adapter) if missing else None
     loaded = await load_each(rt, view, missing, adapter, credential) if missing else []
     for result in loaded:
@@ -226,7 +231,8 @@ async def _converged_status(
     if isinstance(placement, FleetProblem):  # placed nowhere: Pending with the reason
         pending = Pending(placement.reason, placement.message)
         return build_status([], generation=adapter.generation, previous=adapter.status, pending=pending), []
-    results, refusal = await repair(rt, view, placed_targets(view, placement), registries, adapter)
+    targets = placed_targets(view, placement) + standby_targets(view, placement, adapter)
+    results, refusal = await repair(rt, view, targets, registries, adapter)
     if refusal is not None:  # nothing sent, no agent serves it: Pending, not Failed
         pending = Pending(refusal.reason, refusal.message)
         return build_status([], generation=adapter.generation, previous=adapter.status, pending=pending), []
@@ -298,6 +304,7 @@ async def check_fleet(rt: Runtime, fleet: FleetObject) -> None:
     # An adapter whose own step failed is left out of this check (it keeps its status; the next
     # check tries again): one object's failure never holds up its fleet's other adapters.
     looked = [a for a in mine if a.agent_name in refused or a.agent_name in credentials]
+    await scale_fleet(rt, view, registries, [a for a in looked if a.agent_name not in refused])
     placements = place_fleet(rt, view, registries, [a for a in looked if a.agent_name not in refused], complete=True)
     unloaded = await remove_unwanted(rt, view, registries, adapters, fleets, placements)
     decisions: dict[str, Placement | FleetProblem] = {**placements, **refused}

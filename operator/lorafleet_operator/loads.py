@@ -17,7 +17,7 @@ from lorafleet_operator.fanout import list_registries
 from lorafleet_operator.fleet_secrets import opened_secret
 from lorafleet_operator.pinning import load_pinned
 from lorafleet_operator.placement import Placement
-from lorafleet_operator.placing import place_fleet, placed_targets
+from lorafleet_operator.placing import place_fleet, placed_targets, standby_targets
 from lorafleet_operator.resources import AdapterObject
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.sending import QueuedLoad, book_never_sent, book_sending, error_result, load_one
@@ -115,7 +115,7 @@ async def place_and_load(rt: Runtime, view: FleetView, adapter: AdapterObject) -
     if isinstance(credential, FleetProblem) and not served_anywhere(registries, adapter):
         raise credential
     placement = place_fleet(rt, view, registries, [adapter], complete=False)[name]
-    results = await load_each(rt, view, placed_targets(view, placement), adapter, credential)
+    results = await load_each(rt, view, placed_targets(view, placement) + standby_targets(view, placement, adapter), adapter, credential)
     if placement.replicas is not None and any(r.state is AgentState.FAILED for r in results):
         # Placed where it was just placed (stable), less the agents that refused it.
         placed = adapter.with_status({**adapter.status, "placement": {"placed": list(placement.placed)}})

@@ -32,3 +32,18 @@ KUBE_REQUESTS = Counter(
     "(e.g. list_namespaced_endpoint_slice), whatever their outcome.",
     ["call"],
 )
+DESIRED_REPLICAS = Gauge(
+    "lorafleet_adapter_desired_replicas",
+    "Replicas of a demand-scaled LoraAdapter (spec.scaling) as last decided from its demand.",
+    ["namespace", "adapter"],
+)
+CURRENT_REPLICAS = Gauge(
+    "lorafleet_adapter_current_replicas",
+    "Agents whose registry held a demand-scaled LoraAdapter at its last scaling decision.",
+    ["namespace", "adapter"],
+)
+SCALING_DECISIONS = Counter(
+    "lorafleet_scaling_decisions_total",
+    "Changes of a demand-scaled LoraAdapter's desired replicas, by direction (up, down).",
+    ["direction"],
+)

@@ -119,7 +119,9 @@ class Placement:
         """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
         have room: each holds 32 of 32" ("" when it has every place it asks for)."""
         blocking = [s for s in self.skipped if s.reason is not SkipReason.NOT_NEEDED]
-        if self.placed and (self.replicas is None or len(self.placed) >= self.replicas):
+        if self.replicas is not None and len(self.placed) >= self.replicas:
+            return ""  # 0 replicas (an adapter on standby everywhere) asks for no place
+        if self.placed and self.replicas is None:
             return ""
         if not self.agents:
             return "the fleet has no agent"
@@ -294,7 +296,8 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
             # Said by the agent's own state, not by the order it was reached in: a full
             # agent is Full even when the replicas were placed before it.
             could = room.holds(agent) or room.has_room(agent)
-            skipped.append(Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed") if could else room.no_room(agent))
+            not_needed = Skip(agent.pod, SkipReason.NOT_NEEDED, f"is not needed: {wanted} replica(s) placed")
+            skipped.append(not_needed if could else room.no_room(agent))
         elif room.holds(agent) or room.claim(agent):
             chosen.append(agent)
         else:

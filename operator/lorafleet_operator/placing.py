@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_values import AgentError, AgentInfo
 from lorafleet_operator.placement import Candidate, Demand, Placement, QuotaUse, place
 from lorafleet_operator.resources import AdapterObject, FleetObject
@@ -32,16 +33,25 @@ def candidates(rt: Runtime, view: FleetView, registries: Mapping[str, Registry])
                 base_model=info.base_model,
                 max_lora_rank=info.max_lora_rank,
                 max_loaded_loras=info.max_loaded_loras,
-                held=rt.books.reservations.held(agent.endpoint, registry),
+                held=rt.books.reservations.held(agent.endpoint, resident(registry)),
                 failing=agent.name in failing,
             )
         )
     return chosen
 
 
+def resident(registry: Mapping[str, RegistryEntry]) -> Mapping[str, RegistryEntry]:
+    """The names that take a slot: a standby adapter takes none (the registry itself, not a
+    copy, when none is on standby)."""
+    if not any(entry.standby for entry in registry.values()):
+        return registry
+    return {name: entry for name, entry in registry.items() if not entry.standby}
+
+
 def demand(rt: Runtime, adapter: AdapterObject) -> Demand:
-    """What placement needs of one LoraAdapter: its spec's wants, its last placement (the
-    status) and the agents that refused this generation (the back-off book)."""
+    """What placement needs of one LoraAdapter: its spec's wants (the replicas its demand was
+    granted, with ``spec.scaling``), its last placement (the status) and the agents that
+    refused this generation (the back-off book)."""
     uid, generation = adapter.generation_key
     refused = frozenset(
         pod
@@ -51,12 +61,24 @@ def demand(rt: Runtime, adapter: AdapterObject) -> Demand:
     return Demand(
         adapter.agent_name,
         adapter.spec.base_model,
-        adapter.spec.replicas,
+        replicas_of(rt, adapter),
         adapter.spec.rank,
         (adapter.created, adapter.name),
         adapter.placed,
         refused,
     )
+
+
+def replicas_of(rt: Runtime, adapter: AdapterObject) -> int | None:
+    """The replicas placement gives the adapter: ``spec.replicas``, or (``spec.scaling``) those
+    the last drift check granted it (:mod:`~lorafleet_operator.scaling`), at least its
+    minimum (before any check: the minimum)."""
+    scaling = adapter.spec.scaling
+    if scaling is None:
+        return adapter.spec.replicas
+    entry = rt.books.scaling.get((adapter.namespace, adapter.spec.fleet), {}).get(adapter.agent_name)
+    granted = entry.granted if entry is not None and entry.uid == adapter.uid else 0
+    return max(granted, scaling.min_replicas)
 
 
 def place_fleet(
@@ -133,3 +155,17 @@ def placed_targets(view: FleetView, placement: Placement) -> list[Target]:
         elif isinstance(info, AgentError):
             chosen.append(Target(agent, None, info))
     return chosen
+
+
+def standby_targets(view: FleetView, placement: Placement, adapter: AdapterObject) -> list[Target]:
+    """An adapter on standby (:attr:`~lorafleet_operator.resources.AdapterSpec.standby`): the
+    fleet's agents that serve its base model and are not placed, as standby load targets."""
+    if not adapter.spec.standby:
+        return []
+    return [
+        Target(agent, info, standby=True)
+        for agent in view.dialable
+        if agent.name not in placement.placed
+        and isinstance(info := view.infos.get(agent.name), AgentInfo)
+        and info.base_model == adapter.spec.base_model
+    ]

@@ -8,6 +8,7 @@ over as a merge patch (:mod:`~lorafleet_operator.publish`).
 from __future__ import annotations
 
 import copy
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +62,26 @@ class Source:
     credentials: SourceCredentialsRef | None = None
 
 
+class ScalingMetric(enum.StrEnum):
+    """What ``spec.scaling.target`` counts per replica."""
+
+    REQUESTS = "Requests"
+    TOKENS_PER_SECOND = "TokensPerSecond"
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    """``spec.scaling``: replicas that follow demand (the CRD's defaults applied)."""
+
+    min_replicas: int
+    max_replicas: int
+    metric: ScalingMetric
+    per_replica: float
+    scale_down_window_s: int = 300
+    scale_up_replicas: int = 4
+    scale_up_period_s: int = 15
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """A LoraAdapter's ``spec``."""
@@ -73,6 +94,14 @@ class AdapterSpec:
     replicas: int | None = None
     #: The adapter's LoRA rank when the spec states it.
     rank: int | None = None
+    #: Replicas that follow demand (None: ``replicas`` decides).
+    scaling: ScalingSpec | None = None
+
+    @property
+    def standby(self) -> bool:
+        """On standby where not resident (``spec.scaling.minReplicas: 0``): held on disk by
+        every agent of the fleet that serves its base model, loaded to a slot on demand."""
+        return self.scaling is not None and self.scaling.min_replicas == 0
 
 
 @dataclass(frozen=True)
@@ -228,6 +257,24 @@ def adapter_spec_of(spec: Mapping[str, Any]) -> AdapterSpec:
         pinned=bool(spec.get("pinned", False)),
         replicas=_optional_int(spec.get("replicas")),
         rank=_optional_int(spec.get("rank")),
+        scaling=scaling_spec_of(spec["scaling"]) if spec.get("scaling") else None,
+    )
+
+
+def scaling_spec_of(scaling: Mapping[str, Any]) -> ScalingSpec:
+    """``spec.scaling`` as the API server stores it (required fields set, defaults applied;
+    the same defaults here for a body that skipped them)."""
+    behavior = scaling.get("behavior") or {}
+    down, up = behavior.get("scaleDown") or {}, behavior.get("scaleUp") or {}
+    target = scaling["target"]
+    return ScalingSpec(
+        min_replicas=int(scaling.get("minReplicas", 1)),
+        max_replicas=int(scaling["maxReplicas"]),
+        metric=ScalingMetric(target.get("metric") or ScalingMetric.REQUESTS),
+        per_replica=float(target["perReplica"]),
+        scale_down_window_s=int(down.get("stabilizationWindowSeconds", 300)),
+        scale_up_replicas=int(up.get("replicas", 4)),
+        scale_up_period_s=int(up.get("periodSeconds", 15)),
     )
 
 

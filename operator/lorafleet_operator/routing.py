@@ -95,8 +95,9 @@ def _routable(ip: str) -> bool:
 
 
 def routed_pods(fleet_spec: FleetSpec, agents: Sequence[AgentPod], results: Sequence[AgentResult]) -> list[RoutedPod]:
-    """The Ready agent pods that hold the adapter on every rank, with their ports."""
-    holding = {r.pod for r in results if r.ok}
+    """The Ready agent pods that can serve the adapter now, with their ports: those that hold
+    it on every rank, or on standby with room to load it (:attr:`AgentResult.serves_now`)."""
+    holding = {r.pod for r in results if r.serves_now}
     grpc_name = fleet_spec.grpc_port_name or DEFAULT_PORT_NAME
     http_name = fleet_spec.http_port_name or DEFAULT_HTTP_PORT_NAME
     chosen = []

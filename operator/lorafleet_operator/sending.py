@@ -18,15 +18,18 @@ from lorafleet_operator.books import Books
 from lorafleet_operator.crashes import CrashBook, answered, died_under, incarnation
 from lorafleet_operator.failures import AgentFailure, agent_state, failure_message
 from lorafleet_operator.resources import AdapterObject
+from lorafleet_operator.source_revisions import held_revision
 from lorafleet_operator.status import AgentResult, AgentState, ServedVersion
 from lorafleet_operator.view import FleetView, Target
 
 
 def loaded_result(target: Target, reply: ControlReply) -> AgentResult:
-    """A target that holds the adapter after a successful load reply."""
+    """A target that holds the adapter after a successful load reply (on standby: no rank)."""
     total = target.ranks_total or reply.ranks_reported
+    if target.standby:
+        return AgentResult(target.agent.name, AgentState.STANDBY, 0, total, source=reply.source)
     ranks = reply.ranks_ok if reply.ranks_reported else total
-    return AgentResult(target.agent.name, AgentState.LOADED, ranks, total)
+    return AgentResult(target.agent.name, AgentState.LOADED, ranks, total, source=reply.source)
 
 
 def error_result(target: Target, failure: AgentFailure) -> AgentResult:
@@ -63,11 +66,22 @@ def book_never_sent(books: Books, target: Target, adapter: AdapterObject) -> Non
     books.reservations.finished(target.agent.endpoint, adapter.agent_name, now, loaded=False)
 
 
-def load_request(adapter: AdapterObject, credential: SourceCredential | None) -> LoadRequest:
+def load_request(adapter: AdapterObject, credential: SourceCredential | None, *, standby: bool = False) -> LoadRequest:
     """The load the adapter's spec asks of an agent (replace: the spec is the truth for
-    managed names), with its source's credential."""
+    managed names), with its source's credential and the revision its status records;
+    ``standby``: held on disk, loaded to a slot by its first request."""
     source = adapter.spec.source
-    return LoadRequest(adapter.agent_name, source.uri, source.sha256, adapter.spec.pinned, replace=True, credential=credential)
+    revision = held_revision(source.uri, adapter.status)
+    return LoadRequest(
+        adapter.agent_name,
+        source.uri,
+        source.sha256,
+        adapter.spec.pinned,
+        replace=True,
+        credential=credential,
+        revision=revision,
+        standby=standby,
+    )
 
 
 async def load_one(
@@ -80,7 +94,7 @@ async def load_one(
         answer = await agents.load(
             target.agent.endpoint,
             view.creds,
-            load_request(adapter, credential),
+            load_request(adapter, credential, standby=target.standby),
             exclusive=books.crashes.isolate(adapter.generation_key),
             namespace=adapter.namespace,
         )
@@ -121,7 +135,9 @@ async def send_loads(agents: AgentClients, books: Books, loads: Sequence[QueuedL
         one = loads[0]
         return [await load_one(agents, books, one.view, one.target, one.adapter, one.credential)]
     first = loads[0]
-    answers = await agents.load_many(first.target.agent.endpoint, first.view.creds, [load_request(q.adapter, q.credential) for q in loads])
+    answers = await agents.load_many(
+        first.target.agent.endpoint, first.view.creds, [load_request(q.adapter, q.credential, standby=q.target.standby) for q in loads]
+    )
     booked = [book_answer(books, q.target, q.adapter, answer) for q, answer in zip(loads, answers, strict=True)]
     return [await answer_result(agents, books, q, b) for q, b in zip(loads, booked, strict=True)]
 

@@ -29,11 +29,21 @@ from collections.abc import Sequence
 
 from lorafleet_common.hub import PREFIX as HUB_PREFIX
 from lorafleet_common.hub import HubSource, InvalidHubUri, parse_hub_uri
-from lorafleet_common.sources import HUB_SCHEME, SourcePrefix, check_http_source, is_remote, scheme_of
+from lorafleet_common.sources import HUB_SCHEME, SourcePrefix, SourceRefusal, check_http_source, is_remote, scheme_of
 from lorafleet_common.storage import STORAGE_SCHEMES, InvalidStorageUri, StoragePrefix, storage_refusal
 
 # is_remote is the shared rule, re-exported for the operator's readers.
-__all__ = ["admitted", "is_remote"]
+__all__ = ["admitted", "is_remote", "why_refused"]
+
+#: What a refusal says, for the adapter's status: what is wrong with the URI, never its parts.
+_WHY = {
+    SourceRefusal.INVALID: "it is not a valid source URI of its scheme",
+    SourceRefusal.CREDENTIALS: "it carries credentials (user:password@): they come from a Secret, never the URI",
+    SourceRefusal.NOT_A_DIRECTORY: "it has a query or fragment",
+    SourceRefusal.DOT_SEGMENT: "a path, key or repository segment is '.' or '..' (traversal)",
+    SourceRefusal.NOT_COVERED: "it is under none of the fleet's spec.sources.allow prefixes",
+    SourceRefusal.ENDPOINT: "it names a host or port where the bucket goes: the S3 endpoint is the fleet owner's, never an adapter's",
+}
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,32 +67,45 @@ def _storage_prefix(entry: str) -> StoragePrefix | None:
         return None
 
 
-def _storage_admitted(uri: str, allow: Sequence[str]) -> bool:
+def _storage_refusal(uri: str, allow: Sequence[str]) -> SourceRefusal | None:
     entries = (entry for entry in allow if scheme_of(entry) in STORAGE_SCHEMES)
     prefixes = tuple(prefix for entry in entries if (prefix := _storage_prefix(entry)) is not None)
-    return storage_refusal(uri, prefixes) is None
+    return storage_refusal(uri, prefixes)
 
 
-def _hub_admitted(uri: str, allow: Sequence[str]) -> bool:
+def _hub_refusal(uri: str, allow: Sequence[str]) -> SourceRefusal | None:
     try:
         source = parse_hub_uri(uri)
     except InvalidHubUri:
-        return False  # the agents refuse it
-    return any(_under_hub_prefix(source, prefix) for prefix in allow if prefix.startswith(HUB_PREFIX))
+        return SourceRefusal.INVALID  # the agents refuse it
+    covered = any(_under_hub_prefix(source, prefix) for prefix in allow if prefix.startswith(HUB_PREFIX))
+    return None if covered else SourceRefusal.NOT_COVERED
 
 
-def _http_admitted(uri: str, allow: Sequence[str]) -> bool:
+def _http_refusal(uri: str, allow: Sequence[str]) -> SourceRefusal | None:
     # All prefixes together, as an agent holds its --allow-source: each file may lie under any.
     prefixes = [prefix for entry in allow if not entry.startswith(HUB_PREFIX) if (prefix := _http_prefix(entry)) is not None]
-    return check_http_source(uri, prefixes) is None
+    return check_http_source(uri, prefixes)
+
+
+def refusal(uri: str, allow: Sequence[str]) -> SourceRefusal | None:
+    """Why the fleet does not admit this source (None: it does: not remote, or under its
+    ``spec.sources.allow``)."""
+    if not is_remote(uri):
+        return None
+    if scheme_of(uri) == HUB_SCHEME:
+        return _hub_refusal(uri, allow)
+    if scheme_of(uri) in STORAGE_SCHEMES:
+        return _storage_refusal(uri, allow)
+    return _http_refusal(uri, allow)
 
 
 def admitted(uri: str, allow: Sequence[str]) -> bool:
-    """Whether the fleet admits this source: not remote, or under its ``spec.sources.allow``."""
-    if not is_remote(uri):
-        return True
-    if scheme_of(uri) == HUB_SCHEME:
-        return _hub_admitted(uri, allow)
-    if scheme_of(uri) in STORAGE_SCHEMES:
-        return _storage_admitted(uri, allow)
-    return _http_admitted(uri, allow)
+    """Whether the fleet admits this source (:func:`refusal`)."""
+    return refusal(uri, allow) is None
+
+
+def why_refused(uri: str, allow: Sequence[str]) -> str:
+    """What the adapter's status says when the fleet does not admit its source ("" when it does)."""
+    why = refusal(uri, allow)
+    return _WHY[why] if why is not None else ""

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorafleet_common.merge import merge_failure_first
-from lorafleet_operator.agent_values import AgentError, AgentInfo
+from lorafleet_operator.agent_values import AgentError, AgentInfo, SourceRevision
 from lorafleet_operator.conditions import MAX_MESSAGE, condition, now_rfc3339
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.placement import Placement, SkipReason
 from lorafleet_operator.reasons import Reason
 from lorafleet_operator.resources import FleetObject
+from lorafleet_operator.source_revisions import recorded_source
 from lorafleet_operator.view import FleetView, Registry
 
 # The caps that keep a LoraAdapter's and a LoraFleet's status bounded however big the fleet
@@ -69,6 +70,7 @@ class AgentState(enum.StrEnum):
     LOADED = "Loaded"
     FAILED = "Failed"  # the agent refused the adapter (permanent until something changes)
     UNREACHABLE = "Unreachable"  # a transient error: retried with back-off
+    STANDBY = "Standby"  # held verified on disk, loaded to a slot by its first request
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,21 @@ class AgentResult:
     message: str = ""
     served: ServedVersion | None = None
     next_retry: str = ""
+    source: SourceRevision | None = None  # what a load sent now resolved its source to
+    #: On standby: whether its first request can load it now (a free slot there, or a resident
+    #: adapter the agent may evict); routing lists the pod only then.
+    loadable: bool = True
 
     @property
     def ok(self) -> bool:
-        return self.state is AgentState.LOADED and self.ranks_loaded == self.ranks_total
+        """It holds this version as wanted: on every rank, or on standby."""
+        return (self.state is AgentState.LOADED and self.ranks_loaded == self.ranks_total) or self.state is AgentState.STANDBY
+
+    @property
+    def serves_now(self) -> bool:
+        """Whether a request for the adapter sent there now is served: held on every rank,
+        or on standby with room to load it (routing's rule)."""
+        return self.ok and (self.state is AgentState.LOADED or self.loadable)
 
     @property
     def serving(self) -> bool:
@@ -258,7 +271,7 @@ def build_status(
     now = now or now_rfc3339()
     old_conditions = list((previous or {}).get("conditions") or [])
     ordered = sorted(results, key=lambda r: r.pod)
-    if placement is not None and not placement.placed and not deleting:
+    if placement is not None and not placement.placed and not deleting and not results:
         pending = Pending(_unplaced_reason(placement, pending.reason), placement.why_not() or pending.message)
     phase = phase_of(ordered, deleting=deleting)
     ready = _ready_condition(phase, ordered, pending, crashed)
@@ -288,6 +301,7 @@ def build_status(
         "nextRetryTime": retries[0] if retries else None,
         # None removes a stored placement (a merge patch) when there was none to make.
         "placement": (placement_status(placement, (previous or {}).get("placement") or {}) if placement is not None else None),
+        "source": recorded_source((r.source for r in ordered), previous),
         "conditions": [
             condition("Ready", *ready, generation=generation, previous=old_conditions, now=now),
             condition("Degraded", *degraded, generation=generation, previous=old_conditions, now=now),

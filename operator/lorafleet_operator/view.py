@@ -22,6 +22,9 @@ class Target:
     agent: AgentPod
     info: AgentInfo | None
     error: AgentError | None = None
+    #: Load it on standby there (``spec.scaling.minReplicas: 0``): verified and kept on disk,
+    #: loaded to a slot by its first request.
+    standby: bool = False
 
     @property
     def ranks_total(self) -> int:

@@ -127,7 +127,8 @@ def test_a_file_source_takes_no_credential(tmp_path):
 
 
 def test_a_load_with_basic_credentials_over_grpc(shared, servers):
-    """LoadAdapterRequest.source_basic reaches the download; token and basic together are refused."""
+    """LoadAdapterRequest.source_basic reaches the download; two kinds of credential together
+    (token and basic, basic and an S3 key) are refused."""
     private, _ = servers
     private.seen.clear()
     basic = pb.SourceBasicAuth(username=USER, password=PASSWORD)
@@ -136,7 +137,14 @@ def test_a_load_with_basic_credentials_over_grpc(shared, servers):
             pb.LoadAdapterRequest(name="cred", source_uri=private.url("files/ad"), source_token=TOKEN, source_basic=basic), timeout=60
         )
     )
-    assert both.code() == grpc.StatusCode.INVALID_ARGUMENT and "not both" in both.details()
+    assert both.code() == grpc.StatusCode.INVALID_ARGUMENT and "not several" in both.details()
+    s3 = pb.SourceS3Credential(access_key_id="AKIDEXAMPLE", secret_access_key=PASSWORD)
+    both = rpc_error(
+        lambda: shared.stub.LoadAdapter(
+            pb.LoadAdapterRequest(name="cred", source_uri="s3://b/x", source_basic=basic, source_s3=s3), timeout=60
+        )
+    )
+    assert both.code() == grpc.StatusCode.INVALID_ARGUMENT and "not several" in both.details()
     assert private.seen == []
     reply = shared.stub.LoadAdapter(pb.LoadAdapterRequest(name="cred", source_uri=private.url("files/ad"), source_basic=basic), timeout=120)
     assert reply.success, reply.error_message

@@ -156,6 +156,13 @@ def test_a_tag_is_resolved_once_and_the_digest_pins_the_content(registry: Regist
     moved = resolve_source(f"oci://{registry.address}/team/moving:stable", None, limits)
     assert (moved.revision, moved.content.weights_sha256) == (second_digest, file_sha256(second / ADAPTER_WEIGHTS))
     moved.discard()
+    # A load held to the digest the tag was first resolved to (the operator's record): refused,
+    # before any layer is fetched; held to the digest it names now, loaded.
+    with pytest.raises(AgentError) as error:
+        resolve_source(f"oci://{registry.address}/team/moving:stable", None, limits, revision=first_digest)
+    assert (error.value.reason, f"names {second_digest} now, not {first_digest}" in str(error.value)) == ("tag_moved", True)
+    assert not any(Path(str(limits.cache_dir)).glob("dl-*"))
+    resolve_source(f"oci://{registry.address}/team/moving:stable", None, limits, revision=second_digest).discard()
 
 
 def test_a_digest_the_registry_does_not_hold_is_not_found(registry: RegistryServer, tmp_path: Path) -> None:

@@ -92,6 +92,11 @@ def test_each_objects_etag_is_recorded_and_new_content_is_a_new_revision(store: 
         True,
     )
     again.discard()
+    # A load held to the first revision (the operator's record) is refused, its copy removed.
+    with pytest.raises(AgentError) as error:
+        resolve_source(f"s3://{BUCKET}/team/moving", None, limits, revision=source.revision)
+    assert error.value.reason == "source_changed", str(error.value)
+    assert not any(Path(str(limits.cache_dir)).glob("dl-*"))
     # The request's sha256 still holds the store to the content the caller expects.
     refused(f"s3://{BUCKET}/team/moving", limits, "sha256_mismatch", sha256=file_sha256(first / ADAPTER_WEIGHTS))
 

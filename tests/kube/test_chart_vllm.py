@@ -41,7 +41,7 @@ def test_builtin_backend_renders_no_vllm_server(kube_cluster: ControlPlane) -> N
     docs = render_docs(kube_cluster, MODEL, "networkPolicy.enabled=true")
     pod = agent_pod(docs)
     assert [c["name"] for c in pod["containers"]] == ["agent"]
-    assert "llm-d.ai/engine-type" not in docs[STATEFULSET]["spec"]["template"]["metadata"]["labels"]
+    assert docs[STATEFULSET]["spec"]["template"]["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm", "vLLM's metric names"
     agent = pod["containers"][0]
     assert not any(a.startswith(("--backend", "--vllm-endpoint")) for a in agent["args"])
     assert {"--tp=1", "--device=cuda", "--engine-startup-timeout-s=300"} <= set(agent["args"])

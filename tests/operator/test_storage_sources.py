@@ -37,6 +37,28 @@ class Stores:
     work: Path
 
 
+def storage_agent_spec(
+    root: Path, s3: S3Server, oci: RegistryServer, tp: int, *extra: str, env: tuple[tuple[str, str], ...] = ()
+) -> AgentSpec:
+    """An agent of the tiny model reading this store and registry: the store's endpoint, the
+    ``team`` prefixes of the bucket and the registry, the registry over plain HTTP, loopback
+    allowed; `extra` arguments and `env` besides."""
+    return AgentSpec(
+        model_dir=write_model(root / "model", SHAPE),
+        adapter_roots=(),
+        base_model_name=BASE_MODEL,
+        tp=tp,
+        dp=1,
+        max_loaded_loras=8,
+        extra_args=(
+            *("--cache-dir", str(root / "cache"), "--s3-endpoint", s3.endpoint),
+            *("--allow-source", f"s3://{BUCKET}/team", "--allow-source", f"oci://{oci.address}/team"),
+            *("--oci-plain-http", oci.address, "--allow-source-network", "127.0.0.0/8", *extra),
+        ),
+        env=env,
+    )
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     root = tmp_path_factory.mktemp("storage-e2e")
@@ -45,21 +67,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     agent = None
     try:
         s3.create_bucket(BUCKET)
-        spec = AgentSpec(
-            model_dir=write_model(root / "model", SHAPE),
-            adapter_roots=(),
-            base_model_name=BASE_MODEL,
-            tp=2,
-            dp=1,
-            max_loaded_loras=4,
-            extra_args=(
-                *("--cache-dir", str(root / "cache"), "--s3-endpoint", s3.endpoint),
-                *("--allow-source", f"s3://{BUCKET}/team", "--allow-source", f"oci://{oci.address}/team"),
-                *("--oci-plain-http", oci.address, "--allow-source-network", "127.0.0.0/8"),
-            ),
-            env=(("AWS_ACCESS_KEY_ID", KEYS.access_key_id), ("AWS_SECRET_ACCESS_KEY", KEYS.secret_access_key)),
-        )
-        agent = AgentProcess("storage-agent", spec, root / "logs")
+        env = (("AWS_ACCESS_KEY_ID", KEYS.access_key_id), ("AWS_SECRET_ACCESS_KEY", KEYS.secret_access_key))
+        agent = AgentProcess("storage-agent", storage_agent_spec(root, s3, oci, 2, env=env), root / "logs")
         agent.start().wait_ready()
         yield Stores(s3, oci, agent, root)
     finally:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from node_agent.backends.server import CompletionStep, Refusal
 from node_agent.backends.vllm import VllmServer
 from node_agent.backends.vllm.refusals import classify
 from node_agent.cli.main import main
+from tests.agent.helpers import wait_until
 from tests.support.bad_adapters import make_other_base_adapter, make_oversized_rank_adapter, make_unknown_module_adapter
 from tests.support.models import make_adapter
 from tests.support.oracle import reference_logits
@@ -52,8 +54,8 @@ def greedy_oracle(model: Path, adapter: Path | None, tokens: list[int], n: int) 
     return out
 
 
-def server_tokens(url: str, model: str) -> list[int]:
-    steps = VllmServer(url).complete(model, PROMPT, Sampling(max_tokens=NEW_TOKENS))
+def server_tokens(url: str, model: str, new_tokens: int = NEW_TOKENS) -> list[int]:
+    steps = VllmServer(url).complete(model, PROMPT, Sampling(max_tokens=new_tokens))
     assert not isinstance(steps, Refusal), steps
     return [step.token_id for step in steps if isinstance(step, CompletionStep)]
 
@@ -110,6 +112,29 @@ def test_load_lists_on_both_and_generates_like_peft(fleet: Fleet) -> None:
     assert unloaded.success, unloaded.error_message
     assert all("a1" not in served(server.url) for server in fleet.servers)
     assert listed_ranks(fleet) == {}
+
+
+def test_adapter_stats_count_requests_sent_straight_to_the_servers(fleet: Fleet) -> None:
+    """Gateways route to vLLM's own ports: AdapterStats counts those requests too, from each
+    server's /metrics (vllm:num_requests_running and vllm:lora_requests_info)."""
+    assert load(fleet, "direct", make_adapter(fleet.model, fleet.root / "direct", seed=5, r=8)).success
+    per_server = (4, 2)
+    seen: list[int] = []
+    urls = [server.url for server, count in zip(fleet.servers, per_server, strict=True) for _ in range(count)]
+    with ThreadPoolExecutor(len(urls)) as pool:
+        streams = [pool.submit(server_tokens, url, "direct", 250) for url in urls]
+        while not all(stream.done() for stream in streams) and sum(per_server) not in seen:
+            stats = {stat.adapter: stat for stat in fleet.agent.adapter_stats().adapters}
+            seen.append(stats["direct"].running if "direct" in stats else 0)
+        assert all(len(stream.result()) == 250 for stream in streams)
+    assert sum(per_server) in seen, f"every request straight to vLLM counted while they ran: at most {max(seen)} in {len(seen)} reads"
+
+    def direct_requests() -> tuple[int, int]:
+        stats = {stat.adapter: stat for stat in fleet.agent.adapter_stats().adapters}
+        return stats["direct"].running, stats["direct"].waiting
+
+    wait_until(lambda: direct_requests() == (0, 0), what="no request of the adapter left once they all ended")
+    assert fleet.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="direct"), timeout=60).success
 
 
 def test_a_load_one_server_refuses_leaves_neither_holding_it(fleet: Fleet) -> None:

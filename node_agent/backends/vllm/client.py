@@ -14,13 +14,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from node_agent.backend import Sampling
-from node_agent.backends.server import CompletionStep, Refusal, ServerModels, StreamBroken, TopLogprobs
+from node_agent.backends.server import CompletionStep, Refusal, ServerModels, ServerRequests, StreamBroken, TopLogprobs
 from node_agent.backends.vllm.refusals import classify, unreachable
+from node_agent.backends.vllm.server_metrics import parse_requests
 
 #: How long a control call (a load reads and checks the adapter) may take.
 CONTROL_TIMEOUT_S = 120.0
 #: Model listings and versions: a server that takes longer counts as not answering.
 LOOK_TIMEOUT_S = 5.0
+#: The server's metrics, read for every statistics call: a slow answer leaves the server out.
+METRICS_TIMEOUT_S = 2.0
 #: Between two streamed tokens.
 STREAM_TIMEOUT_S = 300.0
 #: How vLLM names a token in logprobs with `return_tokens_as_token_ids`.
@@ -70,6 +73,16 @@ class VllmServer:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return "vllm, version unknown"
+
+    def requests(self) -> ServerRequests | Refusal:
+        """`GET /metrics`: the requests every client sent the server that run and wait now."""
+        try:
+            status, body = self._request("GET", "/metrics", None, METRICS_TIMEOUT_S)
+        except OSError as error:
+            return unreachable(error)
+        if status != 200:
+            return classify(status, body)
+        return parse_requests(body.decode("utf-8", errors="replace"))
 
     def complete(self, model: str, tokens: Sequence[int], sampling: Sampling) -> Iterator[CompletionStep] | Refusal:
         """`POST /v1/completions`, streamed, with the token ids as the prompt."""

@@ -138,7 +138,7 @@ class LoraSliceShape(_message.Message):
     def __init__(self, lora_a_shape: _Optional[_Iterable[int]] = ..., lora_b_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token", "source_basic", "standby")
+    __slots__ = ("name", "source_uri", "sha256", "pinned", "replace", "source_token", "source_basic", "standby", "source_s3", "source_revision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,8 @@ class LoadAdapterRequest(_message.Message):
     SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_BASIC_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_S3_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     source_uri: str
     sha256: str
@@ -155,7 +157,9 @@ class LoadAdapterRequest(_message.Message):
     source_token: str
     source_basic: SourceBasicAuth
     standby: bool
-    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ..., standby: _Optional[bool] = ...) -> None: ...
+    source_s3: SourceS3Credential
+    source_revision: str
+    def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ..., standby: _Optional[bool] = ..., source_s3: _Optional[_Union[SourceS3Credential, _Mapping]] = ..., source_revision: _Optional[str] = ...) -> None: ...
 
 class SourceBasicAuth(_message.Message):
     __slots__ = ("username", "password")
@@ -165,21 +169,33 @@ class SourceBasicAuth(_message.Message):
     password: str
     def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ...) -> None: ...
 
+class SourceS3Credential(_message.Message):
+    __slots__ = ("access_key_id", "secret_access_key", "session_token")
+    ACCESS_KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_ACCESS_KEY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    access_key_id: str
+    secret_access_key: str
+    session_token: str
+    def __init__(self, access_key_id: _Optional[str] = ..., secret_access_key: _Optional[str] = ..., session_token: _Optional[str] = ...) -> None: ...
+
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded", "transient")
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded", "transient", "source_revision")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     RANK_RESULTS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     success: bool
     error_message: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     rank_results: _containers.RepeatedCompositeFieldContainer[RankResult]
     already_loaded: bool
     transient: bool
-    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ..., transient: _Optional[bool] = ...) -> None: ...
+    source_revision: str
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ..., transient: _Optional[bool] = ..., source_revision: _Optional[str] = ...) -> None: ...
 
 class LoadAdaptersRequest(_message.Message):
     __slots__ = ("loads",)
