@@ -19,8 +19,9 @@ Strategies: random (each tick a fresh random choice of workers with room; Dynamo
 budget: proportional to a 30-tick windowed rate, within the 32 slots, as its `LoraController`);
 plain rendezvous hashing (the same budget, each adapter's top workers with room by HRW, no
 stickiness); lorafleet (`lorafleet_operator.demand`: EMA-smoothed demand, HPA-like replicas,
-the scale-down window and scale-up limits; `demand_placement`: sticky, rendezvous, demand
-priority with an eviction margin). Dynamo's published figures are printed beside them, as the
+the scale-down window and scale-up limits, slots shared by demand per replica with a margin for
+held replicas; then the operator's one placement rule, `lorafleet_operator.placement.place`:
+sticky, least-loaded agents with room for new replicas). Dynamo's published figures are printed beside them, as the
 issue quotes them (random ~35,000 loads, rendezvous ~250, min-cost flow 88–136).
 
 Run: `. scripts/bootstrap.sh && python benchmarks/bench_demand_placement.py` (CPU, seconds).
@@ -29,6 +30,7 @@ Run: `. scripts/bootstrap.sh && python benchmarks/bench_demand_placement.py` (CP
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import random
 import statistics
@@ -37,9 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lorafleet_operator.demand import ScalingPolicy, ScalingState, decide, smooth, smoothing_weight
-from lorafleet_operator.demand_placement import AdapterNeed, PlacementTuning, SlotAgent, place_by_demand, rendezvous_order
-from lorafleet_operator.placement import Candidate
+from lorafleet_operator.demand import DEFAULT_MARGIN, ScalingPolicy, ScalingState, SlotClaim, decide, share_slots, smooth, smoothing_weight
+from lorafleet_operator.placement import Candidate, Demand, place
 
 ADAPTERS, WORKERS, SLOTS, TICKS = 100, 8, 4, 200
 TICK_S = 3.0
@@ -54,7 +55,7 @@ PODS = [f"worker-{i}" for i in range(WORKERS)]
 #: window (300 s) and scale-up limits.
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=WORKERS, target_per_replica=4.0, scale_down_window_s=300.0)
 SMOOTHING_S = 150.0
-TUNING = PlacementTuning()
+MARGIN = DEFAULT_MARGIN
 #: As issue 38 quotes Dynamo's "Optimal LoRA Placement" study (churn over the run).
 DYNAMO_PUBLISHED = {"random": "~35,000", "rendezvous (HRW)": "~250", "min-cost flow": "88–136"}
 
@@ -101,6 +102,15 @@ def dynamo_budget(window_loads: dict[str, int]) -> dict[str, int]:
     return counts
 
 
+def rendezvous_order(adapter: str, pods: Sequence[str]) -> list[str]:
+    """``pods`` by the adapter's highest-random-weight score (blake2b of adapter and pod)."""
+
+    def score(pod: str) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{adapter}\0{pod}".encode(), digest_size=8).digest(), "big")
+
+    return sorted(pods, key=lambda pod: (-score(pod), pod))
+
+
 def random_placement(counts: dict[str, int], rng: random.Random) -> Placement:
     """Each adapter's replicas on random workers with room, afresh every tick."""
     used = dict.fromkeys(PODS, 0)
@@ -134,30 +144,34 @@ def windowed(trace: Sequence[dict[str, int]], tick: int) -> dict[str, int]:
 
 @dataclass
 class Lorafleet:
-    """lorafleet's loop as the operator will run it each tick: smooth, decide, place."""
+    """lorafleet's loop as the operator runs it each drift check: smooth, decide, share the
+    slots, place (placement's rule, as the operator's drift check calls it)."""
 
     smoothing_s: float = SMOOTHING_S
-    tuning: PlacementTuning = TUNING
+    margin: float = MARGIN
     demand: dict[str, float] = field(default_factory=dict)
     states: dict[str, ScalingState] = field(default_factory=dict)
     desired: dict[str, int] = field(default_factory=dict)
     placed: Placement = field(default_factory=dict)
 
     def step(self, observed: dict[str, int], now: float) -> Placement:
-        needs = []
+        claims = []
         for name in NAMES:
             self.demand[name] = smooth(self.demand.get(name), observed[name], smoothing_weight(TICK_S, self.smoothing_s))
             decision, self.states[name] = decide(
                 name, POLICY, self.states.get(name, ScalingState()), self.desired.get(name, 0), self.demand[name], now
             )
             self.desired[name] = decision.to_replicas
-            needs.append(AdapterNeed(name, BASE_MODEL, None, self.demand[name], POLICY.min_replicas, decision.to_replicas))
-        held = {p: frozenset(n for n, pods in self.placed.items() if p in pods) for p in PODS}
-        agents = [
-            SlotAgent(Candidate(p, p, True, base_model=BASE_MODEL, max_lora_rank=64, max_loaded_loras=SLOTS, held=held[p])) for p in PODS
-        ]
-        result = place_by_demand(agents, needs, self.tuning)
-        self.placed = {n: frozenset(pods) for n, pods in result.placed.items() if pods}
+            current = len(self.placed.get(name, ()))
+            claims.append(SlotClaim(name, self.demand[name], decision.to_replicas, current, POLICY.min_replicas))
+        granted = share_slots(claims, WORKERS * SLOTS, self.margin)
+        # What each worker holds once the replicas no longer granted are unloaded (the drift
+        # check unloads them before the next round's placement sees their room).
+        kept = {n: sorted(pods)[: granted[n]] for n, pods in self.placed.items()}
+        held = {p: frozenset(n for n, pods in kept.items() if p in pods) for p in PODS}
+        agents = [Candidate(p, p, True, base_model=BASE_MODEL, max_lora_rank=64, max_loaded_loras=SLOTS, held=held[p]) for p in PODS]
+        demands = [Demand(n, BASE_MODEL, granted[n], None, ("", n), tuple(kept.get(n, ()))) for n in NAMES]
+        self.placed = {n: frozenset(p.placed) for n, p in place(agents, demands).items() if p.placed}
         return self.placed
 
 
@@ -204,7 +218,7 @@ def outcomes(seed: int) -> dict[str, Outcome]:
 
 def sweep(seeds: int) -> None:
     """lorafleet's churn and resident-hit share over its two settings: the smoothing time
-    constant and the eviction margin (how the defaults were chosen)."""
+    constant and the margin of held replicas (how the defaults were chosen)."""
     traces = [demand_trace(seed) for seed in range(seeds)]
     print(f"lorafleet's settings, seeds 0–{seeds - 1}: mean churn / resident-hit share")
     margins = (1.0, 1.5, 2.0, 3.0)
@@ -212,7 +226,7 @@ def sweep(seeds: int) -> None:
     for tau in (15.0, 30.0, 60.0, 150.0, 300.0):
         cells = []
         for margin in margins:
-            per = [run_lorafleet(t, Lorafleet(smoothing_s=tau, tuning=PlacementTuning(margin))) for t in traces]
+            per = [run_lorafleet(t, Lorafleet(smoothing_s=tau, margin=margin)) for t in traces]
             cells.append(
                 f"{statistics.fmean(o.churn for o in per):,.0f} / {100 * statistics.fmean(o.hit_share for o in per):.1f} %".ljust(18)
             )
@@ -248,7 +262,7 @@ def main() -> None:
     print(
         f"lorafleet: demand smoothed over τ {SMOOTHING_S:g} s, {POLICY.target_per_replica:g} requests per tick per replica, "
         f"replicas in [{POLICY.min_replicas}, {POLICY.max_replicas}], scale-down window {POLICY.scale_down_window_s:g} s, "
-        f"the HPA's default scale-up limits, eviction margin {TUNING.eviction_margin:g}"
+        f"the HPA's default scale-up limits, margin of held replicas {MARGIN:g}"
     )
     if args.sweep:
         sweep(min(args.seeds, 3))

@@ -128,6 +128,7 @@ class StepLoop:
                 self._scheduler.num_waiting,
                 running,
                 waiting,
+                self._scheduler.config.block_size,
             )
 
     def adapter_requests(self) -> tuple[AdapterRequests, ...]:
