@@ -39,7 +39,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lorafleet_operator.demand import DEFAULT_MARGIN, ScalingPolicy, ScalingState, SlotClaim, decide, share_slots, smooth, smoothing_weight
+from lorafleet_operator.demand import (
+    DEFAULT_MARGIN,
+    DEFAULT_SMOOTHING_S,
+    ScalingPolicy,
+    ScalingState,
+    SlotClaim,
+    decide,
+    share_slots,
+    smoothed_demand,
+)
 from lorafleet_operator.placement import Candidate, Demand, place
 
 ADAPTERS, WORKERS, SLOTS, TICKS = 100, 8, 4, 200
@@ -54,7 +63,7 @@ PODS = [f"worker-{i}" for i in range(WORKERS)]
 #: lorafleet's settings in this simulation: demand in requests per tick, the HPA's default
 #: window (300 s) and scale-up limits.
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=WORKERS, target_per_replica=4.0, scale_down_window_s=300.0)
-SMOOTHING_S = 150.0
+SMOOTHING_S = float(DEFAULT_SMOOTHING_S)
 MARGIN = DEFAULT_MARGIN
 #: As issue 38 quotes Dynamo's "Optimal LoRA Placement" study (churn over the run).
 DYNAMO_PUBLISHED = {"random": "~35,000", "rendezvous (HRW)": "~250", "min-cost flow": "88–136"}
@@ -157,7 +166,7 @@ class Lorafleet:
     def step(self, observed: dict[str, int], now: float) -> Placement:
         claims = []
         for name in NAMES:
-            self.demand[name] = smooth(self.demand.get(name), observed[name], smoothing_weight(TICK_S, self.smoothing_s))
+            self.demand[name] = smoothed_demand(self.demand.get(name), TICK_S, observed[name], self.smoothing_s)
             decision, self.states[name] = decide(
                 name, POLICY, self.states.get(name, ScalingState()), self.desired.get(name, 0), self.demand[name], now
             )
@@ -221,7 +230,7 @@ def sweep(seeds: int) -> None:
     constant and the margin of held replicas (how the defaults were chosen)."""
     traces = [demand_trace(seed) for seed in range(seeds)]
     print(f"lorafleet's settings, seeds 0–{seeds - 1}: mean churn / resident-hit share")
-    margins = (1.0, 1.5, 2.0, 3.0)
+    margins = (1.0, 1.5, 2.0, 2.5, 3.0)
     print(f"{'smoothing τ':<12} | " + " | ".join(f"margin {m:g}".ljust(18) for m in margins))
     for tau in (15.0, 30.0, 60.0, 150.0, 300.0):
         cells = []

@@ -120,7 +120,9 @@ class AdapterScaling:
     state: ScalingState
     desired: int
     granted: int
+    #: The smoothed demand (:func:`smoothed_demand`) and when it was last sampled (None: never).
     demand: float = 0.0
+    sampled_at: float | None = None
 
 
 class ScalingReason(enum.StrEnum):
@@ -162,6 +164,22 @@ def smoothing_weight(interval_s: float, time_constant_s: float) -> float:
     if not (interval_s > 0 and time_constant_s > 0):
         raise ValueError(f"an interval and a time constant must be positive, not {interval_s} and {time_constant_s}")
     return 1 - math.exp(-interval_s / time_constant_s)
+
+
+#: ``spec.scaling.behavior.demandSmoothingSeconds``' default: the time constant demand is
+#: averaged over (benchmarks/bench_demand_placement.py --sweep: shorter ones trade slots on noise).
+DEFAULT_SMOOTHING_S = 150
+
+
+def smoothed_demand(previous: float | None, since_s: float, observed: float, time_constant_s: float) -> float:
+    """The demand a decision uses: ``observed``, sampled ``since_s`` after the last sample,
+    averaged with the past demand (``previous``; None: this is the first sample, taken as it
+    is) over ``time_constant_s`` (0: each sample as it is, as the HPA uses it)."""
+    if previous is None or time_constant_s <= 0:
+        return smooth(None, observed, 1.0)
+    if since_s <= 0:  # no time has passed: the past stands
+        return previous
+    return smooth(previous, observed, smoothing_weight(since_s, time_constant_s))
 
 
 def recommend(policy: ScalingPolicy, demand: float) -> int:
@@ -234,7 +252,9 @@ class SlotClaim:
 
 
 #: A held replica counts this many times its worth against a newcomer (>= 1).
-DEFAULT_MARGIN = 2.0
+#: A held replica's worth counts this many times (chosen with benchmarks/bench_demand_placement.py
+#: --sweep: 2.5 kept every seed's churn within Dynamo's min-cost-flow range, 2 did not).
+DEFAULT_MARGIN = 2.5
 
 
 def share_slots(claims: Sequence[SlotClaim], slots: int, margin: float = DEFAULT_MARGIN) -> dict[str, int]:

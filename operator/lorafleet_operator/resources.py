@@ -80,6 +80,8 @@ class ScalingSpec:
     scale_down_window_s: int = 300
     scale_up_replicas: int = 4
     scale_up_period_s: int = 15
+    #: The time constant demand is averaged over (0: each sample as it is).
+    smoothing_s: int = 150
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ class Quotas:
     default: int | None = None
     #: (namespace, maxSlots) in the spec's order.
     namespaces: tuple[tuple[str, int], ...] = ()
+    #: (namespace, minSlots) of the entries that guarantee a share (minSlots > 0).
+    guarantees: tuple[tuple[str, int], ...] = ()
 
     def __bool__(self) -> bool:
         return self.default is not None or bool(self.namespaces)
@@ -275,6 +279,7 @@ def scaling_spec_of(scaling: Mapping[str, Any]) -> ScalingSpec:
         scale_down_window_s=int(down.get("stabilizationWindowSeconds", 300)),
         scale_up_replicas=int(up.get("replicas", 4)),
         scale_up_period_s=int(up.get("periodSeconds", 15)),
+        smoothing_s=int(behavior.get("demandSmoothingSeconds", 150)),
     )
 
 
@@ -316,6 +321,7 @@ def quotas_of(quotas: Mapping[str, Any]) -> Quotas:
     return Quotas(
         default=None if default is None else int(default["maxSlots"]),
         namespaces=tuple((str(q["namespace"]), int(q["maxSlots"])) for q in quotas.get("namespaces") or ()),
+        guarantees=(),
     )
 
 

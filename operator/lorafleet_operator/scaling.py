@@ -34,6 +34,7 @@ from lorafleet_operator.demand import (
     SlotClaim,
     decide,
     share_slots,
+    smoothed_demand,
 )
 from lorafleet_operator.fanout import ask_each
 from lorafleet_operator.publish import post_event
@@ -122,8 +123,12 @@ def decide_one(
     except ValueError as err:  # the CRD refuses such a spec; one that got past it fails alone
         log.warning("scaling: %s/%s: spec.scaling is not usable: %s", adapter.namespace, adapter.name, err)
         return entry, Decided(scaled, None, current)
-    decision, state = decide(adapter.agent_name, policy, entry.state, entry.desired, demand, now)
-    return AdapterScaling(adapter.uid, state, decision.to_replicas, entry.granted, demand), Decided(scaled, decision, current)
+    if entry.sampled_at is None:
+        smoothed = smoothed_demand(None, 0.0, demand, float(spec.smoothing_s))
+    else:
+        smoothed = smoothed_demand(entry.demand, now - entry.sampled_at, demand, float(spec.smoothing_s))
+    decision, state = decide(adapter.agent_name, policy, entry.state, entry.desired, smoothed, now)
+    return AdapterScaling(adapter.uid, state, decision.to_replicas, entry.granted, smoothed, now), Decided(scaled, decision, current)
 
 
 async def scale_fleet(rt: Runtime, view: FleetView, registries: Mapping[str, Registry], adapters: Sequence[AdapterObject]) -> None:
@@ -159,7 +164,7 @@ def _share(view: FleetView, registries: Mapping[str, Registry], book: dict[str, 
         granted = share_slots(claims, slots_for(view, registries, base_model, names))
         for s in mine:
             entry = book[s.name]
-            book[s.name] = AdapterScaling(entry.uid, entry.state, entry.desired, granted[s.name], entry.demand)
+            book[s.name] = AdapterScaling(entry.uid, entry.state, entry.desired, granted[s.name], entry.demand, entry.sampled_at)
 
 
 def _forget_metrics(namespace: str, name: str) -> None:

@@ -123,10 +123,10 @@ def test_scarce_slots_go_by_demand_per_replica() -> None:
 
 def test_a_held_replica_keeps_its_slot_within_the_margin() -> None:
     held = [claim("warm", 5, current=1), claim("cold", 1, current=1)]
-    # A newcomer worth 1.9 does not take cold's slot (1 × margin 2); one worth 2.1 does.
-    assert share_slots([*held, claim("near", 1.9)], 2) == {"warm": 1, "cold": 1, "near": 0}
-    assert share_slots([*held, claim("near", 2.1)], 2) == {"warm": 1, "cold": 0, "near": 1}
-    assert share_slots([*held, claim("near", 2.1)], 2, margin=3.0)["near"] == 0
+    # A newcomer worth 2.4 does not take cold's slot (1 × the default margin 2.5); one worth 2.6 does.
+    assert share_slots([*held, claim("near", 2.4)], 2) == {"warm": 1, "cold": 1, "near": 0}
+    assert share_slots([*held, claim("near", 2.6)], 2) == {"warm": 1, "cold": 0, "near": 1}
+    assert share_slots([*held, claim("near", 2.6)], 2, margin=3.0)["near"] == 0
 
 
 def test_minimums_come_first_and_the_order_does_not_matter() -> None:

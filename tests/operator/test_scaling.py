@@ -39,7 +39,11 @@ SCALING = {
     "minReplicas": 1,
     "maxReplicas": 2,
     "target": {"metric": "Requests", "perReplica": 1},
-    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 3}, "scaleUp": {"replicas": 1, "periodSeconds": 1}},
+    "behavior": {
+        "scaleDown": {"stabilizationWindowSeconds": 3},
+        "scaleUp": {"replicas": 1, "periodSeconds": 1},
+        "demandSmoothingSeconds": 0,
+    },
 }
 
 
@@ -89,7 +93,11 @@ def test_the_defaults_are_written_into_the_spec(
         "minReplicas": 1,
         "maxReplicas": 3,
         "target": {"metric": "Requests", "perReplica": 4},
-        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}, "scaleUp": {"replicas": 4, "periodSeconds": 15}},
+        "behavior": {
+            "scaleDown": {"stabilizationWindowSeconds": 300},
+            "scaleUp": {"replicas": 4, "periodSeconds": 15},
+            "demandSmoothingSeconds": 150,
+        },
     }
 
 
@@ -291,7 +299,7 @@ def test_oscillating_traffic_inside_the_window_moves_nothing(
     agents, root = routed_agents
     ns = kube_namespace
     name = f"{ns}.osc"
-    steady = {**SCALING, "behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}, "scaleUp": {"replicas": 1, "periodSeconds": 1}}}
+    steady = {**SCALING, "behavior": {**SCALING["behavior"], "scaleDown": {"stabilizationWindowSeconds": 60}}}
     with operating(kube_cluster, ns, agents, tmp_path) as op:
         apply(kube_cluster, ns, scaled("osc", make_adapter(root / ns, "osc"), steady))
         wait_for(lambda: status(kube_cluster, ns, "osc").get("phase") == "Ready", 120, "the adapter Ready", op)

@@ -6,7 +6,10 @@ which standby pods are routed."""
 
 from __future__ import annotations
 
+import math
+
 import grpc
+import pytest
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_values import AdapterDemand, AgentDemand, AgentError, AgentInfo, Credentials
@@ -84,6 +87,24 @@ def test_spec_defaults_policy_and_the_status() -> None:
     # A new object of the same name starts afresh, at its minimum.
     fresh, _ = decide_one(Scaled(adapter(spec, uid="u2"), spec), book, 0.0, 0, 2.0)
     assert fresh.uid == "u2" and fresh.desired == 1 and fresh.state != ScalingState()
+
+
+def test_demand_is_smoothed_over_the_spec_s_time_constant() -> None:
+    """A burst moves the average by a share that depends on the time since the last sample,
+    not on how often samples come; 0 takes each sample as it is (the HPA's way)."""
+    spec = scaling_spec_of({"maxReplicas": 8, "target": {"perReplica": 1}, "behavior": {"demandSmoothingSeconds": 100}})
+    assert spec.smoothing_s == 100 and scaling_spec_of({"maxReplicas": 1, "target": {"perReplica": 1}}).smoothing_s == 150
+    one = Scaled(adapter(spec), spec)
+    first, _ = decide_one(one, None, 0.0, 1, 0.0)  # the first sample is taken as it is
+    assert (first.demand, first.sampled_at) == (0.0, 0.0)
+    burst, decided = decide_one(one, first, 8.0, 1, 100.0)  # one time constant later: 1 - 1/e of the step
+    assert burst.demand == pytest.approx(8.0 * (1 - math.exp(-1)))
+    assert decided.decision is not None and decided.decision.demand == pytest.approx(burst.demand)
+    assert decided.decision.recommended == 6 and burst.desired == 5  # ceil(5.06 / 1), not the burst's 8; +4 at most
+    same_time, _ = decide_one(one, burst, 0.0, 6, 100.0)  # no time passed: the past stands
+    assert same_time.demand == burst.demand
+    raw = ScalingSpec(1, 8, ScalingMetric.REQUESTS, 1.0, smoothing_s=0)
+    assert decide_one(Scaled(adapter(raw), raw), first, 8.0, 1, 100.0)[0].demand == 8.0
 
 
 # ---- standby -----------------------------------------------------------------------------
