@@ -58,7 +58,7 @@ from node_agent.errors import (
 from node_agent.generation import Prompting, new_tokens
 from node_agent.metrics import AgentMetrics
 from node_agent.registry import AdapterEntry, Lease, Registry, public_of
-from node_agent.residency import OnDemand, OnDemandSettings
+from node_agent.residency import OnDemand, OnDemandSettings, capacity_refusal
 from node_agent.residency_metrics import serve_residency
 from node_agent.sources import (
     Credential,
@@ -343,15 +343,21 @@ class Agent:
         """Load a new version under a fresh engine name; publish it; retire the one it replaces.
         Every rank must have read exactly the bytes the source verified (their digests)."""
         engine_name = self.registry.new_engine_name(name)
+        capacity = self.backend.capacity.max_loaded_loras
+        in_place_of = self.registry.get(name) if self.backend.capabilities.replaces_in_place else None
+        place = self.registry.reserve_place(capacity, in_place_of)  # places reserved by on-demand loads count as taken
+        if place is None:
+            source.discard()
+            return capacity_refusal(self.backend.ranks, self.registry, capacity)
         try:
-            with _discarded_on_failure(source):  # every failure, expected or not: no snapshot stays behind
+            with _discarded_on_failure(source), self.registry.place_given_back_on_failure(place):
                 result = self.engine.load(LoadRequest(engine_name, source.path, pinned, source.content, source.written))
         except LoadFailed as error:  # refused somewhere (or read other bytes); the backend rolled the others back
             source.discard()
             return self.registry.public_result(error.result)
         except (AdapterRefused, BackendError) as error:
             raise self._engine_error(error) from None
-        previous = self.registry.publish(AdapterEntry(name, engine_name, source, pinned))
+        previous = self.registry.publish(AdapterEntry(name, engine_name, source, pinned), place)
         self.metrics.loaded_adapters.set(len(self.registry.entries()))
         published = self.registry.public_result(result)  # while the registry still knows the previous version's name
         if previous is not None:

@@ -14,6 +14,10 @@ A routable version is resident (the engine holds it under its engine name) or on
 verified snapshot is kept, the engine does not hold it): leasing a standby version is refused
 with `OnStandby`, and the agent loads it (`node_agent.residency`) before it leases again.
 
+Every load onto the backend first reserves a place (`reserve_place`, or `to_standby`, which turns
+an evicted version's place into the evicting load's reservation), and a place counts as taken
+while it is held or reserved, so two loads never count on the same free place.
+
 Everything here is in-process bookkeeping; the engine is driven by `node_agent.agent`.
 """
 
@@ -73,6 +77,14 @@ class ResidentUse:
     last_used: float  # time.monotonic() of its last lease (its load, if never leased)
 
 
+@dataclass(eq=False)
+class PlaceReservation:
+    """A backend place held for one load, from when it was free (or freed by an eviction) until
+    the load publishes its version (`Registry.publish`) or gives up (`Registry.release_place`)."""
+
+    open: bool = True
+
+
 @dataclass
 class Lease:
     """A request's hold on the adapter versions it uses (public name -> engine name)."""
@@ -106,6 +118,7 @@ class Registry:
         self._revoked: set[str] = set()  # engine names unloaded while still leased
         self._name_locks: dict[str, _NameLock] = {}  # public name -> its lock while someone uses it
         self._last_used: dict[str, float] = {}  # public name -> time.monotonic() of its last lease or load
+        self._reserved = 0  # places reserved by loads not yet published (open PlaceReservations)
         self._generation = itertools.count(1)
 
     # -- per-name serialisation ------------------------------------------------------------------
@@ -196,9 +209,12 @@ class Registry:
         ranks = tuple(replace(reply, holds=public(reply.holds)) for reply in result.ranks)
         return replace(result, holds=public(result.holds), ranks=ranks)
 
-    def publish(self, entry: AdapterEntry) -> AdapterEntry | None:
-        """Route `entry.name` to `entry` from now on; returns the version it replaces, if any."""
+    def publish(self, entry: AdapterEntry, place: PlaceReservation | None = None) -> AdapterEntry | None:
+        """Route `entry.name` to `entry` from now on; returns the version it replaces, if any.
+        `place`: the reservation its load took, now the place it holds."""
         with self._lock:
+            if place is not None:
+                self._close(place)
             previous = self._routable.get(entry.name)
             self._routable[entry.name] = entry
             self._last_used[entry.name] = time.monotonic()
@@ -246,19 +262,55 @@ class Registry:
                 if not entry.standby
             ]
 
-    def to_standby(self, entry: AdapterEntry) -> bool:
+    def to_standby(self, entry: AdapterEntry) -> PlaceReservation | None:
         """Put a resident version on standby if it is still current and no request leases it
-        (then new requests find it on standby at once); False if it is not."""
+        (then new requests find it on standby at once); None if it is not. Its place becomes the
+        caller's reservation at once (the caller unloads it, then loads into that place)."""
         with self._lock:
             if self._routable.get(entry.name) is not entry or self._leases[entry.engine_name]:
-                return False
+                return None
             self._routable[entry.name] = replace(entry, standby=True)
             self._held.pop(entry.engine_name, None)
             self._public_of.pop(entry.engine_name, None)
-            return True
+            self._reserved += 1
+            return PlaceReservation()
+
+    def reserve_place(self, capacity: int, in_place_of: AdapterEntry | None = None) -> PlaceReservation | None:
+        """Reserve one of the backend's `capacity` places for a load if one is neither held nor
+        reserved; None if every one is. `in_place_of`: a version the load replaces in place (a
+        backend that `replaces_in_place`): while it is held its place is the load's, nothing more
+        is reserved."""
+        with self._lock:
+            if in_place_of is not None and in_place_of.engine_name in self._held:
+                return PlaceReservation(open=False)
+            if len(self._held) + self._reserved >= capacity:
+                return None
+            self._reserved += 1
+            return PlaceReservation()
+
+    def release_place(self, place: PlaceReservation) -> None:
+        """Give back the place of a load that published nothing (nothing to do once published)."""
+        with self._lock:
+            self._close(place)
+            self._idle.notify_all()  # a load waiting for room looks again
+
+    @contextmanager
+    def place_given_back_on_failure(self, place: PlaceReservation) -> Iterator[None]:
+        """Give `place` back if the block fails (its load put nothing on the backend)."""
+        try:
+            yield
+        except BaseException:
+            self.release_place(place)
+            raise
+
+    def _close(self, place: PlaceReservation) -> None:
+        if place.open:
+            place.open = False
+            self._reserved -= 1
 
     def wait_change(self, timeout_s: float) -> None:
-        """Wait until a lease is released (a version may have become idle), at most `timeout_s`."""
+        """Wait until a lease or a place is released (a version may have become idle, a place
+        free), at most `timeout_s`."""
         with self._lock:
             self._idle.wait(max(timeout_s, 0.0))
 

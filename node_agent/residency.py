@@ -8,6 +8,13 @@ disk. The first inference request that names it loads it (`OnDemand.lease`):
 * when the backend holds `capacity` adapters already, the least recently used resident adapter
   that is not pinned and serves no request is put back on standby (its snapshot kept) first; a
   pinned one, or one with requests in flight, never is;
+* a load takes its place in one step with making room: a free place is reserved, or an evicted
+  adapter's place becomes the load's reservation as it leaves the registry, and the reservation
+  is held until the load publishes or fails (`Registry.reserve_place`). Every load counts places
+  held *or reserved*, the operator's LoadAdapter too (refused at once when all are), so no load
+  finds the place it made taken by another. (Retrying the eviction after the backend refused
+  would not do: each retry evicts one more adapter, and two loads can keep taking each other's
+  place until the deadline);
 * every waiting request gives up at its deadline (`--adapter-load-deadline-s`, counted from when
   it began to wait): UNAVAILABLE naming the deadline, or RESOURCE_EXHAUSTED when the wait was
   for an adapter that could be evicted and none could.
@@ -25,9 +32,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from node_agent.backend import AdapterRefused, Backend, BackendError, LoadFailed, LoadRequest, UnloadFailed
+from node_agent.backend import (
+    AdapterRefused,
+    Backend,
+    BackendError,
+    ControlReply,
+    ControlResult,
+    LoadFailed,
+    LoadRequest,
+    RankPlace,
+    UnloadFailed,
+    merge_control,
+)
 from node_agent.errors import AgentError, CapacityExceeded, EngineUnavailable
-from node_agent.registry import AdapterEntry, Lease, OnStandby, Registry, ResidentUse
+from node_agent.registry import AdapterEntry, Lease, OnStandby, PlaceReservation, Registry, ResidentUse
 
 log = logging.getLogger(__name__)
 
@@ -98,10 +116,10 @@ class OnDemand:
         """Load a standby version now (a LoadAdapter that wants it resident; the caller holds its
         name's lock), evicting as a first request would."""
         try:
-            self._make_room(entry.name, time.monotonic() + self._settings.deadline_s)
+            place = self._take_place(entry.name, time.monotonic() + self._settings.deadline_s)
         except _NoRoom:
             raise self._late(entry.name, starved=True) from None
-        self._load_entry(entry)
+        self._load_entry(entry, place)
 
     def _resident(self, name: str, deadline: float) -> None:
         """Make `name` resident: load it, or wait for its load in flight. Raises the deadline's
@@ -139,32 +157,39 @@ class OnDemand:
             entry = self._registry.get(name)
             if entry is None or not entry.standby:
                 return  # unloaded (the next lease says so) or resident already
-            self._make_room(name, deadline)
-            self._load_entry(entry)
+            self._load_entry(entry, self._take_place(name, deadline))
 
-    def _load_entry(self, entry: AdapterEntry) -> None:
+    def _load_entry(self, entry: AdapterEntry, place: PlaceReservation) -> None:
+        """Load `entry` into its reserved `place`; the place is given back if the load fails."""
         engine_name = self._registry.new_engine_name(entry.name)
         source = entry.source
         started = time.monotonic()
         try:
             self._backend.load(LoadRequest(engine_name, source.path, False, source.content, source.written))
+            self._registry.publish(replace(entry, engine_name=engine_name, standby=False), place)
         except LoadFailed as error:
             raise _load_failed(entry.name, error.result.error) from None
         except (AdapterRefused, BackendError) as error:
             raise _load_failed(entry.name, str(error)) from None
+        finally:
+            self._registry.release_place(place)  # nothing to give back once published
         self._observe_load(time.monotonic() - started)
-        self._registry.publish(replace(entry, engine_name=engine_name, standby=False))
         log.info("adapter %s loaded on first request (engine name %s)", entry.name, engine_name)
 
-    def _make_room(self, name: str, deadline: float) -> None:
-        """Evict until the backend holds fewer than `capacity` adapters; `_NoRoom` at the deadline."""
+    def _take_place(self, name: str, deadline: float) -> PlaceReservation:
+        """Reserve a place for the load of `name`: a free one, else the place of an adapter it
+        evicts; `_NoRoom` at the deadline."""
         try:
-            while len(self._registry.held()) >= self._capacity:
+            while True:
+                place = self._registry.reserve_place(self._capacity)
+                if place is not None:
+                    return place
                 with self._lock:
                     keep = frozenset(self._loading) | {name}
                 victim = eviction_victim(self._registry.resident_uses(), keep)
-                if victim is not None and self._evict(victim):
-                    continue
+                place = None if victim is None else self._evict(victim)
+                if place is not None:
+                    return place
                 if time.monotonic() >= deadline:
                     raise _NoRoom()
                 with self._lock:
@@ -174,19 +199,22 @@ class OnDemand:
             with self._lock:
                 self._no_room.discard(name)
 
-    def _evict(self, victim: AdapterEntry) -> bool:
-        """Put `victim` back on standby and unload it from the backend; False if it is busy now."""
+    def _evict(self, victim: AdapterEntry) -> PlaceReservation | None:
+        """Put `victim` back on standby and unload it from the backend; its place is the caller's
+        reservation. None if it is busy now."""
         with self._registry.try_serialised(victim.name) as free:
-            if not free or not self._registry.to_standby(victim):
-                return False
+            place = self._registry.to_standby(victim) if free else None
+            if place is None:
+                return None
             try:
                 self._backend.unload(victim.engine_name)
             except UnloadFailed as error:
                 log.error("evicting adapter %s: its unload failed on some ranks: %s", victim.name, error.result.error)
             except BackendError as error:
+                self._registry.release_place(place)
                 raise EngineUnavailable(f"evicting adapter {victim.name!r} to make room failed: {error}") from None
             log.info("adapter %s evicted to standby (least recently used, idle)", victim.name)
-            return True
+            return place
 
     def _late(self, name: str, *, starved: bool) -> AgentError:
         """The refusal of a request whose deadline passed while `name` was not resident."""
@@ -195,7 +223,7 @@ class OnDemand:
             return CapacityExceeded(
                 f"adapter {name!r} is on standby and could not be loaded within the {deadline:g}-s on-demand load deadline "
                 f"(--adapter-load-deadline-s): all {self._capacity} places are held by adapters that are pinned or serving "
-                "requests, none could be evicted",
+                "requests, or reserved by other loads, none could be evicted",
                 reason="no_evictable_adapter",
             )
         return EngineUnavailable(
@@ -203,6 +231,15 @@ class OnDemand:
             "(--adapter-load-deadline-s); retry later",
             reason="load_deadline",
         )
+
+
+def capacity_refusal(ranks: Sequence[RankPlace], registry: Registry, capacity: int) -> ControlResult:
+    """A resident LoadAdapter refused before it reaches the ranks (so it never waits for a load
+    running there) because every place is held or reserved by a load in progress: each rank
+    refuses as the ranks refuse a load beyond their capacity, holding what the registry says."""
+    error = f"max_loaded_loras ({capacity}) reached; unload an adapter first (every place is held, or reserved by a load in progress)"
+    holds = tuple(dict.fromkeys(entry.name for entry in registry.held()))
+    return merge_control([ControlReply(p.rank, p.attn_dp_rank, p.attn_tp_rank, False, error, holds=holds) for p in ranks])
 
 
 def _load_failed(name: str, why: str) -> EngineUnavailable:

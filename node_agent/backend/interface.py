@@ -47,6 +47,7 @@ class Capabilities:
     forward: bool = True  # prompt logits
     generate: bool = True  # a stream of sampled tokens
     pinning: bool = True  # adapters that keep a device slot
+    replaces_in_place: bool = False  # a new version takes its name's place (no second place while both load)
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ class ServersBackend:
             layout=RankLayout(count, count, 1, 1, 1, False),
             ranks=self._places,
             capacity=self._config.capacity,
-            capabilities=Capabilities(forward=False, generate=True, pinning=False),
+            capabilities=Capabilities(forward=False, generate=True, pinning=False, replaces_in_place=True),
             endpoints=self.servers,
         )
 

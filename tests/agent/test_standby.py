@@ -41,6 +41,7 @@ class Served:
     stub: agent_pb2_grpc.NodeAgentStub
     root: Path
     resume: Path  # while missing, every load on the ranks waits at its start
+    paused: Path  # exists once rank 0 has paused at the start of a load (delete it to see the next)
 
     def load(self, name: str, adapter: str, **fields: bool) -> pb.LoadAdapterResponse:
         reply = self.stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source_uri=(self.root / adapter).as_uri(), **fields), timeout=60)
@@ -56,27 +57,30 @@ class Served:
         return {h.rank: {self.agent.adapter_name(n) for n in h.holds} for h in self.agent.engine.holdings()}
 
 
-def serve(base: Path, deadline_s: float) -> Iterator[Served]:
+def serve(base: Path, deadline_s: float, places: int = PLACES, max_concurrent: int = 1) -> Iterator[Served]:
+    """An agent with `places` adapter places and up to `max_concurrent` on-demand loads at once."""
     model = make_model(base / "model")
     root = base / "adapters"
     for i in range(4):
         make_adapter(root / f"ad{i}", seed=400 + i)
     resume = base / "resume"
     resume.touch()
-    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 1), max_loras_per_batch=PLACES, max_loaded_loras=PLACES)
+    engine_config = EngineConfig(model_dir=model, topology=Topology(2, 1), max_loras_per_batch=places, max_loaded_loras=places)
     config = AgentConfig(
         sources=SourcePolicy(adapter_roots=(root,)),
-        on_demand=OnDemandSettings(max_concurrent=1, deadline_s=deadline_s),
+        on_demand=OnDemandSettings(max_concurrent=max_concurrent, deadline_s=deadline_s),
         # long enough that a stream still runs when a request for another adapter gives up
         max_new_tokens=LONG,
         max_request_tokens=2 * LONG,
     )
-    agent, _ = start_agent(engine_config, config, FaultPlan(pause_load_on_rank=0, resume_file=resume))
+    markers = base / "markers"
+    markers.mkdir()
+    agent, _ = start_agent(engine_config, config, FaultPlan(pause_load_on_rank=0, resume_file=resume, markers_dir=markers))
     server = create_server(agent, ServerOptions(listen="127.0.0.1:0", metrics_port=0))
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
-        yield Served(agent, server, agent_pb2_grpc.NodeAgentStub(channel), root, resume)
+        yield Served(agent, server, agent_pb2_grpc.NodeAgentStub(channel), root, resume, markers / "rank0-paused")
     finally:
         resume.touch()
         channel.close()
