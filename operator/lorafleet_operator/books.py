@@ -17,7 +17,8 @@ from lorafleet_operator.config import Settings
 from lorafleet_operator.crashes import CrashBook
 from lorafleet_operator.demand import AdapterScaling
 from lorafleet_operator.failures import LoadRetries
-from lorafleet_operator.placement import Demand, Reservations
+from lorafleet_operator.placement import Demand
+from lorafleet_operator.reservations import Reservations
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class Listing:
 
     @functools.cached_property
     def per_namespace(self) -> collections.Counter[str]:
-        """How many names of each namespace (``<namespace>.<name>``) it lists: the slots each
-        holds there (quotas), counted once per listing, not at every placement."""
-        return collections.Counter(name.partition(".")[0] for name in self.entries if "." in name)
+        """How many names of each namespace (``<namespace>.<name>``) it lists resident: the
+        slots each holds there (quotas; one on standby takes no slot), counted once per
+        listing, not at every placement."""
+        return collections.Counter(name.partition(".")[0] for name, entry in self.entries.items() if "." in name and not entry.standby)
 
 
 @dataclass

@@ -19,7 +19,8 @@ changes). One check:
    restarted; a new agent; room appeared) unless a failure there is still backing off, and
    writes its status and EndpointSlices from what the agents now hold; an adapter its
    handlers have in hand (reconciling it, not yet, or done since step 2's listing, which
-   misses those loads) is left to them this round;
+   misses those loads) is left to them this round, but while a handler's load runs, its
+   status's ``Loaded`` claims that the listing contradicts are corrected (:mod:`claims`);
 5. writes the fleet's status (agents, ready agents, members with topology and capacity).
 """
 
@@ -39,6 +40,7 @@ from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator import metrics, names
 from lorafleet_operator.admission import admission
 from lorafleet_operator.agent_values import AgentError, AgentInfo
+from lorafleet_operator.claims import correct_claims
 from lorafleet_operator.config import FLEETS, GROUP, VERSION
 from lorafleet_operator.failures import (
     KUBE_API_ERRORS,
@@ -252,6 +254,7 @@ async def converge_adapter(
     its handlers have it in hand (:func:`handled`; the next check looks again); returns its
     phase (None if skipped). ``listed_at``: when the check's registry listing began."""
     if handled(rt, adapter, listed_at):
+        await correct_claims(rt, view, registries, adapter, listed_at)
         return None
     async with rt.locks.adapter(adapter.namespace, adapter.name):
         status, results = await _converged_status(rt, view, registries, adapter, decisions)

@@ -20,17 +20,21 @@ The rule, as pure functions over plain values so that it can be tested without a
 * Fleet-wide, in creation order: the adapters of a fleet are placed one after the other,
   oldest first, each taking the room it is given; so when room appears, the oldest Pending
   adapter gets it.
-* Quotas (:class:`QuotaUse`): a place the adapter does not hold yet is given only where every
-  quota binding its namespace on that agent has a slot left; places it holds are kept, so a
-  quota lowered below what a namespace holds refuses new places and evicts nothing.
+* Quotas (:class:`~lorafleet_operator.slot_quotas.QuotaUse`): a place the adapter does not
+  hold yet is given only where every quota binding its namespace on that agent has a slot
+  left and leaves the room other namespaces' guaranteed shares (``minSlots``) hold back; places
+  it holds are kept, so a quota lowered below what a namespace holds refuses new places and
+  evicts nothing, but for the drift check's ``reclaim``: the places another namespace's
+  guarantee lacks are taken back from the namespace's newest adapters.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import enum
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from lorafleet_operator.slot_quotas import QuotaUse, over_quota
 
 
 class SkipReason(enum.StrEnum):
@@ -42,6 +46,8 @@ class SkipReason(enum.StrEnum):
     REFUSED = "Refused"
     FULL = "Full"
     QUOTA = "QuotaExceeded"
+    #: Full, while its namespace's guaranteed share is taken back from other namespaces.
+    GUARANTEED = "AwaitingGuaranteedSlot"
     NOT_NEEDED = "ReplicasReached"
 
 
@@ -95,6 +101,10 @@ class Skip:
     message: str
 
 
+#: Skips that more room (or a lower quota use) would end.
+_ROOM_SKIPS = (SkipReason.FULL, SkipReason.QUOTA, SkipReason.GUARANTEED)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where one adapter goes: the chosen pods and why each other agent was skipped."""
@@ -113,7 +123,7 @@ class Placement:
         ``replicas``, or (replicas unset) skipped by a full agent or a quota."""
         if self.why_not():
             return True
-        return self.replicas is None and any(s.reason in (SkipReason.FULL, SkipReason.QUOTA) for s in self.skipped)
+        return self.replicas is None and any(s.reason in _ROOM_SKIPS for s in self.skipped)
 
     def why_not(self) -> str:
         """Why the adapter is on no agent, or on fewer than ``replicas``, e.g. "0 of 4 agents
@@ -125,7 +135,7 @@ class Placement:
             return ""
         if not self.agents:
             return "the fleet has no agent"
-        if blocking and all(s.reason is SkipReason.QUOTA for s in blocking):
+        if blocking and all(s.reason in (SkipReason.QUOTA, SkipReason.GUARANTEED) for s in blocking):
             return "; ".join(dict.fromkeys(s.message for s in blocking))
         full = all(s.reason is SkipReason.FULL for s in blocking)
         head = f"{len(self.placed)} of {self.agents} agents " + ("have room" if full else "can hold it")
@@ -149,34 +159,6 @@ def unfit(agent: Candidate, demand: Demand) -> Skip | None:
 def full_message(held: int, cap: int) -> str:
     """The skip message of an agent without room."""
     return f"holds {held} of {cap}"
-
-
-class QuotaUse:
-    """One quota that binds the namespace being placed: at most ``max_slots`` of its names on
-    the quota's agent endpoints, ``used`` of them held (or sent) when placement began, counted
-    up as places are given."""
-
-    def __init__(self, owner: str, field_path: str, namespace: str, max_slots: int, endpoints: Collection[str], used: int) -> None:
-        self.owner, self.field_path, self.namespace = owner, field_path, namespace
-        self.max_slots, self.endpoints, self.used = max_slots, frozenset(endpoints), used
-
-    def admits(self, endpoint: str) -> bool:
-        """Whether one more place on ``endpoint`` stays within the quota."""
-        return endpoint not in self.endpoints or self.used < self.max_slots
-
-    def take(self, endpoint: str) -> None:
-        """A new place on ``endpoint`` was given."""
-        if endpoint in self.endpoints:
-            self.used += 1
-
-    def message(self) -> str:
-        """The skip message of an agent the quota keeps the adapter off."""
-        return f"namespace {self.namespace} holds {self.used} of its {self.max_slots} slots on LoraFleet {self.owner} ({self.field_path})"
-
-
-def over_quota(endpoint: str, quotas: Sequence[QuotaUse]) -> QuotaUse | None:
-    """The first quota a new place on ``endpoint`` would exceed (None: every one admits it)."""
-    return next((q for q in quotas if not q.admits(endpoint)), None)
 
 
 def _sorted_out(demand: Demand, agents: Sequence[Candidate]) -> tuple[list[Candidate], list[Candidate], list[Skip]]:
@@ -207,30 +189,87 @@ class _Taken:
     def __init__(self, before: Collection[str]) -> None:
         self._before = before
         self._added: set[str] = set()
+        self._removed: set[str] = set()  # taken back (a guaranteed share of another namespace)
 
     def __len__(self) -> int:
-        return len(self._before) + len(self._added)
+        return len(self._before) + len(self._added) - len(self._removed)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._added or name in self._before
+        return name in self._added or (name in self._before and name not in self._removed)
 
     def add(self, name: str) -> None:
-        if name not in self._before:
+        if name in self._removed:
+            self._removed.discard(name)
+        elif name not in self._before:
             self._added.add(name)
+
+    def remove(self, name: str) -> None:
+        if name in self._added:
+            self._added.discard(name)
+        elif name in self._before:
+            self._removed.add(name)
+
+
+class _Slots:
+    """What every endpoint holds while a fleet is placed, and the capacity of those whose
+    agent answered (the quotas' free slots are counted over them)."""
+
+    def __init__(self, agents: Sequence[Candidate]) -> None:
+        self.held: dict[str, _Taken] = {}
+        self.caps: dict[str, int] = {}
+        for agent in sorted(agents, key=lambda a: not a.known):
+            self.held.setdefault(agent.endpoint, _Taken(agent.held))
+            if agent.known:
+                self.caps.setdefault(agent.endpoint, agent.max_loaded_loras)
+
+    def of(self, quota: QuotaUse) -> tuple[int, int]:
+        """(free slots, capacity) on the quota's endpoints."""
+        caps = [(endpoint, cap) for endpoint, cap in self.caps.items() if endpoint in quota.endpoints]
+        return sum(max(0, cap - len(self.held[endpoint])) for endpoint, cap in caps), sum(cap for _, cap in caps)
+
+    def reclaim(self, demands: Sequence[Demand], quotas: Sequence[QuotaUse]) -> None:
+        """Take back, newest adapter first, the places other namespaces' guarantees lack
+        (:meth:`~lorafleet_operator.slot_quotas.QuotaUse.to_reclaim`): they are placed again
+        as any new place is, which those guarantees then refuse."""
+        for quota in quotas:
+            due = quota.to_reclaim(*self.of(quota))
+            endpoints = sorted(e for e in self.held if e in quota.endpoints)
+            for demand in sorted(demands, key=lambda d: d.order, reverse=True):
+                for endpoint in endpoints:
+                    if due and demand.name in self.held[endpoint]:
+                        self.held[endpoint].remove(demand.name)
+                        quota.give_back()
+                        due -= 1
 
 
 class _Room:
     """Room and quotas as one adapter is placed: what each endpoint holds, and the quotas of
     its namespace, counted up at each new place it is given (so its next agent sees it)."""
 
-    def __init__(self, demand: Demand, held: Mapping[str, _Taken], quotas: Sequence[QuotaUse]) -> None:
-        self.name, self.held, self.quotas = demand.name, held, quotas
+    def __init__(self, demand: Demand, slots: _Slots, quotas: Sequence[QuotaUse]) -> None:
+        self.name, self.slots, self.held, self.quotas = demand.name, slots, slots.held, quotas
 
     def holds(self, agent: Candidate) -> bool:
         return self.name in self.held[agent.endpoint]
 
     def has_room(self, agent: Candidate) -> bool:
-        return len(self.held[agent.endpoint]) < agent.max_loaded_loras and over_quota(agent.endpoint, self.quotas) is None
+        return (
+            len(self.held[agent.endpoint]) < agent.max_loaded_loras
+            and over_quota(agent.endpoint, self.quotas) is None
+            and self.guarding(agent.endpoint) is None
+        )
+
+    def guarding(self, endpoint: str) -> QuotaUse | None:
+        """The first quota whose guaranteed shares of other namespaces a new place on
+        ``endpoint`` would cut into (None: none)."""
+        # Free slots are counted only where a guarantee holds some back (the common case is none).
+        holding = (q for q in self.quotas if q.guarantees.reserved and endpoint in q.endpoints)
+        return next((q for q in holding if not q.leaves_room(endpoint, *self.slots.of(q))), None)
+
+    def awaited(self, endpoint: str) -> QuotaUse | None:
+        """A quota under which the namespace lacks its own guaranteed share on ``endpoint``."""
+        lacking = (q for q in self.quotas if endpoint in q.endpoints and q.used < q.guarantees.own)
+        return next((q for q in lacking if q.guarantees.fit(self.slots.of(q)[1])), None)
 
     def claim(self, agent: Candidate) -> bool:
         """Room and quota for a new place there, taken at once (False: none)."""
@@ -246,7 +285,18 @@ class _Room:
         quota = over_quota(agent.endpoint, self.quotas)
         if holds < agent.max_loaded_loras and quota is not None:
             return Skip(agent.pod, SkipReason.QUOTA, quota.message())
-        return Skip(agent.pod, SkipReason.FULL, full_message(holds, agent.max_loaded_loras))
+        guarding = self.guarding(agent.endpoint)
+        if holds < agent.max_loaded_loras and guarding is not None:
+            return Skip(agent.pod, SkipReason.QUOTA, guarding.guarantee_message())
+        awaited = self.awaited(agent.endpoint)
+        if awaited is not None:
+            return Skip(agent.pod, SkipReason.GUARANTEED, awaited.awaited_message())
+        message = full_message(holds, agent.max_loaded_loras)
+        for quota in (q for q in self.quotas if q.guarantees.own and agent.endpoint in q.endpoints):
+            _, capacity = self.slots.of(quota)
+            if not quota.guarantees.fit(capacity):
+                message += f"; {quota.unkept_message(capacity)}"
+        return Skip(agent.pod, SkipReason.FULL, message)
 
 
 def _staying(demand: Demand, fitting: list[Candidate], unknown: list[Candidate], room: _Room, wanted: int) -> list[Candidate]:
@@ -269,8 +319,8 @@ def _staying(demand: Demand, fitting: list[Candidate], unknown: list[Candidate],
     return staying
 
 
-def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _Taken], quotas: Sequence[QuotaUse] = ()) -> Placement:
-    """Place one adapter given what each endpoint holds (``held``, updated in place with the
+def place_one(demand: Demand, agents: Sequence[Candidate], slots: _Slots, quotas: Sequence[QuotaUse] = ()) -> Placement:
+    """Place one adapter given what each endpoint holds (``slots``, updated in place with the
     new places, so the next adapter sees the room this one took) and the quotas that bind its
     namespace (counted up likewise).
 
@@ -278,7 +328,8 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
     reported as unreachable, and retried), and with ``replicas`` unset it is a place as
     every Ready agent is today; it is never chosen anew for N replicas."""
     fitting, unknown, skipped = _sorted_out(demand, agents)
-    room = _Room(demand, held, quotas)
+    room = _Room(demand, slots, quotas)
+    held = slots.held
     wanted = len(fitting) + len(unknown) if demand.replicas is None else demand.replicas
     staying = _staying(demand, fitting, unknown, room, wanted)
     kept = {a.pod for a in staying}
@@ -317,92 +368,17 @@ def place_one(demand: Demand, agents: Sequence[Candidate], held: Mapping[str, _T
     )
 
 
-def place(agents: Sequence[Candidate], demands: Iterable[Demand], quotas: Sequence[QuotaUse] = ()) -> dict[str, Placement]:
+def place(
+    agents: Sequence[Candidate], demands: Iterable[Demand], quotas: Sequence[QuotaUse] = (), *, reclaim: bool = False
+) -> dict[str, Placement]:
     """Place every adapter of a fleet, oldest first; by registry name. Pods at one endpoint
     (fleets of several namespaces may dial one agent) share its room: what the first of them
     that answered says it holds. ``quotas``: those that bind the fleet's namespace (their
-    ``used`` counted up with the places given)."""
-    held: dict[str, _Taken] = {}
-    for agent in sorted(agents, key=lambda a: not a.known):
-        held.setdefault(agent.endpoint, _Taken(agent.held))
-    return {d.name: place_one(d, agents, held, quotas) for d in sorted(demands, key=lambda d: d.order)}
-
-
-@dataclass
-class Reservations:
-    """Loads the operator sent and has not yet seen in a registry listing, per agent endpoint.
-
-    A registry listing is a snapshot: a load that finished after it was taken is missing from
-    it, and two reconciles deciding at once would both see the same free room. Placement
-    therefore counts, besides the listing, every load sent to that endpoint that is still in
-    flight, or finished after the listing was requested. A load that failed, or one a later
-    listing shows (or shows gone), is forgotten. Times are the caller's monotonic clock."""
-
-    #: endpoint -> registry name -> when the load finished (None: in flight).
-    loads: dict[str, dict[str, float | None]] = field(default_factory=dict)
-    #: endpoint -> the listing :meth:`held` last read and how many reserved names it lacks,
-    #: kept as the books change: counting them at every reconcile was a scan of every load in
-    #: flight (a thousand per agent when a thousand adapters are created at once).
-    _unlisted: dict[str, tuple[Collection[str], int]] = field(default_factory=dict, repr=False)
-
-    def reserve(self, endpoint: str, name: str) -> None:
-        """A load of ``name`` is about to be sent to ``endpoint``."""
-        book = self.loads.setdefault(endpoint, {})
-        if name not in book:
-            self._count(endpoint, name, 1)
-        book[name] = None
-
-    def finished(self, endpoint: str, name: str, now: float, *, loaded: bool) -> None:
-        """The load ended: held from now on (until a listing says otherwise), or not at all."""
-        if loaded:
-            self.reserve(endpoint, name)
-            self.loads[endpoint][name] = now
-        elif name in self.loads.get(endpoint, {}):
-            del self.loads[endpoint][name]
-            self._count(endpoint, name, -1)
-
-    def listed(self, endpoint: str, requested_at: float) -> None:
-        """A registry listing of ``endpoint`` was requested at ``requested_at``: loads that had
-        finished before it are known from it (held or gone), so their reservations end."""
-        book = self.loads.get(endpoint, {})
-        for name, done in list(book.items()):
-            if done is not None and done < requested_at:
-                del book[name]
-                self._count(endpoint, name, -1)
-
-    def held(self, endpoint: str, registry: Collection[str]) -> HeldNames:
-        """What the endpoint holds for placement: its listing plus the reserved loads (read
-        through, as of now: for a placement made before the books change)."""
-        reserved = self.loads.get(endpoint, {})
-        known = self._unlisted.get(endpoint)
-        if known is None or known[0] is not registry:  # another listing: count once for it
-            known = (registry, sum(1 for name in reserved if name not in registry))
-            self._unlisted[endpoint] = known
-        return HeldNames(registry, reserved.keys(), known[1])
-
-    def _count(self, endpoint: str, name: str, step: int) -> None:
-        """A reserved name came (``step`` 1) or went (-1): so did one the listing lacks, unless
-        the listing has it."""
-        known = self._unlisted.get(endpoint)
-        if known is not None and name not in known[0]:
-            self._unlisted[endpoint] = (known[0], known[1] + step)
-
-
-class HeldNames(collections.abc.Set[str]):
-    """A listing's names and the reserved loads' together, without copying either (each
-    agent's thousand names at every reconcile were copied twice: 1.9 ms per placement of one
-    adapter over 64 agents holding 1,000 each, 8.5 ms at 2,000). ``extra``: how many reserved
-    names the listing lacks. Read it before the books change."""
-
-    def __init__(self, listed: Collection[str], reserved: Collection[str], extra: int) -> None:
-        self._listed, self._reserved, self._extra = listed, reserved, extra
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._listed or name in self._reserved
-
-    def __len__(self) -> int:
-        return len(self._listed) + self._extra
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._listed
-        yield from (name for name in self._reserved if name not in self._listed)
+    ``used`` counted up with the places given). ``reclaim`` (``demands`` are all of the
+    fleet's adapters: the drift check): places other namespaces' guaranteed shares lack are
+    taken back first (:meth:`_Slots.reclaim`)."""
+    slots = _Slots(agents)
+    ordered = sorted(demands, key=lambda d: d.order)
+    if reclaim:
+        slots.reclaim(ordered, quotas)
+    return {d.name: place_one(d, agents, slots, quotas) for d in ordered}

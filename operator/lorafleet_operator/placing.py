@@ -4,13 +4,14 @@ The rule itself is :mod:`~lorafleet_operator.placement`'s."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.agent_values import AgentError, AgentInfo
-from lorafleet_operator.placement import Candidate, Demand, Placement, QuotaUse, place
+from lorafleet_operator.placement import Candidate, Demand, Placement, place
 from lorafleet_operator.resources import AdapterObject, FleetObject
 from lorafleet_operator.runtime import Runtime, fleet_agents
+from lorafleet_operator.slot_quotas import Guarantees, QuotaUse
 from lorafleet_operator.status import AgentState
 from lorafleet_operator.view import FleetView, Registry, Target
 
@@ -96,7 +97,7 @@ def place_fleet(
     book = rt.books.demands.setdefault((view.namespace, view.name), {})
     agents = candidates(rt, view, registries)
     quotas = quota_uses(rt, view.namespace)
-    placements = place(agents, fresh.values() if complete else {**book, **fresh}.values(), quotas)
+    placements = place(agents, fresh.values() if complete else {**book, **fresh}.values(), quotas, reclaim=complete)
     if complete:
         book.clear()
     for name, placement in placements.items():
@@ -118,23 +119,48 @@ def binding_fleets(rt: Runtime, namespace: str) -> list[FleetObject]:
 
 
 def quota_uses(rt: Runtime, namespace: str) -> list[QuotaUse]:
-    """Every quota that binds ``namespace``, with the slots it holds under each now: its
-    names on the quota fleet's agents in their last listings, plus the loads sent there and
-    not yet listed."""
+    """Every quota that binds ``namespace`` (a maximum for it, or other namespaces'
+    guaranteed shares), with the slots it holds under each now: its names on the quota
+    fleet's agents in their last listings, plus the loads sent there and not yet listed."""
     uses = []
     for fleet in binding_fleets(rt, namespace):
         quota = fleet.spec.quotas.of(namespace)
-        if quota is None:
+        if quota is None and not fleet.spec.quotas.guarantees:
             continue
         endpoints = {a.endpoint for a in fleet_agents(rt, fleet.namespace, fleet.name, fleet.spec) if a.endpoint}
-        used = sum(_slots_held(rt, endpoint, namespace) for endpoint in endpoints)
-        uses.append(QuotaUse(f"{fleet.namespace}/{fleet.name}", quota.field, namespace, quota.max_slots, endpoints, used))
+        used = _namespace_slots(rt, endpoints, namespace)
+        owner, guarantees = f"{fleet.namespace}/{fleet.name}", _guarantees(rt, fleet, endpoints, namespace)
+        if quota is None:
+            uses.append(QuotaUse(owner, "spec.quotas", namespace, None, endpoints, used, guarantees=guarantees))
+        else:
+            uses.append(QuotaUse(owner, quota.field, namespace, quota.max_slots, endpoints, used, guarantees=guarantees))
     return uses
 
 
+def _guarantees(rt: Runtime, fleet: FleetObject, endpoints: Collection[str], namespace: str) -> Guarantees:
+    """What the quota fleet's ``minSlots`` hold back from ``namespace``: the slots each other
+    namespace lacks of its minimum on these endpoints, when it has adapters there (placed) or
+    waiting for room (in the book of waiting demands)."""
+    mins = dict(fleet.spec.quotas.guarantees)
+    lacking: dict[str, int] = {}
+    for other, minimum in mins.items():
+        if other == namespace:
+            continue
+        used = _namespace_slots(rt, endpoints, other)
+        waiting = any(ns == other and book for (ns, _), book in rt.books.demands.items())
+        if used < minimum and (used or waiting):
+            lacking[other] = minimum - used
+    return Guarantees(sum(lacking.values()), tuple(sorted(lacking)), mins.get(namespace, 0), sum(mins.values()))
+
+
+def _namespace_slots(rt: Runtime, endpoints: Collection[str], namespace: str) -> int:
+    """The slots ``namespace`` holds on these endpoints."""
+    return sum(_slots_held(rt, endpoint, namespace) for endpoint in endpoints)
+
+
 def _slots_held(rt: Runtime, endpoint: str, namespace: str) -> int:
-    """The namespace's names at an endpoint: in its last listing (none before one), and the
-    loads sent there that it lacks."""
+    """The namespace's resident names at an endpoint (one on standby takes no slot): in its
+    last listing (none before one), and the loads sent there that it lacks."""
     listing = rt.books.registries.get(endpoint)
     listed = listing.entries if listing is not None else {}
     prefix = f"{namespace}."

@@ -32,6 +32,9 @@ class Reason(enum.StrEnum):
     NOT_ENOUGH_ROOM = "NotEnoughRoom"
     #: Every agent that would fit is closed to it by a quota of its namespace (spec.quotas).
     QUOTA_EXCEEDED = "QuotaExceeded"
+    #: No agent has room now, and its namespace's guaranteed share (spec.quotas minSlots) is
+    #: being taken back from other namespaces for it.
+    AWAITING_GUARANTEED_SLOT = "AwaitingGuaranteedSlot"
     # LoraAdapter Ready while Pending: the fleet cannot be used, or does not admit it.
     FLEET_NOT_FOUND = "FleetNotFound"
     FLEET_DELETED = "FleetDeleted"

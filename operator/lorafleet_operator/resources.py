@@ -321,7 +321,7 @@ def quotas_of(quotas: Mapping[str, Any]) -> Quotas:
     return Quotas(
         default=None if default is None else int(default["maxSlots"]),
         namespaces=tuple((str(q["namespace"]), int(q["maxSlots"])) for q in quotas.get("namespaces") or ()),
-        guarantees=(),
+        guarantees=tuple((str(q["namespace"]), int(q["minSlots"])) for q in quotas.get("namespaces") or () if q.get("minSlots")),
     )
 
 

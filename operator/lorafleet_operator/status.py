@@ -229,10 +229,13 @@ def placement_status(placement: Placement, previous: Mapping[str, Any]) -> dict[
 
 def _unplaced_reason(placement: Placement, otherwise: str) -> str:
     """The Ready reason of an adapter placed nowhere: over its namespace's quota wherever it
-    would fit (``QuotaExceeded``), without room (``NoRoom``), or ``otherwise``."""
+    would fit (``QuotaExceeded``), waiting for its namespace's guaranteed share
+    (``AwaitingGuaranteedSlot``), without room (``NoRoom``), or ``otherwise``."""
     blocking = [s.reason for s in placement.skipped if s.reason is not SkipReason.NOT_NEEDED]
     if blocking and all(r is SkipReason.QUOTA for r in blocking):
         return Reason.QUOTA_EXCEEDED
+    if SkipReason.GUARANTEED in blocking:
+        return Reason.AWAITING_GUARANTEED_SLOT
     if any(r in (SkipReason.FULL, SkipReason.REFUSED, SkipReason.QUOTA) for r in blocking):
         return Reason.NO_ROOM
     return otherwise

@@ -27,17 +27,21 @@ from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.node import machine_ip
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.agent_values import AgentBackend, AgentInfo, Credentials
+from lorafleet_operator.books import Listing
 from lorafleet_operator.conditions import MAX_MESSAGE
 from lorafleet_operator.config import Settings
 from lorafleet_operator.drift import handled, unwanted
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.handlers import reconcile_adapter
 from lorafleet_operator.kube import Kube, make_api_client
-from lorafleet_operator.placement import Candidate, Demand, Reservations, SkipReason, place
+from lorafleet_operator.placement import Candidate, Demand, SkipReason, place
 from lorafleet_operator.publish import publish_status
-from lorafleet_operator.resources import adapter_of, fleet_of
+from lorafleet_operator.reasons import Reason
+from lorafleet_operator.reservations import Reservations
+from lorafleet_operator.resources import adapter_of, fleet_of, fleet_spec_of
 from lorafleet_operator.routing import ADAPTER_LABEL
 from lorafleet_operator.runtime import Runtime
+from lorafleet_operator.slot_quotas import Guarantees, QuotaUse
 from lorafleet_operator.status import (
     MAX_AGENT_MESSAGE,
     MAX_BACKEND_KIND,
@@ -250,6 +254,84 @@ def test_what_reservations_hold_counts_each_name_once_as_listings_and_books_chan
 
 
 # ---- bounded status ---------------------------------------------------------------------
+
+
+def test_adapters_on_standby_take_no_slot_of_their_namespaces_quota() -> None:
+    """An adapter on standby (``minReplicas: 0``) is held on disk, in no slot: a quota counts
+    only its namespace's resident adapters. Two on standby and one resident under
+    ``maxSlots: 2`` still leave a slot for a new place (before, the listing counted 3 of 2)."""
+
+    def entry(name: str, standby: bool = False) -> RegistryEntry:
+        return RegistryEntry(name, f"file:///{name}", "ab", False, () if standby else (0,), standby)
+
+    entries = [entry("t.idle-1", standby=True), entry("t.idle-2", standby=True), entry("t.busy"), entry("u.other")]
+    listing = Listing(1.0, ("u1", 0), {e.name: e for e in entries})
+    assert listing.per_namespace == {"t": 1, "u": 1}
+    quota = QuotaUse("home/small", "spec.quotas.default", "t", 2, ("ep-a0",), listing.per_namespace["t"])
+    got = place([agent("a0", {"t.busy", "u.other"}, cap=8)], [want("t.new")], [quota])["t.new"]
+    assert got.placed == ("a0",)
+
+
+def guaranteed(namespace: str, used: int, guarantees: Guarantees, endpoints: tuple[str, ...] = ("ep-a0",)) -> QuotaUse:
+    """A quota of LoraFleet home/small with no maximum for ``namespace``, only guarantees."""
+    return QuotaUse("home/small", "spec.quotas", namespace, None, endpoints, used, guarantees=guarantees)
+
+
+def test_a_guaranteed_share_keeps_room_from_other_namespaces_new_places() -> None:
+    """Namespace b has an adapter waiting and lacks its 1 guaranteed slot: a's new adapter is
+    not given the last free slot (QuotaExceeded, naming the guarantee); without the
+    guarantee it is."""
+    agents = [agent("a0", {"a.old"}, cap=2)]
+    keeps = Guarantees(reserved=1, holders=("b",), total=1)
+    got = place(agents, [want("a.new")], [guaranteed("a", 1, keeps)])["a.new"]
+    message = "LoraFleet home/small keeps 1 slot(s) for the guaranteed share of namespace(s) b (spec.quotas.namespaces[].minSlots)"
+    assert (got.placed, [(s.reason, s.message) for s in got.skipped]) == ((), [(SkipReason.QUOTA, message)])
+    ready = build_status([], generation=1, placement=got)["conditions"][0]
+    assert (ready["reason"], ready["message"]) == (Reason.QUOTA_EXCEEDED, message)
+    assert place(agents, [want("a.new")], [guaranteed("a", 1, Guarantees())])["a.new"].placed == ("a0",)
+
+
+def test_the_drift_check_takes_a_guaranteed_slot_back_from_the_newest_adapter_never_below_its_own_share() -> None:
+    """a's two adapters fill a0 while b lacks its guaranteed slot: the drift check (reclaim)
+    takes the place of a's newest adapter back; a handler's placement (no reclaim) keeps
+    both; a namespace at its own guarantee gives nothing back."""
+    agents = [agent("a0", {"a.1", "a.2"}, cap=2)]
+    demands = [want("a.1", order="1", previous=("a0",)), want("a.2", order="2", previous=("a0",))]
+    keeps = Guarantees(reserved=1, holders=("b",), total=1)
+    got = place(agents, demands, [guaranteed("a", 2, keeps)], reclaim=True)
+    assert (got["a.1"].placed, got["a.2"].placed) == (("a0",), ())
+    assert [s.reason for s in got["a.2"].skipped] == [SkipReason.QUOTA] and got["a.2"].waiting
+    kept = place(agents, demands, [guaranteed("a", 2, keeps)])
+    assert (kept["a.1"].placed, kept["a.2"].placed) == (("a0",), ("a0",))
+    own = Guarantees(reserved=1, holders=("b",), own=2, total=3)
+    mine = place([agent("a0", {"a.1", "a.2"}, cap=4)], demands, [guaranteed("a", 2, own)], reclaim=True)
+    assert (mine["a.1"].placed, mine["a.2"].placed) == (("a0",), ("a0",))
+
+
+def test_an_adapter_whose_guaranteed_share_is_taken_back_awaits_it_never_no_room() -> None:
+    """b lacks its guaranteed slot and every agent is full: Pending AwaitingGuaranteedSlot
+    (naming the quota), never NoRoom. Guarantees beyond the agents' capacity are not kept:
+    NoRoom, and the skip says why."""
+    agents = [agent("a0", {"a.1", "a.2"}, cap=2)]
+    got = place(agents, [want("b.x")], [guaranteed("b", 0, Guarantees(own=1, total=1))])["b.x"]
+    assert [s.reason for s in got.skipped] == [SkipReason.GUARANTEED]
+    ready = build_status([], generation=1, placement=got)["conditions"][0]
+    assert ready["reason"] == Reason.AWAITING_GUARANTEED_SLOT
+    assert ready["message"] == (
+        "namespace b holds 0 of its 1 guaranteed slots on LoraFleet home/small "
+        "(spec.quotas.namespaces[namespace=b].minSlots): taken back from other namespaces"
+    )
+    over = place(agents, [want("b.x")], [guaranteed("b", 0, Guarantees(own=1, total=3))])["b.x"]
+    assert [s.reason for s in over.skipped] == [SkipReason.FULL]
+    assert "(spec.quotas.namespaces[].minSlots, 3 in all) exceed its agents' 2 slots: none is kept" in over.skipped[0].message
+    assert build_status([], generation=1, placement=over)["conditions"][0]["reason"] == Reason.NO_ROOM
+    unkept = Guarantees(reserved=1, holders=("b",), total=3)
+    assert place([agent("a0", {"a.1"}, cap=2)], [want("a.new")], [guaranteed("a", 1, unkept)])["a.new"].placed == ("a0",)
+
+
+def test_min_slots_are_read_from_the_spec() -> None:
+    spec = fleet_spec_of({"quotas": {"namespaces": [{"namespace": "a", "maxSlots": 4, "minSlots": 2}, {"namespace": "b", "maxSlots": 1}]}})
+    assert spec.quotas.guarantees == (("a", 2),)
 
 
 def _schema(crd: str) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from lorafleet_operator.placement import QuotaUse, SkipReason, place
+from lorafleet_operator.placement import SkipReason, place
 from lorafleet_operator.reasons import Reason
 from lorafleet_operator.resources import SlotQuota, fleet_spec_of
+from lorafleet_operator.slot_quotas import QuotaUse
 from lorafleet_operator.status import build_status
 from tests.operator.test_placement import agent, want
 

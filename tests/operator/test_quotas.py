@@ -1,6 +1,6 @@
 """Quotas and fair share (docs/operator.md, Security: "Quotas and fair share"): a LoraFleet's
 ``spec.quotas`` limits the slots (adapter × agent placements) each namespace holds on its
-agents. The CRD's checks, then two tenants on shared agents under a fleet of the operator's
+agents, and guarantees a share (``minSlots``). The CRD's checks, then two tenants on shared agents under a fleet of the operator's
 own namespace with a quota: real operator, real API server, two real agents that hold 4
 adapters each, tenants as impersonated users with the tenant Role. (The rule as plain
 decisions: test_quota_rule.py.)
@@ -57,6 +57,8 @@ def ready_condition(cluster: ControlPlane, ns: str, name: str) -> tuple[str, str
         ({"default": {"maxSlots": -1}}, "should be greater than or equal to 0"),
         ({"namespaces": [{"namespace": "Team_A", "maxSlots": 1}]}, "should match"),
         ({"namespaces": [{"namespace": "a", "maxSlots": 1}, {"namespace": "a", "maxSlots": 2}]}, "Duplicate value"),
+        ({"namespaces": [{"namespace": "a", "maxSlots": 1, "minSlots": 2}]}, "minSlots cannot exceed maxSlots"),
+        ({"namespaces": [{"namespace": "a", "maxSlots": 1, "minSlots": -1}]}, "should be greater than or equal to 0"),
     ],
 )
 def test_the_api_server_refuses_a_bad_quota(
@@ -117,4 +119,59 @@ def test_a_tenant_over_its_quota_waits_and_another_tenant_is_placed(
         for ns in tenants:
             kube_cluster.kubectl("delete", "la,lfleet", "--all", "-n", ns, "--wait=true", "--timeout=60s")
             kube_cluster.delete_namespace(ns)
+        op.stop()
+
+
+def test_a_tenants_guaranteed_slot_is_taken_back_from_the_tenant_that_filled_the_fleet(
+    kube_cluster: ControlPlane,
+    kube_namespace: str,
+    lorafleet_crds: tuple[str, ...],
+    four_slot_agents: tuple[list[AgentProcess], Path],
+    tmp_path: Path,
+) -> None:
+    """The operator's fleet `small` guarantees tenant b 1 slot (``minSlots: 1``) and limits
+    nobody else. Tenant a's 4 adapters, each on both agents, fill all 8 slots. Tenant b then
+    applies one adapter: it waits `AwaitingGuaranteedSlot`, never `NoRoom`, while the drift
+    check takes one place back from tenant a's newest adapter (unloaded there; it keeps its
+    other place); then it is Ready. Before, it stayed Pending `NoRoom`
+    until tenant a deleted adapters."""
+    agents, root = four_slot_agents
+    home = kube_namespace
+    tenants = [kube_cluster.create_namespace(prefix=f"share-{t}") for t in "ab"]
+    for ns in (home, *tenants):
+        for a in agents:
+            add_agent_pod(kube_cluster, ns, a, fleet="small")
+    ta, tb = tenants
+    apply(kube_cluster, home, with_quotas(fleet_manifest("small"), {"namespaces": [{"namespace": tb, "maxSlots": 8, "minSlots": 1}]}))
+    for ns in tenants:
+        tenant_role(kube_cluster, ns)
+        as_tenant(kube_cluster, ns, fleet_manifest("small"))
+    op: OperatorProcess = start_operator(kube_cluster, home, tmp_path, env={"LORAFLEET_WATCH_NAMESPACES": ",".join((home, *tenants))})
+    try:
+        names = [f"a{i}" for i in range(CAPACITY)]
+        for i, n in enumerate(names):  # one by one: creation order says which is the newest
+            as_tenant(kube_cluster, ta, adapter_manifest(n, make_adapter(root / ta, n, seed=10 + i), fleet="small"))
+            wait_for(lambda n=n: status(kube_cluster, ta, n).get("agentsSummary") == "2/2", 60, f"{n} on both agents", op)
+        assert [len(registry(a, ta)) for a in agents] == [CAPACITY, CAPACITY]
+
+        reasons: list[str] = []
+
+        def b_ready() -> bool:
+            reasons.append(ready_condition(kube_cluster, tb, "b0")[0] if status(kube_cluster, tb, "b0").get("conditions") else "")
+            return status(kube_cluster, tb, "b0").get("phase") == "Ready"
+
+        as_tenant(kube_cluster, tb, adapter_manifest("b0", make_adapter(root / tb, "b0", seed=3), fleet="small"))
+        wait_for(b_ready, 120, "tenant b's adapter Ready", op, interval_s=0.05)
+        assert "NoRoom" not in reasons and "AwaitingGuaranteedSlot" in reasons, reasons
+        assert sum(len(registry(a, tb)) for a in agents) == 1
+        # The newest of tenant a gave one place back: it keeps the other (b now holds the slot).
+        newest = status(kube_cluster, ta, names[-1])
+        assert (newest["phase"], newest["placement"]["placedCount"], newest["agentsSummary"]) == ("Ready", 1, "1/1")
+        assert all(status(kube_cluster, ta, n)["agentsSummary"] == "2/2" for n in names[:-1])
+        assert sum(len(registry(a, ta)) for a in agents) == 2 * CAPACITY - 1
+    finally:
+        for ns in tenants:
+            kube_cluster.kubectl("delete", "la,lfleet", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+            kube_cluster.delete_namespace(ns)
+        kube_cluster.kubectl("delete", "lfleet", "--all", "-n", home, "--wait=true", "--timeout=60s")
         op.stop()
