@@ -1,5 +1,7 @@
 """Serving benchmarks, printed side by side from one run on the benchmark model (hidden
-1024, 4 layers, GQA 16/4, rank-16 adapters on all seven modules; fp32 on the CPU, bf16 on CUDA):
+1024, 4 layers, GQA 16/4, rank-16 adapters on all seven modules; fp32 on the CPU, bf16 on CUDA),
+or with `--shape 1b` a ~1B-parameter Llama shape (benchmarks/shapes.py; its files in the dtype
+served, bf16 unless `--dtype` says otherwise):
 
 (1) one 48-token greedy Generate with an adapter (`Engine.submit`, tp=1) vs `transformers` +
     `peft` `generate` on the same model and adapter in this process; and the engine's per-token
@@ -11,7 +13,8 @@
 (4) time to first token and inter-token latency p50/p99 under a steady open-loop (Poisson)
     load of mixed-adapter requests at a fixed fraction of the throughput measured in (2).
 
-Run: `. scripts/bootstrap.sh && python benchmarks/bench_serving.py [--threads N] [--device cuda]`.
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_serving.py [--threads N] [--device cuda] [--shape 1b]`.
+The side by side with stock vLLM is `bench_vs_vllm.py`.
 CPU timings on a shared machine are noisy: read the ratios of figures measured side by side.
 Beside each wall-clock ratio of (1)-(3) the CPU-time ratio is printed too: the CPU seconds of
 this process (transformers, the engine's driver) and of the engine's rank processes, from
@@ -34,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from shapes import SHAPES, write_model_as
 
-from lorafleet_dev.synthetic import BENCHMARK_MODEL, write_adapter, write_model
+from lorafleet_dev.synthetic import write_adapter
 from node_agent.engine import Engine, EngineConfig, Topology
 from node_agent.engine.serving.sampler import SamplingParams
 
-SHAPE = BENCHMARK_MODEL
+PROMPT_VOCAB = min(shape.vocab_size for shape in SHAPES.values())  # prompts valid in every shape
 RANK = 16
 NEW_TOKENS = 48
 PROMPT = 32
@@ -76,7 +80,7 @@ class Timing:
 def prompt(seed: int, length: int = PROMPT) -> list[int]:
     """A deterministic prompt of `length` token ids."""
     rng = random.Random(seed)
-    return [rng.randrange(SHAPE.vocab_size) for _ in range(length)]
+    return [rng.randrange(PROMPT_VOCAB) for _ in range(length)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -312,7 +316,8 @@ def main() -> None:
         help="torch threads of this process (transformers, the floor) and of the engine's rank",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on cpu (bfloat16 for 1b), bfloat16 on cuda")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="benchmark", help="the model (benchmarks/shapes.py)")
     parser.add_argument("--open-loop-requests", type=int, default=48)
     parser.add_argument("--open-loop-load", type=float, default=0.6)
     parser.add_argument("--only", choices=["1", "2", "3", "4"], action="append", help="run only these benchmarks")
@@ -320,17 +325,18 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     only = set(args.only or ["1", "2", "3", "4"])
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    shape = SHAPES[args.shape]
+    dtype = args.dtype or ("float32" if args.device == "cpu" and args.shape == "benchmark" else "bfloat16")
     place = Place(args.device, getattr(torch, dtype))
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
         print(
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {os.cpu_count()} CPUs, torch {torch.__version__}, "
-            f"{args.threads} threads, {args.device} {dtype}; model hidden {SHAPE.hidden_size}, {SHAPE.num_layers} "
+            f"{args.threads} threads, {args.device} {dtype}; model {args.shape}, hidden {shape.hidden_size}, {shape.num_layers} "
             f"layers, rank {RANK}"
         )
-        model = write_model(root / "model", SHAPE)
-        adapters = {f"a{i}": write_adapter(root / f"a{i}", SHAPE, rank=RANK, seed=i) for i in range(ADAPTERS)}
+        model = write_model_as(root / "model", shape, place.dtype)
+        adapters = {f"a{i}": write_adapter(root / f"a{i}", shape, rank=RANK, seed=i) for i in range(ADAPTERS)}
         config = EngineConfig(
             model_dir=model,
             topology=Topology(1, 1),

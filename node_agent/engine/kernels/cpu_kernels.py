@@ -6,7 +6,8 @@ weight, so its time is the weight's stream from memory. MKL's matrix-vector prod
 weight at that speed for one row; for several rows neither MKL (which packs the weight on
 every call) nor oneDNN (which runs the arithmetic after the stream instead of under it) does,
 so a step of 8 sequences costs well over a step of one (docs/kernels.md, "The CPU path"). `gemm`
-runs 1 to 8 rows in about the time of one. The LoRA delta of 8 rows over 8 adapters in torch
+runs 1 to 8 rows in about the time of one, over an fp32, bf16 or fp16 weight (fp32 rows and
+result either way: a 16-bit weight widens exactly, so only the bytes streamed halve). The LoRA delta of 8 rows over 8 adapters in torch
 is about 350 small ops a step (a matrix-vector product per row and slice); `add_lora_rows` is
 one call per layer, which reads each row's A and B once.
 
@@ -76,20 +77,35 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the weights `gemm` reads
+
+
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x · weightᵀ + bias` for 1 to MAX_ROWS fp32 rows of `x` [rows, k], `packed` = `pack(weight)`."""
+    """`x · weightᵀ + bias` in fp32 for 1 to MAX_ROWS fp32 rows of `x` [rows, k], `packed` =
+    `pack(weight)` of an fp32, bf16 or fp16 weight (any `bias` dtype: it is read in fp32)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, k = x.shape
-    # The C code trusts its sizes: a mismatch here would read past a buffer, so it is an error.
-    if packed.dim() != 3 or packed.shape[1:] != (k, BLOCK) or packed.shape[0] * BLOCK < n or (bias is not None and bias.numel() < n):
-        raise ValueError(f"x [{rows}, {k}] and bias do not fit a packed weight {list(packed.shape)} of {n} columns")
+    # The C code trusts its sizes and types: a mismatch here would read past a buffer, so it is an error.
+    if (
+        x.dtype != torch.float32
+        or packed.dtype not in PACKED_DTYPES
+        or packed.dim() != 3
+        or packed.shape[1:] != (k, BLOCK)
+        or packed.shape[0] * BLOCK < n
+        or (bias is not None and bias.numel() < n)
+    ):
+        raise ValueError(
+            f"x [{rows}, {k}] {x.dtype} and bias do not fit a packed weight {list(packed.shape)} {packed.dtype} of {n} columns"
+        )
     out = torch.empty(rows, n, dtype=torch.float32)
-    status = lib.lf_gemm(
+    bias = None if bias is None else bias.float().contiguous()  # held here while the kernel reads it
+    entry = {torch.float32: lib.lf_gemm, torch.bfloat16: lib.lf_gemm_bf16, torch.float16: lib.lf_gemm_f16}[packed.dtype]
+    status = entry(
         x.data_ptr(),
         x.stride(0),
         packed.data_ptr(),
-        None if bias is None else bias.contiguous().data_ptr(),
+        None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         n,
         rows,
@@ -117,12 +133,15 @@ class LoraBuffers:
 
 
 def lora_buffers(a_joined: torch.Tensor, b_stacks: Sequence[torch.Tensor], scales: torch.Tensor) -> LoraBuffers | None:
-    """The layer's buffers for `add_lora_rows`; None where they are not in its form (another
-    dtype or device, a B stack row-major, ranks unlike A's row blocks, a total rank over
-    MAX_TOTAL_RANK)."""
+    """The layer's buffers for `add_lora_rows`; None where they are not in its form (A and B not
+    of one of `PACKED_DTYPES` on the CPU, scales not fp32, a B stack row-major, ranks unlike A's
+    row blocks, a total rank over MAX_TOTAL_RANK)."""
     ranks = [b.shape[2] for b in b_stacks]
     if (
-        any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (a_joined, scales, *b_stacks))
+        a_joined.dtype not in PACKED_DTYPES
+        or scales.dtype != torch.float32
+        or any(t.dtype != a_joined.dtype for t in b_stacks)
+        or any(t.device.type != "cpu" for t in (a_joined, scales, *b_stacks))
         or not a_joined.is_contiguous()
         or not scales.is_contiguous()
         or sum(ranks) != a_joined.shape[1]
@@ -145,8 +164,9 @@ def lora_buffers(a_joined: torch.Tensor, b_stacks: Sequence[torch.Tensor], scale
 def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, buffers: LoraBuffers, token_slots: torch.Tensor) -> bool:
     """Add the LoRA delta of each row of `x` [rows, in] into `out` [rows, Σ widths]: row t with
     slot s = `token_slots[t]` (−1: none) gets Σ_i `scales[i, s]` · B_i[s] · (A_i[s] · x[t]) in
-    slice i's columns. Returns False, having done nothing, for `x` or `out` in another form
-    (not fp32 on the CPU with unit column stride) or of other sizes than the buffers'.
+    slice i's columns, in fp32 whatever the buffers' dtype. Returns False, having done nothing,
+    for `x` or `out` in another form (not fp32 on the CPU with unit column stride) or of other
+    sizes than the buffers'.
     """
     rows = x.shape[0]
     if (
@@ -163,7 +183,8 @@ def add_lora_rows(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, buffers:
         return False
     slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else (token_slots.to(torch.int32).contiguous())
     a = buffers.a_joined
-    status = lib.lf_lora_rows(
+    entry = {torch.float32: lib.lf_lora_rows, torch.bfloat16: lib.lf_lora_rows_bf16, torch.float16: lib.lf_lora_rows_f16}[a.dtype]
+    status = entry(
         x.data_ptr(),
         x.stride(0),
         out.data_ptr(),
@@ -192,10 +213,12 @@ def _load(path: Path) -> ctypes.CDLL:
     if not lib.lf_supported():
         raise KernelUnavailable("this CPU has no AVX-512F")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.lf_gemm.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
-    lib.lf_gemm.restype = ctypes.c_int
-    lib.lf_lora_rows.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, p, p, p, p, i64, ctypes.c_int]
-    lib.lf_lora_rows.restype = ctypes.c_int
+    for entry in (lib.lf_gemm, lib.lf_gemm_bf16, lib.lf_gemm_f16):
+        entry.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, ctypes.c_int]
+        entry.restype = ctypes.c_int
+    for entry in (lib.lf_lora_rows, lib.lf_lora_rows_bf16, lib.lf_lora_rows_f16):
+        entry.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, p, p, p, p, i64, ctypes.c_int]
+        entry.restype = ctypes.c_int
     return lib
 
 

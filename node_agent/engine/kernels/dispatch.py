@@ -42,16 +42,17 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def compiled_cpu(x: torch.Tensor) -> ctypes.CDLL | None:
+def compiled_cpu(x: torch.Tensor, any_rows: bool = False) -> ctypes.CDLL | None:
     """The compiled CPU kernels for a call on the rows of `x`, where they serve: a decode step's
-    few rows (1 to `cpu_kernels.MAX_ROWS`) of fp32 on the CPU, outside autograd, the mode `auto`,
-    the kernels built (`cpu_kernels.library`). The one place of that rule, for the base layers'
-    matmuls and the LoRA pass alike."""
+    few rows (1 to `cpu_kernels.MAX_ROWS`; any number with `any_rows`) of fp32 on the CPU,
+    outside autograd, the mode `auto`, the kernels built (`cpu_kernels.library`). The one place
+    of that rule, for the base layers' matmuls and the LoRA pass alike."""
     if (
         x.device.type != "cpu"
         or x.dtype != torch.float32
         or x.requires_grad
-        or not 0 < x.shape[0] <= cpu_kernels.MAX_ROWS
+        or x.shape[0] < 1
+        or (not any_rows and x.shape[0] > cpu_kernels.MAX_ROWS)
         or os.environ.get(MODE_ENV, "auto").lower() != "auto"
     ):
         return None
@@ -73,10 +74,13 @@ def add_fp32(x: torch.Tensor, out: torch.Tensor, views: SlotViews, scales: torch
     """Shrink and expand in one pass where the CPU serves `x`: up to `cpu_kernels.MAX_ROWS` rows
     through the compiled kernel (given `views.compiled`, the layer's buffers behind the same
     per-slot views), else `torch_ops.add_fp32`; False, having done nothing, where neither serves
-    (then call `shrink` and `expand`)."""
+    (then call `shrink` and `expand`). 16-bit buffers (a 16-bit layer's, with `x` and `out`
+    widened) take the compiled kernel for any number of rows: torch has no 16-bit pass as fast
+    (it would widen every slot's A and B per module)."""
     if use_triton(x):
         return False
-    lib = compiled_cpu(x)
+    sixteen_bit = views.compiled is not None and views.compiled.a_joined.dtype != torch.float32
+    lib = compiled_cpu(x, any_rows=sixteen_bit)
     if lib is not None and views.compiled is not None and cpu_kernels.add_lora_rows(lib, x, out, views.compiled, batch.token_slots):
         return True
     return torch_ops.add_fp32(x, out, views.a, views.b, scales, batch)

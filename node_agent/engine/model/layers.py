@@ -26,10 +26,9 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # The same arithmetic in one fused op (nine of these run in every step).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as transformers does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalise in fp32 and cast back before the weight, as transformers does (fused: on the
+        # CPU a 16-bit step is bound by its op count as fp32's is).
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -65,5 +64,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: this rank's vocabulary columns, gathered over the group, padding dropped."""
-        local = dense.linear(hidden, self.weight, self.packed)
+        if dense.widens(self.weight):
+            # Rounded back to the weight's dtype, as its own matmul would leave them (greedy ties
+            # then break as in transformers).
+            local = dense.linear_widened(hidden, self.weight, self.packed)[1].to(self.weight.dtype)
+        else:
+            local = dense.linear(hidden, self.weight, self.packed)
         return all_gather_last_dim(local, self.group)[:, : self.vocab_size]

@@ -150,6 +150,7 @@ class LoraLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_width, in_width, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_width, dtype=dtype, device=device), requires_grad=False) if bias else None
         self.packed: dense.Packed | None = None  # `dense.pack` of the weight, once loaded
+        self.widens = dense.widens(self.weight)
         # Every slice's A as consecutive row blocks of one tensor, so the CPU path's shrink
         # serves all slices (q, k, v; gate, up) with one product (`torch_ops.shrink`'s `joined`).
         self.a_joined = self._joined_a_stacks(capacity.slots, dtype, device)
@@ -209,6 +210,17 @@ class LoraLinear(nn.Module):
         """Add this layer's LoRA delta of `x` into its unreduced output `out`."""
         add_lora(x, out, self.lora_pass, batch)
 
+    def base_and_lora(self, x: torch.Tensor, batch: kernels.LoraBatch, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's unreduced output `x · weightᵀ + bias` plus the LoRA delta; in fp32 for a
+        layer that `widens` (the caller casts back once, after any reduction)."""
+        if self.widens:
+            wide, out = dense.linear_widened(x, self.weight, self.packed, bias)
+            self.add_lora(wide, out, batch)
+            return out
+        out = dense.linear(x, self.weight, self.packed, bias)
+        self.add_lora(x, out, batch)
+        return out
+
     def slot_shapes(self) -> list[tuple[list[int], list[int]]]:
         """Per slice: the (A, B) shape of one slot's buffers."""
         return [(list(a.shape[1:]), list(b.shape[1:])) for a, b in zip(self.a_stacks, self.b_stacks, strict=True)]
@@ -227,9 +239,8 @@ class ColumnParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """This rank's output columns, base plus LoRA."""
-        out = dense.linear(x, self.weight, self.packed, self.bias)
-        self.add_lora(x, out, batch)
-        return out
+        out = self.base_and_lora(x, batch, self.bias)
+        return out.to(x.dtype) if self.widens else out
 
 
 class RowParallelLoraLinear(LoraLinear):
@@ -246,12 +257,11 @@ class RowParallelLoraLinear(LoraLinear):
 
     def forward(self, x: torch.Tensor, batch: kernels.LoraBatch) -> torch.Tensor:
         """The full output: partial base plus LoRA, reduced once over the layer's group."""
-        partial = dense.linear(x, self.weight, self.packed)
-        self.add_lora(x, partial, batch)
+        partial = self.base_and_lora(x, batch, None)
         all_reduce(partial, self.group)
         if self.bias is not None:
             partial += self.bias
-        return partial
+        return partial.to(x.dtype) if self.widens else partial
 
 
 class ReplicatedLoraLinear(ColumnParallelLoraLinear):
