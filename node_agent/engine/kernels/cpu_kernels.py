@@ -15,8 +15,8 @@ Built like triton's launchers: the system's C compiler (`$CC`, else `cc`, `gcc` 
 compiles the source once per machine into the project's cache directory (`$LORAFLEET_CACHE`,
 else `~/.cache/lorafleet`, as the development scripts use), keyed by the source and flags. Without
 a compiler, or on a CPU without AVX-512F, `library()` is None and the engine keeps oneDNN, MKL
-and torch (the agent image ships no compiler: it serves that way); `LORAFLEET_KERNELS=torch`
-keeps them too (`dispatch.compiled_cpu`).
+and torch; `LORAFLEET_KERNELS=torch` keeps them too (`dispatch.compiled_cpu`). The agent image
+carries gcc (for triton's launchers), so a CPU agent in a pod builds them at first use.
 """
 
 from __future__ import annotations
