@@ -7,7 +7,8 @@ disk. The first inference request that names it loads it (`OnDemand.lease`):
 * at most `max_concurrent` on-demand loads at once (`--max-concurrent-adapter-loads`);
 * when the backend holds `capacity` adapters already, the least recently used resident adapter
   that is not pinned and serves no request is put back on standby (its snapshot kept) first; a
-  pinned one, or one with requests in flight, never is;
+  pinned one, one with requests in flight, or one a request waits to lease (a load just
+  published, before its waiters take it) never is;
 * a load takes its place in one step with making room: a free place is reserved, or an evicted
   adapter's place becomes the load's reservation as it leaves the registry, and the reservation
   is held until the load publishes or fails (`Registry.reserve_place`). Every load counts places
@@ -25,10 +26,12 @@ the builtin engine and the vLLM servers serve it alike.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -73,7 +76,8 @@ class _NoRoom(Exception):
 
 def eviction_victim(uses: Sequence[ResidentUse], keep: frozenset[str]) -> AdapterEntry | None:
     """The resident version to put on standby to make room: the least recently used one that is
-    not pinned, serves no request and is not in `keep` (being loaded); None if there is none."""
+    not pinned, serves no request and is not in `keep` (being loaded, or wanted by a request that
+    has not leased it yet); None if there is none."""
     idle = [use for use in uses if not use.entry.pinned and use.in_flight == 0 and use.entry.name not in keep]
     return min(idle, key=lambda use: use.last_used).entry if idle else None
 
@@ -94,6 +98,9 @@ class OnDemand:
         self._loads = ThreadPoolExecutor(settings.max_concurrent, thread_name_prefix="on-demand-load")
         self._lock = threading.Lock()
         self._loading: dict[str, Future[None]] = {}  # public name -> its load, queued or running
+        # public name -> requests that want it and have not leased it yet: a load just published
+        # is idle until its waiters lease it, and must not be evicted in that moment
+        self._wanted: Counter[str] = Counter()
         self._no_room: set[str] = set()  # loads waiting for an adapter that can be evicted
 
     def close(self) -> None:
@@ -104,13 +111,28 @@ class OnDemand:
         """Lease the adapters' current versions, loading those on standby first (waiting, up to
         the deadline, for loads in flight and for room); `AdapterNotFound` for unknown names."""
         deadline = time.monotonic() + self._settings.deadline_s
-        while True:
-            try:
-                return self._registry.acquire(names)
-            except OnStandby as standby:
-                waiting = standby.names
-            for name in waiting:
-                self._resident(name, deadline)
+        with self._wanting(names):
+            while True:
+                try:
+                    return self._registry.acquire(names)
+                except OnStandby as standby:
+                    waiting = standby.names
+                for name in waiting:
+                    self._resident(name, deadline)
+
+    @contextlib.contextmanager
+    def _wanting(self, names: Sequence[str]) -> Iterator[None]:
+        """While a request waits to lease `names`, none of them is evicted (a load's waiters
+        lease it after it is published: evicting it in between made loads evict each other's
+        adapters in turn, thousands of loads for a dozen requests)."""
+        with self._lock:
+            self._wanted.update(names)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._wanted.subtract(names)
+                self._wanted += Counter()  # drop the names no request wants any more
 
     def make_resident(self, entry: AdapterEntry) -> None:
         """Load a standby version now (a LoadAdapter that wants it resident; the caller holds its
@@ -185,7 +207,7 @@ class OnDemand:
                 if place is not None:
                     return place
                 with self._lock:
-                    keep = frozenset(self._loading) | {name}
+                    keep = frozenset(self._loading) | frozenset(self._wanted) | {name}
                 victim = eviction_victim(self._registry.resident_uses(), keep)
                 place = None if victim is None else self._evict(victim)
                 if place is not None:

@@ -86,6 +86,32 @@ def test_first_requests_beyond_the_places_are_all_answered_beside_an_operator_lo
     assert {f"sb{i}" for i in range(ON_DEMAND)} <= set(listed), "no standby adapter lost"
 
 
+def _loads_done(agent: Served) -> float:
+    return agent.agent.metrics.registry.get_sample_value("vllm:lora_adapter_load_seconds_count") or 0.0
+
+
+def test_a_load_just_published_is_not_evicted_before_its_waiters_lease_it(crowded: Served) -> None:
+    """Two requests for each of six standby adapters, at once, on four full places and two
+    concurrent loads: each adapter is loaded once. Before a load's waiters leased it, it was idle
+    and the next load evicted it; its waiters loaded it again, evicting another's, and so on
+    (a benchmark counted 852 loads for 12 requests)."""
+    for i in range(PLACES):
+        crowded.load(f"idle{i}", f"ad{i % 3}")
+    for i in range(ON_DEMAND):
+        crowded.load(f"sb{i}", f"ad{i % 3}", standby=True)
+    before = _loads_done(crowded)
+    crowded.resume.unlink()  # every request is in before the first load completes
+    crowded.paused.unlink(missing_ok=True)
+    with ThreadPoolExecutor(2 * ON_DEMAND) as pool:
+        requests = [pool.submit(generate, crowded.stub, PROMPT, f"sb{i % ON_DEMAND}", 3) for i in range(2 * ON_DEMAND)]
+        wait_until(lambda: _running(crowded, "inference") == 2 * ON_DEMAND, what="every request in")
+        crowded.resume.touch()
+        answers = [request.result() for request in requests]
+    assert all(len(tokens) == 3 for tokens in answers), "every request is answered"
+    assert _loads_done(crowded) - before == ON_DEMAND, "each standby adapter loaded once"
+    _consistent(crowded)
+
+
 def test_an_operator_load_finds_every_place_held_or_reserved_and_is_refused_at_once(crowded: Served) -> None:
     for i in range(PLACES):
         crowded.load(f"idle{i}", f"ad{i % 3}")
