@@ -66,7 +66,6 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapt
     """Every INTERVAL_S, the targets' downloads of this adapter into its Ready message; each
     message written is appended to ``written``."""
     name = adapter.agent_name
-    conditions = adapter.status.get("conditions") or []
     while True:
         await asyncio.sleep(INTERVAL_S)
         per_agent: dict[str, tuple[int, int]] = {}
@@ -81,7 +80,7 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapt
         if (
             message
             and message != (written[-1] if written else "")
-            and await _patch_conditions(rt, adapter, with_ready_message(conditions, message))
+            and await _patch_conditions(rt, adapter, with_ready_message(_latest(rt, adapter), message))
         ):
             written.append(message)
 
@@ -90,6 +89,8 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapt
 async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject) -> AsyncIterator[None]:
     """Report the loads' download progress while the block runs (remote sources only); then put
     the Ready condition back as it was if a progress message was written."""
+    # A correction a drift check made during an earlier handler is older than this handler's copy.
+    rt.books.corrected_conditions.pop((adapter.namespace, adapter.name), None)
     conditions = adapter.status.get("conditions") or []
     if not targets or not conditions or not sources.is_remote(adapter.spec.source.uri):
         yield
@@ -103,4 +104,12 @@ async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], ada
         with contextlib.suppress(asyncio.CancelledError):
             await task
         if written:
-            await _patch_conditions(rt, adapter, conditions)
+            await _patch_conditions(rt, adapter, _latest(rt, adapter))
+        rt.books.corrected_conditions.pop((adapter.namespace, adapter.name), None)
+
+
+def _latest(rt: Runtime, adapter: AdapterObject) -> list[dict[str, Any]]:
+    """The adapter's conditions as last written: the handler's copy from its start, or those a
+    drift check wrote since while correcting its claims (``claims``), never set back."""
+    corrected = rt.books.corrected_conditions.get((adapter.namespace, adapter.name))
+    return corrected if corrected is not None else [dict(c) for c in adapter.status.get("conditions") or []]

@@ -157,6 +157,12 @@ def test_the_status_stops_saying_loaded_where_the_adapter_was_lost_while_a_slow_
             f"the status still says Loaded on {holder}, which no longer holds the adapter: {status(kube_cluster, ns, 'gated')}"
         )
         assert f"{ns}.gated" not in registry(by_name[holder], ns), "a load went to the agent beside the handler's"
+        # The conditions say so too, and the handler's download-progress reports (every 2 s while
+        # its load runs) write the corrected conditions, never its older copy saying Ready.
+        wait_for(lambda: op.drift_checks() >= checks + 6, 60, "2 more drift checks, progress reports among them", op)
+        corrected = status(kube_cluster, ns, "gated")
+        ready = next(c for c in corrected["conditions"] if c["type"] == "Ready")
+        assert corrected["phase"] != "Ready" and ready["status"] != "True", corrected
 
         source.gate.set()
         wait_for(
