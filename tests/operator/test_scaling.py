@@ -331,8 +331,8 @@ def test_standby_adapters_beyond_the_slots_answer_every_request(
     round, on one agent, are every one answered (the agent loads each on its first request,
     evicting the least recently used idle one when full, and the second request waits for
     that load); the operator forces none back and unloads none; each agent holds at most its
-    4 resident. (Concurrent first requests of different adapters on a full agent are not
-    covered: the agent's on-demand loads race for a freed slot, see docs/scaling.md.)"""
+    4 resident. (Concurrent first requests of different adapters on a full agent are the
+    agent's own test: tests/agent/test_standby_races.py.)"""
     agents, root = routed_agents
     ns = kube_namespace
     names = [f"s{i}" for i in range(6)]
