@@ -162,7 +162,9 @@ def test_a_tenants_guaranteed_slot_is_taken_back_from_the_tenant_that_filled_the
 
         as_tenant(kube_cluster, tb, adapter_manifest("b0", make_adapter(root / tb, "b0", seed=3), fleet="small"))
         wait_for(b_ready, 120, "tenant b's adapter Ready", op, interval_s=0.05)
-        assert "NoRoom" not in reasons and "AwaitingGuaranteedSlot" in reasons, reasons
+        # Pending AwaitingGuaranteedSlot while it waits (the pure tests check that reason); on a
+        # quiet machine the take-back can finish before the first poll sees it Pending at all.
+        assert "NoRoom" not in reasons and set(reasons) <= {"", "AwaitingGuaranteedSlot", "AllAgentsLoaded"}, reasons
         assert sum(len(registry(a, tb)) for a in agents) == 1
         # The newest of tenant a gave one place back: it keeps the other (b now holds the slot).
         newest = status(kube_cluster, ta, names[-1])
