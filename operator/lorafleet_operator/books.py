@@ -11,7 +11,6 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_operator.config import Settings
@@ -101,9 +100,6 @@ class Books:
     #: (namespace, fleet) -> registry name -> its scaling by demand (``spec.scaling``), renewed
     #: by each drift check (:mod:`~lorafleet_operator.scaling`).
     scaling: dict[tuple[str, str], dict[str, AdapterScaling]] = field(default_factory=dict)
-    #: (namespace, adapter) -> the conditions a drift check wrote while the adapter's handler
-    #: was loading it (``claims``): the handler's progress reports write these, not its older copy.
-    corrected_conditions: dict[tuple[str, str], list[dict[str, Any]]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, settings: Settings) -> Books:

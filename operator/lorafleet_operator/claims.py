@@ -121,7 +121,6 @@ async def correct_claims(
     status = corrected_status(adapter, fresh)
     if status is not None and _in_hand(rt, key, listed_at):
         log.info("%s/%s: status corrected, an agent no longer holds it (its handler's load goes on)", *key)
-        rt.books.corrected_conditions[key] = list(status.get("conditions") or [])
         await publish_status(rt, adapter, status)
 
 

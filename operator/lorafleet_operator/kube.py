@@ -28,6 +28,15 @@ REQUEST_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
+class ConditionMessage:
+    """Where a condition is in a stored status (its index in the list), its type and message."""
+
+    index: int
+    type: str
+    message: str
+
+
+@dataclass(frozen=True)
 class SecretData:
     """What the operator reads of a Secret: who opened it (labels, annotations) and its data."""
 
@@ -86,6 +95,15 @@ class Kube:
     async def list_fleets(self, namespace: str) -> list[dict[str, Any]]:
         body = await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, FLEETS)
         return list(body.get("items") or [])
+
+    async def get_adapter(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A LoraAdapter as stored now; None when it is gone."""
+        try:
+            return await self._run(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, ADAPTERS, name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
 
     async def list_adapters(self, namespace: str) -> list[dict[str, Any]]:
         body = await self._run(self.custom.list_namespaced_custom_object, GROUP, VERSION, namespace, ADAPTERS)
@@ -161,6 +179,34 @@ class Kube:
     async def patch_adapter_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         """Merge-patch a LoraAdapter's status; None when the object is gone."""
         return await self._patch_status(ADAPTERS, namespace, name, status)
+
+    async def replace_condition_message(self, namespace: str, name: str, at: ConditionMessage, message: str) -> bool:
+        """Replace one condition's message of a LoraAdapter, only if that condition still is
+        where ``at`` says with the message ``at`` says (a JSON patch whose ``test`` operations
+        guard it): any other writer's newer condition is never written over. False when the
+        guard failed or the object is gone."""
+        path = f"/status/conditions/{at.index}"
+        patch = [
+            {"op": "test", "path": f"{path}/type", "value": at.type},
+            {"op": "test", "path": f"{path}/message", "value": at.message},
+            {"op": "replace", "path": f"{path}/message", "value": message},
+        ]
+        try:
+            await self._run(
+                self.custom.patch_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                namespace,
+                ADAPTERS,
+                name,
+                patch,
+                _content_type="application/json-patch+json",
+            )
+        except ApiException as err:
+            if err.status in (404, 422):  # gone, or a test operation failed: someone wrote since
+                return False
+            raise
+        return True
 
     async def patch_fleet_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict[str, Any] | None:
         return await self._patch_status(FLEETS, namespace, name, status)

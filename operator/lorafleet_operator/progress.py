@@ -5,8 +5,13 @@ agent every :data:`INTERVAL_S` which downloads it is running (``ListAdapters.dow
 agent answers from memory, without waiting on the load) and writes the bytes per agent into the
 Ready condition's message, e.g. "Loading: downloading the source: agent-0 1.5 of 4.4 MiB,
 agent-1 0.8 of 4.4 MiB". The loads themselves never wait on it. When they end, a message it
-wrote is put back as it was, so the handler's own status write (which compares with the status
-from before the loads) decides what the condition says afterwards.
+displaced is put back, so the handler's own status write (which compares with the status from
+before the loads) decides what the condition says afterwards.
+
+Each report replaces only the Ready condition's message, in a JSON patch guarded by the message
+it read just before: a status another writer made meanwhile (a drift check correcting the
+adapter's claims while this handler's loads run, ``claims``) is built on, never written over
+with an older copy.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import urllib3
@@ -22,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 
 from lorafleet_operator import sources
 from lorafleet_operator.agent_values import AgentError
+from lorafleet_operator.kube import ConditionMessage
 from lorafleet_operator.resources import AdapterObject
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.view import FleetView, Target
@@ -47,24 +54,52 @@ def progress_message(per_agent: Mapping[str, tuple[int, int]]) -> str:
     return f"Loading: downloading the source: {parts}"
 
 
-def with_ready_message(conditions: Sequence[Mapping[str, Any]], message: str) -> list[dict[str, Any]]:
-    """The conditions, the Ready one with ``message`` (its status, reason and time kept)."""
-    return [{**c, "message": message} if c.get("type") == "Ready" else dict(c) for c in conditions]
+def ready_message_at(adapter: Mapping[str, Any] | None) -> ConditionMessage | None:
+    """Where the Ready condition is in a stored adapter's status, with its message."""
+    conditions = ((adapter or {}).get("status") or {}).get("conditions") or []
+    for index, condition in enumerate(conditions):
+        if isinstance(condition, Mapping) and condition.get("type") == "Ready":
+            return ConditionMessage(index, "Ready", str(condition.get("message", "")))
+    return None
 
 
-async def _patch_conditions(rt: Runtime, adapter: AdapterObject, conditions: Sequence[Mapping[str, Any]]) -> bool:
-    """Write the conditions; False (logged) when the API refused or failed: best effort."""
+@dataclass
+class _Shown:
+    """What the progress reports have written: the last message, and the message it displaced
+    (the one to put back at the end)."""
+
+    last: str = ""
+    displaced: str = ""
+
+
+async def _show(rt: Runtime, adapter: AdapterObject, message: str, shown: _Shown) -> None:
+    """Write ``message`` into the Ready condition as stored now; a message another writer put
+    there since the last report is the one to put back at the end. Best effort: a failure is
+    logged, and a report racing another writer is skipped (the guard refuses it)."""
     try:
-        await rt.kube.patch_adapter_status(adapter.namespace, adapter.name, {"conditions": list(conditions)})
+        at = ready_message_at(await rt.kube.get_adapter(adapter.namespace, adapter.name))
+        if at is None:
+            return
+        if await rt.kube.replace_condition_message(adapter.namespace, adapter.name, at, message):
+            if at.message != shown.last:
+                shown.displaced = at.message
+            shown.last = message
     except (ApiException, urllib3.exceptions.HTTPError) as err:
         log.warning("could not write the load progress of %s/%s: %s", adapter.namespace, adapter.name, err)
-        return False
-    return True
 
 
-async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject, written: list[str]) -> None:
-    """Every INTERVAL_S, the targets' downloads of this adapter into its Ready message; each
-    message written is appended to ``written``."""
+async def _put_back(rt: Runtime, adapter: AdapterObject, shown: _Shown) -> None:
+    """Put the displaced message back, unless another writer changed the message since."""
+    try:
+        at = ready_message_at(await rt.kube.get_adapter(adapter.namespace, adapter.name))
+        if at is not None and at.message == shown.last:
+            await rt.kube.replace_condition_message(adapter.namespace, adapter.name, at, shown.displaced)
+    except (ApiException, urllib3.exceptions.HTTPError) as err:
+        log.warning("could not clear the load progress of %s/%s: %s", adapter.namespace, adapter.name, err)
+
+
+async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject, shown: _Shown) -> None:
+    """Every INTERVAL_S, the targets' downloads of this adapter into its Ready message."""
     name = adapter.agent_name
     while True:
         await asyncio.sleep(INTERVAL_S)
@@ -77,39 +112,24 @@ async def _report(rt: Runtime, view: FleetView, targets: Sequence[Target], adapt
             if name in running:
                 per_agent[target.agent.name] = running[name]
         message = progress_message(per_agent) if per_agent else ""
-        if (
-            message
-            and message != (written[-1] if written else "")
-            and await _patch_conditions(rt, adapter, with_ready_message(_latest(rt, adapter), message))
-        ):
-            written.append(message)
+        if message and message != shown.last:
+            await _show(rt, adapter, message, shown)
 
 
 @contextlib.asynccontextmanager
 async def reporting(rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject) -> AsyncIterator[None]:
     """Report the loads' download progress while the block runs (remote sources only); then put
-    the Ready condition back as it was if a progress message was written."""
-    # A correction a drift check made during an earlier handler is older than this handler's copy.
-    rt.books.corrected_conditions.pop((adapter.namespace, adapter.name), None)
-    conditions = adapter.status.get("conditions") or []
-    if not targets or not conditions or not sources.is_remote(adapter.spec.source.uri):
+    back the message a progress report displaced, if the last one is still there."""
+    if not targets or not adapter.status.get("conditions") or not sources.is_remote(adapter.spec.source.uri):
         yield
         return
-    written: list[str] = []
-    task = asyncio.create_task(_report(rt, view, targets, adapter, written))
+    shown = _Shown()
+    task = asyncio.create_task(_report(rt, view, targets, adapter, shown))
     try:
         yield
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        if written:
-            await _patch_conditions(rt, adapter, _latest(rt, adapter))
-        rt.books.corrected_conditions.pop((adapter.namespace, adapter.name), None)
-
-
-def _latest(rt: Runtime, adapter: AdapterObject) -> list[dict[str, Any]]:
-    """The adapter's conditions as last written: the handler's copy from its start, or those a
-    drift check wrote since while correcting its claims (``claims``), never set back."""
-    corrected = rt.books.corrected_conditions.get((adapter.namespace, adapter.name))
-    return corrected if corrected is not None else [dict(c) for c in adapter.status.get("conditions") or []]
+        if shown.last:
+            await _put_back(rt, adapter, shown)

@@ -167,3 +167,32 @@ def test_inconsistent_summary_is_refused_by_the_api_server(
     with pytest.raises(ApiException) as err:
         asyncio.run(kube.patch_adapter_status(kube_namespace, "a", status))
     assert "agentsSummary must equal" in str(err.value.body)
+
+
+def test_a_progress_message_never_writes_over_a_newer_condition(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...]
+) -> None:
+    """The download progress replaces only the Ready condition's message, guarded by the message
+    it read: a status another writer stored since (a drift check's correction) is left as it is,
+    and the progress written over the message it read keeps every other field."""
+    from lorafleet_operator.progress import ready_message_at
+
+    kube_cluster.apply(json.dumps(ADAPTER), kube_namespace)
+    kube = Kube(make_api_client(str(kube_cluster.kubeconfig)))
+    asyncio.run(kube.patch_adapter_status(kube_namespace, "a", build_status([], generation=1)))
+    read = ready_message_at(asyncio.run(kube.get_adapter(kube_namespace, "a")))
+    assert read is not None
+    corrected = build_status([LOADED, FAILED_1], generation=1)
+    asyncio.run(kube.patch_adapter_status(kube_namespace, "a", corrected))
+    assert not asyncio.run(kube.replace_condition_message(kube_namespace, "a", read, "Loading: 1 of 2 MiB"))
+    stored = asyncio.run(kube.get_adapter(kube_namespace, "a"))
+    assert stored is not None and stored["status"]["conditions"] == corrected["conditions"]
+    now = ready_message_at(stored)
+    assert now is not None and now.message != read.message
+    assert asyncio.run(kube.replace_condition_message(kube_namespace, "a", now, "Loading: 1 of 2 MiB"))
+    after = asyncio.run(kube.get_adapter(kube_namespace, "a"))
+    assert after is not None
+    ready = after["status"]["conditions"][now.index]
+    expected = corrected["conditions"][now.index]
+    assert ready == {**expected, "message": "Loading: 1 of 2 MiB"}
+    assert asyncio.run(kube.get_adapter(kube_namespace, "missing")) is None
