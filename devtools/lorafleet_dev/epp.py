@@ -4,9 +4,11 @@ node agents (docs/gateway.md).
 
 The EPP watches one ``InferencePool`` and the Ready Pods its selector matches, and scrapes each
 pod's ``/metrics`` at ``status.podIP:<targetPort>``. Local agents are no real pods: each listens
-on a loopback address of its own (127.0.0.N, one HTTP port for all, as the pool has one target
-port), and its Pod object, written by the stand-in kubelet, carries that address as its IP.
-Requests reach the EPP through :mod:`lorafleet_dev.ext_proc`, standing in for Envoy.
+on an address of its own on this machine (:mod:`lorafleet_dev.addresses`; one HTTP port for all,
+as the pool has one target port), and its Pod object, written by the stand-in kubelet, carries
+that address as its IP. Requests reach the EPP through :mod:`lorafleet_dev.ext_proc`, standing
+in for Envoy; :func:`adapter_slices` and :func:`subset_hint` are what a gateway reads of
+lorafleet's EndpointSlices to send the EPP a subset hint.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lorafleet_dev.controlplane import ControlPlane
 from lorafleet_dev.processes import ChildProcess, built_bin_dir, free_port
+from lorafleet_operator.routing import ADAPTER_LABEL, MANAGED_BY, MANAGED_BY_LABEL, adapter_label
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-epp.sh"
 #: The CRDs the EPP reads, by name, and their files in the module: InferencePool, and the optional
@@ -245,6 +248,14 @@ def start_epp(cluster: ControlPlane, build: EppBuild, pool: PoolSpec, log_dir: P
         epp.stop()
         raise
     return epp
+
+
+def adapter_slices(cluster: ControlPlane, namespace: str, adapter: str) -> list[dict[str, Any]]:
+    """The EndpointSlices the operator wrote for one LoraAdapter (by its resource name), as the
+    API server holds them: those labelled with the adapter and with lorafleet's managed-by value
+    (docs/operator.md, "Routing trust": a gateway routes by no other)."""
+    selector = f"{ADAPTER_LABEL}={adapter_label(adapter)},{MANAGED_BY_LABEL}={MANAGED_BY}"
+    return list(cluster.kubectl_json("get", "endpointslices", "-n", namespace, "-l", selector)["items"])
 
 
 def subset_hint(slices: Sequence[Mapping[str, Any]], port_name: str = "http") -> tuple[str, ...]:

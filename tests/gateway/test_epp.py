@@ -1,29 +1,37 @@
 """lorafleet behind the Gateway API Inference Extension's real endpoint picker (EPP v1.5.0, built
-by scripts/build-epp.sh from its Go module): the session's real control plane holds an
-InferencePool whose Pods are three real agents (builtin engine) on loopback addresses of their
-own, the EPP scrapes their ``/metrics``, and an ext_proc client stands in for Envoy: it asks the
-EPP for an endpoint, then sends the request there with the official ``openai`` client.
+by scripts/build-epp.sh from its Go module), with lorafleet's operator placing the adapters: the
+session's real control plane holds a LoraFleet, its LoraAdapters and an InferencePool whose Pods
+are three real agents (builtin engine), each on an address of its own (198.18.38.x on ``lo``,
+:mod:`lorafleet_dev.addresses`: the API server refuses loopback addresses in EndpointSlices).
+The real operator places the adapters and writes their EndpointSlices, the EPP scrapes the
+agents' ``/metrics``, and an ext_proc client stands in for Envoy: it asks the EPP for an
+endpoint, then sends the request there with the official ``openai`` client.
 
 Topology: tp=1, dp=1 per agent. The EPP sees a pod as one endpoint whatever its ranks, so more
 ranks would test nothing more here and cost three times the processes on a shared 2-core machine;
 two device slots per agent (``--max-loras-per-batch`` and ``--max-loaded-loras`` 2) against four
 fleet adapters, so serving every adapter everywhere needs loads on first request and evictions.
 
-Placement is driven straight through each agent's gRPC LoadAdapter: every fleet adapter is
-resident on some agents and on standby (``standby=true``) on the others, as the operator will
-place adapters with ``spec.scaling.minReplicas: 0``. One more adapter, ``gw.solo``, is placed the
-way fixed replicas are (pinned on one agent, absent elsewhere): the picker's assumption that any
-pod serves any adapter does not hold for it, which the subset hint built from lorafleet's
-EndpointSlices repairs.
+Placement is the operator's: the four fleet adapters have ``spec.scaling.minReplicas: 0``, so
+they start on standby on every agent; a first request loads one where the EPP sent it, and once
+an adapter has had requests the operator grants it one resident replica (its demand is far
+below the target of 1000 per replica, which still recommends one). One more adapter, ``solo``, has
+fixed ``replicas: 1`` (pinned): on one agent, absent elsewhere. The picker's assumption that
+any pod serves any adapter does not hold for it, which the subset hint repairs: the test reads
+the adapter's EndpointSlices back from the API server (the union of the slices labelled with it
+and managed by lorafleet) and builds the hint from them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import openai
@@ -31,39 +39,63 @@ import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_dev.addresses import local_addresses
 from lorafleet_dev.agents import AgentProcess, AgentSpec
-from lorafleet_dev.epp import EppProcess, PoolSpec, create_inference_pool, epp_build, install_pool_crds, start_epp, subset_hint
+from lorafleet_dev.epp import (
+    EppProcess,
+    PoolSpec,
+    adapter_slices,
+    create_inference_pool,
+    epp_build,
+    install_pool_crds,
+    start_epp,
+    subset_hint,
+)
 from lorafleet_dev.ext_proc import ExtProcClient, Pick, ProxiedRequest
+from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.processes import HarnessError, free_port
-from lorafleet_operator.resources import ObjectRef
-from lorafleet_operator.routing import RoutedPod, desired_slices
 from tests.agent.helpers import make_adapter, make_model
 from tests.kube.harness import ControlPlane
+from tests.operator.agents import FLEET_LABEL, adapter_manifest, apply, fleet_manifest, status
+from tests.operator.conftest import OperatorProcess, start_operator, wait_for
 
-TOKEN = "gateway-test-token"
 BASE = "tiny-llama"
 SLOTS = 2
-AGENTS = {"agent-0": "127.0.0.2", "agent-1": "127.0.0.3", "agent-2": "127.0.0.4"}
-FLEET = ("gw.f0", "gw.f1", "gw.f2", "gw.f3")
-#: Where each fleet adapter is resident; on every other agent it is on standby.
-RESIDENT = {"agent-0": ("gw.f0", "gw.f1"), "agent-1": ("gw.f2",), "agent-2": ()}
-HOT = "gw.f2"
-SOLO, SOLO_AGENT = "gw.solo", "agent-2"
+AGENTS = {"agent-0": "198.18.38.10", "agent-1": "198.18.38.11", "agent-2": "198.18.38.12"}
+POOL_SELECTOR = {"app.kubernetes.io/name": "lorafleet-agent"}
+#: LoraAdapter names; the agents (and requests) name them "<namespace>.<name>".
+FLEET = ("f0", "f1", "f2", "f3")
+HOT, SOLO = "f2", "solo"
+#: On standby everywhere; resident where a request loaded it, and on one agent once it has had
+#: demand (any demand under 1000 per replica recommends one replica). The scale-down window
+#: outlasts the test: nothing is put back on standby while requests are measured.
+STANDBY_SCALING = {
+    "minReplicas": 0,
+    "maxReplicas": len(AGENTS),
+    "target": {"perReplica": 1000},
+    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 3600}},
+}
 PROMPT = "w5 w6 w7 w8"
 
 
 @dataclass
 class Gateway:
-    """The agents (by pod name), their HTTP port (the pool's target port), the EPP and its client;
-    one gRPC channel and one OpenAI client per agent, closed by :meth:`close`."""
+    """The agents (by pod name), their HTTP port (the pool's target port), the EPP and its client,
+    the control plane and the test namespace; one gRPC channel and one OpenAI client per agent,
+    closed by :meth:`close`."""
 
     agents: dict[str, AgentProcess]
     http_port: int
     epp: EppProcess
     picker: ExtProcClient
+    cluster: ControlPlane
     namespace: str
     channels: dict[str, grpc.Channel] = field(default_factory=dict)
     clients: dict[str, openai.OpenAI] = field(default_factory=dict)
+
+    def model(self, adapter: str) -> str:
+        """The name a request gives for a LoraAdapter of the test namespace."""
+        return f"{self.namespace}.{adapter}"
 
     def agent_at(self, endpoint: str | None) -> str:
         """The pod behind an endpoint the EPP picked (``ip:port``)."""
@@ -73,10 +105,10 @@ class Gateway:
         return next(name for name, address in AGENTS.items() if address == ip)
 
     def client(self, pod: str) -> openai.OpenAI:
-        """The official OpenAI client of one agent's HTTP API."""
+        """The official OpenAI client of one agent's HTTP API (the agents take no token)."""
         if pod not in self.clients:
             url = f"http://{AGENTS[pod]}:{self.http_port}/v1"
-            self.clients[pod] = openai.OpenAI(base_url=url, api_key=TOKEN, max_retries=0, timeout=120)
+            self.clients[pod] = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
         return self.clients[pod]
 
     def stub(self, pod: str) -> agent_pb2_grpc.NodeAgentStub:
@@ -93,33 +125,31 @@ class Gateway:
 
     def residency(self, pod: str) -> dict[str, int]:
         """Adapter name -> residency, as the agent's ListAdapters says."""
-        reply = self.stub(pod).ListAdapters(pb.ListAdaptersRequest(), timeout=30, metadata=_auth())
+        reply = self.stub(pod).ListAdapters(pb.ListAdaptersRequest(), timeout=30)
         return {a.name: a.residency for a in reply.adapters}
 
+    def states(self, adapter: str) -> dict[str, str]:
+        """Pod -> the adapter's state there, as the operator's status says."""
+        return {a["pod"]: a["state"] for a in status(self.cluster, self.namespace, adapter).get("agents") or []}
+
+    def hint(self, adapter: str) -> tuple[str, ...]:
+        """The subset hint a gateway builds for the adapter from its EndpointSlices on the API server."""
+        return subset_hint(adapter_slices(self.cluster, self.namespace, adapter))
+
     def pick(self, adapter: str, subset: tuple[str, ...] = ()) -> Pick:
-        return self.picker.pick(ProxiedRequest({"model": adapter, "prompt": PROMPT, "max_tokens": 4}, subset=subset))
-
-
-def _auth() -> tuple[tuple[str, str]]:
-    return (("authorization", f"Bearer {TOKEN}"),)
-
-
-def _load(gateway: Gateway, pod: str, name: str, root: Path, **fields: bool) -> None:
-    request = pb.LoadAdapterRequest(name=name, source_uri=(root / name).as_uri(), **fields)
-    reply = gateway.stub(pod).LoadAdapter(request, timeout=120, metadata=_auth())
-    assert reply.success, f"{pod} {name}: {reply.error_message}"
+        body = {"model": self.model(adapter), "prompt": PROMPT, "max_tokens": 4}
+        return self.picker.pick(ProxiedRequest(body, subset=subset))
 
 
 def _start_agents(base: Path, http_port: int) -> dict[str, AgentProcess]:
-    token = base / "token"
-    token.write_text(TOKEN)
+    """The three agents, each on its address, every adapter's source under one root."""
     root = base / "adapters"
     for seed, name in enumerate((*FLEET, SOLO)):
         make_adapter(root / name, seed=700 + seed)
     spec = AgentSpec(model_dir=make_model(base / BASE), adapter_roots=(root,), base_model_name=BASE, tp=1, dp=1, max_loaded_loras=SLOTS)
     agents = {}
     for name, ip in AGENTS.items():
-        flags = ("--http-listen", f"{ip}:{http_port}", "--auth-token-file", str(token), "--max-loras-per-batch", str(SLOTS))
+        flags = ("--http-listen", f"{ip}:{http_port}", "--max-loras-per-batch", str(SLOTS))
         agents[name] = AgentProcess(name, replace(spec, host=ip, extra_args=flags), base / "logs").start()
     try:
         for agent in agents.values():
@@ -131,16 +161,76 @@ def _start_agents(base: Path, http_port: int) -> dict[str, AgentProcess]:
     return agents
 
 
-def _place(gateway: Gateway, root: Path) -> None:
-    """Fleet adapters resident where RESIDENT says, standby elsewhere; SOLO pinned on one agent."""
-    for pod, resident in RESIDENT.items():
-        for name in FLEET:
-            _load(gateway, pod, name, root, standby=name not in resident)
-    _load(gateway, SOLO_AGENT, SOLO, root, pinned=True)
+@contextlib.contextmanager
+def _serving(base: Path, http_port: int) -> Iterator[dict[str, AgentProcess]]:
+    agents = _start_agents(base, http_port)
+    try:
+        yield agents
+    finally:
+        for agent in agents.values():
+            agent.stop()
+
+
+def _add_pod(cluster: ControlPlane, namespace: str, agent: AgentProcess, http_port: int) -> None:
+    """The agent's Pod: in the fleet and the pool, its gRPC and HTTP ports, Ready at its address."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": agent.name, "namespace": namespace, "labels": {**POOL_SELECTOR, FLEET_LABEL: "default"}},
+        "spec": {
+            "nodeName": LOCAL_NODE,
+            "terminationGracePeriodSeconds": 0,
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "agent",
+                    "image": "lorafleet-agent:local",
+                    "ports": [{"name": "grpc", "containerPort": agent.port}, {"name": "http", "containerPort": http_port}],
+                }
+            ],
+        },
+    }
+    cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
+    cluster.write_pod_status(namespace, agent.name, ready=True, ip=agent.spec.host)
+
+
+def _manifests(root: Path) -> list[dict[str, Any]]:
+    """The fleet (pinning allowed), the fleet adapters on standby, and SOLO on one agent, pinned."""
+    fleet = fleet_manifest()
+    manifests = [{**fleet, "spec": {**fleet["spec"], "pinning": {"allowed": True}}}]
+    for name in FLEET:
+        body = adapter_manifest(name, root / name, base_model=BASE)
+        manifests.append({**body, "spec": {**body["spec"], "scaling": STANDBY_SCALING}})
+    solo = adapter_manifest(SOLO, root / SOLO, base_model=BASE)
+    return [*manifests, {**solo, "spec": {**solo["spec"], "replicas": 1, "pinned": True}}]
+
+
+@contextlib.contextmanager
+def _operating(cluster: ControlPlane, namespace: str, root: Path, work_dir: Path) -> Iterator[OperatorProcess]:
+    """The fleet and its adapters, the operator placing them; on the way out the adapters
+    deleted (their finalizers are the operator's) and the operator stopped."""
+    apply(cluster, namespace, *_manifests(root))
+    operator = start_operator(cluster, namespace, work_dir)
+    try:
+        yield operator
+    finally:
+        cluster.kubectl("delete", "la", "--all", "-n", namespace, "--wait=true", "--timeout=60s")
+        operator.stop()
+
+
+def _placed(gateway: Gateway) -> bool:
+    """The operator's placement is done and published: every fleet adapter Standby on every
+    agent and routed to all of them, SOLO Loaded on one agent and routed there alone."""
+    everywhere = tuple(sorted(f"{ip}:{gateway.http_port}" for ip in AGENTS.values()))
+    for name in FLEET:
+        if gateway.states(name) != dict.fromkeys(AGENTS, "Standby") or gateway.hint(name) != everywhere:
+            return False
+    solo = [pod for pod, state in gateway.states(SOLO).items() if state == "Loaded"]
+    return len(solo) == 1 and gateway.hint(SOLO) == (f"{AGENTS[solo[0]]}:{gateway.http_port}",)
 
 
 @pytest.fixture(scope="module")
-def gateway(kube_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gateway(kube_cluster: ControlPlane, lorafleet_crds: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     try:
         build = epp_build()
     except HarnessError as exc:
@@ -149,37 +239,33 @@ def gateway(kube_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory
     install_pool_crds(kube_cluster, build)
     namespace = kube_cluster.create_namespace(prefix="gw")
     http_port = free_port()
-    agents = _start_agents(base, http_port)
-    epp = gateway = None
-    try:
-        for name, ip in AGENTS.items():
-            kube_cluster.create_agent_pod(namespace, name, http_port, ip=ip, port_name="http")
-        pool = PoolSpec(namespace, "lorafleet", {"app.kubernetes.io/name": "lorafleet-agent"}, http_port)
+    with contextlib.ExitStack() as stack:
+        stack.callback(kube_cluster.delete_namespace, namespace)
+        stack.enter_context(local_addresses(tuple(AGENTS.values())))
+        agents = stack.enter_context(_serving(base, http_port))
+        for agent in agents.values():
+            _add_pod(kube_cluster, namespace, agent, http_port)
+        operator = stack.enter_context(_operating(kube_cluster, namespace, base / "adapters", base / "logs"))
+        pool = PoolSpec(namespace, "lorafleet", POOL_SELECTOR, http_port)
         create_inference_pool(kube_cluster, pool, picker_port=9002)
         epp = start_epp(kube_cluster, build, pool, base / "logs")
-        gateway = Gateway(agents, http_port, epp, ExtProcClient(epp.address, build.descriptors), namespace)
-        _place(gateway, base / "adapters")
+        stack.callback(epp.stop)
+        gateway = Gateway(agents, http_port, epp, ExtProcClient(epp.address, build.descriptors), kube_cluster, namespace)
+        stack.callback(gateway.close)
+        wait_for(lambda: _placed(gateway), 180, "the operator to place every adapter and publish its slices", operator)
         epp.wait_for_view(
             "the EPP to scrape every agent", lambda views: all(views.get(a) and views[a].max_adapters == SLOTS for a in AGENTS)
         )
         yield gateway
-    finally:
-        if gateway is not None:
-            gateway.close()
-        if epp is not None:
-            epp.stop()
-        for agent in agents.values():
-            agent.stop()
-        kube_cluster.delete_namespace(namespace)
 
 
 def _forward(gateway: Gateway, pod: str, adapter: str) -> int:
     """Send the request to the picked agent as the gateway would; the HTTP status it answers."""
     try:
-        completion = gateway.client(pod).completions.create(model=adapter, prompt=PROMPT, max_tokens=4)
+        completion = gateway.client(pod).completions.create(model=gateway.model(adapter), prompt=PROMPT, max_tokens=4)
     except openai.APIStatusError as err:
         return err.status_code
-    assert completion.model == adapter, completion
+    assert completion.model == gateway.model(adapter), completion
     return 200
 
 
@@ -192,9 +278,10 @@ def test_every_fleet_request_is_answered_by_the_picked_agent(gateway: Gateway) -
     for _ in range(6):
         for adapter in FLEET:
             pod = gateway.agent_at(gateway.pick(adapter).endpoint)
-            before = gateway.residency(pod).get(adapter, pb.ADAPTER_RESIDENCY_UNSPECIFIED)
+            before = gateway.residency(pod).get(gateway.model(adapter), pb.ADAPTER_RESIDENCY_UNSPECIFIED)
             statuses[_forward(gateway, pod, adapter)] += 1
             served[pod, "absent" if before == pb.ADAPTER_RESIDENCY_UNSPECIFIED else pb.AdapterResidency.Name(before)] += 1
+    print(f"fleet requests: {dict(statuses)}; served by (pod, residency before): {dict(served)}")
     assert statuses == {200: 6 * len(FLEET)}, served
     # Some were loaded on first request, and the picks spread: nothing here pins them.
     assert sum(n for (_, residency), n in served.items() if residency == "ADAPTER_RESIDENCY_STANDBY") >= 1, served
@@ -205,7 +292,7 @@ def _keep_busy(gateway: Gateway, pod: str, adapter: str, stop: threading.Event) 
     """Streams for ``adapter`` on ``pod``, one after another until ``stop``: live traffic."""
     client = gateway.client(pod)
     while not stop.is_set():
-        with client.completions.create(model=adapter, prompt=PROMPT, max_tokens=1024, stream=True) as stream:
+        with client.completions.create(model=gateway.model(adapter), prompt=PROMPT, max_tokens=1024, stream=True) as stream:
             for _ in stream:
                 if stop.is_set():
                     break
@@ -213,35 +300,27 @@ def _keep_busy(gateway: Gateway, pod: str, adapter: str, stop: threading.Event) 
 
 def test_requests_for_a_hot_adapter_go_to_its_holder(gateway: Gateway) -> None:
     """While HOT has requests running on agent-1 only (two overlapping streams, so every scrape
-    sees it there), the LoRA-affinity scorer sends every new request for it to agent-1, though
-    the other agents could load it from standby."""
+    sees it there; agent-1 holds it resident), the LoRA-affinity scorer sends every new request
+    for it to agent-1, though the other agents could load it from standby."""
     stop = threading.Event()
     workers = [threading.Thread(target=_keep_busy, args=(gateway, "agent-1", HOT, stop)) for _ in range(2)]
     for worker in workers:
         worker.start()
     try:
-        gateway.epp.wait_for_view(f"the EPP to see {HOT} running on agent-1", lambda views: HOT in views["agent-1"].running_adapters)
+        gateway.epp.wait_for_view(
+            f"the EPP to see {HOT} running on agent-1", lambda views: gateway.model(HOT) in views["agent-1"].running_adapters
+        )
+        holders = [pod for pod in AGENTS if gateway.residency(pod).get(gateway.model(HOT)) == pb.ADAPTER_RESIDENCY_RESIDENT]
         picks = Counter(gateway.agent_at(gateway.pick(HOT).endpoint) for _ in range(20))
         answered = Counter(_forward(gateway, "agent-1", HOT) for _ in range(2))
     finally:
         stop.set()
         for worker in workers:
             worker.join()
+    print(f"hot adapter picks: {dict(picks)} (resident on {holders})")
+    assert "agent-1" in holders, holders
     assert picks == {"agent-1": 20}, picks
     assert answered == {200: 2}
-
-
-def _solo_hint(gateway: Gateway) -> tuple[str, ...]:
-    """The subset hint for SOLO from lorafleet's EndpointSlices: the operator's own
-    `desired_slices` over the pods whose agent holds it resident (what its `routed_pods` picks;
-    the API server refuses loopback addresses in a slice, so these are built, not stored)."""
-    holders = [
-        RoutedPod(pod, f"uid-{pod}", AGENTS[pod], (("grpc", agent.port), ("http", gateway.http_port)))
-        for pod, agent in gateway.agents.items()
-        if gateway.residency(pod).get(SOLO) == pb.ADAPTER_RESIDENCY_RESIDENT
-    ]
-    slices = desired_slices(ObjectRef("LoraAdapter", gateway.namespace, "solo", "uid-solo"), "lorafleet-adapters", holders)
-    return subset_hint(slices)
 
 
 def _pick_and_forward(gateway: Gateway, adapter: str, hint: tuple[str, ...] = ()) -> tuple[str, int]:
@@ -250,14 +329,37 @@ def _pick_and_forward(gateway: Gateway, adapter: str, hint: tuple[str, ...] = ()
     return pod, _forward(gateway, pod, adapter)
 
 
+def _unhinted(gateway: Gateway, adapter: str, holder: str) -> Counter[tuple[str, int]]:
+    """Requests for ``adapter`` sent without a hint, until three went elsewhere than ``holder``
+    (the picks among equal pods are the EPP's random choice, and an agent's leftover load can
+    tilt them: a count, not a clock, bounds the tries)."""
+    sent: Counter[tuple[str, int]] = Counter()
+    for _ in range(48):
+        pod, answer = _pick_and_forward(gateway, adapter)
+        sent[pod, answer] += 1
+        if sum(n for (other, _), n in sent.items() if other != holder) == 3:
+            break
+    return sent
+
+
 def test_subset_hint_from_endpoint_slices_routes_to_holders(gateway: Gateway) -> None:
-    """SOLO is placed the fixed-replicas way (on agent-2 only). Without a hint the EPP sends its
-    requests anywhere and the agents without it answer 404; with the hint built from its
-    EndpointSlices every request goes to agent-2 and is answered."""
-    hint = _solo_hint(gateway)
-    assert hint == (f"{AGENTS[SOLO_AGENT]}:{gateway.http_port}",)
-    unhinted = Counter(_pick_and_forward(gateway, SOLO) for _ in range(12))
+    """SOLO is placed by fixed replicas, on one agent. Without a hint the EPP sends its requests
+    anywhere and the agents without it answer 404; with the hint built from the EndpointSlices
+    the operator wrote (read back from the API server) every request goes to its agent and is
+    answered. The fleet adapters' slices list every agent (on standby there with room), and
+    requests hinted with them are answered too."""
+    solo_agents = [pod for pod, state in gateway.states(SOLO).items() if state == "Loaded"]
+    assert len(solo_agents) == 1, solo_agents
+    hint = gateway.hint(SOLO)
+    assert hint == (f"{AGENTS[solo_agents[0]]}:{gateway.http_port}",)
+    unhinted = _unhinted(gateway, SOLO, solo_agents[0])
     hinted = Counter(_pick_and_forward(gateway, SOLO, hint) for _ in range(12))
-    assert hinted == {(SOLO_AGENT, 200): 12}, hinted
-    assert all(status == 404 for (pod, status) in unhinted if pod != SOLO_AGENT), unhinted
-    assert sum(n for (pod, _), n in unhinted.items() if pod != SOLO_AGENT) >= 1, unhinted
+    fleet_hints = {name: gateway.hint(name) for name in FLEET}
+    fleet_hinted = Counter(_pick_and_forward(gateway, name, fleet_hints[name])[1] for name in FLEET)
+    print(f"solo on {solo_agents[0]}: unhinted {dict(unhinted)}; hinted {dict(hinted)}; fleet hinted {dict(fleet_hinted)}")
+    assert hinted == {(solo_agents[0], 200): 12}, hinted
+    assert all(status == 404 for (pod, status) in unhinted if pod != solo_agents[0]), unhinted
+    assert sum(n for (pod, _), n in unhinted.items() if pod != solo_agents[0]) >= 1, unhinted
+    everywhere = tuple(sorted(f"{ip}:{gateway.http_port}" for ip in AGENTS.values()))
+    assert fleet_hints == dict.fromkeys(FLEET, everywhere), fleet_hints
+    assert fleet_hinted == {200: len(FLEET)}, fleet_hinted
