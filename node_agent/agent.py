@@ -135,6 +135,7 @@ class Agent:
         self.metrics.engine_up.set(1)
         self.metrics.serve_engine(engine.serving_stats, self.adapter_name, self.backend.capacity.max_loras_per_batch)
         serve_residency(self.metrics, self.registry, capacity)
+        self.metrics.watch_standby_memory(self.on_demand.memory)
 
     @classmethod
     def start(cls, engine_config: EngineConfig, config: AgentConfig, metrics: AgentMetrics | None = None) -> Agent:
@@ -331,6 +332,7 @@ class Agent:
 
     def _load_standby(self, name: str, source: ResolvedSource) -> ControlResult:
         """Publish a verified snapshot on standby (no rank is asked); retire the version it replaces."""
+        self.on_demand.memory.offer(source, wait=True)  # its copy in host memory, if it fits (node_agent.standby_memory)
         previous = self.registry.publish(AdapterEntry(name, self.registry.new_engine_name(name), source, False, standby=True))
         self.metrics.loaded_adapters.set(len(self.registry.entries()))
         if previous is not None:
@@ -384,6 +386,7 @@ class Agent:
         version: no rank holds it)."""
         if entry.standby:
             self.registry.forget(entry)
+            self.on_demand.memory.drop(entry.source)
             entry.source.discard()
             return self._standby_result()
         if not self.registry.wait_idle(entry.engine_name, self.config.drain_timeout_s):
@@ -401,6 +404,7 @@ class Agent:
             raise self._engine_error(error) from None
         finally:
             self.registry.forget(entry)
+            self.on_demand.memory.drop(entry.source)
             entry.source.discard()
 
     # -- Forward / Generate ----------------------------------------------------------------------

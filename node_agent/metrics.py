@@ -39,6 +39,16 @@ class BudgetState(Protocol):
     def waiting(self) -> int: ...
 
 
+class StandbyMemoryState(Protocol):
+    """The host-memory tier of standby snapshots as its gauges read it (`StandbyMemory`)."""
+
+    @property
+    def bytes_held(self) -> int: ...
+
+    @property
+    def adapters_held(self) -> int: ...
+
+
 class AgentMetrics:
     """Every metric the agent exports."""
 
@@ -85,12 +95,25 @@ class AgentMetrics:
             buckets=CONTROL_BUCKETS,
             registry=r,
         )
+        self.standby_memory_bytes = Gauge(
+            "lorafleet_agent_standby_memory_bytes",
+            "Bytes of standby adapters' snapshots held in host memory (--standby-memory-mib), copies being written included",
+            registry=r,
+        )
+        self.standby_memory_adapters = Gauge(
+            "lorafleet_agent_standby_memory_adapters", "Adapter versions whose snapshot has a copy in host memory", registry=r
+        )
         self.adapters = AdapterRequestMetrics(r)
 
     def watch_budget(self, name: str, budget: BudgetState) -> None:
         """Export a call budget's places taken and queue, read at scrape time."""
         self.calls_running.labels(name).set_function(lambda: budget.running)
         self.calls_waiting.labels(name).set_function(lambda: budget.waiting)
+
+    def watch_standby_memory(self, tier: StandbyMemoryState) -> None:
+        """Export the host-memory tier's bytes and adapters, read at scrape time."""
+        self.standby_memory_bytes.set_function(lambda: tier.bytes_held)
+        self.standby_memory_adapters.set_function(lambda: tier.adapters_held)
 
     def serve_engine(self, stats: Callable[[], ServingStats], public_name: Callable[[str], str], max_lora: int) -> None:
         """Export the engine's serving state (`ServingCollector`) with the other metrics."""

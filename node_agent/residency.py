@@ -1,7 +1,8 @@
 """Standby adapters and their load on first request: the one rule (docs/agent.md, Standby).
 
 A standby adapter is routable but not held by the backend: its verified snapshot is kept on
-disk. The first inference request that names it loads it (`OnDemand.lease`):
+disk (and in host memory where the budget allows). The first inference request that names it
+loads it (`OnDemand.lease`):
 
 * one load per adapter at a time: concurrent requests for it wait on the same load;
 * at most `max_concurrent` on-demand loads at once (`--max-concurrent-adapter-loads`);
@@ -21,7 +22,9 @@ disk. The first inference request that names it loads it (`OnDemand.lease`):
   for an adapter that could be evicted and none could.
 
 The backend is driven through the seam's own load and unload (`Backend.load`, `.unload`), so
-the builtin engine and the vLLM servers serve it alike.
+the builtin engine and the vLLM servers serve it alike. A load reads the version's copy in host
+memory when it has one, and an adapter evicted back to standby is offered to that tier
+(`node_agent.standby_memory`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from node_agent.backend import (
     AdapterRefused,
@@ -49,6 +52,7 @@ from node_agent.backend import (
 )
 from node_agent.errors import AgentError, CapacityExceeded, EngineUnavailable
 from node_agent.registry import AdapterEntry, Lease, OnStandby, PlaceReservation, Registry, ResidentUse
+from node_agent.standby_memory import SnapshotFiles, StandbyMemory, StandbyMemorySettings
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class OnDemandSettings:
 
     max_concurrent: int = DEFAULT_MAX_CONCURRENT_LOADS  # --max-concurrent-adapter-loads
     deadline_s: float = DEFAULT_LOAD_DEADLINE_S  # --adapter-load-deadline-s
+    memory: StandbyMemorySettings = field(default_factory=StandbyMemorySettings)  # standby snapshots in host memory
 
 
 class _Gone(Exception):
@@ -102,10 +107,12 @@ class OnDemand:
         # is idle until its waiters lease it, and must not be evicted in that moment
         self._wanted: Counter[str] = Counter()
         self._no_room: set[str] = set()  # loads waiting for an adapter that can be evicted
+        self.memory = StandbyMemory(settings.memory)  # standby snapshots' copies in host memory
 
     def close(self) -> None:
-        """Start no further load (a running one completes on its thread)."""
+        """Start no further load (a running one completes on its thread); empty the memory tier."""
         self._loads.shutdown(wait=False, cancel_futures=True)
+        self.memory.close()
 
     def lease(self, names: Sequence[str]) -> Lease:
         """Lease the adapters' current versions, loading those on standby first (waiting, up to
@@ -138,10 +145,9 @@ class OnDemand:
         """Load a standby version now (a LoadAdapter that wants it resident; the caller holds its
         name's lock), evicting as a first request would."""
         try:
-            place = self._take_place(entry.name, time.monotonic() + self._settings.deadline_s)
+            self._load_entry(entry, time.monotonic() + self._settings.deadline_s)
         except _NoRoom:
             raise self._late(entry.name, starved=True) from None
-        self._load_entry(entry, place)
 
     def _resident(self, name: str, deadline: float) -> None:
         """Make `name` resident: load it, or wait for its load in flight. Raises the deadline's
@@ -179,15 +185,21 @@ class OnDemand:
             entry = self._registry.get(name)
             if entry is None or not entry.standby:
                 return  # unloaded (the next lease says so) or resident already
-            self._load_entry(entry, self._take_place(name, deadline))
+            self._load_entry(entry, deadline)
 
-    def _load_entry(self, entry: AdapterEntry, place: PlaceReservation) -> None:
-        """Load `entry` into its reserved `place`; the place is given back if the load fails."""
+    def _load_entry(self, entry: AdapterEntry, deadline: float) -> None:
+        """Make room for `entry` and load it; its copy in host memory, if any, is held first, so
+        that making room (the evicted adapter's copy) never pushes it out of memory."""
+        with self.memory.loading(entry.source) as files:
+            self._load_into(entry, files, self._take_place(entry.name, deadline))
+
+    def _load_into(self, entry: AdapterEntry, files: SnapshotFiles, place: PlaceReservation) -> None:
+        """Load `entry` from `files` into its reserved `place`; the place is given back if the load fails."""
         engine_name = self._registry.new_engine_name(entry.name)
         source = entry.source
         started = time.monotonic()
         try:
-            self._backend.load(LoadRequest(engine_name, source.path, False, source.content, source.written))
+            self._backend.load(LoadRequest(engine_name, files.path, False, source.content, files.written))
             self._registry.publish(replace(entry, engine_name=engine_name, standby=False), place)
         except LoadFailed as error:
             raise _load_failed(entry.name, error.result.error) from None
@@ -236,6 +248,7 @@ class OnDemand:
                 self._registry.release_place(place)
                 raise EngineUnavailable(f"evicting adapter {victim.name!r} to make room failed: {error}") from None
             log.info("adapter %s evicted to standby (least recently used, idle)", victim.name)
+            self.memory.offer(victim.source)  # into host memory, on the tier's thread (before any unload drops it)
             return place
 
     def _late(self, name: str, *, starved: bool) -> AgentError:

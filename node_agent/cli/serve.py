@@ -34,6 +34,7 @@ from node_agent.sources import (
     SourcePolicy,
     parse_allow_entry,
 )
+from node_agent.standby_memory import MIB, StandbyMemorySettings
 
 log = logging.getLogger("lorafleet.agent")
 
@@ -160,7 +161,22 @@ def on_demand_settings(args: argparse.Namespace) -> OnDemandSettings:
         raise UsageError("--max-concurrent-adapter-loads must be at least 1")
     if not args.adapter_load_deadline_s > 0:
         raise UsageError("--adapter-load-deadline-s must be positive")
-    return OnDemandSettings(args.max_concurrent_adapter_loads, args.adapter_load_deadline_s)
+    return OnDemandSettings(args.max_concurrent_adapter_loads, args.adapter_load_deadline_s, standby_memory_settings(args))
+
+
+def standby_memory_settings(args: argparse.Namespace) -> StandbyMemorySettings:
+    """The host-memory tier of standby snapshots, from the flags; its directory must be usable."""
+    if args.standby_memory_mib < 0:
+        raise UsageError("--standby-memory-mib must be 0 (off) or more")
+    settings = StandbyMemorySettings(args.standby_memory_mib * MIB, args.standby_memory_dir)
+    if settings.enabled:
+        try:
+            settings.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--standby-memory-dir {settings.directory} is not usable: {error.strerror or error}") from None
+        if not os.access(settings.directory, os.W_OK | os.X_OK):
+            raise UsageError(f"--standby-memory-dir {settings.directory} is not a directory this agent can write")
+    return settings
 
 
 def http_options(args: argparse.Namespace, options: ServerOptions) -> HttpOptions | None:

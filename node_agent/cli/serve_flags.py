@@ -26,6 +26,7 @@ from node_agent.sources import (
     DEFAULT_MAX_CONCURRENT_DOWNLOADS,
     DEFAULT_S3_REGION,
 )
+from node_agent.standby_memory import DEFAULT_DIRECTORY as DEFAULT_STANDBY_MEMORY_DIR
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,6 +221,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_LOAD_DEADLINE_S,
         metavar="S",
         help=f"how long a request waits for its standby adapter's load before it is refused (default {DEFAULT_LOAD_DEADLINE_S:g})",
+    )
+    parser.add_argument(
+        "--standby-memory-mib",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="keep standby adapters' verified snapshots in host memory too, up to this many MiB in all (the "
+        "least recently standby-ed leave first); their first request loads from memory (default 0: off, disk only)",
+    )
+    parser.add_argument(
+        "--standby-memory-dir",
+        type=Path,
+        default=DEFAULT_STANDBY_MEMORY_DIR,
+        metavar="DIR",
+        help="the memory-backed directory (tmpfs) of those copies, this agent's own; with --backend vllm the "
+        f"servers read it at the same path (default {DEFAULT_STANDBY_MEMORY_DIR})",
     )
     parser.add_argument(
         "--exit-linger-s",
