@@ -15,9 +15,9 @@ from node_agent.sources import Credential, DownloadProgress, S3Credential, Sourc
 from node_agent.values import Description, GeneratedToken, GenerateParams
 
 
-def source_credential(request: pb.LoadAdapterRequest) -> Credential | None:
-    """A load's source credential: its bearer token, its basic user and password, or its S3
-    access key (one of them)."""
+def source_credential(request: pb.LoadAdapterRequest | pb.ResolveSourceRequest) -> Credential | None:
+    """A load's (or a resolution's) source credential: its bearer token, its basic user and
+    password, or its S3 access key (one of them)."""
     if sum((bool(request.source_token), request.HasField("source_basic"), request.HasField("source_s3"))) > 1:
         raise InvalidRequest("a load carries one of source_token, source_basic and source_s3, not several")
     if request.HasField("source_s3"):

@@ -35,7 +35,8 @@ class SourceRefused(AgentError):
     sha256_mismatch, too_large, no_cache_dir, bad_uri, http_error, credentials, file_host,
     not_a_directory, not_a_file, symlink_loop, unreadable; s3:// and oci:// sources add endpoint,
     no_s3_endpoint, digest_mismatch, bad_manifest, bad_layer, pickle, registry_auth, tag_moved,
-    source_changed (a load's revision no longer what its source resolves to).
+    source_changed (a load's revision no longer what its source resolves to), web_identity (STS
+    refused the pod's web identity).
     """
 
     reason = "source_refused"

@@ -24,47 +24,10 @@ versitygw_version=${LORAFLEET_VERSITYGW_VERSION:-v1.8.0}
 registry_version=${LORAFLEET_REGISTRY_VERSION:-v3.1.2}
 oras_version=${LORAFLEET_ORAS_VERSION:-v1.3.6}
 prefix="${LORAFLEET_CACHE:-$HOME/.cache/lorafleet}/storage-versitygw-$versitygw_version-registry-$registry_version-oras-$oras_version"
-bin_dir="$prefix/bin"
-
-mode=build
-print=0
-for arg in "$@"; do
-    case "$arg" in
-        --print-bin-dir) print=1 ;;
-        --no-build) mode=check ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-        *) echo "build-storage: unknown argument: $arg" >&2; exit 2 ;;
-    esac
-done
-
-log() { echo "build-storage: $*" >&2; }
-
-# Done when the marker is there: print what was asked for and leave.
-exit_if_built() {
-    [ -f "$prefix/.complete" ] || return 0
-    if [ "$print" = 1 ]; then echo "$bin_dir"; else log "binaries in $bin_dir"; fi
-    exit 0
-}
-
-exit_if_built
-[ "$mode" = build ] || { log "not built yet: $bin_dir (run scripts/build-storage.sh; minutes cold)"; exit 1; }
-mkdir -p "$prefix"
-# A developer and a test session may build at once: the second waits on the lock, then finds
-# the marker instead of compiling everything again.
-exec 9>"$prefix/.lock"
-flock -n 9 || { log "another build holds $prefix/.lock; waiting for it"; flock 9; }
-exit_if_built
-
-command -v go >/dev/null || { log "the go command is required (Go >= 1.26)"; exit 1; }
+name=build-storage cold="several minutes" help_lines=2,19p
+. "$(dirname "$0")/go-build-cache.sh" "$@"
 # None of the three modules has local replace directives, so `go install cmd@version` builds each
 # with exactly the dependency versions its own go.mod pins.
-export GOFLAGS=-buildvcs=false
-export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
-export CGO_ENABLED=0
-stage="$prefix/stage"
-rm -rf "$stage"
-mkdir -p "$stage"
-start=$(date +%s)
 
 build_versitygw() {
     local ver=$versitygw_version
@@ -100,9 +63,4 @@ done
 "$stage/registry" --version >&2
 "$stage/oras" version >&2
 
-# Publish atomically: the bin dir either holds all three binaries or does not exist.
-rm -rf "$bin_dir"
-mv "$stage" "$bin_dir"
-touch "$prefix/.complete"
-log "done in $(( $(date +%s) - start ))s"
-exit_if_built
+publish_build

@@ -134,6 +134,21 @@ def _b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
+def es256_jwk(key: ec.EllipticCurvePrivateKey, key_id: str) -> dict[str, str]:
+    """The public half of a P-256 key as a JWK (what a JWKS lists)."""
+    numbers = key.public_key().public_numbers()
+    coordinates = {name: _b64url(value.to_bytes(32, "big")) for name, value in (("x", numbers.x), ("y", numbers.y))}
+    return {"kty": "EC", "crv": "P-256", "kid": key_id, "alg": "ES256", "use": "sig", **coordinates}
+
+
+def sign_es256_jwt(key: ec.EllipticCurvePrivateKey, key_id: str, claims: dict[str, Any]) -> str:
+    """A JWT of `claims` signed with a P-256 key (ES256), its header naming `key_id`."""
+    header = {"alg": "ES256", "typ": "JWT", "kid": key_id}
+    signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+    r, s = decode_dss_signature(key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
+    return f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+
 class TokenService(http.server.ThreadingHTTPServer):
     """A registry's token service on 127.0.0.1: ``GET /token?service=...&scope=...`` with one
     user's HTTP basic credentials answers an ES256-signed token granting the scope's actions;
@@ -155,9 +170,7 @@ class TokenService(http.server.ThreadingHTTPServer):
 
     def jwks(self) -> dict[str, Any]:
         """The public key as the registry's ``jwks`` file holds it."""
-        numbers = self.key.public_key().public_numbers()
-        coordinates = {name: _b64url(value.to_bytes(32, "big")) for name, value in (("x", numbers.x), ("y", numbers.y))}
-        return {"keys": [{"kty": "EC", "crv": "P-256", "kid": self.KEY_ID, "alg": "ES256", "use": "sig", **coordinates}]}
+        return {"keys": [es256_jwk(self.key, self.KEY_ID)]}
 
     def token(self, scope: str) -> str:
         """A JWT granting ``repository:NAME:ACTIONS`` for five minutes."""
@@ -165,10 +178,7 @@ class TokenService(http.server.ThreadingHTTPServer):
         now = int(time.time())
         claims = {"iss": self.ISSUER, "sub": "tester", "aud": self.SERVICE, "exp": now + 300, "nbf": now - 10, "iat": now}
         claims |= {"jti": str(now), "access": [{"type": kind, "name": name, "actions": actions.split(",")}]}
-        header = {"alg": "ES256", "typ": "JWT", "kid": self.KEY_ID}
-        signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
-        r, s = decode_dss_signature(self.key.sign(signing_input.encode(), ec.ECDSA(hashes.SHA256())))
-        return f"{signing_input}.{_b64url(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+        return sign_es256_jwt(self.key, self.KEY_ID, claims)
 
     def stop(self) -> None:
         self.shutdown()

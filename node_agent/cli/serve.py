@@ -32,6 +32,9 @@ from node_agent.server import (
 from node_agent.sources import (
     S3Credential,
     SourcePolicy,
+    WebIdentity,
+    WebIdentityCredentials,
+    default_sts_endpoint,
     parse_allow_entry,
 )
 from node_agent.standby_memory import MIB, StandbyMemorySettings
@@ -62,6 +65,25 @@ def s3_credential_from_environment(environ: Mapping[str, str]) -> S3Credential |
     if not key or not secret:
         raise UsageError("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set together")
     return S3Credential(key, secret, environ.get("AWS_SESSION_TOKEN", ""))
+
+
+def s3_web_identity(args: argparse.Namespace, environ: Mapping[str, str]) -> WebIdentityCredentials | None:
+    """The pod's web identity when --s3-web-identity asks for it (docs/sources-s3.md); a usage
+    error without a store, beside the agent's own keys, or without the pod's variables."""
+    if not args.s3_web_identity:
+        if args.s3_sts_endpoint:
+            raise UsageError("--s3-sts-endpoint is only used with --s3-web-identity")
+        return None
+    if not args.s3_endpoint:
+        raise UsageError("--s3-web-identity needs --s3-endpoint")
+    if environ.get("AWS_ACCESS_KEY_ID"):
+        raise UsageError("--s3-web-identity and AWS_ACCESS_KEY_ID are two credentials for the agent: give one")
+    networks = tuple(ipaddress.ip_network(entry, strict=False) for entry in args.allow_source_network)
+    try:
+        identity = WebIdentity.from_environment(environ, args.s3_sts_endpoint or default_sts_endpoint(args.s3_region), networks)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return WebIdentityCredentials(identity)
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
@@ -143,6 +165,7 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
             s3_endpoint=args.s3_endpoint,
             s3_region=args.s3_region,
             s3_credential=s3_credential_from_environment(os.environ) if args.s3_endpoint else None,
+            s3_web_identity=s3_web_identity(args, os.environ),
             oci_plain_http=tuple(entry.lower() for entry in args.oci_plain_http),
         )
     except ValueError as error:  # --s3-endpoint

@@ -264,5 +264,17 @@ def add_storage_source_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="REGION",
         help=f"the region s3:// requests are signed for (default {DEFAULT_S3_REGION})",
     )
+    parser.add_argument(
+        "--s3-web-identity",
+        action="store_true",
+        help="without keys (a load's or AWS_ACCESS_KEY_ID's), sign s3:// requests with the pod's web identity: the token in "
+        "AWS_WEB_IDENTITY_TOKEN_FILE exchanged for AWS_ROLE_ARN's temporary credentials at --s3-sts-endpoint (EKS IRSA)",
+    )
+    parser.add_argument(
+        "--s3-sts-endpoint",
+        default="",
+        metavar="URL",
+        help="the STS endpoint --s3-web-identity exchanges the token at (default https://sts.REGION.amazonaws.com, REGION the --s3-region)",
+    )
     plain = "a registry (host[:port]) oci:// sources reach over plain HTTP instead of https (repeatable)"
     parser.add_argument("--oci-plain-http", action="append", default=[], metavar="REGISTRY", help=plain)

@@ -24,7 +24,7 @@ from node_agent.engine import ControlResult
 from node_agent.errors import AgentError, DeadlineExceeded, InvalidRequest, LoadCancelled, ShuttingDown, TooManyCalls
 from node_agent.server.budgets import CallBudget
 from node_agent.server.status import abort, status_code
-from node_agent.sources import SourceAccess
+from node_agent.sources import SourceAccess, source_revision
 
 #: The most loads one LoadAdapters call may carry (agent.proto); a call with more is refused whole.
 MAX_LOADS_PER_CALL = 64
@@ -179,6 +179,12 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             standby=request.standby,
             cancelled=cancelled,
         )
+
+    @_unary("control")
+    def ResolveSource(self, request: pb.ResolveSourceRequest, context: grpc.ServicerContext) -> pb.ResolveSourceResponse:
+        """What the source resolves to now, under the agent's source policy (no copy is made)."""
+        revision = source_revision(request.source_uri, self.agent.config.sources, convert.source_credential(request))
+        return pb.ResolveSourceResponse(source_revision=revision)
 
     @_unary("control")
     def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.ServicerContext) -> pb.UnloadAdapterResponse:

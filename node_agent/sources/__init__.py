@@ -21,7 +21,8 @@ Policy (docs/agent.md "Sources" and "Limits"), one module per concern:
 * ``s3://BUCKET[/KEY-PREFIX]`` (`s3`) — two objects of the fleet owner's S3-compatible store
   (``--s3-endpoint``, never a request's), under an ``--allow-source s3://BUCKET/PREFIX`` entry,
   each GET signed with SigV4 (awscrt), through the same downloader; each object's version id or
-  ETag is recorded in the source's revision.
+  ETag is recorded in the source's revision. Without keys, the agent may sign with its pod's web
+  identity (`web_identity`: the projected token exchanged at the fleet owner's STS).
 * ``oci://REGISTRY/REPOSITORY[:TAG|@sha256:DIGEST]`` (`oci`) — an ORAS artifact whose two layers
   are the adapter's files, under an ``--allow-source oci://REGISTRY/REPO`` entry: the manifest
   pinned by its digest (the revision), every blob held to its descriptor's sha256 and size,
@@ -29,9 +30,11 @@ Policy (docs/agent.md "Sources" and "Limits"), one module per concern:
 * A source credential (`credentials`: ``Authorization: Bearer`` or ``Basic``; for s3:// an
   `S3Credential` that signs) is sent to the source's own URLs only, as an unredirected header,
   never logged or repeated.
-* A load's revision (`SourceAccess`, the operator's record of the source's first load) is what
-  the source must still resolve to: an oci:// tag the same manifest digest (``tag_moved``), any
-  other source the same `ResolvedSource.revision` (``source_changed``).
+* A load's revision (`SourceAccess`, the operator's record of what the source resolved to) is
+  what the source must still resolve to: an oci:// tag the same manifest digest (``tag_moved``),
+  any other source the same `ResolvedSource.revision` (``source_changed``). `source_revision`
+  (ResolveSource) finds that revision before any load, under the same checks, copying nothing:
+  an oci:// manifest alone, an s3:// object's HEAD.
 * Any other scheme is refused, and so are credentials (``user:password@``) in any URI; no
   message or log line repeats a URI's userinfo or query (`redact_uri`), nor downloaded content.
 
@@ -60,7 +63,8 @@ from node_agent.sources.policy import (
     DEFAULT_SOCKET_TIMEOUT_S,
     SourcePolicy,
 )
-from node_agent.sources.resolve import resolve_source
+from node_agent.sources.resolve import resolve_source, source_revision
+from node_agent.sources.web_identity import WebIdentity, WebIdentityCredentials, default_sts_endpoint
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -83,9 +87,13 @@ __all__ = [
     "SourcePolicy",
     "SourcePrefix",
     "StoragePrefix",
+    "WebIdentity",
+    "WebIdentityCredentials",
     "clean_cache",
+    "default_sts_endpoint",
     "parse_allow_entry",
     "parse_sha256",
     "redact_uri",
     "resolve_source",
+    "source_revision",
 ]

@@ -168,7 +168,10 @@ class HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
         self._check_loop(req, newurl, what)
         self.hops.append(headers)
         # The token was added as an unredirected header: urllib does not carry it to the target.
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        follow = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if follow is not None and req.get_method() == "HEAD":
+            follow.method = "HEAD"  # urllib follows a HEAD with a GET: a download where none was asked
+        return follow
 
     def _check_loop(self, req: urllib.request.Request, newurl: str, what: str) -> None:
         """urllib's own loop rule (a target redirected to `max_repeats` times already, or

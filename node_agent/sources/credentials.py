@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from node_agent.errors import InvalidRequest
 
@@ -55,6 +56,15 @@ class S3Credential:
 
     def __repr__(self) -> str:
         return f"S3Credential({self.access_key_id[:4]}*** ***)"
+
+
+class S3CredentialSource(Protocol):
+    """Where the agent's own S3 credential comes from when it changes over time (the pod's web
+    identity, `web_identity`): asked at each s3:// download."""
+
+    def current(self) -> S3Credential:
+        """A credential valid for a while yet (AgentError when none can be had now)."""
+        ...
 
 
 # What a load may carry to authenticate its source: a header credential (http(s), hf://, oci://)

@@ -151,6 +151,18 @@ def fetching(download: Download) -> Iterator[Fetcher]:
     log.debug("downloaded %s into %s", download.shown, target)
 
 
+@contextmanager
+def probing(download: Download) -> Iterator[Fetcher]:
+    """`fetching` for a look at a source that keeps no copy (the revision it resolves to): the
+    same slot, checks and watchdog; the directory (a manifest, a token's answer) is removed
+    when the block ends."""
+    with fetching(download) as fetcher:
+        try:
+            yield fetcher
+        finally:
+            shutil.rmtree(fetcher.directory, ignore_errors=True)
+
+
 def fetch_adapter(download: Download, config_url: str, weights_url: Callable[[str | None], str]) -> Fetched:
     """Download both files into a fresh private directory, under every http(s) check: the config
     first, then the weights at `weights_url(commit)` (commit: the first X-Repo-Commit the
@@ -211,17 +223,32 @@ class Fetcher:
         """Stream `url` into `dest`, refusing more than `cap` bytes; returns what was written (the
         final answer's headers: ``answers[-1]``). The credential and `headers` (a request's
         signature, a registry's token) go to `url` alone, as unredirected headers."""
+        with self._answer("GET", url, headers) as response, open(dest, "xb") as out:
+            return self._stream(response, out, cap, redact_uri(url))
+
+    def head(self, url: str, cap: int, headers: Mapping[str, str] | None = None) -> HTTPMessage:
+        """The headers of `url`'s answer to a HEAD request (no body is fetched), sent as `fetch`
+        sends its GET; an answer that declares more than `cap` bytes is refused as its
+        download would be."""
+        with self._answer("HEAD", url, headers) as response:
+            _declared_size(response, cap, redact_uri(url))
+            return response.headers
+
+    @contextmanager
+    def _answer(self, method: str, url: str, headers: Mapping[str, str] | None) -> Iterator[HTTPResponse]:
+        """The answer to one request (its headers added to `answers`, a refusal's too); HTTP and
+        connection failures, also while the block reads the body, as the agent's errors."""
         shown = redact_uri(url)
-        request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"})
+        request = urllib.request.Request(url, headers={"User-Agent": "lorafleet-agent"}, method=method)
         for name, value in (headers or {}).items():
             request.add_unredirected_header(name, value)
         if self.download.credential is not None:
             request.add_unredirected_header("Authorization", self.download.credential.authorization)
         try:
             # The deadline is the watchdog's: the socket timeout bounds one operation only.
-            with self.opener.open(request, timeout=self.download.policy.download_socket_timeout_s) as response, open(dest, "xb") as out:
+            with self.opener.open(request, timeout=self.download.policy.download_socket_timeout_s) as response:
                 self.answers.append(response.headers)
-                return self._stream(response, out, cap, shown)
+                yield response
         except urllib.error.HTTPError as error:
             if isinstance(error.headers, HTTPMessage):  # a refusal's headers too: a registry's challenge
                 self.answers.append(error.headers)
@@ -232,10 +259,7 @@ class Fetcher:
 
     def _stream(self, response: HTTPResponse, out: IO[bytes], cap: int, shown: str) -> Written:
         """The body into `out` under `cap` (declared or not), counted, the whole declared length."""
-        declared_text = response.headers.get("Content-Length")
-        declared = int(declared_text) if declared_text and declared_text.isdigit() else None
-        if declared is not None and declared > cap:
-            raise SourceRefused(f"{shown} is {declared} bytes, over the {cap}-byte cap", "too_large")
+        declared = _declared_size(response, cap, shown)
         progress = self.download.progress
         if progress is not None and declared is not None:
             progress.expect(declared)
@@ -252,6 +276,15 @@ class Fetcher:
         if declared is not None and total != declared:
             raise SourceUnavailable(f"download of {shown} failed: the body ended after {total} of {declared} bytes (truncated)")
         return writer.done()
+
+
+def _declared_size(response: HTTPResponse, cap: int, shown: str) -> int | None:
+    """The answer's declared length (None when it declares none), refused over `cap`."""
+    declared_text = response.headers.get("Content-Length")
+    declared = int(declared_text) if declared_text and declared_text.isdigit() else None
+    if declared is not None and declared > cap:
+        raise SourceRefused(f"{shown} is {declared} bytes, over the {cap}-byte cap", "too_large")
+    return declared
 
 
 def _reason_phrase(code: int) -> str:

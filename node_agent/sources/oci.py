@@ -21,6 +21,9 @@ HTTP when the fleet's owner names it with ``--oci-plain-http``. Requests start a
 registry's challenge is answered with the load's credential (`registry_auth`: a pull token from
 its token service, or HTTP basic), never sent on a redirect. Messages never repeat what the
 registry sent.
+
+`resolve_oci` (ResolveSource: the operator's resolution of a tag before its loads) takes the
+same steps up to the manifest's checks and answers its digest, fetching no layer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from lorafleet_common.storage import OciSource, parse_oci_uri
 from node_agent.errors import SourceRefused
 from node_agent.sources.copies import MAX_CONFIG_BYTES, ResolvedSource, Written
 from node_agent.sources.credentials import SourceCredential
-from node_agent.sources.downloads import Download, check_downloaded_config, check_downloaded_weights, fetching
+from node_agent.sources.downloads import Download, check_downloaded_config, check_downloaded_weights, fetching, probing
 from node_agent.sources.image_layers import IMAGE_LAYER_TYPES, PICKLE_SUFFIXES, unpack_adapter
 from node_agent.sources.policy import SourcePolicy, admit_storage_source
 from node_agent.sources.registry_auth import RegistryAuth
@@ -73,18 +76,33 @@ def download_oci(uri: str, download: Download, credential: SourceCredential | No
         digest, (layers, image) = _manifest(auth, base, source, pinned)
         if image:
             for layer in layers:
-                _blob(auth, base, layer, _cap(layer, policy.max_download_bytes + MAX_CONFIG_BYTES, shown))
+                _blob(auth, base, layer, _cap(layer, _layer_cap(layer, image, policy), shown))
             written = unpack_adapter(
                 fetcher.directory, [fetcher.directory / layer.filename for layer in layers], policy.max_download_bytes, shown
             )
         else:
-            written = {layer.filename: _blob(auth, base, layer, _cap(layer, _file_cap(layer, policy), shown)) for layer in layers}
+            written = {layer.filename: _blob(auth, base, layer, _cap(layer, _layer_cap(layer, image, policy), shown)) for layer in layers}
         check_downloaded_config(fetcher.directory, shown)
         check_downloaded_weights(fetcher.directory / ADAPTER_WEIGHTS, shown)
     log.debug("downloaded %s (manifest %s)", shown, digest)
     return ResolvedSource.of_copy(
         uri, fetcher.directory, written[ADAPTER_WEIGHTS], written[ADAPTER_CONFIG], downloaded=True, revision=digest
     )
+
+
+def resolve_oci(uri: str, download: Download, credential: SourceCredential | None) -> str:
+    """The manifest digest an oci:// URI names now (a tag resolved, a digest checked), under
+    the same checks as its download: the manifest alone is fetched, and refused as a load
+    would refuse it (a pickle file, other layers, an index, a layer declared over its cap);
+    no layer is fetched."""
+    source = admit_storage_source(uri, download.policy, download.shown, parse_oci_uri, "oci://REGISTRY/REPOSITORY")
+    with probing(download) as fetcher:
+        auth = RegistryAuth(fetcher, credential, source.registry, source.repository, download.shown)
+        digest, (layers, image) = _manifest(auth, registry_base(download.policy, source), source, "")
+    for layer in layers:
+        _cap(layer, _layer_cap(layer, image, download.policy), download.shown)
+    log.debug("resolved %s to %s", download.shown, digest)
+    return digest
 
 
 def registry_base(policy: SourcePolicy, source: OciSource) -> str:
@@ -160,7 +178,11 @@ def _layer(layer: dict[str, object], title: str, shown: str) -> Layer:
     return Layer(title, digest, size)
 
 
-def _file_cap(layer: Layer, policy: SourcePolicy) -> int:
+def _layer_cap(layer: Layer, image: bool, policy: SourcePolicy) -> int:
+    """The most a layer may declare: an image's tar layer may hold both files, an artifact's
+    layer is the one file its title names."""
+    if image:
+        return policy.max_download_bytes + MAX_CONFIG_BYTES
     return MAX_CONFIG_BYTES if layer.filename == ADAPTER_CONFIG else policy.max_download_bytes
 
 

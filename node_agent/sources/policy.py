@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from lorafleet_common.sources import ALLOW_SOURCE_FLAG, HTTP_SCHEMES, SourcePrefix, SourceRefusal, check_url
 from lorafleet_common.storage import InvalidStorageUri, StoragePrefix, parse_allow_entry, storage_refusal
 from node_agent.errors import SourceRefused
-from node_agent.sources.credentials import S3Credential
+from node_agent.sources.credentials import S3Credential, S3CredentialSource
 
 DEFAULT_MAX_DOWNLOAD_BYTES = 4 << 30
 DEFAULT_DOWNLOAD_TIMEOUT_S = 600.0
@@ -37,15 +37,16 @@ def _parsed_prefixes(entries: tuple[str, ...]) -> tuple[SourcePrefix | StoragePr
     return tuple(parse_allow_entry(entry) for entry in entries)
 
 
-def _check_endpoint(url: str) -> None:
-    """An --s3-endpoint is an http(s) URL with a host and nothing after its path."""
+def check_endpoint_url(url: str, flag: str = "--s3-endpoint") -> None:
+    """An endpoint the fleet's owner names (`flag`: --s3-endpoint, --s3-sts-endpoint) is an
+    http(s) URL with a host and nothing after its path."""
     try:
         parts = urlsplit(url)
         _ = parts.port
     except ValueError:
-        raise ValueError(f"--s3-endpoint {url!r} is not a valid URL") from None
+        raise ValueError(f"{flag} {url!r} is not a valid URL") from None
     if parts.scheme not in HTTP_SCHEMES or not parts.hostname or "@" in parts.netloc or parts.query or parts.fragment or "?" in url:
-        raise ValueError("--s3-endpoint must be an http:// or https:// URL with a host and no credentials, query or fragment")
+        raise ValueError(f"{flag} must be an http:// or https:// URL with a host and no credentials, query or fragment")
 
 
 @functools.lru_cache(maxsize=64)
@@ -90,6 +91,8 @@ class SourcePolicy:
     s3_region: str = DEFAULT_S3_REGION
     # The agent's own S3 credential (the pod's environment); a load's own credential wins.
     s3_credential: S3Credential | None = None
+    # Else the pod's web identity exchanged at STS (--s3-web-identity, `web_identity`).
+    s3_web_identity: S3CredentialSource | None = None
     # Registries (host[:port]) oci:// sources reach over plain HTTP (--oci-plain-http); others: https.
     oci_plain_http: tuple[str, ...] = ()
 
@@ -97,7 +100,7 @@ class SourcePolicy:
         _parsed_prefixes(tuple(self.allowed_sources))  # ValueError naming the flag and the entry
         _parsed_networks(tuple(self.allowed_networks))
         if self.s3_endpoint:
-            _check_endpoint(self.s3_endpoint)
+            check_endpoint_url(self.s3_endpoint)
         for name in (
             "max_download_bytes",
             "download_timeout_s",

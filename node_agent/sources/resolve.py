@@ -1,10 +1,11 @@
 """From a LoadAdapter URI to a checked private copy of its adapter: the scheme decides which
-source reads it, and every source's copy is held to the request's sha256."""
+source reads it, and every source's copy is held to the request's sha256 and revision; and
+from a ResolveSource URI to that revision alone (`source_revision`), under the same checks."""
 
 from __future__ import annotations
 
 from typing import TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from lorafleet_common.sources import ADAPTER_WEIGHTS, HTTP_SCHEMES, HUB_SCHEME, OCI_SCHEME, S3_SCHEME, redact_uri, userinfo_span
 from node_agent.errors import SourceRefused
@@ -13,9 +14,9 @@ from node_agent.sources.credentials import Credential, S3Credential, SourceCrede
 from node_agent.sources.downloads import Download, DownloadProgress, download_http
 from node_agent.sources.files import resolve_file
 from node_agent.sources.hub import download_hub
-from node_agent.sources.oci import download_oci
+from node_agent.sources.oci import download_oci, resolve_oci
 from node_agent.sources.policy import SourcePolicy
-from node_agent.sources.s3 import download_s3
+from node_agent.sources.s3 import download_s3, resolve_s3
 
 CredentialT = TypeVar("CredentialT", SourceCredential, S3Credential)
 
@@ -36,17 +37,8 @@ def resolve_source(
     still resolve to: an oci:// tag must still name that manifest digest (checked before any
     layer is fetched), any other source's `ResolvedSource.revision` must equal it."""
     shown = redact_uri(uri)
-    try:
-        parts = urlsplit(uri)
-    except ValueError as error:
-        raise SourceRefused(f"source URI {shown!r} is not a valid URI: {error}", "bad_uri") from None
+    parts = _parts(uri, shown)
     scheme = parts.scheme.lower()
-    if "@" in parts.netloc or userinfo_span(uri) is not None:
-        raise SourceRefused(
-            f"credentials in source URIs are refused ({shown!r}): the agent never sends or logs "
-            "URL userinfo; serve the adapter without them",
-            "credentials",
-        )
     if scheme == "file":
         if credential is not None:
             raise SourceRefused(f"file:// sources take no credential ({shown!r})", "credentials")
@@ -60,9 +52,7 @@ def resolve_source(
     elif scheme == HUB_SCHEME:
         source = download_hub(uri, Download(shown, policy, _credential_of(SourceCredential, credential, scheme), progress))
     else:
-        raise SourceRefused(
-            f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s)://, hf://, s3:// or oci://", "scheme"
-        )
+        raise _scheme_refused(scheme, shown)
     if revision and source.revision != revision:
         source.discard()
         raise SourceRefused(
@@ -77,6 +67,45 @@ def resolve_source(
             "sha256_mismatch",
         )
     return source
+
+
+def source_revision(uri: str, policy: SourcePolicy, credential: Credential | None = None) -> str:
+    """What an s3:// or oci:// source resolves to now, as its load would record it
+    (`ResolvedSource.revision`: an oci:// manifest digest, s3:// objects' version ids or
+    ETags), without copying it: under the same policy and checks as `resolve_source` (the URI,
+    the allowlists, the address rules, the credential, the caps the answers declare), failing
+    with the same errors. "" for the other schemes (file://, http(s)://, hf://: a load
+    resolves them as it finds them); an unknown scheme is refused as a load's would be."""
+    shown = redact_uri(uri)
+    scheme = _parts(uri, shown).scheme.lower()
+    if scheme == S3_SCHEME:
+        return resolve_s3(uri, Download(shown, policy), _credential_of(S3Credential, credential, scheme))
+    if scheme == OCI_SCHEME:
+        return resolve_oci(uri, Download(shown, policy), _credential_of(SourceCredential, credential, scheme))
+    if scheme not in ("file", HUB_SCHEME, *HTTP_SCHEMES):
+        raise _scheme_refused(scheme, shown)
+    return ""
+
+
+def _parts(uri: str, shown: str) -> SplitResult:
+    """The URI's parts, once it parses and names no credentials (userinfo)."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError as error:
+        raise SourceRefused(f"source URI {shown!r} is not a valid URI: {error}", "bad_uri") from None
+    if "@" in parts.netloc or userinfo_span(uri) is not None:
+        raise SourceRefused(
+            f"credentials in source URIs are refused ({shown!r}): the agent never sends or logs "
+            "URL userinfo; serve the adapter without them",
+            "credentials",
+        )
+    return parts
+
+
+def _scheme_refused(scheme: str, shown: str) -> SourceRefused:
+    return SourceRefused(
+        f"source scheme {scheme or '(none)'!r} is refused in {shown!r}: use file://, http(s)://, hf://, s3:// or oci://", "scheme"
+    )
 
 
 def _credential_of(kind: type[CredentialT], credential: Credential | None, scheme: str) -> CredentialT | None:

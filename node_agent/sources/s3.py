@@ -11,13 +11,15 @@ travel through the agent's own checked downloader (`downloads`): addresses check
 SSRF rules, redirects only under an http(s) ``--allow-source`` prefix (and never with the
 signature), size caps, deadline, minimum rate, progress, the downloaded config and weights
 checked. Each object's version id (or, unversioned, its ETag) is recorded in the source's
-`revision`.
+`revision`; `resolve_s3` reads the same from a signed HEAD of each object (the operator's
+resolution before its loads), downloading nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from http.client import HTTPMessage
 from urllib.parse import quote, urlsplit
 
 from awscrt.auth import (
@@ -36,7 +38,7 @@ from lorafleet_common.storage import S3Source, parse_s3_uri
 from node_agent.errors import SourceRefused
 from node_agent.sources.copies import MAX_CONFIG_BYTES, ResolvedSource, Written
 from node_agent.sources.credentials import S3Credential
-from node_agent.sources.downloads import Download, Fetcher, check_downloaded_config, check_downloaded_weights, fetching
+from node_agent.sources.downloads import Download, Fetcher, check_downloaded_config, check_downloaded_weights, fetching, probing
 from node_agent.sources.policy import SourcePolicy, admit_storage_source
 
 log = logging.getLogger(__name__)
@@ -50,16 +52,38 @@ def download_s3(uri: str, download: Download, credential: S3Credential | None) -
     object's version id or ETag as its revision."""
     policy = download.policy
     source = _admitted(uri, policy, download.shown)
-    signer = _Signer(credential or policy.s3_credential, policy.s3_region)
+    signer = _Signer(credential or _agent_credential(policy), policy.s3_region)
     with fetching(download) as fetcher:
         config, config_version = _get(fetcher, object_url(policy, source, ADAPTER_CONFIG), ADAPTER_CONFIG, MAX_CONFIG_BYTES, signer)
         check_downloaded_config(fetcher.directory, download.shown)
         weights_url = object_url(policy, source, ADAPTER_WEIGHTS)
         weights, weights_version = _get(fetcher, weights_url, ADAPTER_WEIGHTS, policy.max_download_bytes, signer)
         check_downloaded_weights(fetcher.directory / ADAPTER_WEIGHTS, download.shown)
-    revision = f"{ADAPTER_CONFIG} {config_version}; {ADAPTER_WEIGHTS} {weights_version}"
+    revision = _revision(config_version, weights_version)
     log.debug("downloaded %s (%s)", download.shown, revision)
     return ResolvedSource.of_copy(uri, fetcher.directory, weights, config, downloaded=True, revision=revision)
+
+
+def resolve_s3(uri: str, download: Download, credential: S3Credential | None) -> str:
+    """The revision an s3:// URI's two objects have now (each one's version id or ETag), as
+    their download would record it, from one signed HEAD request each (no object is fetched;
+    one declared over its cap is refused as its download would be)."""
+    policy = download.policy
+    source = _admitted(uri, policy, download.shown)
+    signer = _Signer(credential or _agent_credential(policy), policy.s3_region)
+    versions = []
+    with probing(download) as fetcher:
+        for filename, cap in ((ADAPTER_CONFIG, MAX_CONFIG_BYTES), (ADAPTER_WEIGHTS, policy.max_download_bytes)):
+            url = object_url(policy, source, filename)
+            versions.append(_version(fetcher.head(url, cap, signer.headers(url, "HEAD"))))
+    revision = _revision(*versions)
+    log.debug("resolved %s to %s", download.shown, revision)
+    return revision
+
+
+def _revision(config_version: str, weights_version: str) -> str:
+    """An s3:// source's revision: both objects' version ids or ETags."""
+    return f"{ADAPTER_CONFIG} {config_version}; {ADAPTER_WEIGHTS} {weights_version}"
 
 
 def _admitted(uri: str, policy: SourcePolicy, shown: str) -> S3Source:
@@ -68,6 +92,13 @@ def _admitted(uri: str, policy: SourcePolicy, shown: str) -> S3Source:
     if not policy.s3_endpoint:
         raise SourceRefused(f"s3:// sources are refused: this agent has no S3 endpoint ({S3_ENDPOINT_FLAG} URL)", "no_s3_endpoint")
     return source
+
+
+def _agent_credential(policy: SourcePolicy) -> S3Credential | None:
+    """The agent's own credential: its keys, else its web identity's (None: anonymous)."""
+    if policy.s3_credential is None and policy.s3_web_identity is not None:
+        return policy.s3_web_identity.current()
+    return policy.s3_credential
 
 
 def object_url(policy: SourcePolicy, source: S3Source, filename: str) -> str:
@@ -101,24 +132,28 @@ def sign_s3_request(method: str, url: str, credential: S3Credential, region: str
 
 
 class _Signer:
-    """Signs GET requests with SigV4 for S3, or leaves them anonymous."""
+    """Signs requests with SigV4 for S3, or leaves them anonymous."""
 
     def __init__(self, credential: S3Credential | None, region: str) -> None:
         self._credential, self._region = credential, region
 
-    def headers(self, url: str) -> dict[str, str]:
-        """The headers that authenticate a GET of `url` (none when anonymous)."""
+    def headers(self, url: str, method: str = "GET") -> dict[str, str]:
+        """The headers that authenticate a request of `url` (none when anonymous)."""
         if self._credential is None:
             return {}
-        return sign_s3_request("GET", url, self._credential, self._region)
+        return sign_s3_request(method, url, self._credential, self._region)
 
 
 def _get(fetcher: Fetcher, url: str, filename: str, cap: int, signer: _Signer) -> tuple[Written, str]:
     """One object into the download's directory as `filename`, and its version id or ETag."""
     written = fetcher.fetch(url, fetcher.directory / filename, cap, signer.headers(url))
-    answer = fetcher.answers[-1]
+    return written, _version(fetcher.answers[-1])
+
+
+def _version(answer: HTTPMessage) -> str:
+    """An object's version id, or unversioned its ETag, as its answer (a GET's or a HEAD's) names it."""
     version, etag = answer.get("x-amz-version-id", ""), answer.get("ETag", "").strip('"')
     # What the store answered is recorded only when it looks like a version id or an ETag.
     if _VERSION.match(version) and version != "null":
-        return written, f"version {version}"
-    return written, f"etag {etag}" if _VERSION.match(etag) else "etag unknown"
+        return f"version {version}"
+    return f"etag {etag}" if _VERSION.match(etag) else "etag unknown"

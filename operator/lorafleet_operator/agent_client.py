@@ -42,8 +42,10 @@ from lorafleet_operator.agent_values import (
     Credentials,
     LoadAnswer,
     LoadRequest,
+    SourceCredential,
     SourceRevision,
     UnloadAnswer,
+    resolve_message,
 )
 from lorafleet_operator.config import Settings
 from lorafleet_operator.fleet import AgentPod
@@ -282,6 +284,14 @@ class AgentClients:
             load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive),
         )
         return _control_reply(reply, request.source_uri)
+
+    async def resolve_source(self, endpoint: str, creds: Credentials, uri: str, credential: SourceCredential | None) -> str:
+        """ResolveSource: the revision the agent finds the source at now (under a load's deadline)."""
+        request, deadline = resolve_message(uri, credential), self._settings.load_deadline_s
+        reply = await self._call(
+            endpoint, creds, "ResolveSource", lambda s, md, t: s.ResolveSource(request, metadata=md, timeout=t), deadline
+        )
+        return str(reply.source_revision)
 
     async def load_many(self, endpoint: str, creds: Credentials, requests: Sequence[LoadRequest]) -> list[LoadAnswer]:
         """Loads of local sources on one agent in one LoadAdapters call (shared, under one call

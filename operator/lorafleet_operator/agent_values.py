@@ -168,17 +168,29 @@ class LoadRequest:
             source_revision=self.revision,
             standby=self.standby,
         )
-        if self.credential is not None and self.credential.s3 is not None:
-            key = self.credential.s3
-            request.source_s3.access_key_id = key.access_key_id
-            request.source_s3.secret_access_key = key.secret_access_key
-            request.source_s3.session_token = key.session_token
-        elif self.credential is not None and self.credential.username:
-            request.source_basic.username = self.credential.username
-            request.source_basic.password = self.credential.password
-        elif self.credential is not None:
-            request.source_token = self.credential.token
+        _carry_credential(request, self.credential)
         return request
+
+
+def resolve_message(source_uri: str, credential: SourceCredential | None) -> agent_pb2.ResolveSourceRequest:
+    """ResolveSource's request: the source and its credential, as a load of it carries them."""
+    request = agent_pb2.ResolveSourceRequest(source_uri=source_uri)
+    _carry_credential(request, credential)
+    return request
+
+
+def _carry_credential(request: agent_pb2.LoadAdapterRequest | agent_pb2.ResolveSourceRequest, credential: SourceCredential | None) -> None:
+    """The credential into the request's fields: an S3 key, a user and password, or a token."""
+    if credential is not None and credential.s3 is not None:
+        key = credential.s3
+        request.source_s3.access_key_id = key.access_key_id
+        request.source_s3.secret_access_key = key.secret_access_key
+        request.source_s3.session_token = key.session_token
+    elif credential is not None and credential.username:
+        request.source_basic.username = credential.username
+        request.source_basic.password = credential.password
+    elif credential is not None:
+        request.source_token = credential.token
 
 
 #: An unload's outcome as its callers get it: the agent's reply, or the call's error.

@@ -21,6 +21,8 @@ from lorafleet_operator.placing import place_fleet, placed_targets, standby_targ
 from lorafleet_operator.resources import AdapterObject
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.sending import QueuedLoad, book_never_sent, book_sending, error_result, load_one
+from lorafleet_operator.source_resolution import held_to, resolve_once
+from lorafleet_operator.source_revisions import recorded_source
 from lorafleet_operator.status import AgentResult, AgentState
 from lorafleet_operator.view import FleetView, Registry, Target
 
@@ -117,13 +119,15 @@ async def place_and_load(rt: Runtime, view: FleetView, adapter: AdapterObject) -
     placement = place_fleet(rt, view, registries, [adapter], complete=False)[name]
     results = await load_each(rt, view, placed_targets(view, placement) + standby_targets(view, placement, adapter), adapter, credential)
     if placement.replicas is not None and any(r.state is AgentState.FAILED for r in results):
-        # Placed where it was just placed (stable), less the agents that refused it.
-        placed = adapter.with_status({**adapter.status, "placement": {"placed": list(placement.placed)}})
+        # Placed where it was just placed (stable), less the agents that refused it; held to
+        # the source's record the first round made (never resolved twice).
+        held = adapter.with_status({**adapter.status, "source": recorded_source((r.source for r in results), adapter.status)})
+        placed = held.with_status({**held.status, "placement": {"placed": list(placement.placed)}})
         again = place_fleet(rt, view, registries, [placed], complete=False)[name]
         new = [t for t in placed_targets(view, again) if t.agent.name not in placement.placed]
         if new:
             done = {r.pod: r for r in results}
-            done.update((r.pod, r) for r in await load_each(rt, view, new, adapter, credential))
+            done.update((r.pod, r) for r in await load_each(rt, view, new, held, credential))
             placement = again
             results = [done[t.agent.name] for t in placed_targets(view, again)]
     refusal = credential_refusal(credential, results)
@@ -142,7 +146,31 @@ async def load_each(
     agent's queue (``rt.loads``: a future, not a suspended call); a remote one (bounded per
     agent and namespace, apart) and a pinned one (under the agent's pin lock) are calls of
     their own. Outcomes in the targets' order; a failed load the agent answered also says
-    which version the agent still serves."""
+    which version the agent still serves. An s3:// or oci:// source not yet resolved is
+    resolved first, by one agent, and recorded (:func:`source_resolution.resolve_once`): the
+    loads are held to it, and each result carries it; a refusal there is every due load's
+    result, none sent."""
+    due = [t for t in targets if unsent(rt, t, adapter, credential) is None]
+    resolution = await resolve_once(rt, view, due, adapter, None if isinstance(credential, FleetProblem) else credential)
+    if resolution.unsent is not None:
+        refused = {r.pod: r for r in resolution.unsent}
+        return [refused.get(t.agent.name) or _unsent_result(rt, t, adapter, credential) for t in targets]
+    results = await _send_each(rt, view, targets, resolution.adapter, credential)
+    return [held_to(r, resolution.source) for r in results]
+
+
+def _unsent_result(rt: Runtime, target: Target, adapter: AdapterObject, credential: CredentialOutcome) -> AgentResult:
+    """The result of a target whose load is not sent (:func:`unsent` answered for it)."""
+    result = unsent(rt, target, adapter, credential)
+    assert result is not None
+    return result
+
+
+async def _send_each(
+    rt: Runtime, view: FleetView, targets: Sequence[Target], adapter: AdapterObject, credential: CredentialOutcome
+) -> list[AgentResult]:
+    """Every target's load sent at once (or its result when none is sent), with their download
+    progress; their outcomes in the targets' order."""
     async with progress.reporting(rt, view, targets, adapter):
         pending = [_start_load(rt, view, t, adapter, credential) for t in targets]
         futures = [p for p in pending if isinstance(p, asyncio.Future)]

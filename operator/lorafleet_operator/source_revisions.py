@@ -1,14 +1,16 @@
-"""What a LoraAdapter's source resolved to (``status.source``), and what later loads must find.
+"""What a LoraAdapter's source resolved to (``status.source``), and what loads must find.
 
-An agent's successful load answers the revision its source resolved to (an oci:// manifest
-digest, an s3:// object's version id or ETag, an hf:// commit). The operator records the first
-one it gets as ``status.source: {uri, revision}``; every later load of the same URI (another
-agent, a repair, a restarted agent) sends it, so that for s3:// and oci:// the agent refuses
-content other than what was recorded: an oci:// tag moved since (``tag_moved``), an s3:// object
-overwritten since (``source_changed``). A spec naming another URI is resolved anew (the record
-names the URI it was made for); hf:// revisions are recorded, not held (a revision given in the
-URI already pins them). The revision is what the agent checked and validated, never a
-credential.
+For s3:// and oci:// the revision is resolved once, before the first loads are sent, by one
+agent (`source_resolution`: ResolveSource), and recorded as ``status.source: {uri,
+revision}``; every load of the same URI (the first fan-out's, another agent's, a repair's, a
+restarted agent's) sends it, so that the agent refuses content other than what was recorded:
+an oci:// tag moved since (``tag_moved``), an s3:// object overwritten since
+(``source_changed``). An agent's successful load answers the revision its source resolved to
+as well (an oci:// manifest digest, an s3:// object's version id or ETag, an hf:// commit): the
+first one answered is recorded where none was (hf://, agents older than ResolveSource). A spec
+naming another URI is resolved anew (the record names the URI it was made for); hf://
+revisions are recorded, not held (a revision given in the URI already pins them). The revision
+is what the agent checked and validated, never a credential.
 """
 
 from __future__ import annotations

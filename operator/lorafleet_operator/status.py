@@ -99,7 +99,7 @@ class AgentResult:
     message: str = ""
     served: ServedVersion | None = None
     next_retry: str = ""
-    source: SourceRevision | None = None  # what a load sent now resolved its source to
+    source: SourceRevision | None = None  # what a load sent now resolved its source to, or was held to
     #: On standby: whether its first request can load it now (a free slot there, or a resident
     #: adapter the agent may evict); routing lists the pod only then.
     loadable: bool = True

@@ -5,6 +5,9 @@ chooses (the shared agent's is fixed), and the per-rank truth of a load."""
 from __future__ import annotations
 
 import hashlib
+import http.server
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +17,7 @@ import grpc
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
+from lorafleet_dev.storage_servers import RegistryServer
 from node_agent.agent import Agent, AgentConfig
 from node_agent.engine import EngineConfig, Topology
 from node_agent.server import ServerOptions, create_server
@@ -58,3 +62,24 @@ def assert_every_rank_read(reply: pb.LoadAdapterResponse, adapter: Path) -> None
 def held(stub: agent_pb2_grpc.NodeAgentStub) -> dict[str, str]:
     """The agent's adapters: name -> sha256 of the weights it loaded."""
     return {info.name: info.sha256 for info in stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters}
+
+
+def registry_answer(registry: RegistryServer, handler: http.server.BaseHTTPRequestHandler) -> tuple[bytes, str] | None:
+    """The registry's answer to the GET `handler` received (its body and Content-Type), for a
+    loopback proxy in front of it; None once the registry's error status is sent on instead."""
+    request = urllib.request.Request(f"http://{registry.address}{handler.path}", headers={"Accept": handler.headers.get("Accept", "*/*")})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.read(), answer.headers.get("Content-Type", "application/octet-stream")
+    except urllib.error.HTTPError as error:
+        handler.send_error(error.code)
+        return None
+
+
+def send_body(handler: http.server.BaseHTTPRequestHandler, body: bytes, kind: str) -> None:
+    """A 200 answer with `body` of media type `kind`."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", kind)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

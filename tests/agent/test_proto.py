@@ -57,5 +57,6 @@ def test_the_generated_service_matches_the_servicer():
         "Generate",
         "ProveIdentity",
         "AdapterStats",
+        "ResolveSource",
     ]
     assert all(m in NodeAgentServicer.__dict__ for m in methods), "every RPC is implemented by the servicer"

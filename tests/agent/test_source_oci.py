@@ -14,21 +14,20 @@ import http.server
 import io
 import shutil
 import tarfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet_common.wire import REASON_METADATA_KEY
 from lorafleet_dev.storage_servers import CONFIG_MEDIA_TYPE, RegistryServer, TokenService, start_registry
 from node_agent.errors import AgentError, SourceNotFound
-from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourceCredential, SourcePolicy, resolve_source
+from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourceCredential, SourcePolicy, resolve_source, source_revision
 from tests.agent.helpers import make_adapter, rpc_error, running
-from tests.agent.storage_agents import ServedAgent, assert_every_rank_read, file_sha256, held, served_agent
+from tests.agent.storage_agents import ServedAgent, assert_every_rank_read, file_sha256, held, registry_answer, send_body, served_agent
 
 LOGIN = ("puller", "pull-pa55-never-shown")
 
@@ -240,22 +239,13 @@ class _TamperingHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "http://169.254.169.254/latest/meta-data/")
             self.end_headers()
             return
-        request = urllib.request.Request(
-            f"http://{self.server.registry.address}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                body, kind = answer.read(), answer.headers.get("Content-Type", "application/octet-stream")
-        except urllib.error.HTTPError as error:
-            self.send_error(error.code)
+        answer = registry_answer(self.server.registry, self)
+        if answer is None:
             return
+        body, kind = answer
         if f"/{self.server.target}/" in self.path:
             body = body[:-1] + bytes([body[-1] ^ 1]) if self.server.target == "blobs" else body + b"\n"
-        self.send_response(200)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_body(self, body, kind)
 
 
 @pytest.mark.parametrize("target", ["blobs", "manifests"])
@@ -332,3 +322,64 @@ def test_a_blob_redirect_to_a_link_local_address_is_refused(
         limits = policy((tampering.address,), tmp_path / "cache")
         limits = dataclasses.replace(limits, allowed_sources=(*limits.allowed_sources, *allowed))
         refused(f"oci://{tampering.address}/team/redirected@{digest}", limits, reason)
+
+
+def test_resolve_source_answers_a_tags_digest_from_its_manifest_alone(
+    registry: RegistryServer, served: ServedAgent, tmp_path: Path
+) -> None:
+    """ResolveSource names the digest a tag names now, the one a load then holds the tag to; it
+    reads the manifest alone: through a proxy that spoils every blob, the digest still comes
+    back (a load through it is refused), and it leaves nothing in the cache."""
+    first, second = make_adapter(tmp_path / "a", seed=33), make_adapter(tmp_path / "b", seed=34)
+    first_digest = registry.push_adapter("team/resolved", "stable", first)
+    uri = f"oci://{registry.address}/team/resolved:stable"
+    resolved = served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=uri), timeout=60)
+    assert resolved.source_revision == first_digest
+    second_digest = registry.push_adapter("team/resolved", "stable", second)  # the tag moves
+    assert served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=uri), timeout=60).source_revision == second_digest
+    load = pb.LoadAdapterRequest(name="moved", source_uri=uri, source_revision=first_digest)
+    moved = rpc_error(lambda: served.stub.LoadAdapter(load, timeout=60))
+    assert (REASON_METADATA_KEY, "tag_moved") in tuple(moved.trailing_metadata())
+    assert "moved" not in held(served.stub)
+    with running(Tampering(registry, "blobs")) as tampering:
+        limits = policy((tampering.address,), tmp_path / "cache")
+        assert source_revision(f"oci://{tampering.address}/team/resolved:stable", limits) == second_digest
+        refused(f"oci://{tampering.address}/team/resolved:stable", limits, "digest_mismatch")
+    # A layer declared over the cap is refused, as the load would refuse it.
+    cap = (second / ADAPTER_WEIGHTS).stat().st_size - 1
+    with pytest.raises(AgentError) as error:
+        source_revision(uri, policy((registry.address,), tmp_path / "cache", max_download_bytes=cap))
+    assert error.value.reason == "too_large", str(error.value)
+    assert not any((tmp_path / "cache").glob("dl-*"))
+
+
+def test_resolve_source_refuses_as_a_load_does(
+    registry: RegistryServer, private: RegistryServer, served: ServedAgent, tmp_path: Path
+) -> None:
+    """The same checks and the same errors as a load: a hostile name, a pickle file in the
+    manifest, a registry's refusal without the credential; with it, the digest."""
+    traversal = rpc_error(
+        lambda: served.stub.ResolveSource(
+            pb.ResolveSourceRequest(source_uri=f"oci://{registry.address}/team/../private/lora:v1"), timeout=60
+        )
+    )
+    assert (traversal.code(), (REASON_METADATA_KEY, "traversal") in tuple(traversal.trailing_metadata())) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        True,
+    )
+    adapter = make_adapter(tmp_path / "ad", seed=35)
+    shutil.copy(adapter / ADAPTER_WEIGHTS, adapter / "adapter_model.bin")
+    registry.push_artifact(
+        "team/pickled-too", "v1", adapter, {ADAPTER_CONFIG: CONFIG_MEDIA_TYPE, "adapter_model.bin": "application/octet-stream"}
+    )
+    pickled = rpc_error(
+        lambda: served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=f"oci://{registry.address}/team/pickled-too:v1"), timeout=60)
+    )
+    assert (REASON_METADATA_KEY, "pickle") in tuple(pickled.trailing_metadata())
+    digest = private.push_adapter("team/secret", "v3", make_adapter(tmp_path / "private", seed=36))
+    request = pb.ResolveSourceRequest(source_uri=f"oci://{private.address}/team/secret:v3")
+    anonymous = rpc_error(lambda: served.stub.ResolveSource(request, timeout=60))
+    assert (REASON_METADATA_KEY, "http_error") in tuple(anonymous.trailing_metadata()) and "HTTP 401" in anonymous.details()
+    request.source_basic.CopyFrom(pb.SourceBasicAuth(username=LOGIN[0], password=LOGIN[1]))
+    assert served.stub.ResolveSource(request, timeout=60).source_revision == digest
+    assert held(served.stub) == {}

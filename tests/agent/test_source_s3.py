@@ -22,7 +22,16 @@ from lorafleet_dev.storage_servers import S3Keys, S3Server, start_s3_server
 from node_agent.cli.main import build_parser, main
 from node_agent.cli.serve import agent_config
 from node_agent.errors import AgentError, SourceRefused
-from node_agent.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, Credential, S3Credential, SourceCredential, SourcePolicy, resolve_source
+from node_agent.sources import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    Credential,
+    S3Credential,
+    SourceCredential,
+    SourcePolicy,
+    resolve_source,
+    source_revision,
+)
 from tests.agent.helpers import make_adapter, rpc_error
 from tests.agent.storage_agents import ServedAgent, assert_every_rank_read, file_sha256, held, served_agent
 
@@ -201,3 +210,56 @@ def test_the_serve_flags_set_the_store_and_read_the_key_from_the_environment(tmp
         assert main(["serve", "--model", str(model), flag, value]) == 2
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     assert main([*flags]) == 2  # a key without its secret
+
+
+def test_resolve_source_answers_each_objects_etag_from_a_head(store: S3Server, served: ServedAgent, tmp_path: Path) -> None:
+    """ResolveSource names the revision a load of the same objects records (their ETags, read
+    by signed HEADs), which a load then holds the store to: loaded while it is true, refused
+    (source_changed) once an object is overwritten."""
+    first, second = make_adapter(tmp_path / "a", seed=13), make_adapter(tmp_path / "b", seed=14)
+    etags = store.put_adapter(BUCKET, "team/resolved", first)
+    uri = f"s3://{BUCKET}/team/resolved"
+    revision = served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=uri), timeout=60).source_revision
+    assert revision == f"{ADAPTER_CONFIG} etag {etags[ADAPTER_CONFIG]}; {ADAPTER_WEIGHTS} etag {etags[ADAPTER_WEIGHTS]}"
+    reply = served.stub.LoadAdapter(pb.LoadAdapterRequest(name="resolved", source_uri=uri, source_revision=revision), timeout=120)
+    assert_every_rank_read(reply, first)
+    assert reply.source_revision == revision
+    store.put_adapter(BUCKET, "team/resolved", second)
+    assert served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=uri), timeout=60).source_revision != revision
+    changed = pb.LoadAdapterRequest(name="changed", source_uri=uri, source_revision=revision)
+    assert (REASON_METADATA_KEY, "source_changed") in tuple(
+        rpc_error(lambda: served.stub.LoadAdapter(changed, timeout=120)).trailing_metadata()
+    )
+    assert held(served.stub) == {"resolved": file_sha256(first / ADAPTER_WEIGHTS)}
+    served.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="resolved"), timeout=60)
+
+
+@pytest.mark.parametrize(
+    "request_, reason",
+    [
+        (pb.ResolveSourceRequest(source_uri=f"s3://{BUCKET}/team/../x"), "traversal"),
+        (pb.ResolveSourceRequest(source_uri=f"s3://{BUCKET}/other/x"), "source_not_allowed"),
+        (pb.ResolveSourceRequest(source_uri=f"s3://{BUCKET}/team/x", source_token="t0ken"), "credentials"),
+        (pb.ResolveSourceRequest(source_uri=f"s3://{BUCKET}/team/nothing-here"), "source_not_found"),
+        (pb.ResolveSourceRequest(source_uri="ftp://example.com/x"), "scheme"),
+    ],
+)
+def test_resolve_source_refuses_as_a_load_does(served: ServedAgent, request_: pb.ResolveSourceRequest, reason: str) -> None:
+    """The same checks and errors as a load's: traversal, a prefix not allowed, the wrong kind
+    of credential, a missing object, a scheme no load takes."""
+    error = rpc_error(lambda: served.stub.ResolveSource(request_, timeout=60))
+    assert (REASON_METADATA_KEY, reason) in tuple(error.trailing_metadata()), error.details()
+
+
+def test_resolve_source_with_a_wrong_key_is_refused_and_other_schemes_name_no_revision(
+    store: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    store.put_adapter(BUCKET, "team/keyed", make_adapter(tmp_path / "ad", seed=15))
+    wrong = S3Credential(KEYS.access_key_id, "not-the-s3cr3t")
+    with pytest.raises(AgentError) as error:
+        source_revision(f"s3://{BUCKET}/team/keyed", policy(store, tmp_path / "cache"), wrong)
+    assert error.value.reason == "http_error" and "HTTP 403" in str(error.value)
+    assert "not-the-s3cr3t" not in caplog.text and KEYS.secret_access_key not in caplog.text
+    assert source_revision("https://example.com/adapter", policy(store, tmp_path / "cache")) == ""
+    assert not any((tmp_path / "cache").glob("dl-*"))

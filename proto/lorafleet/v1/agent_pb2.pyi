@@ -161,6 +161,24 @@ class LoadAdapterRequest(_message.Message):
     source_revision: str
     def __init__(self, name: _Optional[str] = ..., source_uri: _Optional[str] = ..., sha256: _Optional[str] = ..., pinned: _Optional[bool] = ..., replace: _Optional[bool] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ..., standby: _Optional[bool] = ..., source_s3: _Optional[_Union[SourceS3Credential, _Mapping]] = ..., source_revision: _Optional[str] = ...) -> None: ...
 
+class ResolveSourceRequest(_message.Message):
+    __slots__ = ("source_uri", "source_token", "source_basic", "source_s3")
+    SOURCE_URI_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BASIC_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_S3_FIELD_NUMBER: _ClassVar[int]
+    source_uri: str
+    source_token: str
+    source_basic: SourceBasicAuth
+    source_s3: SourceS3Credential
+    def __init__(self, source_uri: _Optional[str] = ..., source_token: _Optional[str] = ..., source_basic: _Optional[_Union[SourceBasicAuth, _Mapping]] = ..., source_s3: _Optional[_Union[SourceS3Credential, _Mapping]] = ...) -> None: ...
+
+class ResolveSourceResponse(_message.Message):
+    __slots__ = ("source_revision",)
+    SOURCE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    source_revision: str
+    def __init__(self, source_revision: _Optional[str] = ...) -> None: ...
+
 class SourceBasicAuth(_message.Message):
     __slots__ = ("username", "password")
     USERNAME_FIELD_NUMBER: _ClassVar[int]

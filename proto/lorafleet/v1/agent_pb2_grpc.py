@@ -79,6 +79,11 @@ class NodeAgentStub:
                 request_serializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.SerializeToString,
                 response_deserializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.FromString,
                 _registered_method=True)
+        self.ResolveSource = channel.unary_unary(
+                '/lorafleet.v1.NodeAgent/ResolveSource',
+                request_serializer=lorafleet_dot_v1_dot_agent__pb2.ResolveSourceRequest.SerializeToString,
+                response_deserializer=lorafleet_dot_v1_dot_agent__pb2.ResolveSourceResponse.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -156,6 +161,19 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveSource(self, request, context):
+        """What an s3:// or oci:// source resolves to now, without downloading the adapter: an oci://
+        tag's manifest digest (the manifest alone is fetched, and checked as a load checks it), an
+        s3:// prefix's objects' version ids or ETags (HEAD requests). Under the same source policy and
+        checks as a load (allowlists, address rules, credentials, caps), and failing as a load's
+        source would (the same status codes and reasons). Any other scheme answers an empty revision.
+        The operator asks it once per source URI before it sends the loads, each held to the answer
+        (LoadAdapterRequest.source_revision). Agents older than this method answer UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +221,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.AdapterStats,
                     request_deserializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.FromString,
                     response_serializer=lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.SerializeToString,
+            ),
+            'ResolveSource': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveSource,
+                    request_deserializer=lorafleet_dot_v1_dot_agent__pb2.ResolveSourceRequest.FromString,
+                    response_serializer=lorafleet_dot_v1_dot_agent__pb2.ResolveSourceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +471,33 @@ class NodeAgent:
             '/lorafleet.v1.NodeAgent/AdapterStats',
             lorafleet_dot_v1_dot_agent__pb2.AdapterStatsRequest.SerializeToString,
             lorafleet_dot_v1_dot_agent__pb2.AdapterStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveSource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lorafleet.v1.NodeAgent/ResolveSource',
+            lorafleet_dot_v1_dot_agent__pb2.ResolveSourceRequest.SerializeToString,
+            lorafleet_dot_v1_dot_agent__pb2.ResolveSourceResponse.FromString,
             options,
             channel_credentials,
             insecure,

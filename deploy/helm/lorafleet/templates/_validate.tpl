@@ -62,6 +62,9 @@ in tests/kube/test_chart.py run every one through the real helm binary.
 {{- end -}}
 {{- end -}}
 {{- $src := $a.sources -}}
+{{- if and $src.s3WebIdentity.enabled (not (and $src.s3Endpoint $src.s3WebIdentity.roleArn)) -}}
+{{- fail "agent.sources.s3WebIdentity.enabled=true needs agent.sources.s3Endpoint (the store) and agent.sources.s3WebIdentity.roleArn (the role the agents assume)" -}}
+{{- end -}}
 {{- range $src.allowHub -}}
 {{- /* The agents fetch hf://ORG/REPO/... from HUB/ORG/REPO/resolve/...: some allow prefix must
        cover the repositories' URLs, or every hf:// load the fleet admits fails on the agents. */ -}}

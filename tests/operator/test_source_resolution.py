@@ -1,0 +1,210 @@
+"""An oci:// tag resolved once, before the loads, on the real control plane: two real agents read
+a real registry (distribution's, artifacts pushed by the real ``oras``) through a loopback proxy
+that passes the first manifest request and holds every later one until the test lets them go.
+
+With the resolution, the first manifest request is the operator's ResolveSource: the digest is in
+``status.source`` while both agents' loads still wait, and when the tag moves before they go on,
+each load is refused (``tag_moved``): no agent holds the new content. Without it, the first
+agent's load resolved the tag itself and the second, held, loaded what the tag named later: two
+digests in one fleet. A source refused at resolution is the adapter's status, and no load is sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lorafleet.v1 import agent_pb2
+from lorafleet_dev.agents import AgentProcess, AgentSpec
+from lorafleet_dev.storage_servers import CONFIG_MEDIA_TYPE, RegistryServer, start_registry
+from lorafleet_dev.synthetic import ADAPTER_WEIGHTS, write_model
+from tests.agent.storage_agents import registry_answer, send_body
+from tests.kube.harness import ControlPlane
+from tests.operator.agents import (
+    BASE_MODEL,
+    SHAPE,
+    adapter_manifest,
+    add_agent_pod,
+    apply,
+    fleet_manifest,
+    make_adapter,
+    serving,
+    status,
+    stub,
+)
+from tests.operator.conftest import OperatorProcess, wait_for
+
+
+class HeldManifests(http.server.ThreadingHTTPServer):
+    """Passes GETs on to the registry; manifest requests after the first ``passes`` wait until
+    ``release`` is set (at most 120 s), counted in ``holding`` meanwhile."""
+
+    daemon_threads = True
+
+    def __init__(self, registry: RegistryServer, passes: int = 1) -> None:
+        super().__init__(("127.0.0.1", 0), _HeldManifestsHandler)
+        self.registry, self.passes = registry, passes
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.manifests = 0
+        self.holding = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server_address[1]}"
+
+    def wait_turn(self) -> None:
+        """A manifest request's turn: at once for the first ``passes``, else after ``release``."""
+        with self.lock:
+            self.manifests += 1
+            if self.manifests <= self.passes:
+                return
+            self.holding += 1
+        try:
+            self.release.wait(120)
+        finally:
+            with self.lock:
+                self.holding -= 1
+
+
+class _HeldManifestsHandler(http.server.BaseHTTPRequestHandler):
+    server: HeldManifests
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if "/manifests/" in self.path:
+            self.server.wait_turn()
+        answer = registry_answer(self.server.registry, self)
+        if answer is not None:
+            send_body(self, *answer)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The registry, the proxy in front of it, and two agents that read it through the proxy."""
+
+    registry: RegistryServer
+    proxy: HeldManifests
+    agents: list[AgentProcess]
+    work: Path
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    registry = start_registry(tmp_path / "registry")
+    proxy = HeldManifests(registry)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    model = write_model(tmp_path / "model", SHAPE)
+    agents = [AgentProcess(name, _agent_spec(model, tmp_path / name, proxy.address), tmp_path / "logs") for name in ("agent-0", "agent-1")]
+    try:
+        with serving(agents):
+            yield Fleet(registry, proxy, agents, tmp_path)
+    finally:
+        proxy.release.set()
+        proxy.shutdown()
+        proxy.server_close()
+        registry.stop()
+
+
+def _agent_spec(model: Path, root: Path, registry: str) -> AgentSpec:
+    """An agent of the tiny model reading the registry's ``team`` repositories over plain HTTP."""
+    return AgentSpec(
+        model_dir=model,
+        adapter_roots=(),
+        base_model_name=BASE_MODEL,
+        tp=1,
+        dp=1,
+        extra_args=(
+            *("--cache-dir", str(root / "cache"), "--allow-source", f"oci://{registry}/team"),
+            *("--oci-plain-http", registry, "--allow-source-network", "127.0.0.0/8"),
+        ),
+    )
+
+
+def _held_weights(agent: AgentProcess, name: str) -> str:
+    """The sha256 of the weights the agent holds under ``name`` ("" when it holds none)."""
+    channel, agent_stub = stub(agent)
+    with channel:
+        reply = agent_stub.ListAdapters(agent_pb2.ListAdaptersRequest(), timeout=10)
+    return next((a.sha256 for a in reply.adapters if a.name == name), "")
+
+
+def _fleet_for(cluster: ControlPlane, ns: str, fleet: Fleet) -> None:
+    for agent in fleet.agents:
+        add_agent_pod(cluster, ns, agent)
+    manifest = fleet_manifest()
+    manifest["spec"]["sources"] = {"allow": [f"oci://{fleet.proxy.address}/team"]}
+    apply(cluster, ns, manifest)
+
+
+def test_a_tag_moved_after_resolution_is_refused_on_every_later_load(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...], fleet: Fleet, operator: OperatorProcess
+) -> None:
+    ns = kube_namespace
+    _fleet_for(kube_cluster, ns, fleet)
+    first, second = make_adapter(fleet.work, "first", seed=41), make_adapter(fleet.work, "second", seed=42)
+    first_digest = fleet.registry.push_adapter(f"team/{ns}-moving", "stable", first)
+    uri = f"oci://{fleet.proxy.address}/team/{ns}-moving:stable"
+    manifest = adapter_manifest("moving", Path("/unused"))
+    manifest["spec"]["source"] = {"uri": uri}
+    apply(kube_cluster, ns, manifest)
+
+    # The first manifest request passed; the loads that came after it wait at the proxy.
+    wait_for(lambda: fleet.proxy.holding >= 1, 120, "a load to wait at the registry", operator)
+    recorded_while_held = status(kube_cluster, ns, "moving").get("source")
+    held_while_recorded = [_held_weights(agent, f"{ns}.moving") for agent in fleet.agents]
+    second_digest = fleet.registry.push_adapter(f"team/{ns}-moving", "stable", second)  # the tag moves
+    fleet.proxy.release.set()
+
+    def settled() -> bool:
+        agents = status(kube_cluster, ns, "moving").get("agents") or []
+        return len(agents) == 2 and all(a.get("state") in ("Loaded", "Failed") for a in agents)
+
+    wait_for(settled, 120, "both agents' loads to end", operator)
+    weights = {agent.name: _held_weights(agent, f"{ns}.moving") for agent in fleet.agents}
+    second_weights = _sha256(second / ADAPTER_WEIGHTS)
+    assert second_weights not in weights.values(), f"an agent loaded what the tag named after it was resolved: {weights}"
+    st = status(kube_cluster, ns, "moving")
+    assert st.get("source") == {"uri": uri, "revision": first_digest}, st
+    assert recorded_while_held == {"uri": uri, "revision": first_digest}, "status.source was not recorded before the loads"
+    assert held_while_recorded == ["", ""]
+    for agent in st["agents"]:
+        if agent["state"] == "Failed":
+            assert f"names {second_digest} now, not {first_digest}" in agent["message"], agent
+    assert st["phase"] == "Failed" and set(weights.values()) == {""}, (st["phase"], weights)
+
+
+def test_a_source_refused_at_resolution_is_the_status_and_no_load_is_sent(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...], fleet: Fleet, operator: OperatorProcess
+) -> None:
+    ns = kube_namespace
+    fleet.proxy.passes = 1000  # nothing held
+    _fleet_for(kube_cluster, ns, fleet)
+    adapter = make_adapter(fleet.work, "pickled", seed=43)
+    (adapter / "adapter_model.bin").write_bytes((adapter / ADAPTER_WEIGHTS).read_bytes())
+    fleet.registry.push_artifact(
+        f"team/{ns}-pickled", "v1", adapter, {"adapter_config.json": CONFIG_MEDIA_TYPE, "adapter_model.bin": "application/octet-stream"}
+    )
+    manifest = adapter_manifest("pickled", Path("/unused"))
+    manifest["spec"]["source"] = {"uri": f"oci://{fleet.proxy.address}/team/{ns}-pickled:v1"}
+    apply(kube_cluster, ns, manifest)
+
+    wait_for(lambda: status(kube_cluster, ns, "pickled").get("phase") == "Failed", 120, "pickled Failed", operator)
+    st = status(kube_cluster, ns, "pickled")
+    assert [a["state"] for a in st["agents"]] == ["Failed", "Failed"], st
+    assert all("holds a pickle file" in a["message"] for a in st["agents"]), st
+    assert "source" not in st, st
+    assert operator.agent_calls("LoadAdapter") == 0 and operator.agent_calls("LoadAdapters") == 0
+    assert operator.agent_calls("ResolveSource") >= 1
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
