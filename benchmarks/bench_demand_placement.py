@@ -1,19 +1,33 @@
 """Demand placement against random placement and plain rendezvous hashing: a SIMULATION (no
 cluster, no agents, no engine) of NVIDIA Dynamo's LoRA-placement set-up, as issue 38 cites it:
-100 adapters, 8 workers × 4 slots, 200 ticks, drifting Zipf demand.
+100 adapters, 8 workers × 4 slots, 200 ticks of 3 s, Zipf demand. Two modes.
 
-The demand model follows Dynamo's own simulation harness (ai-dynamo/dynamo,
-lib/llm/tests/lora_simulation/workloads.rs, `generate_zipf_poisson_schedules`): adapter of
-popularity rank k gets Poisson(λ_k) requests per tick, λ_k = total × k^-s / H(L, s), total 40
-requests per tick, s = 1, 3-second ticks. Assumed here (Dynamo's text gives no drift rule that
-we found): the popularity ranks drift by one swap of two adjacent ranks per tick.
+Default mode (drifting Zipf, placement residency). The demand model follows Dynamo's own
+simulation harness (ai-dynamo/dynamo, lib/llm/tests/lora_simulation/workloads.rs,
+`generate_zipf_poisson_schedules`): adapter of popularity rank k gets Poisson(λ_k) requests per
+tick, λ_k = total × k^-s / H(L, s), total 40 requests per tick, s = 1. Added here (Dynamo's
+ranks are static): the ranks drift by one swap of two adjacent ranks per tick. Each tick, every
+strategy places adapters from the requests it saw up to the tick before; the tick's requests
+are then served. Measured per strategy, over several seeds (mean ± spread):
+* churn: adapter-replica additions + removals over the run (the first placement's additions
+  included), and the loads alone;
+* resident-hit share: the tick's requests whose adapter is placed on some worker then.
 
-Each tick, every strategy places adapters from the requests it saw up to the tick before; the
-tick's requests are then served. Measured per strategy, over several seeds (mean ± spread):
-* churn: adapter-replica additions + removals over the run, as Dynamo counts it (the first
-  placement's additions included), and the loads alone;
-* resident-hit share: the tick's requests whose adapter is resident on some worker then (the
-  others would load it on first request, or wait).
+`--dynamo` mode (Dynamo's harness, its definitions). Dynamo's four workloads as its harness
+generates them (dynamo-llm 1.6.1, tests/lora_simulation/workloads.rs and csv_export.rs):
+static Zipf s = 1 ranks, Poisson arrivals around a total rate per tick (Zipf + Poisson: 40;
+daily: 10 to 50 over a 100-tick day; spike: 25, times 5 at ticks 50 and 130, halving every 8
+ticks; MMPP: a 3-state Markov chain of rates 15/40/70). Each tick every strategy places from the
+requests seen up to and including that tick (as Dynamo's controller reads its rate window
+before the tick's requests are served); the placement is the requests' routing targets, and
+residency follows the requests alone, as in Dynamo's `ResidencyModel` behind its `LoraFilter`:
+each request goes, in turn (a cursor per adapter), to one of its candidates (the replica
+workers holding the adapter, else all its replica workers; an adapter without replicas: the
+workers holding it, else every worker), and is a hit when the adapter is resident there; a
+miss loads it there, evicting that worker's least recently used adapter when its 4 slots are
+full. Measured: route churn (replica additions + removals), adapter churn (the request path's
+loads + evictions) and the hit share. `--trace-csv DIR` replays the per-tick loads Dynamo's
+export wrote (DIR/<scenario>_load.csv) instead of drawing them, so both run on the same draws.
 
 Strategies: random (each tick a fresh random choice of workers with room; Dynamo's replica
 budget: proportional to a 30-tick windowed rate, within the 32 slots, as its `LoraController`);
@@ -21,21 +35,26 @@ plain rendezvous hashing (the same budget, each adapter's top workers with room 
 stickiness); lorafleet (`lorafleet_operator.demand`: EMA-smoothed demand, HPA-like replicas,
 the scale-down window and scale-up limits, slots shared by demand per replica with a margin for
 held replicas; then the operator's one placement rule, `lorafleet_operator.placement.place`:
-sticky, least-loaded agents with room for new replicas). Dynamo's published figures are printed beside them, as the
-issue quotes them (random ~35,000 loads, rendezvous ~250, min-cost flow 88–136).
+sticky, least-loaded agents with room for new replicas). Random and rendezvous here are this
+simulation's approximations of Dynamo's (no cold-start pins, no hysteresis); Dynamo's own
+figures are printed beside them: its study's published churn in the default mode, and in
+`--dynamo` mode what its harness measured when run here.
 
-Run: `. scripts/bootstrap.sh && python benchmarks/bench_demand_placement.py` (CPU, seconds).
+Run: `. scripts/bootstrap.sh && python benchmarks/bench_demand_placement.py [--dynamo]` (CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import math
 import random
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -65,8 +84,29 @@ PODS = [f"worker-{i}" for i in range(WORKERS)]
 POLICY = ScalingPolicy(min_replicas=0, max_replicas=WORKERS, target_per_replica=4.0, scale_down_window_s=300.0)
 SMOOTHING_S = float(DEFAULT_SMOOTHING_S)
 MARGIN = DEFAULT_MARGIN
-#: As issue 38 quotes Dynamo's "Optimal LoRA Placement" study (churn over the run).
-DYNAMO_PUBLISHED = {"random": "~35,000", "rendezvous (HRW)": "~250", "min-cost flow": "88–136"}
+#: Dynamo's "Optimal LoRA Placement" study (ai-dynamo/dynamo docs/blogs/lora-placement/, March
+#: 2026, data in tools/gen_churn_bars.py at 24a57cc8): routing-target churn over 200 ticks, its
+#: four static-Zipf workloads, one seed each (lowest–highest).
+DYNAMO_PUBLISHED = {"random": "33,824–35,752", "rendezvous (HRW)": "238–281", "min-cost flow": "88–136"}
+DYNAMO_SCENARIOS = ("hot_lora_poisson", "daily", "spike", "mmpp")
+MMPP_RATES = (15.0, 40.0, 70.0)
+MMPP_TRANSITIONS = ((0.90, 0.10, 0.00), (0.15, 0.80, 0.05), (0.10, 0.20, 0.70))
+#: What Dynamo's harness measured when run here (dynamo-llm 1.6.1 from crates.io, vcs commit
+#: 0d9c24a8, its `tests/lora_simulation` with the export's settings, seeds 0–9 of its own
+#: generators): route churn, adapter churn (request-path loads + evictions), hit share (%), means.
+DYNAMO_MEASURED = {
+    "hot_lora_poisson": {"random": (34046, 8437, 47.2), "HRW": (1223, 5401, 66.1), "MCF": (391, 5275, 66.9)},
+    "daily": {"random": (31683, 6493, 45.6), "HRW": (1240, 4040, 66.0), "MCF": (502, 3973, 66.6)},
+    "spike": {"random": (33232, 7612, 48.5), "HRW": (1162, 5021, 66.0), "MCF": (428, 4938, 66.5)},
+    "mmpp": {"random": (32296, 6201, 45.8), "HRW": (1210, 3886, 66.1), "MCF": (505, 3825, 66.6)},
+}
+#: The same harness on its export's own seed, 42, whose loads `--trace-csv` replays.
+DYNAMO_MEASURED_SEED_42 = {
+    "hot_lora_poisson": {"random": (33684, 8396, 47.8), "HRW": (1246, 5374, 66.5), "MCF": (389, 5210, 67.5)},
+    "daily": {"random": (31627, 6506, 46.3), "HRW": (1328, 4126, 65.8), "MCF": (444, 3978, 67.1)},
+    "spike": {"random": (33015, 7542, 49.4), "HRW": (1301, 4996, 66.4), "MCF": (374, 4924, 66.9)},
+    "mmpp": {"random": (30466, 5020, 44.3), "HRW": (1109, 2928, 67.4), "MCF": (565, 2862, 68.1)},
+}
 
 Placement = dict[str, frozenset[str]]
 
@@ -84,6 +124,37 @@ def demand_trace(seed: int) -> list[dict[str, int]]:
             ranked[k], ranked[k + 1] = ranked[k + 1], ranked[k]
         trace.append({name: int(rng.poisson(TOTAL_LOAD * w / harmonic)) for name, w in zip(ranked, weights, strict=True)})
     return trace
+
+
+def dynamo_total_rates(scenario: str, rng: np.random.Generator) -> list[float]:
+    """Requests per tick in all, per Dynamo workload (its export's parameters)."""
+    if scenario == "hot_lora_poisson":
+        return [TOTAL_LOAD] * TICKS
+    if scenario == "daily":
+        return [30.0 - 20.0 * math.cos(2 * math.pi * (t % 100) / 100) for t in range(TICKS)]
+    if scenario == "spike":
+        return [25.0 * (1 + sum(4.0 * 0.5 ** ((t - f) / 8.0) for f in (50, 130) if t >= f)) for t in range(TICKS)]
+    if scenario != "mmpp":
+        raise ValueError(f"unknown Dynamo workload {scenario!r}; expected one of {DYNAMO_SCENARIOS}")
+    rates, state = [], 0
+    for _ in range(TICKS):
+        rates.append(MMPP_RATES[state])
+        state = int(rng.choice(len(MMPP_RATES), p=MMPP_TRANSITIONS[state]))
+    return rates
+
+
+def dynamo_trace(scenario: str, seed: int) -> list[dict[str, int]]:
+    """Requests per adapter per tick of one Dynamo workload: static Zipf ranks, Poisson arrivals."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([k**-ZIPF_S for k in range(1, ADAPTERS + 1)])
+    weights /= weights.sum()
+    return [dict(zip(NAMES, map(int, rng.poisson(rate * weights)), strict=True)) for rate in dynamo_total_rates(scenario, rng)]
+
+
+def read_trace(path: Path) -> list[dict[str, int]]:
+    """Per-tick loads as Dynamo's export writes them (a `lora-NNN` column per adapter)."""
+    with path.open(newline="") as f:
+        return [{name: int(row.get(name) or 0) for name in NAMES} for row in csv.DictReader(f)]
 
 
 def dynamo_budget(window_loads: dict[str, int]) -> dict[str, int]:
@@ -193,19 +264,97 @@ class Outcome:
     hit_share: float
 
 
+def replicas_of(placement: Placement) -> set[tuple[str, str]]:
+    """Every (adapter, worker) replica of a placement."""
+    return {(n, p) for n, pods in placement.items() for p in pods}
+
+
 def run(trace: Sequence[dict[str, int]], strategy: Callable[[int], Placement]) -> Outcome:
     """Place each tick from what was seen before it, serve the tick, count churn and hits."""
     before: set[tuple[str, str]] = set()
     churn = loads = hits = requests = 0
     for tick, arrivals in enumerate(trace):
         placement = strategy(tick)
-        now = {(n, p) for n, pods in placement.items() for p in pods}
+        now = replicas_of(placement)
         loads += len(now - before)
-        churn += len(now - before) + len(before - now)
+        churn += len(now ^ before)
         before = now
         requests += sum(arrivals.values())
         hits += sum(count for name, count in arrivals.items() if placement.get(name))
     return Outcome(churn, loads, hits / requests)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One tick's requests through the request path."""
+
+    hits: int
+    loads: int
+    evictions: int
+
+
+@dataclass
+class RequestPath:
+    """Dynamo's simulated request path (its harness's `ResidencyModel` behind `LoraFilter`):
+    residency follows the requests alone, a least-recently-used list of `SLOTS` per worker."""
+
+    resident: dict[str, list[str]] = field(default_factory=lambda: {pod: [] for pod in PODS})
+    cursor: Counter[str] = field(default_factory=Counter)
+
+    def candidates(self, name: str, routes: Placement) -> list[str]:
+        """The filter's workers for one request: replicas holding it, else all its replicas; an
+        adapter without replicas: the workers holding it, else every worker."""
+        holding = [pod for pod in PODS if name in self.resident[pod]]
+        replicas = [pod for pod in PODS if pod in routes.get(name, ())]
+        if replicas:
+            return [pod for pod in replicas if pod in holding] or replicas
+        return holding or list(PODS)
+
+    def serve(self, arrivals: dict[str, int], routes: Placement) -> Served:
+        """Each request to its next candidate in turn: a hit when resident there, else a load
+        (evicting the least recently used adapter of a full worker)."""
+        hits = loads = evictions = 0
+        for name in sorted(arrivals):
+            for _ in range(arrivals[name]):
+                options = self.candidates(name, routes)
+                held = self.resident[options[self.cursor[name] % len(options)]]
+                self.cursor[name] += 1
+                if name in held:
+                    hits += 1
+                    held.remove(name)
+                else:
+                    loads += 1
+                    if len(held) >= SLOTS:
+                        held.pop(0)
+                        evictions += 1
+                held.append(name)
+        return Served(hits, loads, evictions)
+
+
+@dataclass(frozen=True)
+class DynamoOutcome:
+    """One strategy on one trace, measured as Dynamo's harness measures."""
+
+    route_churn: int
+    adapter_churn: int
+    hit_share: float
+
+
+def run_request_path(trace: Sequence[dict[str, int]], strategy: Callable[[int], Placement]) -> DynamoOutcome:
+    """Each tick: place (the strategy sees the tick's requests), count the routes that changed,
+    then serve the tick's requests through the request path."""
+    path = RequestPath()
+    before: set[tuple[str, str]] = set()
+    route_churn = adapter_churn = hits = requests = 0
+    for tick, arrivals in enumerate(trace):
+        now = replicas_of(routes := strategy(tick))
+        route_churn += len(now ^ before)
+        before = now
+        served = path.serve(arrivals, routes)
+        adapter_churn += served.loads + served.evictions
+        hits += served.hits
+        requests += sum(arrivals.values())
+    return DynamoOutcome(route_churn, adapter_churn, hits / requests)
 
 
 def run_lorafleet(trace: Sequence[dict[str, int]], fleet: Lorafleet) -> Outcome:
@@ -223,6 +372,57 @@ def outcomes(seed: int) -> dict[str, Outcome]:
         "rendezvous (HRW)": run(trace, lambda t: rendezvous_placement(dynamo_budget(windowed(trace, t)))),
         "lorafleet": run_lorafleet(trace, Lorafleet()),
     }
+
+
+def dynamo_outcomes(trace: Sequence[dict[str, int]], seed: int) -> dict[str, DynamoOutcome]:
+    """Every strategy over one trace in Dynamo's harness, each placing from the requests seen up
+    to and including the tick."""
+    rng = random.Random(seed)
+    fleet = Lorafleet()
+    return {
+        "random": run_request_path(trace, lambda t: random_placement(dynamo_budget(windowed(trace, t + 1)), rng)),
+        "HRW": run_request_path(trace, lambda t: rendezvous_placement(dynamo_budget(windowed(trace, t + 1)))),
+        "lorafleet": run_request_path(trace, lambda t: fleet.step(trace[t], t * TICK_S)),
+    }
+
+
+def dynamo_figures(figures: tuple[int, int, float] | None) -> str:
+    """Dynamo's measured route churn / adapter churn / hit share, or a dash."""
+    return f"{figures[0]:,} / {figures[1]:,} / {figures[2]:.1f} %" if figures else "—"
+
+
+def report_dynamo(seeds: int, trace_dir: Path | None) -> None:
+    """Dynamo's workloads and definitions: per workload, every strategy beside Dynamo's own run."""
+    measured = DYNAMO_MEASURED_SEED_42 if trace_dir else DYNAMO_MEASURED
+    draws = f"the loads Dynamo's export wrote to {trace_dir} (its seed 42)" if trace_dir else f"seeds 0–{seeds - 1}: mean ± sd (min–max)"
+    print(
+        f"SIMULATION of Dynamo's harness (dynamo-llm 1.6.1 tests/lora_simulation): {ADAPTERS} adapters, {WORKERS} workers × "
+        f"{SLOTS} slots, {TICKS} ticks of {TICK_S:g} s, static Zipf s={ZIPF_S:g} ranks, Poisson arrivals, requests through "
+        f"Dynamo's filter to a least-recently-used residency per worker; {draws}"
+    )
+    print(
+        f"{'workload':<17} | {'strategy':<9} | {'route churn':<32} | {'adapter churn (loads + evictions)':<33} | "
+        f"{'resident-hit share':<24} | Dynamo's harness: route / adapter churn / hit share"
+    )
+    for scenario in DYNAMO_SCENARIOS:
+        if trace_dir:
+            traces = [read_trace(trace_dir / f"{scenario}_load.csv")]
+        else:
+            traces = [dynamo_trace(scenario, seed) for seed in range(seeds)]
+        runs = [dynamo_outcomes(trace, seed) for seed, trace in enumerate(traces)]
+        for name in ("random", "HRW", "lorafleet", "MCF"):
+            cells = dynamo_cells([r[name] for r in runs if name in r])
+            print(f"{scenario:<17} | {name:<9} | {cells} | {dynamo_figures(measured[scenario].get(name))}")
+
+
+def dynamo_cells(per: Sequence[DynamoOutcome]) -> str:
+    """One strategy's route churn, adapter churn and hit share over its runs."""
+    if not per:
+        return f"{'not simulated':<32} | {'':<33} | {'':<24}"
+    route = spread([o.route_churn for o in per], 0)
+    adapter = spread([o.adapter_churn for o in per], 0)
+    share = spread([100 * o.hit_share for o in per], 1) + " %"
+    return f"{route:<32} | {adapter:<33} | {share:<24}"
 
 
 def sweep(seeds: int) -> None:
@@ -243,7 +443,9 @@ def sweep(seeds: int) -> None:
 
 
 def spread(values: Sequence[float], digits: int) -> str:
-    """Mean ± standard deviation (min–max)."""
+    """Mean ± standard deviation (min–max); one value alone."""
+    if len(values) == 1:
+        return f"{values[0]:,.{digits}f}"
     mean, sd = statistics.fmean(values), statistics.pstdev(values)
     return f"{mean:,.{digits}f} ± {sd:,.{digits}f} ({min(values):,.{digits}f}–{max(values):,.{digits}f})"
 
@@ -252,7 +454,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="also print lorafleet's settings against churn and hits")
+    parser.add_argument("--dynamo", action="store_true", help="Dynamo's four workloads, request path and definitions")
+    parser.add_argument("--trace-csv", type=Path, help="with --dynamo: replay the loads Dynamo's export wrote to this folder")
     args = parser.parse_args()
+    if args.dynamo:
+        report_dynamo(args.seeds, args.trace_csv)
+        return
     runs = [outcomes(seed) for seed in range(args.seeds)]
     print(
         f"SIMULATION of Dynamo's set-up: {ADAPTERS} adapters, {WORKERS} workers × {SLOTS} slots, {TICKS} ticks of {TICK_S:g} s, "
