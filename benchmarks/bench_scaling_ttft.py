@@ -264,27 +264,6 @@ class Fleet:
     operator_metrics_port: int
 
 
-def _agent_pod(agent: AgentProcess, http_port: int) -> dict[str, Any]:
-    """The agent's Pod, with its gRPC and HTTP ports (as the chart names them)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": agent.name, "labels": {FLEET_LABEL: "default"}},
-        "spec": {
-            "nodeName": "lorafleet-local",
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {
-                    "name": "agent",
-                    "image": "lorafleet-agent:local",
-                    "ports": [{"name": "grpc", "containerPort": agent.port}, {"name": "http", "containerPort": http_port}],
-                }
-            ],
-        },
-    }
-
-
 def _apply(cluster: ControlPlane, ns: str, items: Sequence[dict[str, Any]]) -> None:
     cluster.apply(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(items)}), ns)
 
@@ -323,8 +302,8 @@ def fleet(cluster: ControlPlane, setup: Setup, mode: Mode) -> Iterator[Fleet]:
     try:
         for name in (f"agent-{i}" for i in range(setup.agents)):
             agents[name], http_ports[name] = start_agent(name, spec, log_dir)
-            _apply(cluster, ns, [_agent_pod(agents[name], http_ports[name])])
-            cluster.write_pod_status(ns, name, ready=True, ip=host)
+            labels = {FLEET_LABEL: "default"}
+            cluster.create_agent_pod(ns, name, agents[name].port, labels=labels, ip=host, http_port=http_ports[name])
         fleet_spec = {"selector": {"matchLabels": {FLEET_LABEL: "default"}}, "grpcPortName": "grpc"}
         _apply(
             cluster,

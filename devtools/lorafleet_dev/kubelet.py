@@ -42,24 +42,23 @@ class StandInKubelet(ABC):
         labels: dict[str, str] | None = None,
         ready: bool = True,
         ip: str = "127.0.0.1",
-        port_name: str = "grpc",
+        http_port: int | None = None,
         vllm_port: int | None = None,
     ) -> dict[str, Any]:
         """Create a Pod describing a node agent listening on ``ip:port`` and mark it Running.
 
-        ``vllm_port``: the agent drives stock vLLM (``--backend vllm``); the pod gets, as the
+        ``http_port``: the agent's OpenAI HTTP API, a second port of the agent container named
+        ``http`` (as the chart names it). ``vllm_port``: the agent drives stock vLLM (``--backend vllm``); the pod gets, as the
         chart's do, a ``vllm`` container whose port :data:`VLLM_PORT_NAME` is that server's.
         The pod is bound to LOCAL_NODE (no scheduler) and has terminationGracePeriodSeconds 0,
         so deleting it removes it at once (no kubelet would ever confirm a graceful deletion).
         Returns the Pod as the API server stores it after the status write.
         """
+        ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+        if http_port is not None:
+            ports.append({"name": "http", "containerPort": http_port, "protocol": "TCP"})
         containers: list[dict[str, Any]] = [
-            {
-                "name": "agent",
-                "image": "lorafleet-agent:local",
-                "command": ["lorafleet-agent", "serve"],
-                "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}],
-            }
+            {"name": "agent", "image": "lorafleet-agent:local", "command": ["lorafleet-agent", "serve"], "ports": ports}
         ]
         if vllm_port is not None:
             containers.append(

@@ -25,7 +25,6 @@ and managed by lorafleet) and builds the hint from them.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -52,7 +51,6 @@ from lorafleet_dev.epp import (
     subset_hint,
 )
 from lorafleet_dev.ext_proc import ExtProcClient, Pick, ProxiedRequest
-from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.processes import HarnessError, free_port
 from tests.agent.helpers import make_adapter, make_model
 from tests.kube.harness import ControlPlane
@@ -173,25 +171,8 @@ def _serving(base: Path, http_port: int) -> Iterator[dict[str, AgentProcess]]:
 
 def _add_pod(cluster: ControlPlane, namespace: str, agent: AgentProcess, http_port: int) -> None:
     """The agent's Pod: in the fleet and the pool, its gRPC and HTTP ports, Ready at its address."""
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": agent.name, "namespace": namespace, "labels": {**POOL_SELECTOR, FLEET_LABEL: "default"}},
-        "spec": {
-            "nodeName": LOCAL_NODE,
-            "terminationGracePeriodSeconds": 0,
-            "automountServiceAccountToken": False,
-            "containers": [
-                {
-                    "name": "agent",
-                    "image": "lorafleet-agent:local",
-                    "ports": [{"name": "grpc", "containerPort": agent.port}, {"name": "http", "containerPort": http_port}],
-                }
-            ],
-        },
-    }
-    cluster.kubectl("create", "-f", "-", input=json.dumps(pod))
-    cluster.write_pod_status(namespace, agent.name, ready=True, ip=agent.spec.host)
+    labels = {**POOL_SELECTOR, FLEET_LABEL: "default"}
+    cluster.create_agent_pod(namespace, agent.name, agent.port, labels=labels, ip=agent.spec.host, http_port=http_port)
 
 
 def _manifests(root: Path) -> list[dict[str, Any]]:

@@ -18,7 +18,6 @@ import pytest
 import yaml
 
 from lorafleet_dev.agents import AgentProcess
-from lorafleet_dev.kubelet import LOCAL_NODE
 from lorafleet_dev.node import machine_ip
 from lorafleet_operator.agent_client import AgentClients
 from lorafleet_operator.config import Settings
@@ -144,31 +143,7 @@ def routed_agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[li
 
 def add_pod(cluster: ControlPlane, ns: str, agent: AgentProcess) -> None:
     """The agent's Pod with a gRPC and an HTTP port, Running and Ready at its address."""
-    cluster.kubectl(
-        "create",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": agent.name, "namespace": ns, "labels": {FLEET_LABEL: "default"}},
-                "spec": {
-                    "nodeName": LOCAL_NODE,
-                    "terminationGracePeriodSeconds": 0,
-                    "automountServiceAccountToken": False,
-                    "containers": [
-                        {
-                            "name": "agent",
-                            "image": "lorafleet-agent:local",
-                            "ports": [{"name": "grpc", "containerPort": agent.port}, {"name": "http", "containerPort": HTTP_PORT}],
-                        }
-                    ],
-                },
-            }
-        ),
-    )
-    cluster.write_pod_status(ns, agent.name, ready=True, ip=agent.spec.host)
+    cluster.create_agent_pod(ns, agent.name, agent.port, labels={FLEET_LABEL: "default"}, ip=agent.spec.host, http_port=HTTP_PORT)
 
 
 def endpoints(cluster: ControlPlane, ns: str, adapter: str) -> dict[str, dict[str, int]]:
