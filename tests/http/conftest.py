@@ -7,14 +7,19 @@ waiting (what the gateway metrics report). Every test leaves no sequence behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet.v1 import agent_pb2 as pb
 from lorafleet.v1 import agent_pb2_grpc
@@ -23,9 +28,10 @@ from node_agent.engine import EngineConfig, Topology
 from node_agent.http_api import HttpApiServer, HttpOptions
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from tests.agent.helpers import make_adapter, make_model
+from tests.agent.helpers import make_adapter, make_model, wait_until
 
 TOKEN = "http-test-token"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 BASE = "tiny-llama"
 ADAPTERS = ("ad-a", "ad-b")
 MAX_NUM_SEQS = 8
@@ -154,3 +160,54 @@ def grpc_generate(served: Served, **fields) -> list[pb.GenerateResponse]:
 def all_blocks_free(served: Served) -> bool:
     stats = served.agent.engine.serving_stats()
     return stats.running == 0 and stats.waiting == 0 and stats.free_blocks == (stats.num_blocks,) * len(stats.free_blocks)
+
+
+# -- gateway metrics scraped while requests run and wait ----------------------------------------
+
+
+def scrape(url: str) -> dict[str, list[Any]]:
+    """Every family of the agent's /metrics by name, as prometheus_client's parser reads it."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def kv_usage(served: Served) -> float:
+    """The engine's share of KV blocks in use, over every DP group."""
+    stats = served.agent.engine.serving_stats()
+    total = stats.num_blocks * len(stats.free_blocks)
+    return (total - sum(stats.free_blocks)) / total
+
+
+@dataclass(frozen=True)
+class BusyScrape:
+    """/metrics scraped while requests ran and waited; the KV usage just before and after."""
+
+    metrics: dict[str, list[Any]]
+    kv_before: float
+    kv_after: float
+
+
+async def scrape_while_busy(served: Served, url: str) -> BusyScrape:
+    """MAX_NUM_SEQS streams of ad-a running and four of ad-b waiting (long requests: nothing
+    finishes meanwhile); `url` scraped while they do, then every stream dropped."""
+    async with aiohttp.ClientSession() as session:
+
+        async def hold(model: str) -> None:
+            body = {"model": model, "prompt": "w3 w4", "max_tokens": 1000, "stream": True}
+            async with session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS) as response:
+                async for _ in response.content:
+                    pass
+
+        stats = served.agent.engine.serving_stats
+        running = [asyncio.create_task(hold("ad-a")) for _ in range(MAX_NUM_SEQS)]
+        await asyncio.to_thread(wait_until, lambda: stats().running == MAX_NUM_SEQS, what="ad-a's requests running")
+        waiting = [asyncio.create_task(hold("ad-b")) for _ in range(4)]
+        await asyncio.to_thread(wait_until, lambda: stats().waiting == 4, what="ad-b's requests waiting")
+        before = kv_usage(served)
+        metrics = await asyncio.to_thread(scrape, url)
+        after = kv_usage(served)
+        for task in running + waiting:
+            task.cancel()
+        await asyncio.gather(*running, *waiting, return_exceptions=True)
+        return BusyScrape(metrics, before, after)

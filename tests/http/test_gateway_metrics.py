@@ -8,25 +8,13 @@ in /v1/models."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from typing import Any
-
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from node_agent.adapter_metrics import BASE_LABEL
 from tests.agent.helpers import ADAPTER_RANK, make_adapter, wait_until
-from tests.http.conftest import ADAPTERS, BASE, MAX_NUM_SEQS, TOKEN, all_blocks_free
+from tests.http.conftest import ADAPTERS, BASE, MAX_NUM_SEQS, all_blocks_free, scrape, scrape_while_busy
 
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 STANDBY, PINNED = "gm-standby", "gm-pinned"
-
-
-def scrape(url: str) -> dict[str, list[Any]]:
-    """Every family of the agent's /metrics by name, as prometheus_client's parser reads it."""
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 
 def residency(metrics: dict[str, list[Any]]) -> dict[str, tuple[str, str, str]]:
@@ -46,29 +34,6 @@ def load(served, name: str, seed: int, **kwargs: bool) -> None:
     assert served.agent.load(name, path.as_uri(), **kwargs).ok
 
 
-async def hold_streams(served, url: str) -> dict[str, list[Any]]:
-    """MAX_NUM_SEQS streams of ad-a running and four of ad-b waiting; /metrics scraped while
-    they do, then every stream dropped."""
-    async with aiohttp.ClientSession() as session:
-
-        async def hold(model: str) -> None:
-            body = {"model": model, "prompt": "w3 w4", "max_tokens": 1000, "stream": True}
-            async with session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS) as response:
-                async for _ in response.content:
-                    pass
-
-        stats = served.agent.engine.serving_stats
-        running = [asyncio.create_task(hold("ad-a")) for _ in range(MAX_NUM_SEQS)]
-        await asyncio.to_thread(wait_until, lambda: stats().running == MAX_NUM_SEQS, what="ad-a's requests running")
-        waiting = [asyncio.create_task(hold("ad-b")) for _ in range(4)]
-        await asyncio.to_thread(wait_until, lambda: stats().waiting == 4, what="ad-b's requests waiting")
-        metrics = await asyncio.to_thread(scrape, url)
-        for task in running + waiting:
-            task.cancel()
-        await asyncio.gather(*running, *waiting, return_exceptions=True)
-        return metrics
-
-
 def test_gateway_and_residency_metrics_follow_the_engine_while_requests_run(served, client):
     url = f"{served.base_url}/metrics"
     load(served, STANDBY, seed=600, standby=True)
@@ -78,7 +43,7 @@ def test_gateway_and_residency_metrics_follow_the_engine_while_requests_run(serv
         assert models[BASE].model_extra["parent"] is None
         assert {models[name].model_extra["parent"] for name in (*ADAPTERS, STANDBY, PINNED)} == {BASE}, "vLLM's parent: the base model"
 
-        metrics = asyncio.run(hold_streams(served, url))
+        metrics = asyncio.run(scrape_while_busy(served, url)).metrics
         stats = served.agent.engine.serving_stats()
         rank = str(ADAPTER_RANK)
         assert residency(metrics) == {

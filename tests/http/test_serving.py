@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import urllib.request
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent.helpers import wait_until
-from tests.http.conftest import MAX_NUM_SEQS, TOKEN, all_blocks_free
+from tests.http.conftest import HEADERS, MAX_NUM_SEQS, all_blocks_free, scrape, scrape_while_busy
 
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 CALLS = [("w1 w2 w3", "ad-a"), ("w9 w8", "ad-b"), ("w40 w41 w42 w43", "tiny-llama"), ("w7", "ad-a")]
 GATEWAY_METRICS = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:lora_requests_info")
 
@@ -75,18 +72,6 @@ def test_a_dropped_request_cancels_its_sequence_and_frees_its_blocks(served, str
     assert served.agent.engine.serving_stats().steps - before < 999, "the sequence was cancelled, not run to its end"
 
 
-def scrape(url: str) -> dict[str, list]:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    return {family.name: family.samples for family in text_string_to_metric_families(text)}
-
-
-def kv_usage(served) -> float:
-    stats = served.agent.engine.serving_stats()
-    total = stats.num_blocks * len(stats.free_blocks)
-    return (total - sum(stats.free_blocks)) / total
-
-
 @pytest.mark.parametrize("endpoint", ["http", "metrics-port"])
 def test_gateway_metrics_while_requests_run_and_wait(served, endpoint):
     """MAX_NUM_SEQS requests with ad-a run; four more with ad-b wait for a place. Long requests,
@@ -96,33 +81,12 @@ def test_gateway_metrics_while_requests_run_and_wait(served, endpoint):
     assert idle["vllm:num_requests_running"][0].value == 0 and idle["vllm:kv_cache_usage_perc"][0].value == 0
     assert idle["vllm:lora_requests_info"][0].labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "4"}
 
-    async def scenario() -> tuple[dict[str, list], float, float]:
-        async with aiohttp.ClientSession() as session:
-
-            async def hold(model: str) -> None:
-                body = {"model": model, "prompt": "w3 w4", "max_tokens": 1000, "stream": True}
-                async with session.post(f"{served.base_url}/v1/completions", json=body, headers=HEADERS) as response:
-                    async for _ in response.content:
-                        pass
-
-            stats = served.agent.engine.serving_stats
-            running = [asyncio.create_task(hold("ad-a")) for _ in range(MAX_NUM_SEQS)]
-            await asyncio.to_thread(wait_until, lambda: stats().running == MAX_NUM_SEQS, what="ad-a's requests running")
-            waiting = [asyncio.create_task(hold("ad-b")) for _ in range(4)]
-            await asyncio.to_thread(wait_until, lambda: stats().waiting == 4, what="ad-b's requests waiting")
-            low = kv_usage(served)
-            metrics = await asyncio.to_thread(scrape, url)
-            high = kv_usage(served)
-            for task in running + waiting:
-                task.cancel()
-            await asyncio.gather(*running, *waiting, return_exceptions=True)
-            return metrics, low, high
-
-    metrics, low, high = asyncio.run(scenario())
+    busy = asyncio.run(scrape_while_busy(served, url))
+    metrics = busy.metrics
     assert set(GATEWAY_METRICS) <= set(metrics)
     assert metrics["vllm:num_requests_running"][0].value == MAX_NUM_SEQS
     assert metrics["vllm:num_requests_waiting"][0].value == 4
-    assert 0 < low <= metrics["vllm:kv_cache_usage_perc"][0].value <= high < 1
+    assert 0 < busy.kv_before <= metrics["vllm:kv_cache_usage_perc"][0].value <= busy.kv_after < 1
     [info] = metrics["vllm:lora_requests_info"]
     assert info.labels == {"running_lora_adapters": "ad-a", "waiting_lora_adapters": "ad-b", "max_lora": "4"}
     assert info.value > 1.7e9  # a Unix time: gateways keep the newest sample

@@ -133,14 +133,17 @@ class Source(http.server.ThreadingHTTPServer):
     """An adapter's files over HTTP on loopback (any path ending in a file name of ``root``);
     answers 503 to everything while ``failing``. Counts every request (``hits``, ``paths``).
     A request whose path starts with ``/hold/`` answers nothing until ``release`` is set (at
-    most 120 s), counted in ``holding`` meanwhile: a black-holed download."""
+    most 120 s), counted in ``holding`` meanwhile; then 503 (a black-holed download) or, with
+    ``serve_after_release``, the file (a slow source: set ``release`` to let requests through,
+    clear it to hold them)."""
 
     daemon_threads = True
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, failing: bool = True, serve_after_release: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), _SourceHandler)
         self.root = root
-        self.failing = True
+        self.failing = failing
+        self.serve_after_release = serve_after_release
         self.hits = 0
         self.paths: list[str] = []
         self.lock = threading.Lock()
@@ -169,8 +172,9 @@ class _SourceHandler(http.server.BaseHTTPRequestHandler):
             finally:
                 with self.server.lock:
                     self.server.holding -= 1
-            self.send_error(503)
-            return
+            if not self.server.serve_after_release:
+                self.send_error(503)
+                return
         path = self.server.root / self.path.rpartition("/")[2]
         if self.server.failing or not path.is_file():
             self.send_error(503 if self.server.failing else 404)

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,52 +24,10 @@ import pytest
 from lorafleet.v1 import agent_pb2
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.synthetic import ADAPTER_WEIGHTS
+from tests.agent.helpers import running
 from tests.kube.harness import ControlPlane
-from tests.operator.agents import add_agent_pod, agent_spec, apply, fleet_manifest, make_adapter, registry, serving, status, stub
+from tests.operator.agents import Source, add_agent_pod, agent_spec, apply, fleet_manifest, make_adapter, registry, serving, status, stub
 from tests.operator.conftest import start_operator, wait_for
-
-
-class GatedSource(http.server.ThreadingHTTPServer):
-    """Serves the files of ``root`` (by file name); while ``gate`` is clear, a request waits
-    for it (at most 120 s), counted in ``waiting``."""
-
-    daemon_threads = True
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(("127.0.0.1", 0), _GatedHandler)
-        self.root = root
-        self.gate = threading.Event()
-        self.gate.set()
-        self.lock = threading.Lock()
-        self.waiting = 0
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/{path}"
-
-
-class _GatedHandler(http.server.BaseHTTPRequestHandler):
-    server: GatedSource
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        with self.server.lock:
-            self.server.waiting += 1
-        try:
-            self.server.gate.wait(120)
-        finally:
-            with self.server.lock:
-                self.server.waiting -= 1
-        path = self.server.root / self.path.rpartition("/")[2]
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +50,8 @@ def loaded_claims(cluster: ControlPlane, ns: str, name: str) -> set[str]:
     }
 
 
-def gated_adapter(source: GatedSource, adapter: Path) -> dict[str, Any]:
-    """An adapter from the gated source on one agent; its digest promised (an agent that holds
+def gated_adapter(source: Source, adapter: Path) -> dict[str, Any]:
+    """An adapter from the source's held path on one agent; its digest promised (an agent that holds
     it answers a load again without a download)."""
     digest = hashlib.sha256((adapter / ADAPTER_WEIGHTS).read_bytes()).hexdigest()
     return {
@@ -104,7 +60,7 @@ def gated_adapter(source: GatedSource, adapter: Path) -> dict[str, Any]:
         "metadata": {"name": "gated"},
         "spec": {
             "baseModel": "tiny-llama",
-            "source": {"uri": source.url("gated"), "sha256": digest},
+            "source": {"uri": source.url("hold/gated"), "sha256": digest},
             "fleetRef": {"name": "default"},
             "replicas": 1,
         },
@@ -125,56 +81,57 @@ def test_the_status_stops_saying_loaded_where_the_adapter_was_lost_while_a_slow_
     load went to A beside the handler's; once the source answers, both agents hold it."""
     processes, root = agents
     ns = kube_namespace
-    source = GatedSource(make_adapter(root / ns, "gated", seed=7))
-    server = threading.Thread(target=source.serve_forever, daemon=True)
-    server.start()
+    # Serves at once while `release` is set; clearing it holds the downloads.
+    source = Source(make_adapter(root / ns, "gated", seed=7), failing=False, serve_after_release=True)
+    source.release.set()
     by_name = {p.name: p for p in processes}
     op = None
-    try:
-        for process in processes:
-            add_agent_pod(kube_cluster, ns, process)
-        fleet = fleet_manifest()
-        fleet["spec"]["sources"] = {"allow": [source.url("")]}
-        apply(kube_cluster, ns, fleet)
-        op = start_operator(kube_cluster, ns, tmp_path, env={"LORAFLEET_LOAD_DEADLINE_SECONDS": "300"})
-        apply(kube_cluster, ns, gated_adapter(source, root / ns / "gated"))
-        wait_for(lambda: status(kube_cluster, ns, "gated").get("phase") == "Ready", 90, "gated Ready on one agent", op)
-        (holder,) = loaded_claims(kube_cluster, ns, "gated")
-        (other,) = set(by_name) - {holder}
+    with running(source):
+        try:
+            for process in processes:
+                add_agent_pod(kube_cluster, ns, process)
+            fleet = fleet_manifest()
+            fleet["spec"]["sources"] = {"allow": [source.url("")]}
+            apply(kube_cluster, ns, fleet)
+            op = start_operator(kube_cluster, ns, tmp_path, env={"LORAFLEET_LOAD_DEADLINE_SECONDS": "300"})
+            apply(kube_cluster, ns, gated_adapter(source, root / ns / "gated"))
+            wait_for(lambda: status(kube_cluster, ns, "gated").get("phase") == "Ready", 90, "gated Ready on one agent", op)
+            (holder,) = loaded_claims(kube_cluster, ns, "gated")
+            (other,) = set(by_name) - {holder}
 
-        source.gate.clear()
-        kube_cluster.kubectl("patch", "la", "gated", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"replicas": 2}}))
-        wait_for(lambda: source.waiting >= 1, 60, f"the load on {other} waiting on the source", op)
-        channel, agent_stub = stub(by_name[holder])
-        with channel:
-            assert agent_stub.UnloadAdapter(agent_pb2.UnloadAdapterRequest(name=f"{ns}.gated"), timeout=10).success
-        assert f"{ns}.gated" not in registry(by_name[holder], ns)
+            source.release.clear()
+            kube_cluster.kubectl("patch", "la", "gated", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"replicas": 2}}))
+            wait_for(lambda: source.holding >= 1, 60, f"the load on {other} waiting on the source", op)
+            channel, agent_stub = stub(by_name[holder])
+            with channel:
+                assert agent_stub.UnloadAdapter(agent_pb2.UnloadAdapterRequest(name=f"{ns}.gated"), timeout=10).success
+            assert f"{ns}.gated" not in registry(by_name[holder], ns)
 
-        checks = op.drift_checks()
-        wait_for(lambda: op.drift_checks() >= checks + 4, 60, "4 drift checks", op)
-        assert source.waiting >= 1, "the handler's load ended: the check proves nothing"
-        assert holder not in loaded_claims(kube_cluster, ns, "gated"), (
-            f"the status still says Loaded on {holder}, which no longer holds the adapter: {status(kube_cluster, ns, 'gated')}"
-        )
-        assert f"{ns}.gated" not in registry(by_name[holder], ns), "a load went to the agent beside the handler's"
-        # The conditions say so too, and the handler's download-progress reports (every 2 s while
-        # its load runs) write the corrected conditions, never its older copy saying Ready.
-        wait_for(lambda: op.drift_checks() >= checks + 6, 60, "2 more drift checks, progress reports among them", op)
-        corrected = status(kube_cluster, ns, "gated")
-        ready = next(c for c in corrected["conditions"] if c["type"] == "Ready")
-        assert corrected["phase"] != "Ready" and ready["status"] != "True", corrected
+            checks = op.drift_checks()
+            wait_for(lambda: op.drift_checks() >= checks + 4, 60, "4 drift checks", op)
+            assert source.holding >= 1, "the handler's load ended: the check proves nothing"
+            assert holder not in loaded_claims(kube_cluster, ns, "gated"), (
+                f"the status still says Loaded on {holder}, which no longer holds the adapter: {status(kube_cluster, ns, 'gated')}"
+            )
+            assert f"{ns}.gated" not in registry(by_name[holder], ns), "a load went to the agent beside the handler's"
+            # The conditions say so too, and the handler's download-progress reports (every 2 s while
+            # its load runs) write the corrected conditions, never its older copy saying Ready.
+            wait_for(lambda: op.drift_checks() >= checks + 6, 60, "2 more drift checks, progress reports among them", op)
+            corrected = status(kube_cluster, ns, "gated")
+            ready = next(c for c in corrected["conditions"] if c["type"] == "Ready")
+            assert corrected["phase"] != "Ready" and ready["status"] != "True", corrected
 
-        source.gate.set()
-        wait_for(
-            lambda: loaded_claims(kube_cluster, ns, "gated") == set(by_name) and all(f"{ns}.gated" in registry(p, ns) for p in processes),
-            90,
-            "gated held and Loaded on both agents",
-            op,
-        )
-        kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=60s")
-    finally:
-        source.gate.set()
-        if op is not None:
-            op.stop()
-        source.shutdown()
-        source.server_close()
+            source.release.set()
+            wait_for(
+                lambda: (
+                    loaded_claims(kube_cluster, ns, "gated") == set(by_name) and all(f"{ns}.gated" in registry(p, ns) for p in processes)
+                ),
+                90,
+                "gated held and Loaded on both agents",
+                op,
+            )
+            kube_cluster.kubectl("delete", "la", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+        finally:
+            source.release.set()
+            if op is not None:
+                op.stop()

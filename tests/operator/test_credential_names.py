@@ -22,23 +22,19 @@ back by the drift check; no drift check fails.
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lorafleet.v1 import agent_pb2
-from lorafleet_dev.agents import AgentProcess, AgentSpec
-from lorafleet_dev.synthetic import write_model
+from lorafleet_dev.agents import AgentProcess
 from tests.kube.harness import CHECKOUT, ControlPlane
-from tests.operator.agents import BASE_MODEL, SHAPE, adapter_manifest, add_agent_pod, apply, fleet_manifest, make_adapter, status, stub
+from tests.operator.agents import adapter_manifest, add_agent_pod, agent_spec, apply, make_adapter, serving, status
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.test_tenants import secret
+from tests.operator.token_agents import OPENED, TokenAgent, token_fleet, write_token
 
-OPENED = {"lorafleet.dev/allow-fleet": "true"}
 SOURCE = "http://127.0.0.1:9/never/ad"
 ENCODED = "creds-b%2Fbob-src-token"
 #: The credential name's pattern in the LoraAdapter CRD (made lax for a while to store an object
@@ -50,47 +46,16 @@ NAME_PATTERN = (
 )
 
 
-@dataclass(frozen=True)
-class Agent:
-    """The module's agent, its token and where it reads adapters from."""
-
-    process: AgentProcess
-    token: str
-    adapters: Path
-
-
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TokenAgent]:
     """One agent (tp=1) with room for two adapters, requiring a token."""
     root = tmp_path_factory.mktemp("names-agent")
-    token = secrets.token_urlsafe(24)
-    (root / "token").write_text(token)
-    adapters = root / "adapters"
-    adapters.mkdir()
-    spec = AgentSpec(
-        model_dir=write_model(root / "model", SHAPE),
-        adapter_roots=(adapters,),
-        base_model_name=BASE_MODEL,
-        tp=1,
-        dp=1,
-        max_loaded_loras=2,
-        extra_args=("--cache-dir", str(root / "cache"), "--auth-token-file", str(root / "token")),
-    )
+    token, token_file = write_token(root)
+    extra = ("--cache-dir", str(root / "cache"), "--auth-token-file", str(token_file))
+    spec, _ = agent_spec(root, tp=1, dp=1, max_loaded_loras=2, extra_args=extra)
     process = AgentProcess("names-agent", spec, root / "logs")
-    process.start()
-    try:
-        process.wait_ready()
-        yield Agent(process, token, adapters)
-    finally:
-        process.stop()
-
-
-def held(agent: Agent, ns: str) -> set[str]:
-    """This namespace's names in the agent's registry."""
-    channel, agent_stub = stub(agent.process)
-    with channel:
-        reply = agent_stub.ListAdapters(agent_pb2.ListAdaptersRequest(), metadata=(("authorization", f"Bearer {agent.token}"),), timeout=10)
-    return {a.name for a in reply.adapters if a.name.startswith(f"{ns}.")}
+    with serving([process]):
+        yield TokenAgent(process, token)
 
 
 def credentialed(name: str, secret_ref: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +92,7 @@ def test_hostile_credential_names_are_refused_one_by_one_and_the_fleet_goes_on(
     kube_cluster: ControlPlane,
     kube_namespace: str,
     lorafleet_crds: tuple[str, ...],
-    agent: Agent,
+    agent: TokenAgent,
     operator: OperatorProcess,
 ) -> None:
     """Each hostile name is refused at apply or leaves its adapter Pending with a reason naming
@@ -135,16 +100,13 @@ def test_hostile_credential_names_are_refused_one_by_one_and_the_fleet_goes_on(
     the refused ones do not take, and one unloaded by hand is put back by the drift check."""
     ns = kube_namespace
     add_agent_pod(kube_cluster, ns, agent.process)
-    fleet = fleet_manifest()
-    fleet["spec"]["auth"] = {"tokenSecretRef": {"name": "agent-token"}}
-    fleet["spec"]["sources"] = {"allow": ["http://127.0.0.1:9/"]}
-    apply(
+    token_fleet(
         kube_cluster,
         ns,
-        secret("agent-token", {"token": agent.token.encode()}, OPENED),
+        agent.token,
+        ["http://127.0.0.1:9/"],
         secret("src-token", {"token": b"source-s3cret"}, OPENED),
         secret("closed", {"token": b"closed-s3cret"}),
-        fleet,
     )
     store_before_the_pattern(kube_cluster, ns, credentialed("encoded-stored", {"name": ENCODED}))
     apply(
@@ -167,7 +129,8 @@ def test_hostile_credential_names_are_refused_one_by_one_and_the_fleet_goes_on(
     wait_for(all_pending, 60, "every refused adapter Pending with its reason", operator)
 
     # Created after the refused ones, on an agent with room for two: they take no room.
-    apply(kube_cluster, ns, *(adapter_manifest(n, make_adapter(agent.adapters / ns, n)) for n in ("served-a", "served-b")))
+    adapters = agent.process.spec.adapter_roots[0] / ns
+    apply(kube_cluster, ns, *(adapter_manifest(n, make_adapter(adapters, n)) for n in ("served-a", "served-b")))
     for name in ("served-a", "served-b"):
         wait_for(lambda n=name: status(kube_cluster, ns, n).get("phase") == "Ready", 90, f"{name} Ready", operator)
 
@@ -188,17 +151,12 @@ def test_hostile_credential_names_are_refused_one_by_one_and_the_fleet_goes_on(
     assert stored == {*expected, "served-a", "served-b"}
 
     # The drift check repairs the fleet's other adapters meanwhile.
-    channel, agent_stub = stub(agent.process)
-    with channel:
-        reply = agent_stub.UnloadAdapter(
-            agent_pb2.UnloadAdapterRequest(name=f"{ns}.served-a"), metadata=(("authorization", f"Bearer {agent.token}"),), timeout=10
-        )
-    assert reply.success, reply.error_message
-    wait_for(lambda: f"{ns}.served-a" in held(agent, ns), 60, "served-a put back by the drift check", operator)
+    agent.unload(f"{ns}.served-a")
+    wait_for(lambda: f"{ns}.served-a" in agent.held(ns), 60, "served-a put back by the drift check", operator)
     checks = operator.drift_checks()
     wait_for(lambda: operator.drift_checks() >= checks + 3, 60, "drift checks", operator)
 
-    assert held(agent, ns) == {f"{ns}.served-a", f"{ns}.served-b"}
+    assert agent.held(ns) == {f"{ns}.served-a", f"{ns}.served-b"}
     for name, (reason, words) in expected.items():
         phase, shown, message = pending(kube_cluster, ns, name)
         assert (phase, shown) == ("Pending", reason), (name, phase, shown, message)

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.controlplane import KubectlError
 from lorafleet_dev.storage_servers import (
@@ -38,15 +35,15 @@ from lorafleet_dev.storage_servers import (
 from lorafleet_dev.synthetic import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from lorafleet_operator.registry_credentials import NoRegistryLogin, registry_login
 from tests.kube.harness import ControlPlane
-from tests.operator.agents import adapter_manifest, add_agent_pod, apply, fleet_manifest, make_adapter, status
+from tests.operator.agents import adapter_manifest, add_agent_pod, apply, make_adapter, status
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.test_credentials import assert_nowhere  # reads the agent's log as `.agent`
 from tests.operator.test_storage_sources import BUCKET, storage_agent_spec
 from tests.operator.test_tenants import secret
+from tests.operator.token_agents import OPENED, TokenAgent, token_fleet, write_token
 
 KEYS = S3Keys("LORAFLEETSECRETKEY", "s3-secret-from-the-fleets-secret")
 LOGIN = ("puller", "registry-password-from-a-secret")
-OPENED = {"lorafleet.dev/allow-fleet": "true"}
 MAX_CONFIG_BYTES = 1 << 20  # the agents' cap on adapter_config.json
 
 
@@ -56,16 +53,19 @@ class Stores:
 
     s3: S3Server
     oci: RegistryServer
-    agent: AgentProcess
-    token: str
+    token_agent: TokenAgent
     work: Path
+
+    @property
+    def agent(self) -> AgentProcess:
+        """The agent's process (what `assert_nowhere` reads the log of)."""
+        return self.token_agent.process
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     root = tmp_path_factory.mktemp("storage-credentials")
-    token = secrets.token_urlsafe(24)
-    (root / "token").write_text(token)
+    token, token_file = write_token(root)
     s3 = start_s3_server(root / "s3", KEYS)
     tokens = TokenService(*LOGIN)
     oci = start_registry(root / "registry", tokens, LOGIN)
@@ -73,10 +73,10 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
     try:
         s3.create_bucket(BUCKET)
         # No keys of its own: what it reads with comes from the fleet's Secrets.
-        spec = storage_agent_spec(root, s3, oci, 1, "--auth-token-file", str(root / "token"), "--allow-source", tokens.realm)
+        spec = storage_agent_spec(root, s3, oci, 1, "--auth-token-file", str(token_file), "--allow-source", tokens.realm)
         agent = AgentProcess("storage-cred-agent", spec, root / "logs")
         agent.start().wait_ready()
-        yield Stores(s3, oci, agent, token, root)
+        yield Stores(s3, oci, TokenAgent(agent, token), root)
     finally:
         if agent is not None:
             agent.stop()
@@ -85,43 +85,15 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stores]:
         s3.stop()
 
 
-def held(stores: Stores, ns: str) -> set[str]:
-    """This namespace's names in the agent's registry (asked with its token)."""
-    with grpc.insecure_channel(stores.agent.endpoint) as channel:
-        reply = agent_pb2_grpc.NodeAgentStub(channel).ListAdapters(
-            agent_pb2.ListAdaptersRequest(), metadata=(("authorization", f"Bearer {stores.token}"),), timeout=10
-        )
-    return {a.name for a in reply.adapters if a.name.startswith(f"{ns}.")}
-
-
-def unload(stores: Stores, name: str) -> None:
-    """Unload behind the operator's back: its drift check loads the adapter again."""
-    with grpc.insecure_channel(stores.agent.endpoint) as channel:
-        reply = agent_pb2_grpc.NodeAgentStub(channel).UnloadAdapter(
-            agent_pb2.UnloadAdapterRequest(name=name), metadata=(("authorization", f"Bearer {stores.token}"),), timeout=30
-        )
-    assert reply.success, reply.error_message
-
-
 def fleet_with_secrets(cluster: ControlPlane, ns: str, stores: Stores) -> None:
     """The default fleet (the agent's token, the store's and the registry's prefixes), the S3
     keys and the registry login opened to it, and the same keys in a Secret not opened."""
-    fleet = fleet_manifest()
-    fleet["spec"]["auth"] = {"tokenSecretRef": {"name": "agent-token"}}
-    fleet["spec"]["sources"] = {"allow": [f"s3://{BUCKET}/team", f"oci://{stores.oci.address}/team"]}
     keys = {"AWS_ACCESS_KEY_ID": KEYS.access_key_id.encode(), "AWS_SECRET_ACCESS_KEY": KEYS.secret_access_key.encode()}
     auth = base64.b64encode(":".join(LOGIN).encode()).decode()
     docker_config = json.dumps({"auths": {f"http://{stores.oci.address}": {"auth": auth}}}).encode()
     pull = secret("pull", {".dockerconfigjson": docker_config}, OPENED) | {"type": "kubernetes.io/dockerconfigjson"}
-    apply(
-        cluster,
-        ns,
-        secret("agent-token", {"token": stores.token.encode()}, OPENED),
-        secret("s3-keys", keys, OPENED),
-        secret("s3-keys-closed", keys),
-        pull,
-        fleet,
-    )
+    allow = [f"s3://{BUCKET}/team", f"oci://{stores.oci.address}/team"]
+    token_fleet(cluster, ns, stores.token_agent.token, allow, secret("s3-keys", keys, OPENED), secret("s3-keys-closed", keys), pull)
 
 
 def source(name: str, uri: str, kind: str = "", secret_name: str = "") -> dict[str, Any]:
@@ -175,19 +147,19 @@ def test_keys_and_registry_logins_come_from_opened_secrets_and_the_revision_is_h
     assert st["closed"]["conditions"][0]["reason"] == "SecretNotOpened", st["closed"]
     assert st["wrong-type"]["conditions"][0]["reason"] == "SourceCredentialRefused", st["wrong-type"]
     assert "403" in st["no-keys"]["message"] and "401" in st["no-login"]["message"], (st["no-keys"], st["no-login"])
-    assert held(stores, ns) == {f"{ns}.from-s3", f"{ns}.from-oci"}
+    assert stores.token_agent.held(ns) == {f"{ns}.from-s3", f"{ns}.from-oci"}
 
     # The tag and the objects move; a load of the same URIs (the drift check's repair of an
     # agent that lost them) must find what status recorded, and is refused.
     moved = stores.oci.push_adapter(f"team/{ns}-lora", "v1", make_adapter(stores.work / ns, "c", seed=63))
     stores.s3.put_adapter(BUCKET, f"team/{ns}/a", make_adapter(stores.work / ns, "d", seed=64))
-    unload(stores, f"{ns}.from-s3")
-    unload(stores, f"{ns}.from-oci")
+    stores.token_agent.unload(f"{ns}.from-s3")
+    stores.token_agent.unload(f"{ns}.from-oci")
     st = settled(kube_cluster, ns, {"from-s3": "Failed", "from-oci": "Failed"}, operator)
     assert "changed since it was first resolved" in st["from-s3"]["message"], st["from-s3"]
     assert f"names {moved} now, not {digest}" in st["from-oci"]["message"], st["from-oci"]
     assert st["from-oci"]["source"]["revision"] == digest, st["from-oci"]
-    assert held(stores, ns) == set()
+    assert stores.token_agent.held(ns) == set()
     assert_nowhere(
         kube_cluster, ns, operator, stores, KEYS.secret_access_key, LOGIN[1], base64.b64encode(":".join(LOGIN).encode()).decode()
     )
@@ -239,7 +211,7 @@ def test_hostile_storage_sources_are_refused_with_nothing_loaded(
     assert "cap" in st["over-cap"]["message"], st["over-cap"]
     assert "pickle" in st["pickled"]["message"], st["pickled"]
     assert all("source" not in s for s in st.values()), st
-    assert held(stores, ns) == set()
+    assert stores.token_agent.held(ns) == set()
 
 
 def docker_config(auths: object) -> bytes:
