@@ -26,10 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from lorafleet.v1 import agent_pb2, agent_pb2_grpc
 from lorafleet_common.registry import RegistryEntry
 from lorafleet_dev.agents import AgentProcess, AgentSpec
 from lorafleet_dev.synthetic import ADAPTER_CONFIG, ADAPTER_WEIGHTS, write_model
@@ -54,16 +52,14 @@ from tests.operator.agents import (
     adapter_manifest,
     add_agent_pod,
     apply,
-    fleet_manifest,
     make_adapter,
     status,
 )
 from tests.operator.conftest import OperatorProcess, wait_for
 from tests.operator.test_tenants import Workload, secret, workload
+from tests.operator.token_agents import OPENED, TokenAgent, token_fleet, write_token
 
 __all__ = ["workload"]  # the stand-in pod's fixture, used below
-
-OPENED = {"lorafleet.dev/allow-fleet": "true"}
 
 
 @dataclass
@@ -81,8 +77,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """One agent (tp=1) that requires a token and fetches hf:// from the local hub; the hub,
     its CDN, and the two http servers."""
     root = tmp_path_factory.mktemp("cred-agent")
-    token = secrets.token_urlsafe(24)
-    (root / "token").write_text(token)
+    token, token_file = write_token(root)
     adapters = root / "adapters"
     adapters.mkdir()
     hub = hub_sources.HubServer()
@@ -106,7 +101,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             "--hub-endpoint",
             hub.endpoint,
             "--auth-token-file",
-            str(root / "token"),
+            str(token_file),
             # a held download waits for the test, not for a minimum rate
             "--download-min-bytes-per-s",
             "0",
@@ -124,19 +119,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
 def registry(env: Env, ns: str) -> set[str]:
     """This namespace's names in the agent's registry (asked with its token)."""
-    with grpc.insecure_channel(env.agent.endpoint) as channel:
-        reply = agent_pb2_grpc.NodeAgentStub(channel).ListAdapters(
-            agent_pb2.ListAdaptersRequest(), metadata=(("authorization", f"Bearer {env.token}"),), timeout=10
-        )
-    return {a.name for a in reply.adapters if a.name.startswith(f"{ns}.")}
-
-
-def token_fleet(cluster: ControlPlane, ns: str, env: Env, allow: list[str]) -> None:
-    """The default fleet, with the agent's token (opened to it) and these source prefixes."""
-    fleet = fleet_manifest()
-    fleet["spec"]["auth"] = {"tokenSecretRef": {"name": "agent-token"}}
-    fleet["spec"]["sources"] = {"allow": allow}
-    apply(cluster, ns, secret("agent-token", {"token": env.token.encode()}, OPENED), fleet)
+    return TokenAgent(env.agent, env.token).held(ns)
 
 
 def remote(name: str, uri: str, secret_name: str = "", kind: str = "Bearer") -> dict[str, Any]:
@@ -176,7 +159,7 @@ def test_hf_sources_with_and_without_a_token(
     the fleet does not allow is not loaded."""
     ns = kube_namespace
     add_agent_pod(kube_cluster, ns, env.agent)
-    token_fleet(kube_cluster, ns, env, ["hf://org/"])
+    token_fleet(kube_cluster, ns, env.token, ["hf://org/"])
     env.hub.seen.hub.clear()
     env.hub.seen.cdn.clear()
     apply(
@@ -212,7 +195,7 @@ def test_http_credentials_go_only_to_allowed_hosts_and_unopened_secrets_say_noth
     credential."""
     ns = kube_namespace
     add_agent_pod(kube_cluster, ns, env.agent)
-    token_fleet(kube_cluster, ns, env, [env.private.url("")])
+    token_fleet(kube_cluster, ns, env.token, [env.private.url("")])
     env.private.seen.clear()
     env.other.seen.clear()
     user, password = http_sources.USER.encode(), http_sources.PASSWORD.encode()
@@ -295,7 +278,7 @@ def test_the_token_goes_only_to_pods_that_prove_they_are_agents(
     ns = kube_namespace
     add_agent_pod(kube_cluster, ns, env.agent)
     kube_cluster.create_agent_pod(ns, "impostor", workload.port, labels={"lorafleet.dev/fleet": "default"})
-    token_fleet(kube_cluster, ns, env, [])
+    token_fleet(kube_cluster, ns, env.token, [])
     apply(kube_cluster, ns, adapter_manifest("plain", make_adapter(env.adapters / ns, "plain")))
     wait_for(lambda: f"{ns}.plain" in registry(env, ns), 90, "the agent loaded it", operator)
 
@@ -363,7 +346,7 @@ def test_a_long_download_shows_its_progress_in_the_ready_condition(
     config, weights = (adapter / ADAPTER_CONFIG).stat().st_size, (adapter / ADAPTER_WEIGHTS).stat().st_size
     with running(HalfThenHold(env.private.root)) as half:
         try:
-            token_fleet(kube_cluster, ns, env, [half.url("")])
+            token_fleet(kube_cluster, ns, env.token, [half.url("")])
             apply(kube_cluster, ns, remote("slow", half.url("ad")))
             shown = f"cred-agent {describe(config + weights // 2, config + weights)}"
             wait_for(
@@ -392,7 +375,7 @@ def test_a_download_the_drift_check_started_shows_its_progress_too(
     config, weights = (adapter / ADAPTER_CONFIG).stat().st_size, (adapter / ADAPTER_WEIGHTS).stat().st_size
     with running(HalfThenHold(env.private.root)) as half:
         try:
-            token_fleet(kube_cluster, ns, env, [half.url("")])
+            token_fleet(kube_cluster, ns, env.token, [half.url("")])
             apply(kube_cluster, ns, remote("late", half.url("ad")))
             wait_for(lambda: status(kube_cluster, ns, "late").get("phase") == "Pending", 60, "late Pending without agents", operator)
             add_agent_pod(kube_cluster, ns, env.agent)
