@@ -276,7 +276,7 @@ class Agent:
         `access`: the credential that authenticates the download of a remote source (never
         logged), and the revision the source must still resolve to (`resolve_source`).
         `standby`: verify and keep the snapshot, and load it on its first request
-        (`node_agent.residency`); an adapter already resident stays so.
+        (`node_agent.residency`); an adapter already resident goes back on standby in place.
         Once `cancelled()` (the call ended) the load stops before it reaches the ranks: its
         download is stopped (LoadCancelled); a load already on the ranks completes."""
         with ControlCall(self.metrics, "load", name, source=source_uri) as call:
@@ -324,11 +324,9 @@ class Agent:
         return entry.source.revision if result.ok and entry is not None else ""
 
     def _kept(self, current: AdapterEntry, standby: bool) -> ControlResult:
-        """A load that found its content under the name: made resident unless it asked for standby."""
-        if current.standby and not standby:
-            self.on_demand.make_resident(current)
-            current = self.registry.get(current.name) or current
-        return self._holding(current)
+        """A load that found its content under the name: made resident, or put back on standby in
+        place, as it asked (`OnDemand.settle`)."""
+        return self._holding(self.on_demand.settle(current, standby=standby, drain_timeout_s=self.config.drain_timeout_s))
 
     def _load_standby(self, name: str, source: ResolvedSource) -> ControlResult:
         """Publish a verified snapshot on standby (no rank is asked); retire the version it replaces."""

@@ -21,6 +21,11 @@ loads it (`OnDemand.lease`):
   it began to wait): UNAVAILABLE naming the deadline, or RESOURCE_EXHAUSTED when the wait was
   for an adapter that could be evicted and none could.
 
+A standby LoadAdapter of a resident adapter's content (the operator's scale-down) puts it back
+on standby in place (`OnDemand.demote`): it stays routable throughout, never unknown to the
+agent; once no request leases it (up to the drain timeout) it goes on standby as an eviction
+does, its place freed; still leased then, it stays resident and the load answers so.
+
 The backend is driven through the seam's own load and unload (`Backend.load`, `.unload`), so
 the builtin engine and the vLLM servers serve it alike. A load reads the version's copy in host
 memory when it has one, and an adapter evicted back to standby is offered to that tier
@@ -240,16 +245,56 @@ class OnDemand:
             place = self._registry.to_standby(victim) if free else None
             if place is None:
                 return None
-            try:
-                self._backend.unload(victim.engine_name)
-            except UnloadFailed as error:
-                log.error("evicting adapter %s: its unload failed on some ranks: %s", victim.name, error.result.error)
-            except BackendError as error:
-                self._registry.release_place(place)
-                raise EngineUnavailable(f"evicting adapter {victim.name!r} to make room failed: {error}") from None
-            log.info("adapter %s evicted to standby (least recently used, idle)", victim.name)
-            self.memory.offer(victim.source)  # into host memory, on the tier's thread (before any unload drops it)
+            with self._registry.place_given_back_on_failure(place):
+                self._unload_to_standby(victim, "evicted: least recently used, idle")
             return place
+
+    def settle(self, entry: AdapterEntry, *, standby: bool, drain_timeout_s: float) -> AdapterEntry:
+        """Where a LoadAdapter that found its content under the name leaves it (the caller holds
+        its name's lock): resident now when it asked for a resident load (`make_resident`), back
+        on standby in place when it asked for standby (`demote`). Returns the current version."""
+        entry = self._registry.get(entry.name) or entry  # the caller may have updated its source's URI
+        if entry.standby and not standby:
+            self.make_resident(entry)
+        elif standby and not entry.standby:
+            self.demote(entry, drain_timeout_s)
+        return self._registry.get(entry.name) or entry
+
+    def demote(self, entry: AdapterEntry, drain_timeout_s: float) -> None:
+        """Put a resident version back on standby in place (a standby LoadAdapter of its content:
+        the operator's scale-down; the caller holds its name's lock, so nothing else replaces or
+        evicts it meanwhile). It stays routable throughout: requests lease it as it is until none
+        does (waiting up to `drain_timeout_s`, as an unload drains), then it turns standby at
+        once (the next request loads it again), is unloaded from the backend, its place freed
+        and its snapshot kept. Still leased at the deadline: it stays resident (the caller
+        answers so, and may ask again later). A pinned version never comes here: a standby load
+        cannot be pinned, and one of other pinning is a conflict."""
+        deadline = time.monotonic() + drain_timeout_s
+        while (place := self._registry.to_standby(entry)) is None:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "adapter %s stays resident: requests still lease it after %.0fs (a standby load asked to put it back on standby)",
+                    entry.name,
+                    drain_timeout_s,
+                )
+                return
+            self._registry.wait_change(min(_RECHECK_S, deadline - time.monotonic()))
+        try:
+            self._unload_to_standby(entry, "a standby load asked for it")
+        finally:
+            self._registry.release_place(place)
+
+    def _unload_to_standby(self, entry: AdapterEntry, why: str) -> None:
+        """Unload a version just put on standby (`Registry.to_standby`) from the backend and offer
+        its snapshot to host memory; its place stays the caller's reservation."""
+        try:
+            self._backend.unload(entry.engine_name)
+        except UnloadFailed as error:
+            log.error("putting adapter %s back on standby: its unload failed on some ranks: %s", entry.name, error.result.error)
+        except BackendError as error:
+            raise EngineUnavailable(f"putting adapter {entry.name!r} back on standby failed: {error}") from None
+        log.info("adapter %s put back on standby (%s)", entry.name, why)
+        self.memory.offer(entry.source)  # into host memory, on the tier's thread (before any unload drops it)
 
     def _late(self, name: str, *, starved: bool) -> AgentError:
         """The refusal of a request whose deadline passed while `name` was not resident."""

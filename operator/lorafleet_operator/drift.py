@@ -63,7 +63,7 @@ from lorafleet_operator.routing import publish_slices
 from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.scaling import scale_fleet
 from lorafleet_operator.sending import error_result
-from lorafleet_operator.standby import as_held, demote, same_version
+from lorafleet_operator.standby import as_held, same_version
 from lorafleet_operator.status import AgentResult, AgentState, Pending, build_status, fleet_status, never_reconciled
 from lorafleet_operator.view import FleetView, Registry, Target
 
@@ -190,10 +190,11 @@ async def repair(
     allowed: those loads together through the handlers' path
     (:func:`~lorafleet_operator.loads.load_each`, with the download progress); and the
     credential refusal that is the adapter's status, if any (the Secret is read only when a
-    load is due: so at each drift check while it is refused)."""
+    load is due: so at each drift check while it is refused). Where a scale-down leaves it
+    resident on a standby target, that target's standby load puts it back on standby in place
+    (:mod:`standby`)."""
     known = [held_or_waiting(rt, t, registries.get(t.agent.name), adapter) for t in targets]
     missing = [t for t, result in zip(targets, known, strict=True) if result is None]
-    await demote(rt, view, registries, [t for t in missing if t.standby], adapter)
     credential = await adapter_credential(rt, view, adapter) if missing else None
     loaded = await load_each(rt, view, missing, adapter, credential) if missing else []
     for result in loaded:

@@ -1,24 +1,22 @@
 """Adapters on standby (``spec.scaling.minReplicas: 0``, docs/scaling.md) as the drift check
 sees them: which registry entries are wanted as they are (the agents load a standby adapter to
 a slot on its first request, and put one back on standby to make room: neither is a stray nor
-forced back), whether a standby adapter's first request can load it now (routing), and putting
-an adapter back on standby where a scale-down left it resident.
+forced back), and whether a standby adapter's first request can load it now (routing).
+
+Where a scale-down leaves an adapter resident, its standby load (the drift check's repair, as
+for any standby target) puts it back on standby in place: the agent keeps it routable
+throughout (docs/agent.md, Standby), so the pod never answers 404 for it meanwhile.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from lorafleet_common.registry import RegistryEntry
-from lorafleet_operator.agent_values import AgentError, AgentInfo
+from lorafleet_operator.agent_values import AgentInfo
 from lorafleet_operator.resources import AdapterObject, AdapterSpec
-from lorafleet_operator.runtime import Runtime
 from lorafleet_operator.status import AgentResult, AgentState
-from lorafleet_operator.view import FleetView, Registry, Target
-
-log = logging.getLogger("lorafleet.operator.drift")
+from lorafleet_operator.view import Target
 
 
 def same_version(entry: RegistryEntry, spec: AdapterSpec) -> bool:
@@ -39,7 +37,7 @@ def as_held(target: Target, entry: RegistryEntry, adapter: AdapterObject, regist
     wanted as it is, None when a load is due. On standby where it is placed resident: kept,
     when it was placed there before (the agent put it back on standby: its LRU, not forced
     back); loaded when newly placed there. Resident where it is wanted on standby: kept, unless
-    it was placed there before (a scale-down: put back on standby)."""
+    it was placed there before (a scale-down: its standby load puts it back on standby)."""
     pod, total = target.agent.name, target.ranks_total
     if not entry.standby:
         if len(entry.ranks) >= total and not (target.standby and pod in adapter.placed):
@@ -48,24 +46,3 @@ def as_held(target: Target, entry: RegistryEntry, adapter: AdapterObject, regist
     if target.standby or pod in adapter.placed:
         return AgentResult(pod, AgentState.STANDBY, 0, total, loadable=loadable(target.info, registry))
     return None
-
-
-async def demote(
-    rt: Runtime, view: FleetView, registries: Mapping[str, Registry], targets: Sequence[Target], adapter: AdapterObject
-) -> None:
-    """Unload the adapter where it is resident and wanted on standby (a scale-down), before
-    its standby load: a standby load of a resident adapter leaves it resident."""
-    name = adapter.agent_name
-    resident = []
-    for target in targets:
-        registry = registries.get(target.agent.name)
-        if isinstance(registry, Mapping) and name in registry and not registry[name].standby:
-            resident.append(target)
-    for target in resident:
-        rt.books.reservations.finished(target.agent.endpoint, name, time.monotonic(), loaded=False)
-    answers = await rt.agents.unload_each([(t.agent.endpoint, view.creds, name) for t in resident])
-    for target, answer in zip(resident, answers, strict=True):
-        if isinstance(answer, AgentError):
-            log.warning("drift: putting %s back on standby on %s failed: %s", name, target.agent.name, answer)
-        else:
-            log.info("drift: %s put back on standby on %s (scaled down)", name, target.agent.name)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -102,6 +102,32 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 60, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.02)
+
+
+P = TypeVar("P")
+
+
+class Polled(Generic[P]):
+    """`probe` called again and again on a thread while in use (a `with` block), as fast as it
+    answers: `results` holds each call's result, in order."""
+
+    def __init__(self, probe: Callable[[], P]) -> None:
+        self.probe = probe
+        self.results: list[P] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Polled[P]:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.results.append(self.probe())
 
 
 # -- an HTTP server for http(s) sources ----------------------------------------------------------

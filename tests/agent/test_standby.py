@@ -2,7 +2,9 @@
 two adapter places) behind a real gRPC server on loopback: the registry lists them standby, the
 first request loads them, concurrent first requests share one load, a full agent evicts the
 least recently used idle unpinned adapter (never a pinned one, never one serving a request),
-and a request that cannot be served within the on-demand deadline is refused naming it.
+a request that cannot be served within the on-demand deadline is refused naming it, and a
+standby load of a resident adapter puts it back on standby in place (listed throughout, its
+requests answered, one in flight finishing first).
 
 Loads on the ranks can be held at their start (the tests' `FaultPlan`: rank 0 waits while the
 resume file is missing), so a test knows the requests overlap one load."""
@@ -26,7 +28,8 @@ from node_agent.engine import EngineConfig, FaultPlan, Topology
 from node_agent.residency import OnDemandSettings
 from node_agent.server import AgentServer, ServerOptions, create_server
 from node_agent.sources import SourcePolicy
-from tests.agent.helpers import forward, generate, make_adapter, make_model, rpc_error, start_agent, wait_until
+from node_agent.values import GenerateParams
+from tests.agent.helpers import Polled, forward, generate, make_adapter, make_model, rpc_error, start_agent, wait_until
 
 PLACES = 2  # --max-loaded-loras: adapters the ranks hold at once
 PROMPT = [5, 6, 7, 8]
@@ -57,7 +60,7 @@ class Served:
         return {h.rank: {self.agent.adapter_name(n) for n in h.holds} for h in self.agent.engine.holdings()}
 
 
-def serve(base: Path, deadline_s: float, places: int = PLACES, max_concurrent: int = 1) -> Iterator[Served]:
+def serve(base: Path, deadline_s: float, places: int = PLACES, max_concurrent: int = 1, drain_timeout_s: float = 30.0) -> Iterator[Served]:
     """An agent with `places` adapter places and up to `max_concurrent` on-demand loads at once."""
     model = make_model(base / "model")
     root = base / "adapters"
@@ -72,6 +75,7 @@ def serve(base: Path, deadline_s: float, places: int = PLACES, max_concurrent: i
         # long enough that a stream still runs when a request for another adapter gives up
         max_new_tokens=LONG,
         max_request_tokens=2 * LONG,
+        drain_timeout_s=drain_timeout_s,
     )
     markers = base / "markers"
     markers.mkdir()
@@ -95,8 +99,8 @@ def served(tmp_path_factory) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def impatient(tmp_path_factory) -> Iterator[Served]:
-    """An agent whose on-demand loads give up after 2 s."""
-    yield from serve(tmp_path_factory.mktemp("impatient"), deadline_s=2.0)
+    """An agent whose on-demand loads give up after 2 s, and whose drains too."""
+    yield from serve(tmp_path_factory.mktemp("impatient"), deadline_s=2.0, drain_timeout_s=2.0)
 
 
 def _emptied(agent: Served) -> None:
@@ -202,3 +206,64 @@ def test_no_evictable_adapter_is_refused_after_the_deadline(impatient: Served) -
 def test_a_standby_load_cannot_be_pinned(served: Served) -> None:
     error = rpc_error(lambda: served.load("both", "ad0", standby=True, pinned=True))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be pinned" in error.details()
+
+
+def in_flight(served: Served, adapter: str, tokens: int) -> Iterator[int]:
+    """A Generate of the agent itself, started: its first token taken, its lease held until the
+    rest is read (the engine runs it meanwhile)."""
+    stream = (
+        token.token_id for token in served.agent.generate(GenerateParams(token_ids=tuple(PROMPT), adapter=adapter, max_new_tokens=tokens))
+    )
+    first = next(stream)
+    return (token for part in ([first], stream) for token in part)
+
+
+def test_a_standby_load_puts_a_resident_adapter_back_on_standby_in_place(served: Served) -> None:
+    """The operator's scale-down: a standby load of a resident adapter's content. It waits for
+    the request in flight (which finishes normally), answers the requests that come meanwhile,
+    and then puts the adapter on standby, its place freed; it is listed in every ListAdapters
+    throughout, and the next request loads it again."""
+    served.load("demoted", "ad1")
+    expected = generate(served.stub, PROMPT, "demoted", 6)
+    control = {"budget": "control"}
+    flight = in_flight(served, "demoted", 6)
+    with Polled(lambda: served.listed().get("demoted", ("absent",))[0]) as listings, ThreadPoolExecutor(1) as pool:
+        switching = pool.submit(served.load, "demoted", "ad1", standby=True)
+        wait_until(lambda: served.agent.metrics.registry.get_sample_value("lorafleet_agent_calls_running", control) == 1, what="the load")
+        assert generate(served.stub, PROMPT, "demoted", 6) == expected, "a request during the switch is answered"
+        assert not switching.done(), "the switch waits for the request in flight"
+        assert served.listed()["demoted"] == (RESIDENT, (0, 1))
+        assert list(flight) == expected, "the request in flight finishes normally"
+        reply = switching.result()
+        wait_until(lambda: STANDBY in listings.results, what="a listing after the switch")
+    assert reply.already_loaded and "demoted" not in reply.loaded_adapters
+    assert served.listed() == {"demoted": (STANDBY, ())}
+    assert served.held_by_ranks() == {0: set(), 1: set()}, "its place is freed"
+    assert "absent" not in listings.results, "listed in every ListAdapters"
+    assert listings.results[0] == RESIDENT and listings.results[-1] == STANDBY
+    assert generate(served.stub, PROMPT, "demoted", 6) == expected, "the next request loads it again"
+    assert served.listed() == {"demoted": (RESIDENT, (0, 1))}
+
+
+def test_a_resident_adapter_still_busy_at_the_drain_timeout_stays_resident(impatient: Served) -> None:
+    """A standby load of a resident adapter whose request still runs after the drain timeout
+    (2 s here) answers what it holds, resident, and aborts nothing; asked again once the
+    adapter is idle, it goes on standby."""
+    impatient.load("busy", "ad1")
+    expected = generate(impatient.stub, PROMPT, "busy", 4)
+    flight = in_flight(impatient, "busy", 4)
+    reply = impatient.load("busy", "ad1", standby=True)
+    assert "busy" in reply.loaded_adapters and all(rank.success for rank in reply.rank_results)
+    assert impatient.listed() == {"busy": (RESIDENT, (0, 1))}
+    assert list(flight) == expected, "the request finishes normally"
+    impatient.load("busy", "ad1", standby=True)
+    assert impatient.listed() == {"busy": (STANDBY, ())}
+
+
+def test_a_standby_load_never_puts_a_pinned_adapter_on_standby(served: Served) -> None:
+    """Pinning keeps an adapter resident: a standby load (never pinned) of a pinned adapter's
+    content is a pinning conflict, and the adapter stays as it was."""
+    served.load("kept", "ad0", pinned=True)
+    error = rpc_error(lambda: served.load("kept", "ad0", standby=True))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "pinned=True" in error.details()
+    assert served.listed() == {"kept": (RESIDENT, (0, 1))}

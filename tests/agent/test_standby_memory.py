@@ -156,6 +156,17 @@ def test_an_adapter_evicted_back_to_standby_is_copied_into_memory(roomy: Served)
     wait_until(lambda: roomy.in_memory("b"), what="b's copy in memory")
 
 
+def test_an_adapter_a_standby_load_puts_back_on_standby_is_copied_into_memory(roomy: Served) -> None:
+    roomy.load("d", "ad1")  # resident, loaded from disk: no copy
+    expected = generate(roomy.stub, PROMPT, "d", 6)
+    assert roomy.copies() == []
+    roomy.load("d", "ad1", standby=True)  # the operator's scale-down: back on standby in place
+    assert roomy.agent.registry.get("d").standby
+    wait_until(lambda: roomy.in_memory("d"), what="d's copy in memory")
+    shutil.rmtree(roomy.snapshot("d"))
+    assert generate(roomy.stub, PROMPT, "d", 6) == expected, "loaded from memory"
+
+
 def test_a_budget_for_one_adapter_keeps_the_most_recently_standby_ed_one(tight: Served) -> None:
     budget = tight.agent.on_demand.memory.settings.budget_bytes
     expected = {}

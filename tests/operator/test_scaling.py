@@ -19,6 +19,7 @@ import pytest
 from lorafleet.v1 import agent_pb2
 from lorafleet_dev.agents import AgentProcess
 from lorafleet_dev.node import machine_ip
+from tests.agent.helpers import Polled
 from tests.kube.harness import ControlPlane, KubectlError
 from tests.operator.agents import (
     adapter_manifest,
@@ -239,7 +240,8 @@ def test_on_standby_the_first_request_loads_it_and_scale_down_puts_it_back(
     load). The first request to one agent loads it there and is answered (its latency in the
     log); the drift check neither unloads it nor forces it anywhere. Traffic on both agents
     scales it to 2; when the traffic stops, after the window it is put back on standby on
-    both (desired 0), still routed, and a request is answered again."""
+    both (desired 0) in place: listed by both agents in every ListAdapters meanwhile, never
+    unloaded; still routed, and a request is answered again."""
     agents, root = routed_agents
     ns = kube_namespace
     name = f"{ns}.cold"
@@ -263,10 +265,19 @@ def test_on_standby_the_first_request_loads_it_and_scale_down_puts_it_back(
         wait_for(lambda: op.drift_checks() >= checks + 2, 60, "two drift checks", op)
         assert [residency(a, name) for a in agents] == ["Resident", "Standby"]  # neither stray nor forced
 
-        with Traffic(agents, name, streams=3):
-            wait_for(lambda: (status(kube_cluster, ns, "cold").get("scaling") or {}).get("desiredReplicas") == 2, 120, "scaled to 2", op)
-            wait_for(lambda: [residency(a, name) for a in agents] == ["Resident", "Resident"], 120, "resident on both", op)
-        wait_for(lambda: [residency(a, name) for a in agents] == ["Standby", "Standby"], 120, "back on standby on both", op)
+        unloads = op.agent_calls("UnloadAdapter")
+        with Polled(lambda: [a.name for a in agents if name not in registry(a)]) as listings:
+            with Traffic(agents, name, streams=3):
+                wait_for(
+                    lambda: (status(kube_cluster, ns, "cold").get("scaling") or {}).get("desiredReplicas") == 2, 120, "scaled to 2", op
+                )
+                wait_for(lambda: [residency(a, name) for a in agents] == ["Resident", "Resident"], 120, "resident on both", op)
+            wait_for(lambda: [residency(a, name) for a in agents] == ["Standby", "Standby"], 120, "back on standby on both", op)
+        # Put back on standby in place, not unloaded: both agents listed it in every
+        # ListAdapters through the scale-up and the scale-down (an unload, then a standby load,
+        # left a moment in which the agent did not know it and a request there got 404).
+        assert [pod for absent in listings.results for pod in absent] == []
+        assert op.agent_calls("UnloadAdapter") == unloads
         scaling = status(kube_cluster, ns, "cold")["scaling"]
         assert (scaling["desiredReplicas"], scaling["lastDecision"]["to"]) == (0, 0)
         wait_for(lambda: states(kube_cluster, ns, "cold") == dict.fromkeys(pods, "Standby"), 60, "the status says Standby", op)
