@@ -326,7 +326,7 @@ class Agent:
     def _kept(self, current: AdapterEntry, standby: bool) -> ControlResult:
         """A load that found its content under the name: made resident, or put back on standby in
         place, as it asked (`OnDemand.settle`)."""
-        return self._holding(self.on_demand.settle(current, standby=standby, drain_timeout_s=self.config.drain_timeout_s))
+        return self._holding(self.on_demand.settle(current, standby=standby))
 
     def _load_standby(self, name: str, source: ResolvedSource) -> ControlResult:
         """Publish a verified snapshot on standby (no rank is asked); retire the version it replaces."""

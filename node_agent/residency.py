@@ -22,9 +22,11 @@ loads it (`OnDemand.lease`):
   for an adapter that could be evicted and none could.
 
 A standby LoadAdapter of a resident adapter's content (the operator's scale-down) puts it back
-on standby in place (`OnDemand.demote`): it stays routable throughout, never unknown to the
-agent; once no request leases it (up to the drain timeout) it goes on standby as an eviction
-does, its place freed; still leased then, it stays resident and the load answers so.
+on standby in place (`OnDemand.demote`) and never waits for it: idle now, it goes on standby at
+once, as an eviction does, its place freed; leased, the load answers resident and the switch is
+left to one background worker, made as soon as no request leases that version (it stays
+routable and resident meanwhile, never unknown to the agent). A replace, an unload or a
+resident LoadAdapter of the name meanwhile cancels it.
 
 The backend is driven through the seam's own load and unload (`Backend.load`, `.unload`), so
 the builtin engine and the vLLM servers serve it alike. A load reads the version's copy in host
@@ -112,10 +114,17 @@ class OnDemand:
         # is idle until its waiters lease it, and must not be evicted in that moment
         self._wanted: Counter[str] = Counter()
         self._no_room: set[str] = set()  # loads waiting for an adapter that can be evicted
+        self._demoting: dict[str, AdapterEntry] = {}  # public name -> leased version a standby load put back on standby
+        self._demoter: threading.Thread | None = None  # the worker of `_demoting`, while it is not empty
+        self._closed = False
         self.memory = StandbyMemory(settings.memory)  # standby snapshots' copies in host memory
 
     def close(self) -> None:
-        """Start no further load (a running one completes on its thread); empty the memory tier."""
+        """Start no further load (a running one completes on its thread), drop the pending
+        demotions (their worker stops at its next look); empty the memory tier."""
+        with self._lock:
+            self._closed = True
+            self._demoting.clear()
         self._loads.shutdown(wait=False, cancel_futures=True)
         self.memory.close()
 
@@ -249,40 +258,81 @@ class OnDemand:
                 self._unload_to_standby(victim, "evicted: least recently used, idle")
             return place
 
-    def settle(self, entry: AdapterEntry, *, standby: bool, drain_timeout_s: float) -> AdapterEntry:
+    def settle(self, entry: AdapterEntry, *, standby: bool) -> AdapterEntry:
         """Where a LoadAdapter that found its content under the name leaves it (the caller holds
-        its name's lock): resident now when it asked for a resident load (`make_resident`), back
-        on standby in place when it asked for standby (`demote`). Returns the current version."""
+        its name's lock): resident now when it asked for a resident load (`make_resident`; a
+        pending demotion of it is cancelled), back on standby in place when it asked for standby
+        (`demote`). Returns the current version: still resident while its demotion is pending."""
         entry = self._registry.get(entry.name) or entry  # the caller may have updated its source's URI
+        with self._lock:
+            self._demoting.pop(entry.name, None)  # this load's wish replaces an earlier one's
         if entry.standby and not standby:
             self.make_resident(entry)
         elif standby and not entry.standby:
-            self.demote(entry, drain_timeout_s)
+            self.demote(entry)
         return self._registry.get(entry.name) or entry
 
-    def demote(self, entry: AdapterEntry, drain_timeout_s: float) -> None:
+    def demote(self, entry: AdapterEntry) -> None:
         """Put a resident version back on standby in place (a standby LoadAdapter of its content:
-        the operator's scale-down; the caller holds its name's lock, so nothing else replaces or
-        evicts it meanwhile). It stays routable throughout: requests lease it as it is until none
-        does (waiting up to `drain_timeout_s`, as an unload drains), then it turns standby at
-        once (the next request loads it again), is unloaded from the backend, its place freed
-        and its snapshot kept. Still leased at the deadline: it stays resident (the caller
-        answers so, and may ask again later). A pinned version never comes here: a standby load
-        cannot be pinned, and one of other pinning is a conflict."""
-        deadline = time.monotonic() + drain_timeout_s
-        while (place := self._registry.to_standby(entry)) is None:
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "adapter %s stays resident: requests still lease it after %.0fs (a standby load asked to put it back on standby)",
-                    entry.name,
-                    drain_timeout_s,
-                )
+        the operator's scale-down; the caller holds its name's lock). Idle now: it turns standby
+        at once (the next request loads it again), is unloaded from the backend, its place freed
+        and its snapshot kept. Leased: it stays routable and resident, and the demotion waits on
+        the background worker (`_demote_when_idle`) without a deadline, since the operator never
+        asks again and an adapter left resident would hold its place until evicted; the wait is
+        cheap (one thread for every pending demotion, woken as leases end) and cancelled by a
+        replace, an unload, a resident LoadAdapter of the name, or `close`. A pinned version never
+        comes here: a standby load cannot be pinned, and one of other pinning is a conflict."""
+        if self._to_standby(entry, "a standby load asked for it"):
+            return
+        log.info("adapter %s serves requests: it goes back on standby once none leases it (a standby load asked)", entry.name)
+        with self._lock:
+            if self._closed:
                 return
-            self._registry.wait_change(min(_RECHECK_S, deadline - time.monotonic()))
+            self._demoting[entry.name] = entry
+            if self._demoter is None:
+                self._demoter = threading.Thread(target=self._demote_when_idle, name="standby-demotion", daemon=True)
+                self._demoter.start()
+
+    def _demote_when_idle(self) -> None:
+        """The background worker: look at every pending demotion whenever a lease or a place is
+        released (and every `_RECHECK_S`, for a name whose lock was taken), until none is left."""
+        while True:
+            with self._lock:
+                if self._closed or not self._demoting:
+                    self._demoter = None
+                    return
+                pending = list(self._demoting.values())
+            for entry in pending:
+                if self._demotion_over(entry):
+                    with self._lock:
+                        if self._demoting.get(entry.name) is entry:
+                            del self._demoting[entry.name]
+            self._registry.wait_change(_RECHECK_S)
+
+    def _demotion_over(self, entry: AdapterEntry) -> bool:
+        """Try a pending demotion under its name's lock: True once made, or cancelled (the name no
+        longer routes this very version); False while it is leased or its lock is taken."""
+        if self._registry.get(entry.name) is not entry:
+            log.info("adapter %s: its pending return to standby is cancelled (replaced, unloaded or loaded resident)", entry.name)
+            return True
+        with self._registry.try_serialised(entry.name) as free:
+            try:
+                return free and self._to_standby(entry, "a standby load asked for it; its requests have ended")
+            except AgentError as error:
+                log.error("%s", error)
+                return True
+
+    def _to_standby(self, entry: AdapterEntry, why: str) -> bool:
+        """Put `entry` on standby and unload it if it is current and idle (the caller holds its
+        name's lock), its place freed; False if it is not."""
+        place = self._registry.to_standby(entry)
+        if place is None:
+            return False
         try:
-            self._unload_to_standby(entry, "a standby load asked for it")
+            self._unload_to_standby(entry, why)
         finally:
             self._registry.release_place(place)
+        return True
 
     def _unload_to_standby(self, entry: AdapterEntry, why: str) -> None:
         """Unload a version just put on standby (`Registry.to_standby`) from the backend and offer

@@ -4,7 +4,9 @@ first request loads them, concurrent first requests share one load, a full agent
 least recently used idle unpinned adapter (never a pinned one, never one serving a request),
 a request that cannot be served within the on-demand deadline is refused naming it, and a
 standby load of a resident adapter puts it back on standby in place (listed throughout, its
-requests answered, one in flight finishing first).
+requests answered): at once when it is idle, else once its requests end, the load answering
+without waiting for them (a batch's later loads neither), a resident load or an unload of it
+meanwhile cancelling that.
 
 Loads on the ranks can be held at their start (the tests' `FaultPlan`: rank 0 waits while the
 resume file is missing), so a test knows the requests overlap one load."""
@@ -12,7 +14,7 @@ resume file is missing), so a test knows the requests overlap one load."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +96,9 @@ def serve(base: Path, deadline_s: float, places: int = PLACES, max_concurrent: i
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
-    yield from serve(tmp_path_factory.mktemp("standby"), deadline_s=120.0)
+    """An agent whose drain timeout is an hour: no load call may wait for a request to end (one
+    that did would miss its 60-s deadline)."""
+    yield from serve(tmp_path_factory.mktemp("standby"), deadline_s=120.0, drain_timeout_s=3600.0)
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +212,9 @@ def test_a_standby_load_cannot_be_pinned(served: Served) -> None:
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be pinned" in error.details()
 
 
-def in_flight(served: Served, adapter: str, tokens: int) -> Iterator[int]:
+def in_flight(served: Served, adapter: str, tokens: int) -> Generator[int, None, None]:
     """A Generate of the agent itself, started: its first token taken, its lease held until the
-    rest is read (the engine runs it meanwhile)."""
+    rest is read or the generator closed (the engine runs it meanwhile)."""
     stream = (
         token.token_id for token in served.agent.generate(GenerateParams(token_ids=tuple(PROMPT), adapter=adapter, max_new_tokens=tokens))
     )
@@ -218,26 +222,47 @@ def in_flight(served: Served, adapter: str, tokens: int) -> Iterator[int]:
     return (token for part in ([first], stream) for token in part)
 
 
-def test_a_standby_load_puts_a_resident_adapter_back_on_standby_in_place(served: Served) -> None:
-    """The operator's scale-down: a standby load of a resident adapter's content. It waits for
-    the request in flight (which finishes normally), answers the requests that come meanwhile,
-    and then puts the adapter on standby, its place freed; it is listed in every ListAdapters
+def leases(served: Served, name: str) -> int:
+    """Requests leasing the current version of `name` now."""
+    return served.agent.registry.in_flight(served.agent.registry.get(name).engine_name)
+
+
+def put_back_while_busy(served: Served, name: str, adapter: str) -> None:
+    """Load `name` resident, ask for it on standby while a request leases it, end the request,
+    and wait until it is on standby (by then the demotion worker has looked at every pending
+    demotion since that request ended)."""
+    served.load(name, adapter)
+    flight = in_flight(served, name, 2)
+    try:
+        served.load(name, adapter, standby=True)
+        assert leases(served, name) == 1, "premise: the standby load answered while the request runs"
+        list(flight)
+    finally:
+        flight.close()
+    wait_until(lambda: served.listed().get(name) == (STANDBY, ()), what=f"{name} on standby once its request ended")
+
+
+def test_a_busy_adapters_standby_load_answers_at_once_and_puts_it_on_standby_once_idle(served: Served) -> None:
+    """The operator's scale-down: a standby load of a resident adapter's content. A request in
+    flight leases it, so the load answers at once, resident (it never waits for the request: the
+    agent's drain timeout is an hour here, and a call that waited would miss its 60-s deadline);
+    requests meanwhile are answered by the resident version, and once the one in flight ends
+    the adapter goes on standby by itself, its place freed. It is listed in every ListAdapters
     throughout, and the next request loads it again."""
     served.load("demoted", "ad1")
     expected = generate(served.stub, PROMPT, "demoted", 6)
-    control = {"budget": "control"}
     flight = in_flight(served, "demoted", 6)
-    with Polled(lambda: served.listed().get("demoted", ("absent",))[0]) as listings, ThreadPoolExecutor(1) as pool:
-        switching = pool.submit(served.load, "demoted", "ad1", standby=True)
-        wait_until(lambda: served.agent.metrics.registry.get_sample_value("lorafleet_agent_calls_running", control) == 1, what="the load")
-        assert generate(served.stub, PROMPT, "demoted", 6) == expected, "a request during the switch is answered"
-        assert not switching.done(), "the switch waits for the request in flight"
-        assert served.listed()["demoted"] == (RESIDENT, (0, 1))
-        assert list(flight) == expected, "the request in flight finishes normally"
-        reply = switching.result()
-        wait_until(lambda: STANDBY in listings.results, what="a listing after the switch")
-    assert reply.already_loaded and "demoted" not in reply.loaded_adapters
-    assert served.listed() == {"demoted": (STANDBY, ())}
+    with Polled(lambda: served.listed().get("demoted", ("absent",))[0]) as listings:
+        try:
+            reply = served.load("demoted", "ad1", standby=True)
+            assert leases(served, "demoted") == 1, "the load answered while the request was in flight"
+            assert "demoted" in reply.loaded_adapters, "it answers what the ranks hold: resident"
+            assert served.listed()["demoted"] == (RESIDENT, (0, 1))
+            assert generate(served.stub, PROMPT, "demoted", 6) == expected, "a request while the demotion is pending is answered"
+            assert list(flight) == expected, "the request in flight finishes normally"
+        finally:
+            flight.close()
+        wait_until(lambda: served.listed() == {"demoted": (STANDBY, ())}, what="the adapter on standby once its request ended")
     assert served.held_by_ranks() == {0: set(), 1: set()}, "its place is freed"
     assert "absent" not in listings.results, "listed in every ListAdapters"
     assert listings.results[0] == RESIDENT and listings.results[-1] == STANDBY
@@ -245,19 +270,100 @@ def test_a_standby_load_puts_a_resident_adapter_back_on_standby_in_place(served:
     assert served.listed() == {"demoted": (RESIDENT, (0, 1))}
 
 
-def test_a_resident_adapter_still_busy_at_the_drain_timeout_stays_resident(impatient: Served) -> None:
-    """A standby load of a resident adapter whose request still runs after the drain timeout
-    (2 s here) answers what it holds, resident, and aborts nothing; asked again once the
-    adapter is idle, it goes on standby."""
+def test_a_busy_adapters_demotion_does_not_hold_up_the_rest_of_a_load_batch(served: Served) -> None:
+    """LoadAdapters runs its loads one after another: a busy adapter's standby load first never
+    makes the next load wait for that adapter's request."""
+    served.load("first", "ad1")
+    flight = in_flight(served, "first", 4)
+    try:
+        reply = served.stub.LoadAdapters(
+            pb.LoadAdaptersRequest(
+                loads=[
+                    pb.LoadAdapterRequest(name="first", source_uri=(served.root / "ad1").as_uri(), standby=True),
+                    pb.LoadAdapterRequest(name="second", source_uri=(served.root / "ad2").as_uri()),
+                ]
+            ),
+            timeout=60,
+        )
+        assert [outcome.reply.success for outcome in reply.outcomes] == [True, True]
+        assert leases(served, "first") == 1, "the batch completed while the first adapter was still busy"
+        assert served.listed() == {"first": (RESIDENT, (0, 1)), "second": (RESIDENT, (0, 1))}
+        list(flight)
+    finally:
+        flight.close()
+    wait_until(lambda: served.listed()["first"] == (STANDBY, ()), what="the first adapter on standby once its request ended")
+    assert served.held_by_ranks() == {0: {"second"}, 1: {"second"}}
+
+
+def test_a_resident_load_during_a_pending_demotion_cancels_it(served: Served) -> None:
+    """A plain LoadAdapter (resident) after a standby one whose demotion still waits for a
+    request wins: the adapter stays resident after the request ends. Both loads promise the
+    digest, as the operator's do (no fetch: the very version the demotion waits for stays
+    routable)."""
+    served.load("kept", "ad1")
+    digest = served.agent.registry.get("kept").source.content.weights_sha256
+    flight = in_flight(served, "kept", 4)
+
+    def load(standby: bool) -> pb.LoadAdapterResponse:
+        request = pb.LoadAdapterRequest(name="kept", source_uri=(served.root / "ad1").as_uri(), sha256=digest, standby=standby)
+        return served.stub.LoadAdapter(request, timeout=60)
+
+    try:
+        assert load(standby=True).success
+        assert leases(served, "kept") == 1, "premise: the demotion is pending"
+        reply = load(standby=False)
+        assert reply.success and "kept" in reply.loaded_adapters
+        list(flight)
+    finally:
+        flight.close()
+    assert leases(served, "kept") == 0, "premise: its request has ended"
+    put_back_while_busy(served, "witness", "ad2")  # the worker has looked at every pending demotion since
+    assert served.listed() == {"kept": (RESIDENT, (0, 1)), "witness": (STANDBY, ())}
+    assert served.held_by_ranks() == {0: {"kept"}, 1: {"kept"}}
+
+
+def test_an_unload_during_a_pending_demotion_unloads_cleanly(served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    """An UnloadAdapter while a demotion waits for the adapter's request drains and unloads it as
+    usual; the pending demotion is dropped and never touches the name's next version."""
+    served.load("gone", "ad1")
+    flight = in_flight(served, "gone", 4)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            served.load("gone", "ad1", standby=True)
+            assert leases(served, "gone") == 1, "premise: the demotion is pending"
+            unloading = pool.submit(served.stub.UnloadAdapter, pb.UnloadAdapterRequest(name="gone"), timeout=60)
+            wait_until(lambda: "gone" not in served.listed(), what="the unload to stop routing it")
+            list(flight)
+        finally:
+            flight.close()
+        assert unloading.result().success
+    assert served.listed() == {}
+    assert served.held_by_ranks() == {0: set(), 1: set()}
+    served.load("gone", "ad1")  # its next version, resident
+    put_back_while_busy(served, "witness", "ad2")
+    assert served.listed() == {"gone": (RESIDENT, (0, 1)), "witness": (STANDBY, ())}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "nothing failed"
+
+
+def test_a_pending_demotion_outlasts_the_drain_timeout(impatient: Served) -> None:
+    """A demotion has no deadline: an adapter still busy after the drain timeout (2 s here) goes
+    on standby once its request ends, without being asked again."""
     impatient.load("busy", "ad1")
     expected = generate(impatient.stub, PROMPT, "busy", 4)
     flight = in_flight(impatient, "busy", 4)
-    reply = impatient.load("busy", "ad1", standby=True)
-    assert "busy" in reply.loaded_adapters and all(rank.success for rank in reply.rank_results)
-    assert impatient.listed() == {"busy": (RESIDENT, (0, 1))}
-    assert list(flight) == expected, "the request finishes normally"
-    impatient.load("busy", "ad1", standby=True)
-    assert impatient.listed() == {"busy": (STANDBY, ())}
+    try:
+        reply = impatient.load("busy", "ad1", standby=True)
+        assert "busy" in reply.loaded_adapters and all(rank.success for rank in reply.rank_results)
+        impatient.load("slow", "ad0", standby=True)
+        impatient.resume.unlink()
+        error = rpc_error(lambda: generate(impatient.stub, PROMPT, "slow", 2))
+        assert "2-s deadline" in error.details(), "premise: 2 s (the drain timeout) have passed since the standby load"
+        impatient.resume.touch()
+        assert impatient.listed()["busy"] == (RESIDENT, (0, 1))
+        assert list(flight) == expected, "the request finishes normally"
+    finally:
+        flight.close()
+    wait_until(lambda: impatient.listed().get("busy") == (STANDBY, ()), what="the adapter on standby once its request ended")
 
 
 def test_a_standby_load_never_puts_a_pinned_adapter_on_standby(served: Served) -> None:
