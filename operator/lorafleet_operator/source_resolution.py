@@ -18,6 +18,7 @@ source on its own load.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -26,12 +27,12 @@ import grpc
 
 from lorafleet_common.sources import scheme_of
 from lorafleet_operator.agent_values import AgentError, SourceCredential, SourceRevision
-from lorafleet_operator.crashes import incarnation
+from lorafleet_operator.crashes import answered, incarnation
 from lorafleet_operator.resources import AdapterObject
 from lorafleet_operator.runtime import Runtime
-from lorafleet_operator.sending import error_result
+from lorafleet_operator.sending import error_result, served_version
 from lorafleet_operator.source_revisions import HELD_SCHEMES, MAX_REVISION, held_revision
-from lorafleet_operator.status import AgentResult
+from lorafleet_operator.status import AgentResult, ServedVersion
 from lorafleet_operator.view import FleetView, Target
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ async def resolve_once(
             revision = await rt.agents.resolve_source(target.agent.endpoint, view.creds, uri, credential)
         except AgentError as error:
             if error.code in SOURCE_REFUSALS and error.reason:  # the source's refusal, every agent's
-                return Resolution(adapter, unsent=_booked(rt, adapter, [(t, error) for t in due]))
+                return Resolution(adapter, unsent=await _booked(rt, view, adapter, [(t, error) for t in due]))
             failed.append((target, error))  # this agent's own failure: the next one is asked
             continue
         if not revision or len(revision) > MAX_REVISION:  # nothing status can hold: loads resolve it as before
@@ -83,7 +84,7 @@ async def resolve_once(
     if any(error.code == grpc.StatusCode.UNIMPLEMENTED for _, error in failed):
         log.info("%s/%s: an agent older than ResolveSource; each load resolves %s itself", adapter.namespace, adapter.name, uri)
         return Resolution(adapter)
-    return Resolution(adapter, unsent=_booked(rt, adapter, failed))
+    return Resolution(adapter, unsent=await _booked(rt, view, adapter, failed))
 
 
 def held_to(result: AgentResult, source: SourceRevision | None) -> AgentResult:
@@ -104,11 +105,20 @@ async def _recorded(rt: Runtime, adapter: AdapterObject, source: SourceRevision)
     return Resolution(adapter.with_status({**adapter.status, "source": record}), source)
 
 
-def _booked(rt: Runtime, adapter: AdapterObject, failures: Sequence[tuple[Target, AgentError]]) -> list[AgentResult]:
+async def _booked(rt: Runtime, view: FleetView, adapter: AdapterObject, failures: Sequence[tuple[Target, AgentError]]) -> list[AgentResult]:
     """Each target's result after the resolution failed this way (Failed for a refusal,
     Unreachable for an agent that could not answer), booked in the back-off book as a
-    failed load's would be."""
+    failed load's would be; where the agent answers, the version it still serves (an earlier
+    URI's, when the spec changed to one refused here), as a failed load's result says."""
+    served = await asyncio.gather(*(_still_served(rt, view, target, adapter, error) for target, error in failures))
     return [
-        rt.books.failures.remember(adapter.failure_key(target.agent.name), incarnation(target.agent), error_result(target, error))
-        for target, error in failures
+        rt.books.failures.remember(
+            adapter.failure_key(target.agent.name), incarnation(target.agent), replace(error_result(target, error), served=version)
+        )
+        for (target, error), version in zip(failures, served, strict=True)
     ]
+
+
+async def _still_served(rt: Runtime, view: FleetView, target: Target, adapter: AdapterObject, error: AgentError) -> ServedVersion | None:
+    """The version the agent still serves, asked only where the failure shows it answers."""
+    return await served_version(rt.agents, view, target, adapter) if answered(error) else None

@@ -185,25 +185,43 @@ def test_a_tag_moved_after_resolution_is_refused_on_every_later_load(
 def test_a_source_refused_at_resolution_is_the_status_and_no_load_is_sent(
     kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...], fleet: Fleet, operator: OperatorProcess
 ) -> None:
+    """The adapter is Ready from a good artifact; its spec then names one with a pickle file.
+    The refusal at resolution is every agent's result, no load is sent, and the status says
+    which version the agents still serve (the earlier URI's), as a refused load's would."""
     ns = kube_namespace
     fleet.proxy.passes = 1000  # nothing held
     _fleet_for(kube_cluster, ns, fleet)
+    good_uri = f"oci://{fleet.proxy.address}/team/{ns}-good:v1"
+    fleet.registry.push_adapter(f"team/{ns}-good", "v1", make_adapter(fleet.work, "good", seed=44))
+    manifest = adapter_manifest("pickled", Path("/unused"))
+    manifest["spec"]["source"] = {"uri": good_uri}
+    apply(kube_cluster, ns, manifest)
+    wait_for(lambda: status(kube_cluster, ns, "pickled").get("phase") == "Ready", 120, "the good version Ready", operator)
+    loads_before = operator.agent_calls("LoadAdapter") + operator.agent_calls("LoadAdapters")
+
     adapter = make_adapter(fleet.work, "pickled", seed=43)
     (adapter / "adapter_model.bin").write_bytes((adapter / ADAPTER_WEIGHTS).read_bytes())
     fleet.registry.push_artifact(
         f"team/{ns}-pickled", "v1", adapter, {"adapter_config.json": CONFIG_MEDIA_TYPE, "adapter_model.bin": "application/octet-stream"}
     )
-    manifest = adapter_manifest("pickled", Path("/unused"))
     manifest["spec"]["source"] = {"uri": f"oci://{fleet.proxy.address}/team/{ns}-pickled:v1"}
     apply(kube_cluster, ns, manifest)
 
-    wait_for(lambda: status(kube_cluster, ns, "pickled").get("phase") == "Failed", 120, "pickled Failed", operator)
+    wait_for(
+        lambda: all("pickle" in a.get("message", "") for a in status(kube_cluster, ns, "pickled").get("agents") or [{}]),
+        120,
+        "the refusal in every agent's result",
+        operator,
+    )
     st = status(kube_cluster, ns, "pickled")
     assert [a["state"] for a in st["agents"]] == ["Failed", "Failed"], st
     assert all("holds a pickle file" in a["message"] for a in st["agents"]), st
-    assert "source" not in st, st
-    assert operator.agent_calls("LoadAdapter") == 0 and operator.agent_calls("LoadAdapters") == 0
-    assert operator.agent_calls("ResolveSource") >= 1
+    assert [a.get("served", {}).get("uri") for a in st["agents"]] == [good_uri, good_uri], st
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "PreviousVersionServed" and good_uri in ready["message"], ready
+    assert st["source"]["uri"] == good_uri, "the refused URI recorded no revision"
+    assert operator.agent_calls("LoadAdapter") + operator.agent_calls("LoadAdapters") == loads_before
+    assert operator.agent_calls("ResolveSource") >= 2
 
 
 def _sha256(path: Path) -> str:
