@@ -99,9 +99,12 @@ def test_an_adapter_loads_with_the_pods_web_identity(
     refused(uri, policy(store, tmp_path / "cache", None), "http_error")
     web_identity = identity(store, token_file(tmp_path / "token", issuer.token()))
     with served_agent(tmp_path / "agent", policy(store, tmp_path / "agent-cache", web_identity)) as served:
+        # The operator's resolution before its loads signs its HEADs with the same identity.
+        resolved = served.stub.ResolveSource(pb.ResolveSourceRequest(source_uri=uri), timeout=60)
         reply = served.stub.LoadAdapter(pb.LoadAdapterRequest(name="by-identity", source_uri=uri), timeout=120)
         assert_every_rank_read(reply, adapter)
         assert held(served.stub) == {"by-identity": file_sha256(adapter / ADAPTER_WEIGHTS)}
+        assert resolved.source_revision and resolved.source_revision == reply.source_revision
     # The store checked the token against the keys the issuer publishes.
     assert "/keys" in issuer.seen
 
