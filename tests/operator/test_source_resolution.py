@@ -7,10 +7,12 @@ With the resolution, the first manifest request is the operator's ResolveSource:
 each load is refused (``tag_moved``): no agent holds the new content. Without it, the first
 agent's load resolved the tag itself and the second, held, loaded what the tag named later: two
 digests in one fleet. A source refused at resolution is the adapter's status, and no load is sent.
+An agent busy for control calls, asked first, passes the resolution to the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import threading
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from lorafleet.v1 import agent_pb2
@@ -29,6 +32,7 @@ from tests.kube.harness import ControlPlane
 from tests.operator.agents import (
     BASE_MODEL,
     SHAPE,
+    Source,
     adapter_manifest,
     add_agent_pod,
     apply,
@@ -97,16 +101,18 @@ class Fleet:
     work: Path
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    registry = start_registry(tmp_path / "registry")
+@contextlib.contextmanager
+def _started_fleet(work: Path, first_agent_args: tuple[str, ...] = ()) -> Iterator[Fleet]:
+    """The registry, its proxy and two agents serving (agent-0 with ``first_agent_args`` more)."""
+    registry = start_registry(work / "registry")
     proxy = HeldManifests(registry)
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    model = write_model(tmp_path / "model", SHAPE)
-    agents = [AgentProcess(name, _agent_spec(model, tmp_path / name, proxy.address), tmp_path / "logs") for name in ("agent-0", "agent-1")]
+    model = write_model(work / "model", SHAPE)
+    extra = {"agent-0": first_agent_args, "agent-1": ()}
+    agents = [AgentProcess(name, _agent_spec(model, work / name, proxy.address, *args), work / "logs") for name, args in extra.items()]
     try:
         with serving(agents):
-            yield Fleet(registry, proxy, agents, tmp_path)
+            yield Fleet(registry, proxy, agents, work)
     finally:
         proxy.release.set()
         proxy.shutdown()
@@ -114,7 +120,36 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         registry.stop()
 
 
-def _agent_spec(model: Path, root: Path, registry: str) -> AgentSpec:
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    with _started_fleet(tmp_path) as started:
+        yield started
+
+
+@dataclass(frozen=True)
+class BusyFirst:
+    """A fleet whose agent-0 (the first asked: agents are in name order) runs one control call
+    at a time, and an http source that holds the downloads agent-0 may make from it (503 once
+    released: the held load fails and gives its place back)."""
+
+    fleet: Fleet
+    source: Source
+
+
+@pytest.fixture
+def busy_first(tmp_path: Path) -> Iterator[BusyFirst]:
+    source = Source(tmp_path)
+    threading.Thread(target=source.serve_forever, daemon=True).start()
+    try:
+        with _started_fleet(tmp_path, ("--max-control-calls", "1", "--allow-source", source.url("hold/"))) as started:
+            yield BusyFirst(started, source)
+    finally:
+        source.release.set()
+        source.shutdown()
+        source.server_close()
+
+
+def _agent_spec(model: Path, root: Path, registry: str, *more_args: str) -> AgentSpec:
     """An agent of the tiny model reading the registry's ``team`` repositories over plain HTTP."""
     return AgentSpec(
         model_dir=model,
@@ -124,7 +159,7 @@ def _agent_spec(model: Path, root: Path, registry: str) -> AgentSpec:
         dp=1,
         extra_args=(
             *("--cache-dir", str(root / "cache"), "--allow-source", f"oci://{registry}/team"),
-            *("--oci-plain-http", registry, "--allow-source-network", "127.0.0.0/8"),
+            *("--oci-plain-http", registry, "--allow-source-network", "127.0.0.0/8", *more_args),
         ),
     )
 
@@ -222,6 +257,64 @@ def test_a_source_refused_at_resolution_is_the_status_and_no_load_is_sent(
     assert st["source"]["uri"] == good_uri, "the refused URI recorded no revision"
     assert operator.agent_calls("LoadAdapter") + operator.agent_calls("LoadAdapters") == loads_before
     assert operator.agent_calls("ResolveSource") >= 2
+
+
+def test_an_agent_busy_for_control_calls_passes_the_resolution_to_the_next(
+    kube_cluster: ControlPlane, kube_namespace: str, lorafleet_crds: tuple[str, ...], busy_first: BusyFirst, operator: OperatorProcess
+) -> None:
+    """agent-0, asked first, has its one control place taken (a load held at the source), so it
+    refuses the ResolveSource with RESOURCE_EXHAUSTED: agent-1 is asked and answers, the digest
+    is recorded, and agent-1 loads it while agent-0 is still busy. Once the place is free,
+    agent-0's load (retried on the transient back-off) loads the recorded digest too."""
+    ns, fleet = kube_namespace, busy_first.fleet
+    fleet.proxy.passes = 1000  # nothing held at the registry
+    holder = threading.Thread(target=_load_held, args=(fleet.agents[0], busy_first.source.url("hold/side")), daemon=True)
+    holder.start()
+    wait_for(lambda: busy_first.source.holding >= 1, 120, "agent-0's control place taken by a held load", operator)
+    _fleet_for(kube_cluster, ns, fleet)
+    adapter = make_adapter(fleet.work, "passed", seed=45)
+    digest = fleet.registry.push_adapter(f"team/{ns}-passed", "v1", adapter)
+    uri = f"oci://{fleet.proxy.address}/team/{ns}-passed:v1"
+    manifest = adapter_manifest("passed", Path("/unused"))
+    manifest["spec"]["source"] = {"uri": uri}
+    apply(kube_cluster, ns, manifest)
+
+    def states() -> dict[str, str]:
+        return {a["pod"]: a.get("state", "") for a in status(kube_cluster, ns, "passed").get("agents") or []}
+
+    wait_for(lambda: states().get("agent-0") not in (None, "Pending", "Loading"), 120, "agent-0's first result", operator)
+    st = status(kube_cluster, ns, "passed")
+    assert st.get("source") == {"uri": uri, "revision": digest}, f"the resolution was not passed on to agent-1: {st}"
+    busy = next(a for a in st["agents"] if a["pod"] == "agent-0")
+    assert busy["state"] != "Loaded" and "too many concurrent control calls" in busy["message"], busy
+    assert busy_first.source.holding >= 1, "agent-0's place was freed before its first result"
+    assert _resolutions(operator, "RESOURCE_EXHAUSTED") >= 1 and _resolutions(operator, "OK") == 1
+
+    busy_first.source.release.set()
+    holder.join(120)
+    wait_for(lambda: set(states().values()) == {"Loaded"} and len(states()) == 2, 120, "both agents Loaded", operator)
+    st = status(kube_cluster, ns, "passed")
+    assert st.get("source") == {"uri": uri, "revision": digest}, st
+    weights = _sha256(adapter / ADAPTER_WEIGHTS)
+    assert [_held_weights(agent, f"{ns}.passed") for agent in fleet.agents] == [weights, weights]
+    assert _resolutions(operator, "OK") == 1, "the recorded digest was resolved again"
+
+
+def _load_held(agent: AgentProcess, uri: str) -> None:
+    """A LoadAdapter straight to the agent of a source that holds it (its failure once the
+    source lets go is expected: only the control place it held matters)."""
+    channel, agent_stub = stub(agent)
+    with channel, contextlib.suppress(grpc.RpcError):
+        agent_stub.LoadAdapter(agent_pb2.LoadAdapterRequest(name="side.held", source_uri=uri, sha256="0" * 64), timeout=180)
+
+
+def _resolutions(operator: OperatorProcess, code: str) -> float:
+    """The operator's ResolveSource calls that ended with this status code."""
+    return sum(
+        v
+        for k, v in operator.metrics().items()
+        if k.startswith("lorafleet_agent_calls_total{") and 'method="ResolveSource"' in k and f'code="{code}"' in k
+    )
 
 
 def _sha256(path: Path) -> str:
