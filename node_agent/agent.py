@@ -72,7 +72,7 @@ from node_agent.sources import (
 )
 from node_agent.text import eos_token_ids, load_tokenizer
 from node_agent.validation import check_adapter_name, check_forward, check_generate
-from node_agent.values import BackendIdentity, Description, GeneratedToken, GenerateParams, RankStatus
+from node_agent.values import AfterLoad, BackendIdentity, Description, GeneratedToken, GenerateParams, RankStatus
 
 log = logging.getLogger(__name__)
 
@@ -317,11 +317,11 @@ class Agent:
                     return call.result(result, "digest_mismatch")
                 return call.result(result)
 
-    def source_revision(self, name: str, result: ControlResult) -> str:
-        """What the source of `name` resolved to after a successful load (`ResolvedSource.revision`;
-        "" after a failed one, or for a source that names none)."""
+    def after_load(self, name: str, result: ControlResult) -> AfterLoad:
+        """What a successful load of `name` left: what its source resolved to
+        (`ResolvedSource.revision`) and whether it is on standby now; empty after a failed one."""
         entry = self.registry.get(name)
-        return entry.source.revision if result.ok and entry is not None else ""
+        return AfterLoad(entry.source.revision, entry.standby) if result.ok and entry is not None else AfterLoad()
 
     def _kept(self, current: AdapterEntry, standby: bool) -> ControlResult:
         """A load that found its content under the name: made resident, or put back on standby in

@@ -12,7 +12,7 @@ from node_agent.adapter_stats import AdapterStatsSnapshot
 from node_agent.engine import ControlResult
 from node_agent.errors import InvalidRequest
 from node_agent.sources import Credential, DownloadProgress, S3Credential, SourceCredential
-from node_agent.values import Description, GeneratedToken, GenerateParams
+from node_agent.values import AfterLoad, Description, GeneratedToken, GenerateParams
 
 
 def source_credential(request: pb.LoadAdapterRequest | pb.ResolveSourceRequest) -> Credential | None:
@@ -72,10 +72,19 @@ def _rank_results(result: ControlResult) -> list[pb.RankResult]:
     ]
 
 
-def load_response(result: ControlResult, with_holdings: bool = True, revision: str = "") -> pb.LoadAdapterResponse:
+#: A load reply's residency by `AfterLoad.standby` (None: no successful load to say it of).
+_LOAD_RESIDENCY = {
+    None: pb.ADAPTER_RESIDENCY_UNSPECIFIED,
+    False: pb.ADAPTER_RESIDENCY_RESIDENT,
+    True: pb.ADAPTER_RESIDENCY_STANDBY,
+}
+
+
+def load_response(result: ControlResult, with_holdings: bool = True, after: AfterLoad | None = None) -> pb.LoadAdapterResponse:
     """LoadAdapter's reply: the merged result, what the ranks hold (unless a LoadAdapters call
-    lists that once for all its loads: `with_holdings` False), every rank's part, and what its
-    source resolved to (`revision`)."""
+    lists that once for all its loads: `with_holdings` False), every rank's part, and what the
+    load left (`after`: its source's revision, resident or standby)."""
+    after = after or AfterLoad()
     return pb.LoadAdapterResponse(
         success=result.ok,
         error_message=result.error,
@@ -83,7 +92,8 @@ def load_response(result: ControlResult, with_holdings: bool = True, revision: s
         rank_results=_rank_results(result),
         already_loaded=result.already_loaded,
         transient=result.transient,
-        source_revision=revision,
+        source_revision=after.revision,
+        residency=_LOAD_RESIDENCY[after.standby],
     )
 
 

@@ -80,3 +80,12 @@ class GeneratedToken:
     logprob: float | None = None  # with GenerateParams.logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), highest first
     usage: tuple[int, int] | None = None  # on the last token: (prompt tokens, generated tokens)
+
+
+@dataclass(frozen=True)
+class AfterLoad:
+    """What a successful load left (empty after a failed one): what its source resolved to (""
+    for a source that names none) and whether the adapter is on standby."""
+
+    revision: str = ""
+    standby: bool | None = None  # None: no successful load to say it of

@@ -136,7 +136,7 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
     @_unary("control")
     def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.ServicerContext) -> pb.LoadAdapterResponse:
         result = self._load(request, _ended(context))
-        return convert.load_response(result, revision=self.agent.source_revision(request.name, result))
+        return convert.load_response(result, after=self.agent.after_load(request.name, result))
 
     @_unary("control")
     def LoadAdapters(self, request: pb.LoadAdaptersRequest, context: grpc.ServicerContext) -> pb.LoadAdaptersResponse:
@@ -161,8 +161,8 @@ class NodeAgentServicer(agent_pb2_grpc.NodeAgentServicer):
             except AgentError as error:
                 outcomes.append(pb.LoadAdapterOutcome(code=status_code(error).value[0], error_message=str(error), reason=error.reason))
             else:
-                revision = self.agent.source_revision(load.name, result)
-                outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False, revision=revision)))
+                after = self.agent.after_load(load.name, result)
+                outcomes.append(pb.LoadAdapterOutcome(reply=convert.load_response(result, with_holdings=False, after=after)))
                 holds = result.holds
                 if result.ok:
                     loaded.append(load.name)

@@ -92,7 +92,11 @@ async def _nothing() -> AsyncIterator[set[str]]:
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-def _control_reply(reply: Any, source_uri: str = "") -> ControlReply:
+#: LoadAdapterResponse.residency: on standby or not (UNSPECIFIED, an older agent: not said).
+_ON_STANDBY = {agent_pb2.ADAPTER_RESIDENCY_RESIDENT: False, agent_pb2.ADAPTER_RESIDENCY_STANDBY: True}
+
+
+def control_reply(reply: Any, source_uri: str = "") -> ControlReply:
     """A load's or unload's reply; a load's (``source_uri``) with what its source resolved to."""
     ranks = list(reply.rank_results)
     revision = reply.source_revision if source_uri and reply.success else ""
@@ -103,13 +107,14 @@ def _control_reply(reply: Any, source_uri: str = "") -> ControlReply:
         ranks_reported=len(ranks),
         transient=not reply.success and bool(reply.transient),
         source=SourceRevision(source_uri, revision) if revision else None,
+        on_standby=_ON_STANDBY.get(reply.residency) if source_uri else None,
     )
 
 
 def _load_answer(outcome: Any, request: LoadRequest) -> LoadAnswer:
     """One load's outcome of a LoadAdapters reply, as its own LoadAdapter call would end."""
     if outcome.code == grpc.StatusCode.OK.value[0]:
-        return _control_reply(outcome.reply, request.source_uri)
+        return control_reply(outcome.reply, request.source_uri)
     code = _CODES.get(outcome.code, grpc.StatusCode.UNKNOWN)
     return AgentError(code, outcome.error_message or code.name, reason=outcome.reason)
 
@@ -283,7 +288,7 @@ class AgentClients:
             remote_of=remote_of,
             load=(self._loads.setdefault(endpoint, LoadGate()), (request.name,), exclusive),
         )
-        return _control_reply(reply, request.source_uri)
+        return control_reply(reply, request.source_uri)
 
     async def resolve_source(self, endpoint: str, creds: Credentials, uri: str, credential: SourceCredential | None) -> str:
         """ResolveSource: the revision the agent finds the source at now (under a load's deadline)."""
@@ -334,7 +339,7 @@ class AgentClients:
             lambda s, md, t: s.UnloadAdapter(request, metadata=md, timeout=t),
             self._settings.load_deadline_s,
         )
-        return _control_reply(reply)
+        return control_reply(reply)
 
     async def unload_each(self, calls: Sequence[tuple[str, Credentials, str]]) -> list[UnloadAnswer]:
         """UnloadAdapter of each (endpoint, credentials, name), queued on its agent

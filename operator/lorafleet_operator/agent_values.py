@@ -141,6 +141,9 @@ class ControlReply:
     transient: bool = False
     # a load's: what its source resolved to (LoadAdapterResponse.source_revision), None if nothing
     source: SourceRevision | None = None
+    # a load's: on standby after it (LoadAdapterResponse.residency; None where the agent does not
+    # say). A standby load finds the adapter resident when a request loaded it, or still leases it.
+    on_standby: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from lorafleet_operator.view import FleetView, Target
 
 
 def loaded_result(target: Target, reply: ControlReply) -> AgentResult:
-    """A target that holds the adapter after a successful load reply (on standby: no rank)."""
+    """A target that holds the adapter after a successful load reply: on standby (no rank) when
+    it was sent on standby and the agent does not say its ranks hold it, else loaded."""
     total = target.ranks_total or reply.ranks_reported
-    if target.standby:
+    if target.standby and reply.on_standby is not False:
         return AgentResult(target.agent.name, AgentState.STANDBY, 0, total, source=reply.source)
     ranks = reply.ranks_ok if reply.ranks_reported else total
     return AgentResult(target.agent.name, AgentState.LOADED, ranks, total, source=reply.source)

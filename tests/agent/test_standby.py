@@ -125,7 +125,7 @@ def test_a_standby_adapter_is_listed_and_its_first_request_loads_it(served: Serv
     served.load("reference", "ad0")
     expected = generate(served.stub, PROMPT, "reference", 6)
     served.agent.unload("reference")
-    served.load("sb", "ad0", standby=True)
+    assert served.load("sb", "ad0", standby=True).residency == STANDBY, "the reply says where the load left it"
     assert served.listed() == {"sb": (STANDBY, ())}
     assert served.held_by_ranks() == {0: set(), 1: set()}, "no rank holds a standby adapter"
     assert generate(served.stub, PROMPT, "sb", 6) == expected, "the first request is answered, with the adapter's tokens"
@@ -257,6 +257,7 @@ def test_a_busy_adapters_standby_load_answers_at_once_and_puts_it_on_standby_onc
             reply = served.load("demoted", "ad1", standby=True)
             assert leases(served, "demoted") == 1, "the load answered while the request was in flight"
             assert "demoted" in reply.loaded_adapters, "it answers what the ranks hold: resident"
+            assert reply.residency == RESIDENT, "and says so, for the operator's status"
             assert served.listed()["demoted"] == (RESIDENT, (0, 1))
             assert generate(served.stub, PROMPT, "demoted", 6) == expected, "a request while the demotion is pending is answered"
             assert list(flight) == expected, "the request in flight finishes normally"
@@ -286,6 +287,7 @@ def test_a_busy_adapters_demotion_does_not_hold_up_the_rest_of_a_load_batch(serv
             timeout=60,
         )
         assert [outcome.reply.success for outcome in reply.outcomes] == [True, True]
+        assert [outcome.reply.residency for outcome in reply.outcomes] == [RESIDENT, RESIDENT], "each load says where it left its adapter"
         assert leases(served, "first") == 1, "the batch completed while the first adapter was still busy"
         assert served.listed() == {"first": (RESIDENT, (0, 1)), "second": (RESIDENT, (0, 1))}
         list(flight)

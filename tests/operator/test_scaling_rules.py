@@ -11,13 +11,16 @@ import math
 import grpc
 import pytest
 
+from lorafleet.v1 import agent_pb2
 from lorafleet_common.registry import RegistryEntry
+from lorafleet_operator.agent_client import control_reply
 from lorafleet_operator.agent_values import AdapterDemand, AgentDemand, AgentError, AgentInfo, Credentials
 from lorafleet_operator.demand import ScalingReason, ScalingState
 from lorafleet_operator.fleet import AgentPod
 from lorafleet_operator.resources import AdapterObject, AdapterSpec, FleetSpec, ScalingMetric, ScalingSpec, Source, scaling_spec_of
 from lorafleet_operator.routing import routed_pods
 from lorafleet_operator.scaling import Scaled, decide_one, demand_of, policy_of, scaling_status, slots_for
+from lorafleet_operator.sending import loaded_result
 from lorafleet_operator.standby import as_held, loadable
 from lorafleet_operator.status import AgentResult, AgentState
 from lorafleet_operator.view import FleetView, Target
@@ -150,3 +153,20 @@ def test_a_standby_pod_is_routed_only_with_room_to_load() -> None:
         AgentResult("c", AgentState.LOADED, 2, 2),
     ]
     assert [p.pod for p in routed_pods(FleetSpec(), pods, results)] == ["a", "c"]
+
+
+def test_a_standby_load_the_agent_answers_resident_is_loaded_in_status() -> None:
+    """A standby load that finds the adapter resident (a request loaded it, or still leases it:
+    its return to standby waits) says so (LoadAdapterResponse.residency), and the status says
+    Loaded on its ranks, not Standby; an agent that says nothing (older) is taken at its word."""
+
+    def answered(residency: int) -> AgentResult:
+        rank = agent_pb2.RankResult(success=True)
+        reply = agent_pb2.LoadAdapterResponse(success=True, rank_results=[rank], residency=residency)
+        return loaded_result(on("a", standby=True), control_reply(reply, "file:///a"))
+
+    assert answered(agent_pb2.ADAPTER_RESIDENCY_RESIDENT) == AgentResult("a", AgentState.LOADED, 1, 1)
+    assert answered(agent_pb2.ADAPTER_RESIDENCY_STANDBY) == AgentResult("a", AgentState.STANDBY, 0, 1)
+    assert answered(agent_pb2.ADAPTER_RESIDENCY_UNSPECIFIED) == AgentResult("a", AgentState.STANDBY, 0, 1)
+    resident_target = loaded_result(on("a", standby=False), control_reply(agent_pb2.LoadAdapterResponse(success=True), "file:///a"))
+    assert resident_target.state is AgentState.LOADED

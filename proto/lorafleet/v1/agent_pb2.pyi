@@ -198,7 +198,7 @@ class SourceS3Credential(_message.Message):
     def __init__(self, access_key_id: _Optional[str] = ..., secret_access_key: _Optional[str] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded", "transient", "source_revision")
+    __slots__ = ("success", "error_message", "loaded_adapters", "rank_results", "already_loaded", "transient", "source_revision", "residency")
     SUCCESS_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class LoadAdapterResponse(_message.Message):
     ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
     TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     success: bool
     error_message: str
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
@@ -213,7 +214,8 @@ class LoadAdapterResponse(_message.Message):
     already_loaded: bool
     transient: bool
     source_revision: str
-    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ..., transient: _Optional[bool] = ..., source_revision: _Optional[str] = ...) -> None: ...
+    residency: AdapterResidency
+    def __init__(self, success: _Optional[bool] = ..., error_message: _Optional[str] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., rank_results: _Optional[_Iterable[_Union[RankResult, _Mapping]]] = ..., already_loaded: _Optional[bool] = ..., transient: _Optional[bool] = ..., source_revision: _Optional[str] = ..., residency: _Optional[_Union[AdapterResidency, str]] = ...) -> None: ...
 
 class LoadAdaptersRequest(_message.Message):
     __slots__ = ("loads",)
