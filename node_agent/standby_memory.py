@@ -23,9 +23,7 @@ known by the disk snapshot's path.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -37,13 +35,12 @@ from pathlib import Path
 
 from lorafleet_common.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from node_agent.backend import FileIdentity, WrittenFiles
-from node_agent.sources import ResolvedSource
+from node_agent.sources import CHUNK_BYTES, HashedWriter, ResolvedSource
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DIRECTORY = Path("/dev/shm/lorafleet-standby")
 COPY_PREFIX = "mem-"
-_CHUNK_BYTES = 1 << 20
 MIB = 1 << 20  # the unit of --standby-memory-mib
 
 
@@ -230,16 +227,14 @@ def copy_into(source: ResolvedSource, directory: Path) -> SnapshotFiles:
 
 def _copy_file(origin: Path, target: Path, sha256: str) -> FileIdentity:
     """Copy one file, hashing every byte written; its identity once written."""
-    digest = hashlib.sha256()
     with origin.open("rb") as read, open(target, "xb") as out:
-        while chunk := read.read(_CHUNK_BYTES):
-            digest.update(chunk)
-            out.write(chunk)
-        out.flush()
-        identity = FileIdentity.of(os.fstat(out.fileno()))
-    if digest.hexdigest() != sha256:
-        raise CopyMismatch(f"{origin.name} read for the memory copy has sha256 {digest.hexdigest()}, the agent verified {sha256}")
-    return identity
+        writer = HashedWriter(out)
+        while chunk := read.read(CHUNK_BYTES):
+            writer.write(chunk)
+        written = writer.done()
+    if written.sha256 != sha256:
+        raise CopyMismatch(f"{origin.name} read for the memory copy has sha256 {written.sha256}, the agent verified {sha256}")
+    return written.identity
 
 
 def _size_of(snapshot: Path) -> int | None:

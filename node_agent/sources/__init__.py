@@ -49,7 +49,7 @@ This module is the package's public face: the agent, the CLI and the tooling imp
 
 from lorafleet_common.sources import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SourcePrefix, redact_uri
 from lorafleet_common.storage import StoragePrefix, parse_allow_entry
-from node_agent.sources.copies import Content, ResolvedSource, clean_cache, parse_sha256
+from node_agent.sources.copies import CHUNK_BYTES, Content, HashedWriter, ResolvedSource, clean_cache, parse_sha256
 from node_agent.sources.credentials import Credential, S3Credential, SourceAccess, SourceCredential
 from node_agent.sources.downloads import DownloadProgress
 from node_agent.sources.policy import (
@@ -69,6 +69,7 @@ from node_agent.sources.web_identity import WebIdentity, WebIdentityCredentials,
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "CHUNK_BYTES",
     "DEFAULT_DOWNLOAD_MIN_BYTES_PER_S",
     "DEFAULT_DOWNLOAD_RATE_WINDOW_S",
     "DEFAULT_DOWNLOAD_TIMEOUT_S",
@@ -80,6 +81,7 @@ __all__ = [
     "Content",
     "Credential",
     "DownloadProgress",
+    "HashedWriter",
     "ResolvedSource",
     "S3Credential",
     "SourceAccess",
