@@ -150,20 +150,14 @@ async def load_each(
     resolved first, by one agent, and recorded (:func:`source_resolution.resolve_once`): the
     loads are held to it, and each result carries it; a refusal there is every due load's
     result, none sent."""
-    due = [t for t in targets if unsent(rt, t, adapter, credential) is None]
+    held_back = {t.agent.name: r for t in targets if (r := unsent(rt, t, adapter, credential)) is not None}
+    due = [t for t in targets if t.agent.name not in held_back]
     resolution = await resolve_once(rt, view, due, adapter, None if isinstance(credential, FleetProblem) else credential)
-    if resolution.unsent is not None:
-        refused = {r.pod: r for r in resolution.unsent}
-        return [refused.get(t.agent.name) or _unsent_result(rt, t, adapter, credential) for t in targets]
+    if resolution.unsent is not None:  # one result for each due target: none is sent
+        results_by_pod = {**held_back, **{r.pod: r for r in resolution.unsent}}
+        return [results_by_pod[t.agent.name] for t in targets]
     results = await _send_each(rt, view, targets, resolution.adapter, credential)
     return [held_to(r, resolution.source) for r in results]
-
-
-def _unsent_result(rt: Runtime, target: Target, adapter: AdapterObject, credential: CredentialOutcome) -> AgentResult:
-    """The result of a target whose load is not sent (:func:`unsent` answered for it)."""
-    result = unsent(rt, target, adapter, credential)
-    assert result is not None
-    return result
 
 
 async def _send_each(
